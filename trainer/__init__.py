@@ -1,0 +1,9 @@
+"""A hermetic reproducibility bundle for large-scale LLM training recipes.
+
+The package follows the phases of a run: compose (``trainer.schema`` + ``conf/``) → check
+(``trainer.checks``) → render the launch (``trainer.render``) → plan (``trainer.plan``) →
+record (``trainer.record``). ``python -m trainer.train`` is the Hydra entry point.
+"""
+
+__version__ = "0.1.0"
+PROJECT = "recipe-bundle"

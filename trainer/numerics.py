@@ -1,0 +1,113 @@
+"""Numerics equivalence of two composed runs: which launch arguments differ, and can each change the function?
+
+Two runs whose numerics-affecting arguments are equal compute the same function of the same data and
+should pass the convergence check; differences only in layout (TP/PP/CP/EP/ETP/DP, sequence parallel,
+recompute, micro-batching, dispatcher, offload, pipeline split), cluster size or kernel fusion change
+speed and memory, not the function (shared docs METRICS.md, "Numerics vs performance arguments";
+the recipe's correctness block classes arguments the same way). Everything else, model shapes, optimizer,
+schedule, batch, loss, data, precision and the frozen-router flags, is numerics-affecting.
+
+The comparison runs over the launch tables of :mod:`trainer.render`, so every argument that reaches
+miles is classed, and over the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.render import SECTIONS
+
+PERFORMANCE = "performance"
+NUMERICS = "numerics"
+
+# Keys outside layout.* / cluster.* that change speed or memory only.
+PERFORMANCE_KEYS = frozenset(
+    {
+        "model.moe_grouped_gemm",  # grouped GEMM kernel vs a loop over experts
+        "model.apply_rope_fusion",  # fused RoPE kernel
+        "model.bias_swiglu_fusion",  # fused bias + SwiGLU kernel
+        "launcher.distributed_timeout_minutes",
+    }
+)
+PERFORMANCE_PREFIXES = ("layout.", "cluster.")
+
+
+def classify(key: str) -> str:
+    """``performance`` or ``numerics`` for a dotted config key (see the module docstring)."""
+    if key in PERFORMANCE_KEYS or key.startswith(PERFORMANCE_PREFIXES):
+        return PERFORMANCE
+    return NUMERICS
+
+
+@dataclass
+class Difference:
+    """One launch argument whose value differs between two compositions."""
+
+    flag: str
+    key: str
+    candidate: Any
+    reference: Any
+    cls: str
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {"flag": self.flag, "key": self.key, "candidate": self.candidate, "reference": self.reference, "class": self.cls}
+
+
+@dataclass
+class Verdict:
+    """Result of :func:`compare`: ``equivalent`` is true when no numerics-affecting argument differs."""
+
+    differences: List[Difference] = field(default_factory=list)
+
+    @property
+    def numerics_differences(self) -> List[Difference]:
+        return [d for d in self.differences if d.cls == NUMERICS]
+
+    @property
+    def equivalent(self) -> bool:
+        return not self.numerics_differences
+
+    def as_dict(self) -> Dict[str, Any]:
+        return {
+            "equivalent": self.equivalent,
+            "verdict": (
+                "numerics-equivalent: only performance arguments differ; the convergence check should pass"
+                if self.equivalent
+                else "numerics differ: "
+                + ", ".join(d.flag for d in self.numerics_differences)
+                + "; the convergence check may fail"
+            ),
+            "differences": [d.as_dict() for d in self.differences],
+        }
+
+
+def _value(cfg: DictConfig, key: str) -> Any:
+    value = OmegaConf.select(cfg, key)
+    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig,)) or OmegaConf.is_list(value) else value
+
+
+def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
+    """Compare two compositions argument by argument (every row of the launch tables, and ``env``).
+
+    Each key is compared once even where the launch restates it. Returns a :class:`Verdict`.
+    """
+    verdict = Verdict()
+    seen = set()
+    for _, rows in SECTIONS:
+        for flag, key, _kind in rows:
+            if key in seen:
+                continue
+            seen.add(key)
+            a, b = _value(candidate, key), _value(reference, key)
+            if a != b:
+                verdict.differences.append(Difference(flag, key, a, b, classify(key)))
+    env_a = OmegaConf.to_container(candidate.env, resolve=True)
+    env_b = OmegaConf.to_container(reference.env, resolve=True)
+    for name in sorted(set(env_a) | set(env_b)):
+        if env_a.get(name) != env_b.get(name):
+            # Environment variables can select kernels and algorithms (NCCL, cuBLAS); count them as numerics.
+            verdict.differences.append(Difference(f"env {name}", f"env.{name}", env_a.get(name), env_b.get(name), NUMERICS))
+    return verdict

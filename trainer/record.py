@@ -1,0 +1,126 @@
+"""Run records: what a run directory holds and how it is written (atomically).
+
+``record.json`` says what produced the directory (the bundle's revision, the launcher's Python and
+packages, the locks' sha256, hashes of the resolved config, argv and environment) and the run's status.
+Every file is written to a temporary name in the same directory and renamed into place;
+``record.json`` is written last, so a directory without it is incomplete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional
+
+from trainer import __version__
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o666) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
+
+    ``mode`` is applied less the process umask (as ``open()`` would); a failure leaves no file behind.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.fchmod(fd, mode & ~umask)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def canonical_json(obj: Any) -> bytes:
+    """JSON with sorted keys, two-space indent and a final newline (stable bytes for hashing)."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def write_json(path: Path, obj: Any) -> str:
+    """Write ``obj`` as canonical JSON atomically; return the sha256 of the bytes written."""
+    data = canonical_json(obj)
+    atomic_write(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_file(path: Path) -> Optional[str]:
+    """sha256 of a file's bytes, or None if it does not exist."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return None
+
+
+def git_revision(root: Path = REPO_ROOT) -> Dict[str, Any]:
+    """The bundle's source revision: ``{"revision", "dirty"}`` from git, or from ``TRAINER_SOURCE_REVISION``
+    (set by the Nix app, whose source has no .git), or unknown."""
+    env_rev = os.environ.get("TRAINER_SOURCE_REVISION")
+    if env_rev:
+        return {"revision": env_rev, "dirty": env_rev.endswith("-dirty"), "from": "nix flake"}
+    try:
+        rev = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                capture_output=True, text=True, timeout=10, check=True,
+            ).stdout.strip()
+        )
+        return {"revision": rev, "dirty": dirty, "from": "git"}
+    except (OSError, subprocess.SubprocessError):
+        return {"revision": None, "dirty": None, "from": "unknown"}
+
+
+def package_versions(names: Iterable[str] = LAUNCHER_PACKAGES) -> Dict[str, Optional[str]]:
+    """Installed versions of ``names`` in the running interpreter (None where absent)."""
+    out: Dict[str, Optional[str]] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
+    """The common part of ``record.json``: status, time, host, bundle revision, launcher environment, locks.
+
+    ``fields`` are merged in (e.g. hashes of the files of the run directory).
+    """
+    record = {
+        "schema_version": 1,
+        "status": status,
+        "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "host": socket.gethostname(),
+        "bundle": {"version": __version__, **git_revision()},
+        "launcher_env": {
+            "python": platform.python_version(),
+            "executable_prefix": sys.prefix,
+            "packages": package_versions(),
+        },
+        "locks": {
+            "lockfiles/launcher.lock": sha256_file(REPO_ROOT / "lockfiles" / "launcher.lock"),
+            "lockfiles/stack.json": sha256_file(REPO_ROOT / "lockfiles" / "stack.json"),
+        },
+        "command": sys.argv,
+    }
+    record.update(fields)
+    return record

@@ -1,0 +1,111 @@
+"""``train``: compose the recipe with Hydra, check it, render the miles launch and plan (or launch) it.
+
+Usage (Hydra overrides)::
+
+    python -m trainer.train                                  # the recipe: layout=tp2pp4ep8 on p5en-8x8
+    python -m trainer.train layout=tp8pp8ep8 optim.lr=2e-5   # another layout, one field changed
+    python -m trainer.train -m layout=tp2pp4ep8,tp8pp8ep8    # multirun: one plan per layout
+    python -m trainer.train --cfg job                        # print the composed config
+
+The story of a run: compose every job of the command line and check it (nothing is written if any job
+fails), then for each job under ``@hydra.main``: check → render the launch → compare numerics with the
+reference layout → plan → write the run directory → print a summary. Exit codes: 0 ok, 2 refused input
+(one line on stderr naming the field or override).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import List
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import checks, numerics, schema
+from trainer.compose import compose_run, expand_sweep, validate
+from trainer.errors import UserError
+from trainer.plan import build_plan
+from trainer.record import atomic_write, launcher_record, write_json
+from trainer.render import render
+from trainer.summary import print_plan_summary
+
+
+def preflight(argv: List[str]) -> None:
+    """Compose and check every job of a command line before Hydra runs any of them.
+
+    Raises :class:`UserError` (one line) on a bad override, composition or check.
+    """
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if args.help or args.hydra_help or args.info or args.shell_completion:
+        return
+    jobs = expand_sweep(args.overrides)
+    if len(jobs) > 1 and not args.multirun:
+        raise UserError(f"{' '.join(args.overrides)}: a sweep needs multirun (-m)")
+    for job in jobs:
+        cfg = compose_run(job)
+        try:
+            checks.check(validate(cfg))
+        except UserError as err:
+            raise UserError(f"{' '.join(job) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)) from None
+
+
+def reference_config(task_overrides: List[str], reference_layout: str) -> DictConfig:
+    """The same composition with the layout replaced by the reference layout (for the numerics verdict)."""
+    kept = [o for o in task_overrides if not o.lstrip("+~").startswith(("layout=", "layout.", "cluster="))]
+    return compose_run(kept + [f"layout={reference_layout}"])
+
+
+@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+def plan_run(cfg: DictConfig) -> None:
+    """One job: check, render, compare with the reference layout, plan and write the run directory."""
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    typed = validate(cfg)
+    par = checks.check(typed)
+    launch = render(cfg)
+    reference = reference_config(list(HydraConfig.get().overrides.task), typed.launcher.reference_layout)
+    verdict = numerics.compare(cfg, reference)
+    numerics_report = {"reference_layout": typed.launcher.reference_layout, **verdict.as_dict()}
+    plan = build_plan(typed, par, numerics_report, str(run_dir))
+
+    resolved = OmegaConf.to_yaml(cfg, resolve=True).encode()
+    atomic_write(run_dir / "config.yaml", resolved)
+    hashes = {
+        "argv.json": write_json(run_dir / "argv.json", launch.argv),
+        "env.json": write_json(run_dir / "env.json", launch.env),
+        "plan.json": write_json(run_dir / "plan.json", plan),
+    }
+    atomic_write(run_dir / "command.sh", launch.shell_script().encode(), mode=0o777)
+    import hashlib
+
+    hashes["config.yaml"] = hashlib.sha256(resolved).hexdigest()
+    hashes["command.sh"] = hashlib.sha256(launch.shell_script().encode()).hexdigest()
+    record = launcher_record(
+        "planned",
+        kind="plan",
+        launcher=typed.launcher.name,
+        overrides=list(HydraConfig.get().overrides.task),
+        choices={k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")},
+        stack=OmegaConf.to_container(cfg.stack, resolve=True),
+        files_sha256=hashes,
+    )
+    write_json(run_dir / "record.json", record)
+    print_plan_summary(plan, run_dir)
+
+
+def main() -> None:
+    """Console entry point: preflight every job, then run Hydra. Exit 2 with one line on bad input."""
+    schema.register()
+    try:
+        preflight(sys.argv[1:])
+    except UserError as err:
+        print(f"train: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    plan_run()
+
+
+if __name__ == "__main__":
+    main()
