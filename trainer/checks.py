@@ -66,23 +66,19 @@ def stage_split(num_layers: int, pp: int, first: Optional[int], last: Optional[i
             raise CheckError(f"layout.decoder_{name}_pipeline_num_layers must be >= 1 (got {value})")
     middle_stages = pp - len(head) - len(tail)
     rest = num_layers - sum(head) - sum(tail)
-    pinned = " + ".join([f"first {first}"] * bool(head) + [f"last {last}"] * bool(tail)) or "no pinned stage"
+    pinned = [f"first {first}"] * bool(head) + [f"last {last}"] * bool(tail)
     if middle_stages == 0:
         if rest != 0:
             raise CheckError(
-                f"layout: PP {pp} stages hold {pinned} = {num_layers - rest} layers, "
+                f"layout: PP {pp} stages hold {' + '.join(pinned)} = {num_layers - rest} layers, "
                 f"but model.num_layers is {num_layers}"
             )
         return head + tail
     if rest < middle_stages or rest % middle_stages:
-        where = (
-            f"model.num_layers {num_layers} - {pinned} = {rest} layers"
-            if head or tail
-            else f"model.num_layers {num_layers}"
-        )
+        where = " - ".join([f"model.num_layers {num_layers}"] + pinned) + (f" = {rest} layers" if pinned else " layers")
         raise CheckError(
             f"layout.pipeline_model_parallel_size {pp}: {where} do not split evenly over "
-            f"{middle_stages} {'middle ' if head or tail else ''}stages"
+            f"{middle_stages} {'middle ' if pinned else ''}stages"
         )
     return head + [rest // middle_stages] * middle_stages + tail
 

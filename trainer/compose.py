@@ -21,7 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer import schema
 from trainer.errors import UserError
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+CONF_DIR = Path(__file__).absolute().parent.parent / "conf"
 CONFIG_NAME = "train"
 
 

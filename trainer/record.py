@@ -23,7 +23,7 @@ from typing import Any, Dict, Iterable, Optional
 
 from trainer import __version__
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).absolute().parent.parent
 LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
 
 
@@ -73,7 +73,8 @@ def git_revision(root: Path = REPO_ROOT) -> Dict[str, Any]:
     (set by the Nix app, whose source has no .git), or unknown."""
     env_rev = os.environ.get("TRAINER_SOURCE_REVISION")
     if env_rev:
-        return {"revision": env_rev, "dirty": env_rev.endswith("-dirty"), "from": "nix flake"}
+        dirty = env_rev == "dirty"  # the flake of a git tree with uncommitted changes has no rev
+        return {"revision": None if dirty else env_rev, "dirty": dirty, "from": "nix flake"}
     try:
         rev = subprocess.run(
             ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True

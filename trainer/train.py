@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import checks, numerics, schema
+from trainer.lock import verify_stack
 from trainer.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
 from trainer.plan import build_plan
@@ -48,7 +49,9 @@ def preflight(argv: List[str]) -> None:
     for job in jobs:
         cfg = compose_run(job)
         try:
-            checks.check(validate(cfg))
+            typed = validate(cfg)
+            checks.check(typed)
+            verify_stack(typed.stack)
         except UserError as err:
             raise UserError(f"{' '.join(job) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)) from None
 
@@ -65,6 +68,7 @@ def plan_run(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     typed = validate(cfg)
     par = checks.check(typed)
+    verify_stack(typed.stack)
     launch = render(cfg)
     reference = reference_config(list(HydraConfig.get().overrides.task), typed.launcher.reference_layout)
     verdict = numerics.compare(cfg, reference)
