@@ -69,3 +69,13 @@ def run_train(args: Sequence[str], cwd: Path, timeout: float = 120) -> subproces
         [sys.executable, "-m", "trainer.train", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )
+
+
+def main(test_file: str) -> int:
+    """Run pytest on one test module (the py_test entry point); JUnit XML goes where Bazel asks for it."""
+    import pytest
+
+    args = [test_file, "-q", "-p", "no:cacheprovider"]
+    if os.environ.get("XML_OUTPUT_FILE"):
+        args.append(f"--junitxml={os.environ['XML_OUTPUT_FILE']}")
+    return pytest.main(args)

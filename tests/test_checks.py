@@ -2,6 +2,7 @@
 
 import pytest
 
+import helpers
 from helpers import compose
 from trainer import checks
 from trainer.compose import validate
@@ -120,4 +121,4 @@ def test_at_least_twenty_bad_compositions():
 
 
 if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+    raise SystemExit(helpers.main(__file__))

@@ -4,6 +4,7 @@ import shlex
 
 import pytest
 
+import helpers
 from helpers import compose, reference_model_args, same_token, seed_command
 from trainer.render import MODEL_ARGS, format_value, render
 
@@ -87,4 +88,4 @@ def test_format_value(value, text):
 
 
 if __name__ == "__main__":
-    raise SystemExit(pytest.main([__file__, "-q", "-p", "no:cacheprovider"]))
+    raise SystemExit(helpers.main(__file__))

@@ -139,8 +139,11 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     }
 
 
-def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any], run_dir: str) -> Dict[str, Any]:
-    """The plan as JSON-ready data: parallelism, stages, ranks, memory, numerics verdict, throughput inputs, submission."""
+def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> Dict[str, Any]:
+    """The plan as JSON-ready data: parallelism, stages, ranks, memory, numerics verdict, throughput inputs, submission.
+
+    Depends only on the composition (no paths, times or hosts), so the same config gives the same bytes.
+    """
     params = count_params(cfg.model)
     ranks = rank_table(cfg, par)
     starts = [sum(par.stage_layers[:i]) for i in range(len(par.stage_layers))]
@@ -186,8 +189,8 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any], run
             "launcher": cfg.launcher.name,
             "how": (
                 f"inside the recipe image on {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s), in the "
-                f"miles checkout, with HF_CKPT, TORCH_DIST, SFT_DATA and KERNEL_CACHE set: bash {run_dir}/command.sh "
-                "(miles starts its Ray actors from the head node)"
+                "miles checkout, with HF_CKPT, TORCH_DIST, SFT_DATA and KERNEL_CACHE set: bash command.sh from this run "
+                "directory (miles starts its Ray actors from the head node)"
             ),
             "command": "command.sh",
         },

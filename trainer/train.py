@@ -73,7 +73,7 @@ def plan_run(cfg: DictConfig) -> None:
     reference = reference_config(list(HydraConfig.get().overrides.task), typed.launcher.reference_layout)
     verdict = numerics.compare(cfg, reference)
     numerics_report = {"reference_layout": typed.launcher.reference_layout, **verdict.as_dict()}
-    plan = build_plan(typed, par, numerics_report, str(run_dir))
+    plan = build_plan(typed, par, numerics_report)
 
     resolved = OmegaConf.to_yaml(cfg, resolve=True).encode()
     atomic_write(run_dir / "config.yaml", resolved)

@@ -1,0 +1,97 @@
+"""Lockfiles (launcher lock hashed, stack pins agree with conf/stack) and atomic run-record writes."""
+
+import os
+import re
+import stat
+
+import pytest
+
+import helpers
+from helpers import REPO_ROOT, compose
+from trainer.compose import validate
+from trainer.errors import UserError
+from trainer.lock import load_stack_lock, verify_stack
+from trainer.record import atomic_write, git_revision, write_json
+
+
+def locked_requirements():
+    """(name, version, hashes) of every requirement in lockfiles/launcher.lock."""
+    text = (REPO_ROOT / "lockfiles" / "launcher.lock").read_text()
+    entries = []
+    for block in re.split(r"\n(?=[A-Za-z0-9])", text):
+        head = block.split()[0]
+        if "==" not in head:
+            continue
+        name, version = head.split("==")
+        entries.append((name.lower(), version, re.findall(r"--hash=sha256:([0-9a-f]{64})", block)))
+    return entries
+
+
+def test_launcher_lock_pins_every_package_with_hashes():
+    entries = locked_requirements()
+    names = [n for n, _, _ in entries]
+    assert {"hydra-core", "omegaconf", "rich", "pyyaml", "pytest", "antlr4-python3-runtime", "setuptools"} <= set(names)
+    assert len(names) == len(set(names))
+    assert all(hashes for _, _, hashes in entries)
+
+
+def test_launcher_environment_matches_the_lock():
+    from importlib import metadata
+
+    for name, version, _ in locked_requirements():
+        if name == "colorama":  # Windows-only marker
+            continue
+        assert metadata.version(name) == version, name
+
+
+def test_stack_config_agrees_with_the_lockfile():
+    data = verify_stack(validate(compose()).stack)
+    assert data["components"]["miles"]["commit"] == "78527b9102b3a5f15891128cbec3ac6c2dc4089e"
+
+
+@pytest.mark.parametrize("content,message", [("{", "not valid JSON"), ("[]", "expected an object with a 'components' object")])
+def test_bad_stack_lockfile(tmp_path, content, message):
+    path = tmp_path / "stack.json"
+    path.write_text(content)
+    with pytest.raises(UserError, match=re.escape(message)):
+        load_stack_lock(path)
+
+
+def test_atomic_write_applies_umask_and_replaces(tmp_path):
+    old = os.umask(0o027)
+    try:
+        atomic_write(tmp_path / "a.txt", b"one")
+        atomic_write(tmp_path / "a.txt", b"two")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.txt").read_bytes() == b"two"
+    assert stat.S_IMODE((tmp_path / "a.txt").stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["a.txt"]
+
+
+def test_atomic_write_leaves_nothing_on_failure(tmp_path):
+    class Boom:
+        def __len__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(TypeError):
+        atomic_write(tmp_path / "b.json", Boom())
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_write_json_is_canonical(tmp_path):
+    a = write_json(tmp_path / "a.json", {"b": 1, "a": [1, 2]})
+    b = write_json(tmp_path / "b.json", {"a": [1, 2], "b": 1})
+    assert a == b
+    assert (tmp_path / "a.json").read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
+
+
+def test_git_revision_from_nix(monkeypatch):
+    monkeypatch.setenv("TRAINER_SOURCE_REVISION", "dirty")
+    assert git_revision() == {"revision": None, "dirty": True, "from": "nix flake"}
+    monkeypatch.setenv("TRAINER_SOURCE_REVISION", "a" * 40)
+    assert git_revision()["revision"] == "a" * 40
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

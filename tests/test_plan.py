@@ -1,0 +1,170 @@
+"""End to end: `python -m trainer.train` writes a complete plan run directory, or refuses with one line."""
+
+import json
+import shlex
+
+import pytest
+import yaml
+
+import helpers
+from helpers import compose, run_train
+from trainer.render import render
+
+
+@pytest.fixture(scope="module")
+def seed_plan(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("seed")
+    run_dir = cwd / "run"
+    proc = run_train(["layout=tp2pp4ep8", f"hydra.run.dir={run_dir}"], cwd)
+    assert proc.returncode == 0, proc.stderr
+    return run_dir, proc
+
+
+def test_plan_run_directory_holds_every_file(seed_plan):
+    run_dir, _ = seed_plan
+    for name in ("config.yaml", "argv.json", "env.json", "plan.json", "record.json", "command.sh"):
+        assert (run_dir / name).is_file(), name
+    assert not [p.name for p in run_dir.iterdir() if p.name.startswith(".") and p.name != ".hydra"]
+
+
+def test_plan_argv_env_and_config_are_the_composition(seed_plan):
+    run_dir, _ = seed_plan
+    launch = render(compose("layout=tp2pp4ep8"))
+    argv = json.loads((run_dir / "argv.json").read_text())
+    assert argv == launch.argv and all(isinstance(t, str) for t in argv)
+    assert json.loads((run_dir / "env.json").read_text()) == launch.env
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["layout"]["decoder_first_pipeline_num_layers"] == 11
+    assert config["env"]["TRITON_CACHE_DIR"] == "$KERNEL_CACHE/triton"  # resolved interpolation
+    command = (run_dir / "command.sh").read_text().split("\n\n", 1)[1].replace("\\\n", " ")
+    assert shlex.split(command) == argv
+
+
+def test_plan_stages_experts_memory_and_numerics(seed_plan):
+    plan = json.loads((seed_plan[0] / "plan.json").read_text())
+    assert [s["num_layers"] for s in plan["pipeline"]] == [11, 11, 11, 10]
+    assert [s["layers"] for s in plan["pipeline"]] == [[0, 11], [11, 22], [22, 33], [33, 43]]
+    assert plan["pipeline"][0]["ranks"] == list(range(16))
+    assert plan["experts_per_ep_rank"] == 32
+    ranks = plan["ranks"]
+    assert len(ranks) == 64
+    # rank 0..15 = stage 0; within it tp = idx % 2, dp = idx // 2, ep = idx % 8 (ETP 1), edp = idx // 8
+    r13 = ranks[13]
+    assert (r13["pipeline_stage"], r13["tensor_rank"], r13["data_rank"]) == (0, 1, 6)
+    assert (r13["expert_rank"], r13["expert_data_rank"], r13["experts"]) == (5, 1, [160, 192])
+    assert (ranks[63]["node"], ranks[63]["local_rank"], ranks[63]["pipeline_stage"]) == (7, 7, 3)
+    memory = plan["memory"]
+    assert len(memory["per_stage"]) == 4 and memory["fits"] is True
+    stage0 = memory["per_stage"][0]
+    # bf16 weights 2 B and fp32 grads 4 B per parameter on the GPU
+    assert stage0["grads_gb"] == pytest.approx(2 * stage0["weights_gb"], abs=0.02)
+    assert 60 < memory["max_gb"] < 141
+    assert plan["params"]["active_per_token"] == 13_268_221_952
+    assert plan["numerics"]["reference_layout"] == "tp8pp8ep8"
+    assert plan["numerics"]["equivalent"] is True
+    classes = {d["key"]: d["class"] for d in plan["numerics"]["differences"]}
+    assert classes["layout.tensor_model_parallel_size"] == "performance"
+    assert classes["layout.max_tokens_per_gpu"] == "performance"
+    assert plan["tokens_per_step"] == 128 * 8192 and plan["steps"] == 20
+
+
+def test_plan_record(seed_plan):
+    record = json.loads((seed_plan[0] / "record.json").read_text())
+    assert record["status"] == "planned" and record["kind"] == "plan"
+    assert record["choices"]["layout"] == "tp2pp4ep8"
+    assert record["stack"]["nccl"] == "2.28.9"
+    assert len(record["locks"]["lockfiles/launcher.lock"]) == 64
+    assert record["launcher_env"]["packages"]["hydra-core"]
+    import hashlib
+
+    for name, digest in record["files_sha256"].items():
+        assert hashlib.sha256((seed_plan[0] / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_plan_prints_a_summary(seed_plan):
+    out = seed_plan[1].stdout
+    assert "TP2 PP4 EP8 DP8" in out and "64 GPUs = TP 2 x PP 4 x CP 1 x DP 8" in out
+    assert "numerics-equivalent" in out
+
+
+def test_reference_plan_tp8pp8ep8(tmp_path):
+    proc = run_train(["layout=tp8pp8ep8", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    assert plan["parallelism"]["world_size"] == 64
+    assert plan["parallelism"]["data_parallel_size"] == 1
+    assert [s["num_layers"] for s in plan["pipeline"]] == [4, 6, 6, 6, 6, 6, 6, 3]
+    assert plan["experts_per_ep_rank"] == 32
+
+
+def test_multirun_writes_one_plan_per_layout(tmp_path):
+    proc = run_train(["-m", "layout=tp2pp4ep8,tp8pp8ep8", f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plans = sorted((tmp_path / "sweep").glob("*/plan.json"))
+    assert [p.parent.name for p in plans] == ["0-tp2pp4ep8", "1-tp8pp8ep8"]
+    assert [json.loads(p.read_text())["layout"] for p in plans] == ["TP2 PP4 EP8 DP8", "TP8 PP8 EP8 DP1"]
+
+
+def test_numerics_verdict_flags_a_changed_learning_rate(tmp_path):
+    proc = run_train(["optim.lr=2e-5", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads((tmp_path / "run" / "plan.json").read_text())
+    # the reference is composed with the same overrides: lr is equal on both sides
+    assert plan["numerics"]["equivalent"] is True
+    assert "optim.lr" not in {d["key"] for d in plan["numerics"]["differences"]}
+
+
+def test_plan_bytes_do_not_depend_on_directory_time_zone_or_umask(tmp_path):
+    import hashlib
+    import os
+
+    digests = []
+    for i, (tz, umask) in enumerate((("UTC", 0o022), ("Asia/Kolkata", 0o077))):
+        cwd = tmp_path / f"cwd{i}" / "deeper"
+        cwd.mkdir(parents=True)
+        os.environ["TZ"] = tz
+        old = os.umask(umask)
+        try:
+            proc = run_train([f"hydra.run.dir={cwd / 'run'}"], cwd)
+        finally:
+            os.umask(old)
+            os.environ.pop("TZ")
+        assert proc.returncode == 0, proc.stderr
+        digests.append(
+            {n: hashlib.sha256((cwd / "run" / n).read_bytes()).hexdigest() for n in ("argv.json", "env.json", "plan.json", "config.yaml", "command.sh")}
+        )
+    assert digests[0] == digests[1]
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["cluster.nodes=4"], "layout.data_parallel_size 8 != world 32"),
+        (["layout.tensor_model_parallel_size=abc"], "could not be converted to Integer"),
+        (["-m", "layout=tp2pp4ep8,gpu8-tp2pp2ep4"], "do not split evenly"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line_and_writes_nothing(tmp_path, args, message):
+    proc = run_train(args, tmp_path)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train: error: ") and message in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert list(tmp_path.iterdir()) == []  # no outputs/ or multirun/ directory
+
+
+def test_cfg_job_prints_the_composition(tmp_path):
+    proc = run_train(["--cfg", "job", "layout=tp8pp8ep8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert yaml.safe_load(proc.stdout)["layout"]["tensor_model_parallel_size"] == 8
+
+
+def test_help_lists_the_config_groups(tmp_path):
+    proc = run_train(["--help"], tmp_path)
+    assert proc.returncode == 0
+    for group in ("model:", "layout:", "cluster:", "tp2pp4ep8", "deepseek-v4-flash"):
+        assert group in proc.stdout
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
