@@ -25,6 +25,7 @@
     {
       apps = forAllSystems (system: {
         train = app system "train";
+        trainer = app system "trainer";
         default = app system "train";
       });
 

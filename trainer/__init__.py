@@ -5,5 +5,9 @@ The package follows the phases of a run: compose (``trainer.schema`` + ``conf/``
 record (``trainer.record``). ``python -m trainer.train`` is the Hydra entry point.
 """
 
+from pathlib import Path
+
 __version__ = "0.1.0"
 PROJECT = "recipe-bundle"
+# The source tree (conf/, lockfiles/ and the package); absolute() keeps Bazel runfiles paths unresolved.
+REPO_ROOT = Path(__file__).absolute().parent.parent

@@ -18,10 +18,10 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import schema
+from trainer import REPO_ROOT, schema
 from trainer.errors import UserError
 
-CONF_DIR = Path(__file__).absolute().parent.parent / "conf"
+CONF_DIR = REPO_ROOT / "conf"
 CONFIG_NAME = "train"
 
 

@@ -10,10 +10,10 @@ import json
 from pathlib import Path
 from typing import Any, Dict
 
+from trainer import REPO_ROOT
 from trainer.errors import UserError
 from trainer.schema import StackConfig
 
-REPO_ROOT = Path(__file__).absolute().parent.parent
 
 # conf field -> (component, key) in lockfiles/stack.json
 STACK_FIELDS = {

@@ -21,9 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
-from trainer import __version__
+from trainer import REPO_ROOT, __version__
 
-REPO_ROOT = Path(__file__).absolute().parent.parent
 LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
 
 
