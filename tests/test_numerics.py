@@ -17,6 +17,7 @@ def test_seed_vs_reference_layout_is_equivalent():
         "layout.decoder_first_pipeline_num_layers",
         "layout.decoder_last_pipeline_num_layers",
         "layout.max_tokens_per_gpu",
+        "layout.data_parallel_size",  # not an argument: compared as a config key
     } == keys
     assert all(d.cls == PERFORMANCE for d in verdict.differences)
 
@@ -46,6 +47,15 @@ def test_numerics_changes_are_flagged(override, key):
 def test_performance_changes_keep_equivalence(override):
     verdict = compare(compose(override), compose())
     assert verdict.equivalent and len(verdict.differences) == 1
+
+
+def test_fields_without_a_launch_argument_are_compared_too():
+    verdict = compare(compose("optim.clip_grad=0.5", "launcher.distributed_timeout_minutes=60"), compose())
+    assert {(d.key, d.cls) for d in verdict.differences} == {
+        ("optim.clip_grad", NUMERICS),
+        ("launcher.distributed_timeout_minutes", PERFORMANCE),
+    }
+    assert compare(compose("launcher.seed=7"), compose()).numerics_differences[0].key == "launcher.seed"
 
 
 def test_env_difference_counts_as_numerics():

@@ -32,11 +32,17 @@ PERFORMANCE_KEYS = frozenset(
         "launcher.distributed_timeout_minutes",
     }
 )
-PERFORMANCE_PREFIXES = ("layout.", "cluster.")
+PERFORMANCE_PREFIXES = ("layout.", "cluster.", "launcher.")
+# Keys that describe rather than configure (names, labels, provenance): never compared.
+DESCRIPTIVE = frozenset({"model.name", "model.display_name", "model.source", "layout.name", "layout.label", "data.name"})
+# launcher.* keys that do change the function computed by an executed run.
+LAUNCHER_NUMERICS = frozenset({"launcher.seed", "launcher.steps"})
 
 
 def classify(key: str) -> str:
     """``performance`` or ``numerics`` for a dotted config key (see the module docstring)."""
+    if key in LAUNCHER_NUMERICS:
+        return NUMERICS
     if key in PERFORMANCE_KEYS or key.startswith(PERFORMANCE_PREFIXES):
         return PERFORMANCE
     return NUMERICS
@@ -89,10 +95,22 @@ def _value(cfg: DictConfig, key: str) -> Any:
     return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig,)) or OmegaConf.is_list(value) else value
 
 
-def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
-    """Compare two compositions argument by argument (every row of the launch tables, and ``env``).
+def _flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
+    """Dotted leaf keys of nested dicts; lists are leaves."""
+    if not isinstance(data, dict):
+        return {prefix[:-1]: data}
+    out: Dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
 
-    Each key is compared once even where the launch restates it. Returns a :class:`Verdict`.
+
+def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
+    """Compare two compositions argument by argument: every row of the launch tables, then every other config
+    field (those no launch argument carries, named ``(key)``), then ``env``.
+
+    Each key is compared once even where the launch restates it; names, labels and provenance are skipped.
+    Returns a :class:`Verdict`.
     """
     verdict = Verdict()
     seen = set()
@@ -104,6 +122,13 @@ def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
             a, b = _value(candidate, key), _value(reference, key)
             if a != b:
                 verdict.differences.append(Difference(flag, key, a, b, classify(key)))
+    # Fields that reach no launch argument (e.g. optim.clip_grad, launcher.seed): compared as config keys.
+    flat_a, flat_b = _flatten(OmegaConf.to_container(candidate, resolve=True)), _flatten(OmegaConf.to_container(reference, resolve=True))
+    for key in sorted(set(flat_a) | set(flat_b)):
+        if key in seen or key in DESCRIPTIVE or key.startswith(("env.", "hydra.")):
+            continue
+        if flat_a.get(key) != flat_b.get(key):
+            verdict.differences.append(Difference(f"({key})", key, flat_a.get(key), flat_b.get(key), classify(key)))
     env_a = OmegaConf.to_container(candidate.env, resolve=True)
     env_b = OmegaConf.to_container(reference.env, resolve=True)
     for name in sorted(set(env_a) | set(env_b)):

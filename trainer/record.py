@@ -124,3 +124,31 @@ def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
     }
     record.update(fields)
     return record
+
+
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+REDACTED = "<redacted>"
+
+
+def redact_env(env: Dict[str, str]) -> Dict[str, str]:
+    """A copy of ``env`` (sorted by name) whose values are replaced by ``<redacted>`` where the variable's name
+    contains TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL (case-insensitive)."""
+    return {
+        name: (REDACTED if any(marker in name.upper() for marker in SECRET_MARKERS) else value)
+        for name, value in sorted(env.items())
+    }
+
+
+def effective_status(record: Dict[str, Any]) -> str:
+    """A record's status as a reader should see it: ``running`` whose process is gone on this host is
+    ``interrupted`` (the launcher was killed before it could say so)."""
+    status = record.get("status", "unknown")
+    pid = record.get("pid")
+    if status == "running" and pid and record.get("host") == socket.gethostname():
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            return "interrupted"
+        except PermissionError:
+            pass
+    return status

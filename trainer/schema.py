@@ -148,6 +148,8 @@ class DataConfig:
     input_key: str = "messages"  # miles --input-key
     metadata_key: str = "metadata"  # miles --metadata-key
     rollout_function_path: str = "pretokenized_sft_rollout.generate_rollout"  # miles --rollout-function-path
+    synthetic_conversations: Optional[int] = None  # local runs: generate this many conversations and build rows
+    synthetic_seed: int = 0  # seed of the generated conversations (trainer.data.synthetic)
 
 
 @dataclass
@@ -188,7 +190,8 @@ class OptimConfig:
     moe_router_freeze_gate: bool = True  # miles/Megatron fork: router gate weights get no update
     freeze_e_score_correction_bias: bool = True  # expert score-correction bias gets no update
     accumulate_allreduce_grads_in_fp32: bool = True
-    bf16: bool = True  # precision of the run (miles default)
+    bf16: bool = True  # precision of the run (miles default; CPU runs compute in float32)
+    clip_grad: float = 1.0  # Megatron --clip-grad (its default; the recipe keeps it)
 
 
 @dataclass
@@ -229,6 +232,8 @@ class LauncherConfig:
     entrypoint: List[str] = field(default_factory=lambda: ["python3", "train.py"])  # run in the miles checkout
     reference_layout: str = "tp8pp8ep8"  # layout the numerics verdict compares against
     submit: bool = False
+    seed: int = 1234  # Megatron --seed (its default): model init and data order of executed local runs
+    steps: Optional[int] = None  # optimizer steps of an executed run; null = optim.num_rollout
 
 
 @dataclass

@@ -9,13 +9,16 @@ Usage (Hydra overrides)::
 
 The story of a run: compose every job of the command line and check it (nothing is written if any job
 fails), then for each job under ``@hydra.main``: check → render the launch → compare numerics with the
-reference layout → plan → write the run directory → print a summary. Exit codes: 0 ok, 2 refused input
-(one line on stderr naming the field or override).
+reference layout → plan → write the run directory → print a summary, or execute the run (``launcher=local-cpu``). Exit codes: 0 ok, 2 refused input
+(one line on stderr naming the field or override), 1 an executed run that did not complete.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import List
 
@@ -23,7 +26,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checks, numerics, schema
+from trainer import checks, launch, numerics, schema
 from trainer.lock import verify_stack
 from trainer.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
@@ -50,8 +53,9 @@ def preflight(argv: List[str]) -> None:
         cfg = compose_run(job)
         try:
             typed = validate(cfg)
-            checks.check(typed)
+            par = checks.check(typed)
             verify_stack(typed.stack)
+            launch.check(typed, par)
         except UserError as err:
             raise UserError(f"{' '.join(job) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)) from None
 
@@ -63,41 +67,64 @@ def reference_config(task_overrides: List[str], reference_layout: str) -> DictCo
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
-def plan_run(cfg: DictConfig) -> None:
-    """One job: check, render, compare with the reference layout, plan and write the run directory."""
+def run(cfg: DictConfig) -> None:
+    """One job: check, render, compare with the reference layout, plan, write the run directory, and
+    execute it when the launcher is not ``plan``. Exits 1 when an executed run did not complete."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     typed = validate(cfg)
     par = checks.check(typed)
     verify_stack(typed.stack)
-    launch = render(cfg)
-    reference = reference_config(list(HydraConfig.get().overrides.task), typed.launcher.reference_layout)
+    launch.check(typed, par)
+    launch_plan = render(cfg)
+    overrides = list(HydraConfig.get().overrides.task)
+    reference = reference_config(overrides, typed.launcher.reference_layout)
     verdict = numerics.compare(cfg, reference)
     numerics_report = {"reference_layout": typed.launcher.reference_layout, **verdict.as_dict()}
     plan = build_plan(typed, par, numerics_report)
 
     resolved = OmegaConf.to_yaml(cfg, resolve=True).encode()
     atomic_write(run_dir / "config.yaml", resolved)
+    script = launch_plan.shell_script().encode()
+    atomic_write(run_dir / "command.sh", script, mode=0o777)
     hashes = {
-        "argv.json": write_json(run_dir / "argv.json", launch.argv),
-        "env.json": write_json(run_dir / "env.json", launch.env),
+        "config.yaml": hashlib.sha256(resolved).hexdigest(),
+        "command.sh": hashlib.sha256(script).hexdigest(),
         "plan.json": write_json(run_dir / "plan.json", plan),
     }
-    atomic_write(run_dir / "command.sh", launch.shell_script().encode(), mode=0o777)
-    import hashlib
-
-    hashes["config.yaml"] = hashlib.sha256(resolved).hexdigest()
-    hashes["command.sh"] = hashlib.sha256(launch.shell_script().encode()).hexdigest()
-    record = launcher_record(
-        "planned",
-        kind="plan",
+    common = dict(
+        kind="plan" if typed.launcher.name == "plan" else "run",
         launcher=typed.launcher.name,
-        overrides=list(HydraConfig.get().overrides.task),
+        overrides=overrides,
         choices={k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")},
         stack=OmegaConf.to_container(cfg.stack, resolve=True),
-        files_sha256=hashes,
+        lock={"path": "lockfiles/launcher.lock"},
     )
+    if typed.launcher.name == "plan":
+        hashes["argv.json"] = write_json(run_dir / "argv.json", launch_plan.argv)
+        hashes["env.json"] = write_json(run_dir / "env.json", launch_plan.env)
+        write_json(run_dir / "record.json", launcher_record("planned", files_sha256=hashes, **common))
+        print_plan_summary(plan, run_dir)
+        return
+
+    from trainer.launch.local_cpu import execute
+
+    record = launcher_record("running", pid=os.getpid(), files_sha256=hashes, **common)
     write_json(run_dir / "record.json", record)
-    print_plan_summary(plan, run_dir)
+    try:
+        record = execute(typed, par, run_dir, record)
+    except UserError as err:
+        record.update(status="failed", reason=str(err))
+        write_json(run_dir / "record.json", record)
+        print(f"train: error: {err}", file=sys.stderr)
+        sys.exit(err.exit_code)
+    record["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    for name in ("argv.json", "env.json", "metrics.jsonl"):
+        if (run_dir / name).is_file():
+            hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
+    write_json(run_dir / "record.json", record)
+    print(f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})")
+    if record["status"] != "complete":
+        sys.exit(1)
 
 
 def main() -> None:
@@ -108,7 +135,7 @@ def main() -> None:
     except UserError as err:
         print(f"train: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    plan_run()
+    run()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Model builders for executed runs (the composed ``model`` config -> a trainable module)."""

@@ -1,0 +1,160 @@
+"""``trainer verify RUN_DIR``: did the run use what the lock pins? Observed (the probe) against locked and recipe.
+
+For each component the table gives the version the lock pins, the recipe's pin (the composed ``stack``), what
+the probe saw inside the training process, and a verdict:
+
+``ok``          observed == locked
+``drift``       observed != locked
+``absent``      locked, but not present in the running environment (not a pass)
+``not locked``  observed, but the lock does not pin it (informational)
+
+Exit code 0 only when no locked component drifted or is absent; 1 otherwise; 2 on bad input.
+The lock is the run's own (``record.json`` names it) unless ``--lock`` gives another: a requirements-style
+lock with ``name==version`` lines (``lockfiles/launcher.lock``) or a JSON stack lock (``lockfiles/stack.json``).
+``--recipe`` compares against a recipe YAML's ``stack`` block instead of the composed one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import yaml
+
+from trainer import REPO_ROOT
+from trainer.errors import UserError
+
+# component -> (observed path in the probe, requirements name in a pip lock, stack.json component, recipe stack key)
+COMPONENTS = {
+    "torch": (("torch", "version"), "torch", "torch", "torch"),
+    "nccl": (("torch", "nccl"), "nvidia-nccl-cu13", "nccl", "nccl"),
+    "cuda": (("torch", "cuda"), None, "cuda", "cuda"),
+    "transformer_engine": (("components", "transformer_engine"), "transformer-engine", "transformer_engine", "transformer_engine"),
+    "megatron_core": (("components", "megatron_core"), "megatron-core", "megatron_lm", "megatron_core"),
+    "megatron_lm_commit": (("megatron_lm_commit",), None, "megatron_lm.commit", "megatron_lm_commit"),
+    "miles_commit": (("miles_commit",), None, "miles.commit", "miles_commit"),
+    "deepep": (("components", "deepep"), "deep-ep", "deepep", "deepep"),
+    "tilelang": (("components", "tilelang"), "tilelang", None, None),
+    "triton": (("components", "triton"), "triton", None, None),
+    "transformers": (("components", "transformers"), "transformers", None, None),
+    "tokenizers": (("components", "tokenizers"), "tokenizers", None, None),
+    "python": (("python",), None, "python", "python"),
+}
+
+
+def _dig(data: Any, path) -> Optional[str]:
+    for key in path:
+        if not isinstance(data, dict):
+            return None
+        data = data.get(key)
+    return None if data is None else str(data)
+
+
+def read_lock(path: Path) -> Dict[str, str]:
+    """Pins of a lock as ``component -> version``; raises :class:`UserError` for a missing or unreadable lock."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise UserError(f"{path}: lock not found") from None
+    pins: Dict[str, str] = {}
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as ex:
+            raise UserError(f"{path}: not valid JSON ({ex.msg})") from None
+        comps = data.get("components", {}) if isinstance(data, dict) else {}
+        for name, (_, _, stack_key, _) in COMPONENTS.items():
+            if stack_key:
+                comp, _, field = stack_key.partition(".")
+                value = comps.get(comp, {}).get(field or "version") if isinstance(comps.get(comp), dict) else None
+                if value is not None:
+                    pins[name] = str(value)
+        return pins
+    versions = {m.group(1).lower(): m.group(2) for m in re.finditer(r"^([A-Za-z0-9_.-]+)==([^\s;\\]+)", text, re.M)}
+    for name, (_, req, _, _) in COMPONENTS.items():
+        if req and req in versions:
+            pins[name] = versions[req]
+    return pins
+
+
+def _same(observed: str, locked: str) -> bool:
+    """Versions agree: equal, or equal up to a local label the other lacks, or a commit prefix."""
+    if observed == locked:
+        return True
+    if observed.split("+")[0] == locked.split("+")[0] and ("+" not in observed or "+" not in locked):
+        return True
+    return len(locked) >= 7 and len(observed) >= 7 and (observed.startswith(locked) or locked.startswith(observed))
+
+
+def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str]) -> List[Dict[str, Optional[str]]]:
+    """Rows of the verify table for a run ``record`` (with ``probe``), lock pins and recipe pins."""
+    probes = record.get("probe") or {}
+    observed_all = probes.get("ranks", [probes]) if isinstance(probes, dict) else probes
+    first = observed_all[0] if observed_all else {}
+    rows = []
+    for name, (path, _, _, _) in COMPONENTS.items():
+        seen = {_dig(p, path) for p in observed_all} if observed_all else {None}
+        observed = _dig(first, path)
+        locked = lock.get(name)
+        if len(seen) > 1:
+            verdict = "drift"
+            observed = " / ".join(sorted(str(s) for s in seen))
+        elif locked is None:
+            verdict = "not locked" if observed is not None else "-"
+        elif observed is None:
+            verdict = "absent"
+        else:
+            verdict = "ok" if _same(observed, locked) else "drift"
+        rows.append({"component": name, "locked": locked, "recipe": recipe.get(name), "observed": observed, "verdict": verdict})
+    return rows
+
+
+def main(argv: List[str]) -> int:
+    """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json]``; exit 0 when nothing locked drifted."""
+    parser = argparse.ArgumentParser(prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--lock", type=Path, help="lock to verify against (default: the run's own)")
+    parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    args = parser.parse_args(argv)
+    record_path = args.run_dir / "record.json"
+    try:
+        record = json.loads(record_path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)") from None
+    except json.JSONDecodeError as ex:
+        raise UserError(f"{record_path}: not valid JSON ({ex.msg})") from None
+    if not record.get("probe"):
+        raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
+    lock_path = args.lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
+    lock = read_lock(lock_path)
+    if args.recipe:
+        try:
+            stack = (yaml.safe_load(args.recipe.read_text()) or {}).get("stack", {})
+        except (OSError, yaml.YAMLError) as ex:
+            raise UserError(f"{args.recipe}: cannot read the recipe ({ex})") from None
+        recipe = {k: str(v) for k, v in stack.items()}
+    else:
+        recipe = {k: str(v) for k, v in (record.get("stack") or {}).items()}
+    rows = verify(record, lock, recipe)
+    bad = [r for r in rows if r["verdict"] in ("drift", "absent")]
+    if args.json:
+        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad}, indent=2))
+    else:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"verify {args.run_dir} against {lock_path.name}")
+        for col in ("component", "locked", "recipe", "observed", "verdict"):
+            table.add_column(col)
+        colours = {"ok": "green", "drift": "red", "absent": "red", "not locked": "yellow", "-": "dim"}
+        for r in rows:
+            table.add_row(*(str(r[c] or "") for c in ("component", "locked", "recipe", "observed")),
+                          f"[{colours[r['verdict']]}]{r['verdict']}")
+        Console().print(table)
+        print("ok: nothing the lock pins drifted" if not bad else f"{len(bad)} locked component(s) drifted or absent: "
+              + ", ".join(r["component"] for r in bad))
+    return 0 if not bad else 1
