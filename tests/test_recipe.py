@@ -1,0 +1,142 @@
+"""Recipe YAML: the schema, the seed validating against it, and a run emitted as a recipe."""
+
+import copy
+import json
+import statistics
+
+import pytest
+import yaml
+
+import helpers
+from helpers import GOLDEN
+from trainer import cli
+from trainer.recipe import load_schema, validation_errors
+
+SEED = GOLDEN / "attune-tp2-pp4-ep8.yaml"
+ROW_TOKENS, GLOBAL_BATCH, GPUS = 8192, 128, 64
+RECIPE_TPS = 808.22
+
+
+def recipe_rows(tps=RECIPE_TPS, cv=3.25, steps=20, window=(5, 19)):
+    """20 steps whose window [5, 19] has the recipe's throughput and step-time CV (population)."""
+    n = window[1] - window[0] + 1
+    mean = n * GLOBAL_BATCH * ROW_TOKENS / GPUS / tps / n
+    z = [i - (n - 1) / 2 for i in range(n)]
+    sd = statistics.pstdev(z)
+    rows = []
+    for s in range(1, steps + 1):
+        t = mean * (1 + cv / 100 * z[s - window[0]] / sd) if window[0] <= s <= window[1] else mean * 1.5
+        rows.append({"step": s, "lm_loss": 2.0 - 0.01 * s, "grad_norm": 1.0, "lr": 1e-5, "tokens": GLOBAL_BATCH * ROW_TOKENS,
+                     "supervised_tokens": 700_000, "step_time_s": t, "max_memory_bytes": 120_000_000_000})
+    return rows
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def seed():
+    return yaml.safe_load(SEED.read_text())
+
+
+def test_schema_is_valid_and_documents_every_field():
+    schema = load_schema()
+
+    def walk(node, path):
+        for name, sub in node.get("properties", {}).items():
+            assert sub.get("description"), f"{path}.{name} has no description"
+            walk(sub, f"{path}.{name}")
+
+    walk(schema, "")
+
+
+def test_seed_recipe_validates():
+    assert validation_errors(seed()) == []
+
+
+@pytest.mark.parametrize(
+    "edit,needle",
+    [
+        (lambda r: r.pop("layout"), "(top): 'layout' is a required property"),
+        (lambda r: r.update(status="great"), "status: 'great' is not one of"),
+        (lambda r: r["result"].update(window=[5]), "result.window"),
+        (lambda r: r["layout"].update(tp=0), "layout.tp: 0 is less than the minimum of 1"),
+        (lambda r: r["stack"].update(torch="2.11"), "stack: Additional properties are not allowed ('torch' was unexpected)"),
+        (lambda r: r["workload"]["dataset"].update(rows_sha256="abc"), "workload.dataset.rows_sha256"),
+    ],
+)
+def test_schema_rejects(edit, needle):
+    recipe = copy.deepcopy(seed())
+    edit(recipe)
+    errors = validation_errors(recipe)
+    assert any(needle in e for e in errors), errors
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("runs")
+    for name, layout in (("cand", "tp2pp4ep8"), ("ref", "tp8pp8ep8")):
+        proc = helpers.run_train([f"hydra.run.dir={root / name}", f"layout={layout}"], cwd=root)
+        assert proc.returncode == 0, proc.stderr
+        rows = recipe_rows()
+        if name == "ref":
+            for r in rows:
+                r["lm_loss"] *= 1.002
+        write_rows(root / name / "metrics.jsonl", rows)
+    record = json.loads((root / "cand" / "record.json").read_text())
+    record.update(admitted_utc="2026-10-13T10:00:00Z", finished_utc="2026-10-13T10:11:24Z",
+                  observed={"nccl": "2.28.9 (printed by the run)"}, image_digest="sha256:" + "ab" * 32)
+    (root / "cand" / "record.json").write_text(json.dumps(record))
+    return root
+
+
+def test_emitted_recipe_reproduces_the_seed_result(runs, capsys):
+    out = runs / "recipe.yaml"
+    code = cli.main(["recipe", str(runs / "cand"), "--reference", str(runs / "ref"), "--author", "ATTUNE", "-o", str(out)])
+    _, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.read_text().startswith("# recipe.yaml\n# A recipe; the fields are documented in schema/recipe.schema.yaml.\n")
+    recipe = yaml.safe_load(out.read_text())
+    assert validation_errors(recipe) == []
+    want = seed()
+    for key in ("tokens_per_s_per_gpu", "usd_per_million_tokens", "step_time_cv_percent", "mfu", "window",
+                "window_tokens", "gpu_hours", "steps_per_run"):
+        assert recipe["result"][key] == want["result"][key], key
+    assert recipe["result"]["active_params"]["count"] == want["result"]["active_params"]["count"]
+    assert recipe["result"]["measured"] == "2026-10-13"
+    for key in ("tp", "pp", "cp", "ep", "etp", "dp", "sequence_parallel", "layer_split", "recompute", "dispatcher", "summary"):
+        assert recipe["layout"][key] == want["layout"][key], key
+    assert recipe["gpu"] == want["gpu"] and recipe["env"] == want["env"] and recipe["model"] == want["model"]
+    assert recipe["workload"]["dataset"]["build"]["parquet_sha256"] == want["workload"]["dataset"]["build"]["parquet_sha256"]
+    assert recipe["stack"]["nccl"] == "2.28.9 (printed by the run)" and recipe["stack"]["image_digest"] == "sha256:" + "ab" * 32
+    assert recipe["stack"]["lock_sha256"]["lockfiles/stack.json"]
+    assert recipe["status"] == "verified" and recipe["correctness"]["result"] == "pass"
+    conv = recipe["correctness"]["convergence"]
+    assert conv["steps"] == 20 and conv["pointwise_failures"] == 0 and conv["final_loss_difference"] == pytest.approx(0.002, abs=1e-4)
+    assert recipe["correctness"]["configuration"] == "pass"
+    assert recipe["run"] == (runs / "cand" / "command.sh").read_text()
+
+
+def test_recipe_without_reference_is_measured(runs, capsys):
+    code = cli.main(["recipe", str(runs / "ref"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    recipe = json.loads(out)
+    assert recipe["status"] == "measured" and recipe["correctness"]["result"] == "not-checked"
+    assert validation_errors(yaml.safe_load((runs / "ref" / "recipe.yaml").read_text())) == []
+
+
+def test_validate_command(tmp_path, capsys):
+    assert cli.main(["recipe", "--validate", str(SEED)]) == 0
+    assert "valid" in capsys.readouterr().out
+    bad = copy.deepcopy(seed())
+    bad["status"] = "great"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    assert cli.main(["recipe", "--validate", str(path), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert not report["valid"] and "status: 'great' is not one of" in report["errors"][str(path)][0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
