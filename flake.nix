@@ -26,10 +26,24 @@
       apps = forAllSystems (system: {
         train = app system "train";
         trainer = app system "trainer";
+        image = app system "image";
         default = app system "train";
       });
 
       # The stack pins, for other flakes and for `nix eval .#lib.pins`.
       lib.pins = (builtins.fromJSON (builtins.readFile ./lockfiles/stack.json)).components;
+
+      # Every image lock in lockfiles/ (NAME.lock.json -> lib.locks.NAME), read from the same files the builder
+      # reads: `nix eval .#lib.locks.smoke.wheels`. lib.wheels.NAME lists "name==version sha256" per wheel.
+      lib.locks =
+        let
+          files = builtins.attrNames (builtins.readDir ./lockfiles);
+          locks = builtins.filter (f: builtins.match ".*\\.lock\\.json" f != null) files;
+        in
+        builtins.listToAttrs (map (f: {
+          name = builtins.head (builtins.match "(.*)\\.lock\\.json" f);
+          value = builtins.fromJSON (builtins.readFile (./lockfiles + "/${f}"));
+        }) locks);
+      lib.wheels = builtins.mapAttrs (_: lock: map (w: "${w.name}==${w.version} ${w.sha256}") lock.wheels) self.lib.locks;
     };
 }

@@ -1,0 +1,225 @@
+"""Building an OCI image from a lock, reading nothing else but the cache and the bundle's ``conf/``.
+
+Flow: load and validate the lock → for each layer (base, Python groups cuda-runtime/torch/te/rest, sources,
+bundle) compute its key, the sha256 of everything that goes into it (the layer format version, the epoch,
+the python block and each input's name, version and sha256) → reuse the cached layer with that key (its
+blob re-hashed) or build it: fetch each input into the content-addressed cache (:mod:`trainer.image.cas`,
+re-hashed on every use), install wheels (:mod:`trainer.image.wheels`), unpack and tree-check git sources
+(:mod:`trainer.image.sources`), write the tar (:mod:`trainer.image.layer`) into the cache → write config,
+manifest and layout (:mod:`trainer.image.oci`). A one-pin change therefore rebuilds only its layer (and the
+small bundle layer, which holds the lock).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from trainer import PROJECT, __version__
+from trainer.errors import UserError
+from trainer.image import lockfile
+from trainer.image.cas import Cache
+from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
+from trainer.image.oci import Layer, canonical, image_config, write_archive, write_layout
+from trainer.image.sources import source_entries
+from trainer.image.wheels import install_wheels
+
+LAYER_FORMAT = 1  # bump when layer bytes for the same inputs would change (writer or installer behaviour)
+DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
+
+
+@dataclass
+class LayerPlan:
+    """One layer to build: ``name`` (group), ``inputs`` (what its key hashes), ``comment`` for the history,
+    ``make(spool)`` returning its entries (called only on a cache miss)."""
+
+    name: str
+    inputs: Any
+    comment: str
+    make: Callable[[Path], List[Entry]]
+    cacheable: bool = True
+
+
+@dataclass
+class BuildResult:
+    """``manifest_digest`` and ``config_digest`` ("sha256:<hex>"), ``layers`` as (name, diff_id, size bytes,
+    "cached"/"built") and ``archive_digest`` when an archive was written."""
+
+    manifest_digest: str
+    config_digest: str
+    layers: List[Tuple[str, str, int, str]] = field(default_factory=list)
+    archive_digest: Optional[str] = None
+
+
+def layer_key(lock: Dict[str, Any], plan: LayerPlan) -> str:
+    """sha256 hex of the canonical JSON of everything that determines ``plan``'s bytes."""
+    basis = {"format": LAYER_FORMAT, "epoch": lock["epoch"], "python": lock["python"], "layer": plan.name,
+             "inputs": plan.inputs}
+    return hashlib.sha256(canonical(basis)).hexdigest()
+
+
+def _wheel_label(w: Dict[str, Any]) -> str:
+    return f"wheel {w['filename']}"
+
+
+def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: bool) -> List[LayerPlan]:
+    """The layers of ``lock`` in order (empty groups left out). Raises :class:`UserError` for a base type this
+    builder cannot produce."""
+    base = lock["base"]
+    if base["type"] != "scratch":
+        raise UserError(
+            f"{lock['_path']}: base.type {base['type']!r} is not built by this version (only 'scratch'); "
+            "see lockfiles/README.md"
+        )
+    plans: List[LayerPlan] = []
+    for group in lockfile.GROUPS:
+        wheels = lockfile.wheels_in(lock, group)
+        if not wheels:
+            continue
+
+        def make(spool: Path, wheels=wheels) -> List[Entry]:
+            items = [(cache.ensure(w["sha256"], _wheel_label(w), w["url"], offline), w["filename"], _wheel_label(w))
+                     for w in wheels]
+            return install_wheels(items, lock["python"], spool)
+
+        inputs = [[w["name"], w["version"], w["filename"], w["sha256"]] for w in wheels]
+        names = ", ".join(f"{w['name']}=={w['version']}" for w in wheels)
+        plans.append(LayerPlan(group, inputs, f"{len(wheels)} wheels: {names}"[:1000], make))
+    sources = sorted(lock.get("sources", []), key=lambda s: s["name"])
+    sdists = sorted(lock.get("sdists", []), key=lambda s: lockfile.canonical_name(s["name"]))
+    if sources or sdists:
+        def make_sources(spool: Path) -> List[Entry]:
+            entries: List[Entry] = []
+            for src in sources:
+                archive = cache.ensure(src["archive"]["sha256"], f"source {src['name']} ({src['archive']['filename']})",
+                                       src["archive"].get("url"), offline)
+                entries += source_entries(archive, src)
+            for sd in sdists:
+                path = cache.ensure(sd["sha256"], f"sdist {sd['filename']}", sd["url"], offline)
+                entries.append(Entry(f"{lock['bundle']['dest']}/sdists/{sd['filename']}", FILE, source=path))
+            return entries
+
+        inputs = {"sources": [[s["name"], s["commit"], s["tree"], s["archive"]["sha256"], s["dest"]] for s in sources],
+                  "sdists": [[s["filename"], s["sha256"], lock["bundle"]["dest"]] for s in sdists]}
+        comment = "git sources: " + ", ".join(f"{s['name']}@{s['commit'][:12]}" for s in sources)
+        if sdists:
+            comment += "; sdists (not compiled): " + ", ".join(s["filename"] for s in sdists)
+        plans.append(LayerPlan("sources", inputs, comment, make_sources))
+    plans.append(LayerPlan("bundle", None, f"conf/, the lock {lock['_path'].name} and {lock['bundle']['stamp']}",
+                           lambda spool: [], cacheable=False))
+    return plans
+
+
+def stamp(lock: Dict[str, Any], layers: List[Tuple[str, str]]) -> bytes:
+    """The stamped ``/etc/<project>/lock.json``: which lock built the image and what it pinned (canonical JSON)."""
+    return canonical({
+        "project": PROJECT,
+        "lock": {"name": lock["name"], "file": lock["_path"].name, "sha256": lock["_sha256"]},
+        "epoch": lock["epoch"],
+        "layers": [{"name": n, "diff_id": d} for n, d in layers],
+        "python": {"version": lock["python"]["version"], "site_packages": lock["python"]["site_packages"]},
+        "distributions": {w["name"]: w["version"] for w in lock.get("wheels", [])},
+        "sdists": {s["name"]: s["version"] for s in lock.get("sdists", [])},
+        "sources": {s["name"]: {"commit": s["commit"], "tree": s["tree"], "url": s["url"]} for s in lock.get("sources", [])},
+        "base": lock["base"],
+    }) + b"\n"
+
+
+def bundle_entries(lock: Dict[str, Any], bundle_root: Path, built: List[Tuple[str, str]]) -> List[Entry]:
+    """The bundle layer: ``bundle.include`` paths of ``bundle_root``, the lock's bytes and the stamp."""
+    dest = lock["bundle"]["dest"].strip("/")
+    entries: List[Entry] = []
+    for rel in lock["bundle"]["include"]:
+        src = bundle_root / rel
+        if src.is_dir():
+            entries += [e for e in entries_from_tree(src, f"{dest}/{rel}") if "__pycache__" not in e.path.split("/")]
+        elif src.is_file():
+            entries.append(Entry(f"{dest}/{rel}", FILE, source=src))
+        else:
+            raise UserError(f"bundle.include {rel!r}: not found under {bundle_root}")
+    entries.append(Entry(f"{dest}/lockfiles/{lock['_path'].name}", FILE, data=lock["_bytes"]))
+    entries.append(Entry(lock["bundle"]["stamp"], FILE, data=stamp(lock, built)))
+    return entries
+
+
+def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: str, console) -> Tuple[str, int]:
+    total = sum(e.size() for e in entries)
+    tmp = cache.new_temp()
+    try:
+        with open(tmp, "wb") as handle:
+            if console is not None and total >= (64 << 20):
+                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+                with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=console,
+                              transient=True) as progress:
+                    task = progress.add_task(f"writing layer {label}", total=total)
+                    info = write_layer(entries, handle, epoch, on_write=lambda n: progress.advance(task, n))
+            else:
+                info = write_layer(entries, handle, epoch)
+            handle.flush()
+            os.fsync(handle.fileno())
+        cache.commit(tmp, info.hex)
+        return info.diff_id, info.size
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, archive: Optional[Path] = None,
+                revision: str = "unknown", offline: bool = False, console=None) -> BuildResult:
+    """Build the image of the lock at ``lock_path`` into the OCI layout ``out`` (and ``archive``).
+
+    ``bundle_root``: the directory whose ``conf/`` (``bundle.include``) goes into the bundle layer;
+    ``revision``: the ``org.opencontainers.image.revision`` label; ``offline``: never download.
+    Raises :class:`UserError` for a bad lock, a missing or tampered input, or a refused wheel or archive;
+    nothing is written to ``out`` then.
+    """
+    lock = lockfile.load_lock(lock_path)
+    plans = plan_layers(lock, cache, bundle_root, offline)
+    layers: List[Layer] = []
+    result_layers: List[Tuple[str, str, int, str]] = []
+    built: List[Tuple[str, str]] = []
+    spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
+    try:
+        for plan in plans:
+            if plan.name == "bundle":
+                entries = bundle_entries(lock, bundle_root, built)
+                diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console)
+                status = "built"
+            else:
+                key = layer_key(lock, plan)
+                record = cache.layer_record(key) if plan.cacheable else None
+                if record is not None and cache.get(record["diff_id"][7:], f"layer {plan.name}") is not None:
+                    diff_id, size, status = record["diff_id"], int(record["size"]), "cached"
+                else:
+                    entries = plan.make(spool)
+                    diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console)
+                    cache.put_layer_record(key, {"diff_id": diff_id, "size": size, "layer": plan.name})
+                    status = "built"
+                    for child in spool.iterdir():
+                        child.unlink()
+                built.append((plan.name, diff_id))
+            if console is not None:
+                console.print(f"layer {plan.name:<12} {diff_id}  {size:>12,} bytes  {status}", soft_wrap=True)
+            layers.append(Layer(diff_id, size, cache.blob_path(diff_id[7:]), plan.name, plan.comment, diff_id=diff_id))
+            result_layers.append((plan.name, diff_id, size, status))
+    finally:
+        shutil.rmtree(spool, ignore_errors=True)
+
+    image = lock["image"]
+    env = {"PATH": DEFAULT_PATH, **image["env"]}
+    labels = {"org.opencontainers.image.version": __version__, **image["labels"],
+              "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
+    config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
+                          image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
+    digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest))
+    result = BuildResult(digest, "sha256:" + hashlib.sha256(canonical(config)).hexdigest(), result_layers)
+    if archive is not None:
+        result.archive_digest = write_archive(out, archive, lock["epoch"])
+    return result

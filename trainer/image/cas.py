@@ -1,0 +1,237 @@
+"""A content-addressed cache of build inputs and layers, checked by sha256 on every use.
+
+Layout (default root ``$XDG_CACHE_HOME/recipe-bundle/cas``, ``~/.cache/recipe-bundle/cas`` without it;
+``--cache DIR`` overrides)::
+
+    DIR/sha256/<hex>          a blob whose sha256 is <hex>: a wheel, an sdist, a source archive, a layer tar
+    DIR/layers/<key>.json     a built layer: {"diff_id", "size"}; <key> is the sha256 of the layer's inputs
+    DIR/tmp/                  downloads and layers being written (renamed into place when complete)
+
+Every write goes to a temporary file in ``DIR/tmp`` and is renamed into place only after its hash has been
+checked, so ``kill -9`` never leaves a corrupt entry, and two builds sharing a cache at once only race to
+rename identical bytes. Every read hashes the blob again; an entry whose bytes no longer match its name is
+removed and reported. Downloads are allowed from PyPI's hosts only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Optional
+
+from trainer.errors import UserError
+
+HEX = re.compile(r"^[0-9a-f]{64}$")
+DOWNLOAD_HOSTS = ("https://files.pythonhosted.org/", "https://pypi.org/")
+CHUNK = 1 << 20
+PROGRESS_MIN_BYTES = 32 << 20  # show a bar when hashing or downloading at least this much
+
+
+def default_root() -> Path:
+    """``$XDG_CACHE_HOME/recipe-bundle/cas`` (``~/.cache`` when XDG_CACHE_HOME is unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "recipe-bundle" / "cas"
+
+
+def parse_sha256(value: str, what: str) -> str:
+    """``value`` ("<hex>" or "sha256:<hex>") as 64 lowercase hex digits; :class:`UserError` naming ``what``."""
+    hexdigest = value[len("sha256:"):] if value.startswith("sha256:") else value
+    if not HEX.match(hexdigest):
+        raise UserError(f"{what}: expected a sha256 (64 lowercase hex digits), got {value!r}")
+    return hexdigest
+
+
+def _progress(total: int, description: str):
+    """A rich progress bar for ``total`` bytes on stderr, or None for small or non-interactive work."""
+    if total < PROGRESS_MIN_BYTES:
+        return None
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                        console=Console(stderr=True), transient=True)
+    return progress, progress.add_task(description, total=total)
+
+
+def hash_file(path: Path, description: str = "") -> str:
+    """sha256 hex of the file at ``path`` (streamed; a progress bar for large files)."""
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    bar = _progress(size, description or f"hashing {path.name}")
+    with open(path, "rb") as handle:
+        if bar:
+            bar[0].start()
+        try:
+            while chunk := handle.read(CHUNK):
+                digest.update(chunk)
+                if bar:
+                    bar[0].advance(bar[1], len(chunk))
+        finally:
+            if bar:
+                bar[0].stop()
+    return digest.hexdigest()
+
+
+class Cache:
+    """The cache at ``root`` (created on first write). All methods raise :class:`UserError` for bad input."""
+
+    def __init__(self, root: Optional[Path] = None) -> None:
+        self.root = Path(root) if root is not None else default_root()
+
+    def blob_path(self, hexdigest: str) -> Path:
+        return self.root / "sha256" / hexdigest
+
+    def tmp_dir(self) -> Path:
+        path = self.root / "tmp"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def has(self, hexdigest: str) -> bool:
+        return self.blob_path(hexdigest).is_file()
+
+    def get(self, hexdigest: str, name: str) -> Optional[Path]:
+        """The blob ``hexdigest`` after re-hashing it, or None when absent. A blob whose bytes do not match is
+        removed and :class:`UserError` names ``name`` and both hashes."""
+        path = self.blob_path(hexdigest)
+        if not path.is_file():
+            return None
+        actual = hash_file(path, f"verifying {name}")
+        if actual != hexdigest:
+            path.unlink(missing_ok=True)
+            raise UserError(
+                f"cache entry for {name} is corrupt: sha256 {actual} != expected {hexdigest} (removed; run again to re-fetch)"
+            )
+        return path
+
+    def new_temp(self) -> Path:
+        """A fresh, empty temporary file in the cache (same filesystem as the blobs, for atomic renames)."""
+        fd, tmp = tempfile.mkstemp(prefix="part-", dir=self.tmp_dir())
+        os.close(fd)
+        return Path(tmp)
+
+    def commit(self, tmp: Path, hexdigest: str) -> Path:
+        """Move the complete temporary file ``tmp`` (already hashed to ``hexdigest``) into place, read-only."""
+        dest = self.blob_path(hexdigest)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(tmp, 0o444)
+        os.replace(tmp, dest)
+        return dest
+
+    def add_file(self, source: Path, expected: Optional[str] = None, name: Optional[str] = None) -> str:
+        """Copy ``source`` into the cache; return its sha256 hex. With ``expected`` a mismatch is refused
+        (nothing is added)."""
+        name = name or str(source)
+        if not source.is_file():
+            raise UserError(f"{source}: not a file")
+        want = parse_sha256(expected, "--sha256") if expected else None
+        tmp = self.new_temp()
+        try:
+            digest = hashlib.sha256()
+            with open(source, "rb") as src, open(tmp, "wb") as dst:
+                while chunk := src.read(CHUNK):
+                    digest.update(chunk)
+                    dst.write(chunk)
+                dst.flush()
+                os.fsync(dst.fileno())
+            actual = digest.hexdigest()
+            if want and actual != want:
+                raise UserError(f"{name}: sha256 {actual} != expected {want} (not added)")
+            self.commit(tmp, actual)
+            return actual
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def add_bytes(self, data: bytes) -> str:
+        """Add ``data``; return its sha256 hex."""
+        actual = hashlib.sha256(data).hexdigest()
+        if not self.has(actual):
+            tmp = self.new_temp()
+            try:
+                tmp.write_bytes(data)
+                self.commit(tmp, actual)
+            finally:
+                tmp.unlink(missing_ok=True)
+        return actual
+
+    def download(self, url: str, hexdigest: str, name: str) -> Path:
+        """Download ``url`` (PyPI hosts only) into the cache, checking its sha256 before it is renamed in."""
+        if not url.startswith(DOWNLOAD_HOSTS):
+            raise UserError(f"{name}: will not download {url} (only PyPI URLs are fetched; seed the cache with `trainer cache add`)")
+        tmp = self.new_temp()
+        try:
+            digest = hashlib.sha256()
+            with urllib.request.urlopen(url, timeout=60) as response, open(tmp, "wb") as out:
+                total = int(response.headers.get("Content-Length") or 0)
+                bar = _progress(total, f"downloading {name}")
+                if bar:
+                    bar[0].start()
+                try:
+                    while chunk := response.read(CHUNK):
+                        digest.update(chunk)
+                        out.write(chunk)
+                        if bar:
+                            bar[0].advance(bar[1], len(chunk))
+                finally:
+                    if bar:
+                        bar[0].stop()
+            actual = digest.hexdigest()
+            if actual != hexdigest:
+                raise UserError(f"{name}: download from {url} has sha256 {actual} != locked {hexdigest}")
+            return self.commit(tmp, actual)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def ensure(self, hexdigest: str, name: str, url: Optional[str] = None, offline: bool = False) -> Path:
+        """The verified blob for artifact ``name``: from the cache, else downloaded from ``url``.
+
+        Raises :class:`UserError` with one line naming the artifact and its hash when it is neither cached nor
+        downloadable.
+        """
+        path = self.get(hexdigest, name)
+        if path is not None:
+            return path
+        reason = "offline" if offline else "no download URL"
+        if url and not offline and url.startswith(DOWNLOAD_HOSTS):
+            try:
+                return self.download(url, hexdigest, name)
+            except (urllib.error.URLError, OSError, TimeoutError) as ex:
+                reason = f"download failed: {getattr(ex, 'reason', ex)}"
+        elif url and not offline:
+            reason = f"{url} is not fetched by builds"
+        raise UserError(
+            f"missing input {name} sha256:{hexdigest} ({reason}); add it with `trainer cache add FILE --sha256 {hexdigest}`"
+        )
+
+    # built layers, keyed by the hash of their inputs
+    def layer_record(self, key: str) -> Optional[dict]:
+        path = self.root / "layers" / f"{key}.json"
+        try:
+            record = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        if not isinstance(record, dict) or not HEX.match(str(record.get("diff_id", ""))[7:]):
+            return None
+        return record
+
+    def put_layer_record(self, key: str, record: dict) -> None:
+        from trainer.record import atomic_write
+
+        atomic_write(self.root / "layers" / f"{key}.json", (json.dumps(record, sort_keys=True) + "\n").encode())
+
+    def link_or_copy(self, hexdigest: str, dest: Path) -> None:
+        """Place blob ``hexdigest`` at ``dest`` (a hard link when possible, else a copy)."""
+        src = self.blob_path(hexdigest)
+        try:
+            os.link(src, dest)
+        except OSError:
+            shutil.copyfile(src, dest)
+
+
+ProgressFn = Callable[[int], None]

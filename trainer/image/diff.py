@@ -1,0 +1,201 @@
+"""``trainer image diff A B``: are two images the same, and if not, what differs — down to the package and file.
+
+Two images (OCI layout, oci-archive or docker-archive) are identical when their config digests and layer
+diff_ids are equal (an OCI layout and the docker-archive skopeo made from it are identical). Otherwise the
+report lists: config differences (architecture, created, Env by name, Entrypoint, Cmd, WorkingDir, Labels),
+layers aligned by diff_id (unmatched layers paired by their history's ``created_by``, else by position) with
+per-layer file changes (added/removed/changed, with size and sha256), Python distributions that differ
+(from ``*.dist-info/METADATA`` in the merged filesystem) and git sources whose commit differs (from the
+stamped ``/etc/recipe-bundle/lock.json``).
+
+Image vs lock: the image's distributions and stamped sources against the lock's wheels and sources, and the
+lock's sha256 against the image's ``dev.recipe-bundle.lock.sha256`` label; identical when all agree.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from email.parser import BytesHeaderParser
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from trainer.errors import UserError
+from trainer.image.oci import ImageRef, LayerRef, open_image
+
+STAMP = "etc/recipe-bundle/lock.json"
+LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
+METADATA = re.compile(r"(^|/)site-packages/[^/]+\.dist-info/METADATA$")
+
+
+def _config_view(config: Dict[str, Any]) -> Dict[str, Any]:
+    inner = config.get("config") or {}
+    env = dict(item.split("=", 1) if "=" in item else (item, "") for item in inner.get("Env") or [])
+    return {"architecture": config.get("architecture"), "os": config.get("os"), "created": config.get("created"),
+            "Entrypoint": inner.get("Entrypoint"), "Cmd": inner.get("Cmd"), "WorkingDir": inner.get("WorkingDir"),
+            "Env": env, "Labels": inner.get("Labels") or {}}
+
+
+def _dict_changes(kind: str, a: Dict[str, Any], b: Dict[str, Any]) -> List[Dict[str, Any]]:
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if a.get(key) != b.get(key):
+            out.append({"field": f"{kind}.{key}", "old": a.get(key), "new": b.get(key)})
+    return out
+
+
+def config_changes(a: Dict[str, Any], b: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Differences between two image configs: [{"field", "old", "new"}], Env and Labels compared by name."""
+    va, vb = _config_view(a), _config_view(b)
+    out: List[Dict[str, Any]] = []
+    for key in ("architecture", "os", "created", "Entrypoint", "Cmd", "WorkingDir"):
+        if va[key] != vb[key]:
+            out.append({"field": key, "old": va[key], "new": vb[key]})
+    return out + _dict_changes("Env", va["Env"], vb["Env"]) + _dict_changes("Labels", va["Labels"], vb["Labels"])
+
+
+def file_changes(fa: Dict[str, Dict[str, Any]], fb: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Per-file changes between two layers' listings (see :meth:`ImageRef.files`)."""
+    out = []
+    for path in sorted(set(fa) | set(fb)):
+        old, new = fa.get(path), fb.get(path)
+        if old == new:
+            continue
+        change = "added" if old is None else "removed" if new is None else "changed"
+        out.append({"path": path, "change": change, "old": old, "new": new})
+    return out
+
+
+def align_layers(a: List[LayerRef], b: List[LayerRef]) -> List[Tuple[Optional[LayerRef], Optional[LayerRef]]]:
+    """Pairs of layers: equal diff_ids first, then unmatched ones by history name, then by position."""
+    b_ids = {l.diff_id for l in b}
+    a_ids = {l.diff_id for l in a}
+    only_a = [l for l in a if l.diff_id not in b_ids]
+    only_b = [l for l in b if l.diff_id not in a_ids]
+    pairs: List[Tuple[Optional[LayerRef], Optional[LayerRef]]] = [(l, l) for l in a if l.diff_id in b_ids]
+    rest_b = list(only_b)
+    for la in only_a:
+        match = next((lb for lb in rest_b if la.history and lb.history == la.history), None)
+        if match is None and rest_b and not any(lb.history == la.history for lb in only_b):
+            match = next((lb for lb in rest_b if not lb.history or lb.history not in {x.history for x in only_a}), None)
+        if match is not None:
+            rest_b.remove(match)
+        pairs.append((la, match))
+    pairs += [(None, lb) for lb in rest_b]
+    return pairs
+
+
+def distributions(image: ImageRef) -> Dict[str, str]:
+    """name -> version of every installed Python distribution (dist-info METADATA, top-most layer wins)."""
+    out: Dict[str, str] = {}
+    for layer in image.layers:
+        with layer.open() as raw:
+            import gzip
+            import tarfile
+
+            head = raw.read(2)
+            raw.seek(0)
+            stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                for member in tar:
+                    if member.isreg() and METADATA.search(member.name):
+                        headers = BytesHeaderParser().parsebytes(tar.extractfile(member).read())
+                        if headers.get("Name"):
+                            out[headers["Name"]] = headers.get("Version", "")
+    return out
+
+
+def stamped(image: ImageRef) -> Dict[str, Any]:
+    data = image.read_file(STAMP)
+    if data is None:
+        return {}
+    try:
+        return json.loads(data)
+    except json.JSONDecodeError:
+        return {}
+
+
+def _versions(a: Dict[str, str], b: Dict[str, str]) -> List[Dict[str, Optional[str]]]:
+    return [{"name": n, "old": a.get(n), "new": b.get(n)} for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)]
+
+
+def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
+    """The differences between images ``a`` and ``b`` as a JSON-able dict with ``identical`` (bool)."""
+    same_layers = [l.diff_id for l in a.layers] == [l.diff_id for l in b.layers]
+    if a.config_digest == b.config_digest and same_layers:
+        return {"identical": True, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest}
+    layers = []
+    for la, lb in align_layers(a.layers, b.layers):
+        if la is not None and lb is not None and la.diff_id == lb.diff_id:
+            layers.append({"name": la.history, "diff_id": la.diff_id, "status": "same"})
+            continue
+        fa = a.files(la) if la is not None else {}
+        fb = b.files(lb) if lb is not None else {}
+        layers.append({"name": (la or lb).history, "old": la.diff_id if la else None, "new": lb.diff_id if lb else None,
+                       "status": "changed" if la and lb else "removed" if la else "added",
+                       "files": file_changes(fa, fb)})
+    sa, sb = stamped(a), stamped(b)
+    commits_a = {n: s.get("commit") for n, s in (sa.get("sources") or {}).items()}
+    commits_b = {n: s.get("commit") for n, s in (sb.get("sources") or {}).items()}
+    return {"identical": False, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest,
+            "config": config_changes(a.config, b.config), "layers": layers,
+            "distributions": _versions(distributions(a), distributions(b)),
+            "sources": _versions(commits_a, commits_b)}
+
+
+def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
+    """Image ``a`` against a loaded lock: distributions, sources and the lock hash label."""
+    label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
+    wheels = {w["name"]: w["version"] for w in lock.get("wheels", [])}
+    dists = _versions(distributions(a), wheels)
+    commits = {n: s.get("commit") for n, s in (stamped(a).get("sources") or {}).items()}
+    sources = _versions(commits, {s["name"]: s["commit"] for s in lock.get("sources", [])})
+    result: Dict[str, Any] = {"a": a.manifest_digest or a.config_digest, "b": str(lock["_path"]),
+                              "lock_sha256": {"image": label, "lock": lock["_sha256"]},
+                              "distributions": dists, "sources": sources}
+    result["identical"] = not dists and not sources and label == lock["_sha256"]
+    return result
+
+
+def render(result: Dict[str, Any]) -> str:
+    """The human-readable report of a :func:`diff_images` / :func:`diff_image_lock` result."""
+    if result["identical"]:
+        return "identical"
+    lines = [f"different: {result['a']} vs {result['b']}"]
+    if "lock_sha256" in result and result["lock_sha256"]["image"] != result["lock_sha256"]["lock"]:
+        lines.append(f"lock sha256: image built from {result['lock_sha256']['image']}, lock is {result['lock_sha256']['lock']}")
+    for c in result.get("config", []):
+        lines.append(f"config {c['field']}: {json.dumps(c['old'])} -> {json.dumps(c['new'])}")
+    for layer in result.get("layers", []):
+        if layer["status"] == "same":
+            lines.append(f"layer {layer['name'] or '?'}: same {layer['diff_id']}")
+            continue
+        lines.append(f"layer {layer['name'] or '?'}: {layer['status']} {layer['old']} -> {layer['new']}")
+        for f in layer["files"]:
+            describe = lambda x: "-" if x is None else (f"{x['size']} bytes sha256:{x['sha256'][:12]}" if x.get("type") == "file"
+                                                        else f"{x['type']} {x.get('target', '')}".strip())
+            lines.append(f"  {f['change']:<7} {f['path']}  {describe(f['old'])} -> {describe(f['new'])}")
+    for d in result.get("distributions", []):
+        lines.append(f"python {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
+    for s in result.get("sources", []):
+        lines.append(f"source {s['name']}: {s['old'] or '(absent)'} -> {s['new'] or '(absent)'}")
+    return "\n".join(lines)
+
+
+def diff_main(a: Path, b: Path, as_json: bool) -> int:
+    """Compare ``a`` (an image) with ``b`` (an image or an image lock); print; 0 identical, 1 different."""
+    image_a = open_image(a)
+    if b.is_file() and b.suffix == ".json":
+        from trainer.image.lockfile import load_lock
+
+        data = json.loads(b.read_text() or "null") if b.stat().st_size < (64 << 20) else None
+        if isinstance(data, dict) and data.get("kind") == "recipe-bundle.image-lock":
+            result = diff_image_lock(image_a, load_lock(b))
+        elif isinstance(data, dict) and isinstance(data.get("image"), dict) and data["image"].get("lock"):
+            result = diff_image_lock(image_a, load_lock(Path(data["image"]["lock"])))
+        else:
+            raise UserError(f"{b}: neither an image lock (kind recipe-bundle.image-lock) nor a run record naming one (image.lock)")
+    else:
+        result = diff_images(image_a, open_image(b))
+    print(json.dumps(result, indent=2) if as_json else render(result))
+    return 0 if result["identical"] else 1

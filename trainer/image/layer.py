@@ -1,0 +1,316 @@
+"""Deterministic OCI layers: a list of entries in, the same uncompressed tar bytes out, on any machine.
+
+A layer is a POSIX tar (GNU format, so long names use ``././@LongLink`` records and no pax headers with
+times or xattrs are written). Every header field that could vary between machines is fixed:
+
+- entries sorted by path components (parents before children), every parent directory present;
+- ``mtime`` = the lock's ``epoch`` (seconds since 1970, SOURCE_DATE_EPOCH style) for every entry;
+- ``uid``/``gid`` 0, ``uname``/``gname`` empty, no device numbers, no xattrs, no hard links;
+- modes normalized: files 0644 or 0755 (when any execute bit was set), directories 0755, symlinks 0777;
+- only regular files, directories and symlinks (no devices, FIFOs or sockets).
+
+Layers are stored uncompressed, so the layer's digest equals its ``diff_id`` (OCI image-spec,
+config.md "rootfs.diff_ids": the sha256 of the uncompressed tar). The same idea as nix2container's tar
+writer and nixpkgs' ``stream_layered_image.py``; the tar encoding itself is Python's :mod:`tarfile`.
+
+Paths are refused (:class:`~trainer.errors.UserError`) when they contain ``..``, empty or NUL components,
+or appear twice; symlink targets are refused when they are absolute (unless the caller allows that, as a
+Debian rootfs needs) or when they resolve outside the layer's root.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import posixpath
+import tarfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple
+
+from trainer.errors import UserError
+
+FILE, DIR, SYMLINK = "file", "dir", "symlink"
+TYPES = (FILE, DIR, SYMLINK)
+CHUNK = 1 << 20  # bytes per read when streaming a file into a layer
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One filesystem entry of a layer.
+
+    ``path``: POSIX path inside the image, relative or absolute ("usr/bin/x" and "/usr/bin/x" are the same).
+    ``type``: "file", "dir" or "symlink". A file's content is ``data`` (bytes) or the file at ``source``
+    (read when the layer is written; ``size`` is then taken from it). ``executable`` picks mode 0755 over 0644.
+    ``target``: a symlink's target.
+    """
+
+    path: str
+    type: str = FILE
+    data: Optional[bytes] = None
+    source: Optional[Path] = None
+    executable: bool = False
+    target: str = ""
+
+    @property
+    def mode(self) -> int:
+        """The normalized permission bits written to the tar header."""
+        if self.type == DIR:
+            return 0o755
+        if self.type == SYMLINK:
+            return 0o777
+        return 0o755 if self.executable else 0o644
+
+    def size(self) -> int:
+        """Content size in bytes (0 for directories and symlinks)."""
+        if self.type != FILE:
+            return 0
+        if self.data is not None:
+            return len(self.data)
+        return self.source.stat().st_size if self.source is not None else 0
+
+
+@dataclass
+class LayerInfo:
+    """What writing a layer produced: ``diff_id`` ("sha256:<hex>" of the tar bytes), ``size`` (bytes),
+    ``entries`` (tar members written, implicit parent directories included)."""
+
+    diff_id: str
+    size: int
+    entries: int
+
+    @property
+    def hex(self) -> str:
+        return self.diff_id.split(":", 1)[1]
+
+
+def normalize_path(path: str) -> str:
+    """``path`` as a clean relative POSIX path ("./usr//bin/" -> "usr/bin").
+
+    Raises :class:`UserError` for an empty path, a ``..`` component or a NUL byte.
+    """
+    if "\0" in path:
+        raise UserError(f"layer entry {path!r}: NUL byte in path")
+    parts = [p for p in path.split("/") if p not in ("", ".")]
+    if not parts:
+        raise UserError(f"layer entry {path!r}: empty path (the root itself is not an entry)")
+    if ".." in parts:
+        raise UserError(f"layer entry {path!r}: '..' in path (entries must stay inside the image root)")
+    return "/".join(parts)
+
+
+def check_symlink(path: str, target: str, allow_absolute: bool = False) -> None:
+    """Refuse a symlink at ``path`` (normalized) whose ``target`` is absolute (unless ``allow_absolute``) or
+    whose relative target resolves outside the root. Raises :class:`UserError`."""
+    if not target or "\0" in target:
+        raise UserError(f"layer entry {path!r}: empty or NUL symlink target")
+    if target.startswith("/"):
+        if not allow_absolute:
+            raise UserError(f"layer entry {path!r}: absolute symlink target {target!r} refused")
+        return
+    # walk the target from the link's directory, counting depth below the root
+    depth = len([p for p in posixpath.dirname(path).split("/") if p])
+    for part in target.split("/"):
+        if part == "..":
+            depth -= 1
+            if depth < 0:
+                raise UserError(f"layer entry {path!r}: symlink target {target!r} escapes the image root")
+        elif part not in ("", "."):
+            depth += 1
+
+
+def _sort_key(path: str) -> Tuple[bytes, ...]:
+    return tuple(p.encode("utf-8", "surrogateescape") for p in path.split("/"))
+
+
+def plan_entries(entries: Iterable[Entry], allow_absolute_symlinks: bool = False) -> List[Entry]:
+    """Validate and order ``entries``: normalized paths, implicit parent directories added, sorted.
+
+    Raises :class:`UserError` on a bad path or symlink, an unknown type, a duplicate path, or a path
+    under a non-directory.
+    """
+    by_path: Dict[str, Entry] = {}
+    for entry in entries:
+        if entry.type not in TYPES:
+            raise UserError(f"layer entry {entry.path!r}: type {entry.type!r} refused (expected one of {', '.join(TYPES)})")
+        path = normalize_path(entry.path)
+        if entry.type == SYMLINK:
+            check_symlink(path, entry.target, allow_absolute_symlinks)
+        if entry.type == FILE and (entry.data is None) == (entry.source is None):
+            raise UserError(f"layer entry {path!r}: a file needs exactly one of data or source")
+        if path in by_path:
+            if entry.type == DIR and by_path[path].type == DIR:
+                continue
+            raise UserError(f"layer entry {path!r}: path appears twice")
+        by_path[path] = Entry(path, entry.type, entry.data, entry.source, entry.executable, entry.target)
+    for path in list(by_path):
+        parent = posixpath.dirname(path)
+        while parent:
+            existing = by_path.get(parent)
+            if existing is None:
+                by_path[parent] = Entry(parent, DIR)
+            elif existing.type != DIR:
+                raise UserError(f"layer entry {path!r}: parent {parent!r} is a {existing.type}, not a directory")
+            else:
+                break
+            parent = posixpath.dirname(parent)
+    return [by_path[p] for p in sorted(by_path, key=_sort_key)]
+
+
+class HashingWriter(io.RawIOBase):
+    """A write-only stream that sha256-hashes and counts what passes through to ``sink`` (or nowhere)."""
+
+    def __init__(self, sink: Optional[BinaryIO] = None, on_write: Optional[Callable[[int], None]] = None) -> None:
+        self.sink = sink
+        self.sha256 = hashlib.sha256()
+        self.size = 0
+        self.on_write = on_write
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:  # type: ignore[override]
+        view = memoryview(data)
+        self.sha256.update(view)
+        if self.sink is not None:
+            self.sink.write(view)
+        self.size += len(view)
+        if self.on_write is not None:
+            self.on_write(len(view))
+        return len(view)
+
+    def tell(self) -> int:
+        return self.size
+
+
+def tarinfo(entry: Entry, epoch: int) -> tarfile.TarInfo:
+    """The fixed tar header of a planned ``entry`` (see the module docstring for every field)."""
+    info = tarfile.TarInfo(entry.path)
+    info.mtime = int(epoch)
+    info.uid = info.gid = 0
+    info.uname = info.gname = ""
+    info.mode = entry.mode
+    info.devmajor = info.devminor = 0
+    if entry.type == DIR:
+        info.type = tarfile.DIRTYPE
+    elif entry.type == SYMLINK:
+        info.type = tarfile.SYMTYPE
+        info.linkname = entry.target
+    else:
+        info.type = tarfile.REGTYPE
+        info.size = entry.size()
+    return info
+
+
+def write_layer(
+    entries: Iterable[Entry],
+    out: Optional[BinaryIO],
+    epoch: int,
+    allow_absolute_symlinks: bool = False,
+    on_write: Optional[Callable[[int], None]] = None,
+) -> LayerInfo:
+    """Write the layer of ``entries`` to ``out`` (a binary stream, or None to only compute the digest).
+
+    ``epoch``: the mtime of every entry, integer seconds since 1970-01-01 UTC (the lock's ``epoch``).
+    ``on_write(n)`` is called with each chunk's byte count (progress bars).
+    Returns :class:`LayerInfo`; raises :class:`UserError` for refused entries (before any byte is written)
+    or when a source file changes size while it is read.
+    """
+    if int(epoch) < 0:
+        raise UserError(f"layer epoch {epoch}: expected seconds since 1970 (>= 0)")
+    planned = plan_entries(entries, allow_absolute_symlinks)
+    writer = HashingWriter(out, on_write)
+    with tarfile.TarFile(fileobj=writer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8") as tar:
+        for entry in planned:
+            info = tarinfo(entry, epoch)
+            if entry.type != FILE:
+                tar.addfile(info)
+            elif entry.data is not None:
+                tar.addfile(info, io.BytesIO(entry.data))
+            else:
+                with open(entry.source, "rb") as handle:
+                    tar.addfile(info, _ExactReader(handle, info.size, entry.path))
+    return LayerInfo(f"sha256:{writer.sha256.hexdigest()}", writer.size, len(planned))
+
+
+class _ExactReader:
+    """Reads exactly ``size`` bytes from ``handle``; a file that shrank or grew is an error."""
+
+    def __init__(self, handle: BinaryIO, size: int, path: str) -> None:
+        self.handle, self.left, self.path = handle, size, path
+
+    def read(self, n: int = -1) -> bytes:
+        want = self.left if n is None or n < 0 else min(n, self.left)
+        data = self.handle.read(want)
+        self.left -= len(data)
+        if len(data) < want:
+            raise UserError(f"layer entry {self.path!r}: source file shrank while it was read")
+        if self.left == 0 and self.handle.read(1):
+            raise UserError(f"layer entry {self.path!r}: source file grew while it was read")
+        return data
+
+
+def entries_from_tree(root: Path, prefix: str, allow_absolute_symlinks: bool = False) -> List[Entry]:
+    """Entries for every file, directory and symlink under the directory ``root``, placed under ``prefix``.
+
+    Ownership, times and permission bits other than "executable" are dropped. Raises :class:`UserError`
+    for anything that is not a file, directory or symlink.
+    """
+    out: List[Entry] = [Entry(prefix, DIR)] if normalize_path(prefix) else []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = os.path.relpath(dirpath, root)
+        for name in sorted(dirnames + filenames):
+            full = os.path.join(dirpath, name)
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            path = f"{prefix}/{rel}"
+            st = os.lstat(full)
+            if os.path.islink(full):
+                out.append(Entry(path, SYMLINK, target=os.readlink(full)))
+            elif os.path.isdir(full):
+                out.append(Entry(path, DIR))
+            elif os.path.isfile(full):
+                out.append(Entry(path, FILE, source=Path(full), executable=bool(st.st_mode & 0o111)))
+            else:
+                raise UserError(f"{full}: not a regular file, directory or symlink (refused in a layer)")
+    return out
+
+
+def entries_from_tar(
+    stream: BinaryIO, prefix: str, strip_components: int = 0, allow_absolute_symlinks: bool = False
+) -> List[Entry]:
+    """Entries of a tar archive (any compression :mod:`tarfile` reads), re-rooted under ``prefix``.
+
+    ``strip_components`` leading path components are removed (like ``tar --strip-components``). Hard links
+    become copies of their target's content; pax/global headers are dropped. Raises :class:`UserError` for
+    device files, FIFOs, ``..`` paths, and links that escape the root.
+    """
+    out: List[Entry] = []
+    contents: Dict[str, bytes] = {}
+    with tarfile.open(fileobj=stream, mode="r:*") as tar:
+        for member in tar:
+            parts = [p for p in member.name.split("/") if p not in ("", ".")]
+            if ".." in parts:
+                raise UserError(f"archive member {member.name!r}: '..' in path")
+            if len(parts) <= strip_components:
+                continue
+            rel = "/".join(parts[strip_components:])
+            path = f"{prefix}/{rel}" if prefix.strip("/") else rel
+            if member.isdir():
+                out.append(Entry(path, DIR))
+            elif member.issym():
+                out.append(Entry(path, SYMLINK, target=member.linkname))
+            elif member.islnk():
+                link_parts = [p for p in member.linkname.split("/") if p not in ("", ".")]
+                key = "/".join(link_parts)
+                if key not in contents:
+                    raise UserError(f"archive member {member.name!r}: hard link to unknown {member.linkname!r}")
+                out.append(Entry(path, FILE, data=contents[key], executable=bool(member.mode & 0o111)))
+            elif member.isreg():
+                data = tar.extractfile(member).read()
+                contents["/".join(parts)] = data
+                out.append(Entry(path, FILE, data=data, executable=bool(member.mode & 0o111)))
+            else:
+                raise UserError(f"archive member {member.name!r}: device, FIFO or other special file refused")
+    return out

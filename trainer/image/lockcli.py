@@ -1,0 +1,163 @@
+"""``trainer lock verify LOCK`` (offline) and ``trainer lock resolve`` (network: uv + PyPI's JSON API).
+
+``verify``: the lock is well-formed (:func:`trainer.image.lockfile.validate_lock`: every artifact hashed, no
+duplicate names or hashes) and consistent with the stack pins in ``lockfiles/stack.json`` (which
+``conf/stack/`` must agree with, :func:`trainer.lock.verify_stack`). Exit 0 ok, 2 with one line otherwise.
+
+``resolve``: runs ``uv pip compile --generate-hashes --python-version 3.12 --python-platform
+x86_64-manylinux_2_28`` on a requirements file, then asks PyPI's simple JSON API
+(PEP 691, ``https://pypi.org/simple/NAME/``) for the URL of the file with each locked hash (uv prints
+hashes, not URLs), keeping the one wheel that fits the platform, and writes a lock (``--template`` gives
+every field that is not the Python closure). Resolution never runs during a build.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+from trainer import REPO_ROOT
+from trainer.errors import UserError
+from trainer.image import lockfile
+
+REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
+HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
+GROUP_RULES = (
+    ("torch", re.compile(r"^(torch|triton)$")),
+    ("te", re.compile(r"^transformer-engine")),
+    ("cuda-runtime", re.compile(r"^(nvidia-|cuda-)")),
+)
+
+
+def group_of(name: str) -> str:
+    """The layer group of distribution ``name``: torch, te, cuda-runtime (nvidia-*, cuda-*) or rest."""
+    canon = lockfile.canonical_name(name)
+    for group, rule in GROUP_RULES:
+        if rule.search(canon):
+            return group
+    return "rest"
+
+
+def parse_uv_output(text: str) -> List[Tuple[str, str, List[str]]]:
+    """(name, version, [sha256 hex, ...]) of every ``name==version`` block in ``uv pip compile`` output."""
+    out: List[Tuple[str, str, List[str]]] = []
+    for block in re.split(r"\n(?=[A-Za-z0-9])", text):
+        match = REQ_LINE.match(block.strip())
+        if match:
+            out.append((match.group(1), match.group(2), HASH.findall(block)))
+    return out
+
+
+def wheel_fits(filename: str, python: str = "cp312", platform_tags: Tuple[str, ...] = ("manylinux", "linux_x86_64")) -> bool:
+    """Whether a wheel file name fits CPython 3.12 on x86_64 manylinux (py3-none-any, abi3 and cp312 wheels)."""
+    from packaging.utils import parse_wheel_filename
+
+    try:
+        _, _, _, tags = parse_wheel_filename(filename)
+    except Exception:
+        return False
+    for tag in tags:
+        interp_ok = tag.interpreter in ("py3", "py312", python) or (tag.abi == "abi3" and tag.interpreter.startswith("cp3")
+                                                                     and int(tag.interpreter[3:] or 0) <= 12)
+        plat_ok = tag.platform == "any" or (tag.platform.endswith("x86_64") and tag.platform.startswith(platform_tags))
+        if interp_ok and plat_ok:
+            return True
+    return False
+
+
+def pypi_files(name: str, version: str) -> List[Dict[str, Any]]:
+    """The files of project ``name`` from PyPI's simple JSON API (PEP 691, ``https://pypi.org/simple/NAME/``),
+    as [{"filename", "url", "sha256", "packagetype"}]; callers keep those whose sha256 uv locked for ``version``.
+    (The per-version JSON API ``/pypi/NAME/VERSION/json`` is not served by every PyPI mirror.)"""
+    url = f"https://pypi.org/simple/{lockfile.canonical_name(name)}/"
+    request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            files = json.load(response)["files"]
+    except Exception as ex:
+        raise UserError(f"{name}=={version}: PyPI simple API {url} failed ({ex})") from None
+    return [{"filename": f["filename"], "url": f["url"].split("#")[0], "sha256": f.get("hashes", {}).get("sha256", ""),
+             "packagetype": "bdist_wheel" if f["filename"].endswith(".whl") else "sdist"} for f in files]
+
+
+def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_64-manylinux_2_28") -> Dict[str, Any]:
+    """A lock: ``template`` with ``wheels`` and ``sdists`` from resolving ``requirements`` (see module docstring)."""
+    cmd = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--generate-hashes", "--no-header",
+           "--python-version", "3.12", "--python-platform", platform, "--index-url",
+           "https://pypi.org/simple", str(requirements)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        last = (proc.stderr.strip().splitlines() or ["uv failed"])[-1]
+        raise UserError(f"{requirements}: uv pip compile failed: {last}")
+    wheels, sdists = [], []
+    for name, version, hashes in parse_uv_output(proc.stdout):
+        files = [f for f in pypi_files(name, version) if f["sha256"] in hashes]
+        fitting = [f for f in files if f["packagetype"] == "bdist_wheel" and wheel_fits(f["filename"])]
+        item = {"name": name, "version": version, "group": group_of(name)}
+        if fitting:
+            best = sorted(fitting, key=lambda f: f["filename"])[-1]
+            wheels.append({**item, "filename": best["filename"], "url": best["url"], "sha256": best["sha256"]})
+        else:
+            sd = [f for f in files if f["packagetype"] == "sdist"]
+            if not sd:
+                raise UserError(f"{name}=={version}: no wheel for cp312 x86_64 and no sdist among the locked hashes")
+            sdists.append({**item, "filename": sd[0]["filename"], "url": sd[0]["url"], "sha256": sd[0]["sha256"]})
+    lock = {k: v for k, v in template.items() if not k.startswith("_")}
+    lock["wheels"], lock["sdists"] = wheels, sdists
+    return lock
+
+
+def verify(path: Path, stack_path: Path) -> Dict[str, Any]:
+    """Load and check the lock at ``path`` against ``stack_path``; return the lock. Raises :class:`UserError`."""
+    from trainer.lock import load_stack_lock
+
+    lock = lockfile.load_lock(path)
+    stack_rel = lock.get("stack")
+    if stack_rel:
+        stack_path = REPO_ROOT / stack_rel if not Path(stack_rel).is_absolute() else Path(stack_rel)
+    problems = lockfile.find_stack_consistency(lock, load_stack_lock(stack_path))
+    if problems:
+        raise UserError(f"{path}: inconsistent with {stack_path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+    return lock
+
+
+def main(argv: List[str]) -> int:
+    """Entry point of ``trainer lock``; returns the exit code."""
+    p = argparse.ArgumentParser(prog="trainer lock", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    v = sub.add_parser("verify", help="offline: well-formed, every entry hashed, no duplicates, agrees with stack.json")
+    v.add_argument("lock")
+    v.add_argument("--stack", default=str(REPO_ROOT / "lockfiles" / "stack.json"), help="stack pins (default lockfiles/stack.json)")
+    v.add_argument("--json", action="store_true")
+    r = sub.add_parser("resolve", help="network: resolve requirements with uv, URLs from PyPI, write a lock")
+    r.add_argument("--requirements", default=str(REPO_ROOT / "lockfiles" / "full.in"))
+    r.add_argument("--template", required=True, help="a lock whose non-Python fields (base, sources, image...) are kept")
+    r.add_argument("--out", required=True)
+    r.add_argument("--python-platform", default="x86_64-manylinux_2_28",
+                   help="uv's target platform (x86_64-manylinux_2_39 for Ubuntu 24.04 bases: glibc 2.39)")
+    args = p.parse_args(argv)
+    if args.command == "verify":
+        lock = verify(Path(args.lock), Path(args.stack))
+        summary = {"lock": args.lock, "sha256": lock["_sha256"], "wheels": len(lock.get("wheels", [])),
+                   "sdists": len(lock.get("sdists", [])), "sources": len(lock.get("sources", [])),
+                   "base": lock["base"]["type"]}
+        print(json.dumps(summary, indent=2) if args.json else
+              f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, {summary['sources']} sources, "
+              f"base {summary['base']}) sha256:{lock['_sha256']}")
+        return 0
+    template = json.loads(Path(args.template).read_text())
+    lock = resolve(Path(args.requirements), template, args.python_platform)
+    lock["python"]["platform"] = args.python_platform
+    lockfile.validate_lock(lock, args.out)
+    from trainer.record import atomic_write
+
+    atomic_write(Path(args.out), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+    print(f"{args.out}: {len(lock['wheels'])} wheels, {len(lock['sdists'])} sdists")
+    return 0

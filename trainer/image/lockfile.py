@@ -1,0 +1,235 @@
+"""Image locks: every input of an image, pinned by URL (or registry reference) and sha256.
+
+A lock is one JSON file (``lockfiles/*.lock.json``); builds read only the lock, ``trainer lock resolve``
+writes it, ``trainer lock verify`` checks it offline. Format (``schema_version`` 1)::
+
+    {
+      "schema_version": 1,
+      "kind": "recipe-bundle.image-lock",
+      "name": "smoke",                        # image name; also the file name stem
+      "epoch": 1767225600,                    # mtime of every file and the config's "created" (seconds, UTC)
+      "platform": {"os": "linux", "architecture": "amd64"},
+      "python": {"version": "3.12", "platform": "x86_64-manylinux_2_28",
+                 "prefix": "/usr/local",                          # scripts go to PREFIX/bin, data to PREFIX
+                 "site_packages": "/usr/local/lib/python3.12/site-packages",
+                 "interpreter": "/usr/local/bin/python3.12"},      # the shebang of console scripts
+      "base": {"type": "scratch"}                                 # nothing below our layers (smoke)
+            | {"type": "oci", "reference": "NAME:TAG@sha256:...", "digest": "sha256:..."}   # the real recipe
+            | {"type": "debian-rootfs", "suite": "bookworm", "variant": "essential",
+               "debs": [{"name", "version", "architecture", "url", "sha256"}, ...]},        # buildable variant
+      "wheels": [{"name", "version", "filename", "url", "sha256", "group"}, ...],
+      "sdists": [{"name", "version", "filename", "url", "sha256", "group"}, ...],   # shipped, not compiled
+      "sources": [{"name", "url", "commit", "tree", "dest",
+                   "archive": {"filename", "sha256", "url"?}}, ...],              # git sources (archive tar)
+      "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
+      "image": {"env": {...}, "entrypoint": [...], "working_dir": "...",
+                "labels": {"org.opencontainers.image.source": "...", ...}},
+      "stack": "lockfiles/stack.json"          # optional: the stack pins this lock must agree with
+    }
+
+``group`` puts a wheel or sdist into one of the Python layers, in this order: ``cuda-runtime``, ``torch``,
+``te``, ``rest``. Layers, bottom to top: base, the Python groups (only those with entries), ``sources``
+(git sources and sdists), ``bundle`` (``conf/``, the lock itself and the stamped lock summary).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.errors import UserError
+
+SCHEMA_VERSION = 1
+KIND = "recipe-bundle.image-lock"
+GROUPS = ("cuda-runtime", "torch", "te", "rest")
+BASE_TYPES = ("scratch", "oci", "debian-rootfs")
+HEX40 = re.compile(r"^[0-9a-f]{40}$")
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+NAME = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$")
+
+
+def canonical_name(name: str) -> str:
+    """PEP 503 normalized distribution name."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def load_lock(path: Path) -> Dict[str, Any]:
+    """Read and validate the lock at ``path``; return it with ``_sha256`` (of its bytes) and ``_path`` added.
+
+    Raises :class:`UserError` with the file and field for every defect (see :func:`validate_lock`).
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise UserError(f"{path}: lock not found") from None
+    except IsADirectoryError:
+        raise UserError(f"{path}: is a directory, expected a lock file") from None
+    try:
+        lock = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
+        raise UserError(f"{path}: not valid JSON ({ex})") from None
+    validate_lock(lock, str(path))
+    lock["_sha256"] = hashlib.sha256(raw).hexdigest()
+    lock["_path"] = path
+    lock["_bytes"] = raw
+    return lock
+
+
+def _need(obj: Dict[str, Any], key: str, kind, where: str) -> Any:
+    value = obj.get(key) if isinstance(obj, dict) else None
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
+        expected = getattr(kind, "__name__", str(kind))
+        raise UserError(f"{where}.{key}: expected {expected}, got {json.dumps(value)}")
+    return value
+
+
+def _sha(obj: Dict[str, Any], key: str, where: str) -> str:
+    value = _need(obj, key, str, where)
+    if not HEX64.match(value):
+        raise UserError(f"{where}.{key}: expected a sha256 (64 lowercase hex digits), got {value!r}")
+    return value
+
+
+def validate_lock(lock: Any, where: str = "lock") -> None:
+    """Check a parsed lock: fields and types, every artifact hashed, no duplicate names, files or hashes.
+
+    Raises :class:`UserError` naming ``where`` and the field (``wheels[3].sha256``) and what was expected.
+    """
+    if not isinstance(lock, dict):
+        raise UserError(f"{where}: expected a JSON object")
+    if lock.get("schema_version") != SCHEMA_VERSION:
+        raise UserError(f"{where}: schema_version {lock.get('schema_version')!r} (expected {SCHEMA_VERSION})")
+    if lock.get("kind") != KIND:
+        raise UserError(f"{where}: kind {lock.get('kind')!r} (expected {KIND!r})")
+    name = _need(lock, "name", str, where)
+    if not NAME.match(name):
+        raise UserError(f"{where}.name: {name!r} is not a simple name")
+    epoch = _need(lock, "epoch", int, where)
+    if epoch < 0:
+        raise UserError(f"{where}.epoch: expected seconds since 1970 (>= 0), got {epoch}")
+    python = _need(lock, "python", dict, where)
+    for key in ("version", "platform", "prefix", "site_packages", "interpreter"):
+        value = _need(python, key, str, f"{where}.python")
+        if key in ("prefix", "site_packages", "interpreter") and not value.startswith("/"):
+            raise UserError(f"{where}.python.{key}: expected an absolute path in the image, got {value!r}")
+    base = _need(lock, "base", dict, where)
+    if base.get("type") not in BASE_TYPES:
+        raise UserError(f"{where}.base.type: {base.get('type')!r} (expected one of {', '.join(BASE_TYPES)})")
+    if base["type"] == "oci":
+        ref = _need(base, "reference", str, f"{where}.base")
+        digest = _need(base, "digest", str, f"{where}.base")
+        if not digest.startswith("sha256:") or not HEX64.match(digest[7:]) or not ref.endswith("@" + digest):
+            raise UserError(f"{where}.base: reference {ref!r} must end with @<digest> and digest be sha256:<hex>")
+    if base["type"] == "debian-rootfs":
+        debs = _need(base, "debs", list, f"{where}.base")
+        seen: Dict[str, int] = {}
+        for i, deb in enumerate(debs):
+            w = f"{where}.base.debs[{i}]"
+            for key in ("name", "version", "architecture", "url"):
+                _need(deb, key, str, w)
+            _sha(deb, "sha256", w)
+            if deb["name"] in seen:
+                raise UserError(f"{w}.name: {deb['name']!r} duplicates debs[{seen[deb['name']]}]")
+            seen[deb["name"]] = i
+    names: Dict[str, str] = {}
+    hashes: Dict[str, str] = {}
+    for section in ("wheels", "sdists"):
+        items = lock.get(section, [])
+        if not isinstance(items, list):
+            raise UserError(f"{where}.{section}: expected a list")
+        for i, item in enumerate(items):
+            w = f"{where}.{section}[{i}]"
+            for key in ("name", "version", "filename", "url"):
+                _need(item, key, str, w)
+            sha = _sha(item, "sha256", w)
+            if item.get("group") not in GROUPS:
+                raise UserError(f"{w}.group: {item.get('group')!r} (expected one of {', '.join(GROUPS)})")
+            suffix = ".whl" if section == "wheels" else (".tar.gz", ".zip")
+            if not item["filename"].endswith(suffix) or "/" in item["filename"]:
+                raise UserError(f"{w}.filename: {item['filename']!r} is not a {section[:-1]} file name")
+            key = f"{section}:{canonical_name(item['name'])}"
+            if key in names:
+                raise UserError(f"{w}.name: {item['name']!r} is locked twice (also {names[key]})")
+            names[key] = w
+            if sha in hashes:
+                raise UserError(f"{w}.sha256: same hash as {hashes[sha]}")
+            hashes[sha] = w
+    sources = lock.get("sources", [])
+    if not isinstance(sources, list):
+        raise UserError(f"{where}.sources: expected a list")
+    dests: Dict[str, str] = {}
+    for i, src in enumerate(sources):
+        w = f"{where}.sources[{i}]"
+        for key in ("name", "url", "dest"):
+            _need(src, key, str, w)
+        for key in ("commit", "tree"):
+            if not HEX40.match(str(src.get(key, ""))):
+                raise UserError(f"{w}.{key}: expected a full 40-hex git id, got {src.get(key)!r}")
+        archive = _need(src, "archive", dict, w)
+        _need(archive, "filename", str, f"{w}.archive")
+        sha = _sha(archive, "sha256", f"{w}.archive")
+        if sha in hashes:
+            raise UserError(f"{w}.archive.sha256: same hash as {hashes[sha]}")
+        hashes[sha] = w
+        if not src["dest"].startswith("/") or ".." in src["dest"].split("/"):
+            raise UserError(f"{w}.dest: expected an absolute path without '..', got {src['dest']!r}")
+        if src["name"] in dests or src["dest"] in dests.values():
+            raise UserError(f"{w}: name or dest duplicates another source")
+        dests[src["name"]] = src["dest"]
+    bundle = _need(lock, "bundle", dict, where)
+    for key in ("dest", "stamp"):
+        if not _need(bundle, key, str, f"{where}.bundle").startswith("/"):
+            raise UserError(f"{where}.bundle.{key}: expected an absolute path in the image")
+    include = _need(bundle, "include", list, f"{where}.bundle")
+    for item in include:
+        if not isinstance(item, str) or item.startswith("/") or ".." in item.split("/"):
+            raise UserError(f"{where}.bundle.include: {item!r} is not a relative path inside the bundle")
+    image = _need(lock, "image", dict, where)
+    env = _need(image, "env", dict, f"{where}.image")
+    for key, value in env.items():
+        if not isinstance(value, str) or "=" in key:
+            raise UserError(f"{where}.image.env.{key}: expected a string value and a name without '='")
+    entrypoint = image.get("entrypoint", [])
+    if not isinstance(entrypoint, list) or not all(isinstance(x, str) for x in entrypoint):
+        raise UserError(f"{where}.image.entrypoint: expected a list of strings")
+    labels = _need(image, "labels", dict, f"{where}.image")
+    if not all(isinstance(v, str) for v in labels.values()):
+        raise UserError(f"{where}.image.labels: expected string values")
+
+
+def public(lock: Dict[str, Any]) -> Dict[str, Any]:
+    """The lock without the fields :func:`load_lock` adds (``_sha256``, ``_path``, ``_bytes``)."""
+    return {k: v for k, v in lock.items() if not k.startswith("_")}
+
+
+def wheels_in(lock: Dict[str, Any], group: str) -> List[Dict[str, Any]]:
+    """The wheels of ``group``, sorted by canonical name (the install order inside a layer)."""
+    return sorted((w for w in lock.get("wheels", []) if w["group"] == group), key=lambda w: canonical_name(w["name"]))
+
+
+def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[str]:
+    """Differences between the lock and the stack pins (``lockfiles/stack.json`` data): a list of one-line
+    messages (empty when consistent). A pinned package (``components.*.packages``, "name==version") locked
+    in ``wheels`` or ``sdists`` must have that version; a git component in ``sources`` must have that commit
+    and tree; an oci base must be the stack's ``base_image`` reference."""
+    problems: List[str] = []
+    locked = {canonical_name(w["name"]): w["version"] for w in lock.get("wheels", []) + lock.get("sdists", [])}
+    for comp_name, comp in stack.get("components", {}).items():
+        for spec in comp.get("packages", []):
+            pkg, _, version = spec.partition("==")
+            have = locked.get(canonical_name(pkg))
+            if have is not None and have.split("+")[0] != version.split("+")[0]:
+                problems.append(f"{pkg}: lock has {have}, stack.json components.{comp_name} pins {version}")
+        if "commit" in comp:
+            for src in lock.get("sources", []):
+                if src["name"] == comp_name and (src["commit"] != comp["commit"] or src["tree"] != comp.get("tree", src["tree"])):
+                    problems.append(f"sources {comp_name}: lock has {src['commit']}, stack.json pins {comp['commit']}")
+    base = lock.get("base", {})
+    ref = stack.get("components", {}).get("base_image", {}).get("reference")
+    if base.get("type") == "oci" and ref and base.get("reference") != ref:
+        problems.append(f"base: lock has {base.get('reference')}, stack.json pins {ref}")
+    return problems

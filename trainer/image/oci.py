@@ -1,0 +1,383 @@
+"""OCI image layouts: writing them atomically and deterministically, and reading layouts and archives back.
+
+Written (OCI image-spec v1.1: image-layout.md, manifest.md, config.md)::
+
+    DIR/oci-layout            {"imageLayoutVersion": "1.0.0"}
+    DIR/index.json            one manifest, annotated org.opencontainers.image.ref.name = "latest"
+    DIR/blobs/sha256/<hex>    the manifest, the config and every layer (uncompressed tar: digest = diff_id)
+
+JSON blobs are compact with sorted keys, so equal content gives equal digests. The layout is written into a
+temporary sibling directory and renamed onto ``DIR`` (the old ``DIR`` is moved aside first and removed
+after), so ``kill -9`` leaves either the old layout, the new one, or none, never a mixture. ``--archive``
+writes an oci-archive: the layout as a tar made by :mod:`trainer.image.layer` (sorted, fixed headers).
+
+Read: an OCI layout directory, an oci-archive (tar holding ``oci-layout``) or a docker-archive (tar holding
+``manifest.json``, as ``skopeo copy ... docker-archive:`` writes); layers may be gzip-compressed.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
+
+from trainer.errors import UserError
+from trainer.image.layer import DIR, FILE, Entry, write_layer
+
+MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MT_INDEX = "application/vnd.oci.image.index.v1+json"
+MT_CONFIG = "application/vnd.oci.image.config.v1+json"
+MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
+REF_NAME = "org.opencontainers.image.ref.name"
+
+
+def canonical(obj: Any) -> bytes:
+    """Compact JSON with sorted keys: the bytes of every JSON blob this module writes."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def rfc3339(epoch: int) -> str:
+    """``epoch`` seconds as "YYYY-MM-DDTHH:MM:SSZ" (UTC)."""
+    return datetime.fromtimestamp(int(epoch), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Layer:
+    """A layer blob: ``digest`` (= diff_id for our uncompressed layers), ``size`` bytes, ``path`` of the
+    blob on disk, the ``name`` of its group and a ``comment`` for the history."""
+
+    digest: str
+    size: int
+    path: Path
+    name: str
+    comment: str = ""
+    media_type: str = MT_LAYER
+    diff_id: str = ""
+
+
+def image_config(layers: List[Layer], epoch: int, env: Dict[str, str], entrypoint: List[str],
+                 labels: Dict[str, str], working_dir: str = "", architecture: str = "amd64") -> Dict[str, Any]:
+    """The image config (config.md): created = epoch, Env sorted by name, rootfs.diff_ids and one history
+    entry per layer (created_by names the layer group)."""
+    created = rfc3339(epoch)
+    config: Dict[str, Any] = {"Env": [f"{k}={env[k]}" for k in sorted(env)], "Labels": dict(sorted(labels.items()))}
+    if entrypoint:
+        config["Entrypoint"] = list(entrypoint)
+    if working_dir:
+        config["WorkingDir"] = working_dir
+    return {
+        "architecture": architecture,
+        "os": "linux",
+        "created": created,
+        "config": config,
+        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id or layer.digest for layer in layers]},
+        "history": [
+            {"created": created, "created_by": f"recipe-bundle layer {layer.name}", "comment": layer.comment}
+            for layer in layers
+        ],
+    }
+
+
+def image_manifest(config_bytes: bytes, layers: List[Layer], annotations: Dict[str, str]) -> Dict[str, Any]:
+    """The image manifest (manifest.md) for ``config_bytes`` and ``layers``."""
+    manifest: Dict[str, Any] = {
+        "schemaVersion": 2,
+        "mediaType": MT_MANIFEST,
+        "config": {"mediaType": MT_CONFIG, "digest": digest_of(config_bytes), "size": len(config_bytes)},
+        "layers": [{"mediaType": layer.media_type, "digest": layer.digest, "size": layer.size} for layer in layers],
+    }
+    if annotations:
+        manifest["annotations"] = dict(sorted(annotations.items()))
+    return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotations: Dict[str, str],
+                 place_blob: Callable[[Layer, Path], None]) -> str:
+    """Write the OCI layout of ``config`` and ``layers`` to ``out`` atomically; return the manifest digest.
+
+    ``place_blob(layer, dest)`` puts the layer's bytes at ``dest`` (a hard link or copy from the cache).
+    """
+    config_bytes = canonical(config)
+    manifest_bytes = canonical(image_manifest(config_bytes, layers, annotations))
+    manifest_digest = digest_of(manifest_bytes)
+    index = {
+        "schemaVersion": 2,
+        "mediaType": MT_INDEX,
+        "manifests": [{"mediaType": MT_MANIFEST, "digest": manifest_digest, "size": len(manifest_bytes),
+                       "annotations": {REF_NAME: "latest"}}],
+    }
+    out = Path(os.path.abspath(out))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        blobs = tmp / "blobs" / "sha256"
+        blobs.mkdir(parents=True)
+        for data in (config_bytes, manifest_bytes):
+            (blobs / digest_of(data)[7:]).write_bytes(data)
+        for layer in layers:
+            dest = blobs / layer.digest[7:]
+            if not dest.exists():
+                place_blob(layer, dest)
+        (tmp / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
+        (tmp / "index.json").write_bytes(canonical(index))
+        for path in (tmp, tmp / "blobs", blobs):
+            os.chmod(path, 0o755)
+        _fsync_dir(blobs)
+        _fsync_dir(tmp)
+        _swap_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest_digest
+
+
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the complete ``tmp`` onto ``out``; an existing ``out`` is moved aside, then removed."""
+    old = None
+    if out.is_symlink() or out.is_file():
+        raise UserError(f"{out}: exists and is not a directory (refusing to replace it with an image layout)")
+    if out.exists():
+        if not (out / "oci-layout").exists() and any(out.iterdir()):
+            raise UserError(f"{out}: a non-empty directory that is not an OCI layout (refusing to replace it)")
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rmdir(old)
+        os.rename(out, old)
+    os.rename(tmp, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def write_archive(layout: Path, archive: Path, epoch: int) -> str:
+    """Write ``layout`` (an OCI layout directory) as an oci-archive tar at ``archive``, atomically and
+    deterministically (entries sorted, mtime = ``epoch``); return the archive's sha256 digest."""
+    entries: List[Entry] = []
+    for dirpath, dirnames, filenames in os.walk(layout):
+        rel_dir = os.path.relpath(dirpath, layout)
+        for name in dirnames:
+            entries.append(Entry(name if rel_dir == "." else f"{rel_dir}/{name}", DIR))
+        for name in filenames:
+            rel = name if rel_dir == "." else f"{rel_dir}/{name}"
+            entries.append(Entry(rel, FILE, source=Path(dirpath) / name))
+    archive = Path(os.path.abspath(archive))
+    archive.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            info = write_layer(entries, handle, epoch)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, archive)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return info.diff_id
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reading
+
+
+@dataclass
+class LayerRef:
+    """A layer of an image being read: its ``diff_id`` (from the config), blob ``digest`` and ``size``,
+    ``media_type`` and ``history`` (created_by of the matching non-empty history entry)."""
+
+    diff_id: str
+    digest: str
+    size: int
+    media_type: str
+    history: str
+    open: Callable[[], BinaryIO] = field(repr=False)
+
+
+@dataclass
+class ImageRef:
+    """An image read from disk. ``kind``: "oci-layout", "oci-archive" or "docker-archive";
+    ``manifest_digest`` is None for a docker-archive (it has no OCI manifest)."""
+
+    path: Path
+    kind: str
+    manifest_digest: Optional[str]
+    config_digest: str
+    config: Dict[str, Any]
+    layers: List[LayerRef]
+
+    def files(self, layer: LayerRef) -> Dict[str, Dict[str, Any]]:
+        """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
+        out: Dict[str, Dict[str, Any]] = {}
+        with layer.open() as raw:
+            head = raw.read(2)
+            raw.seek(0)
+            stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
+            with tarfile.open(fileobj=stream, mode="r|") as tar:
+                for member in tar:
+                    name = "/".join(p for p in member.name.split("/") if p not in ("", "."))
+                    item: Dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
+                    if member.isreg():
+                        digest = hashlib.sha256()
+                        handle = tar.extractfile(member)
+                        while chunk := handle.read(1 << 20):
+                            digest.update(chunk)
+                        item.update(type="file", size=member.size, sha256=digest.hexdigest())
+                    elif member.isdir():
+                        item.update(type="dir")
+                    elif member.issym() or member.islnk():
+                        item.update(type="symlink" if member.issym() else "hardlink", target=member.linkname)
+                    else:
+                        item.update(type="other")
+                    out[name] = item
+        return out
+
+    def read_file(self, path: str) -> Optional[bytes]:
+        """The content of ``path`` in the image's merged filesystem (the top-most layer that has it)."""
+        path = path.strip("/")
+        for layer in reversed(self.layers):
+            with layer.open() as raw:
+                head = raw.read(2)
+                raw.seek(0)
+                stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
+                with tarfile.open(fileobj=stream, mode="r|") as tar:
+                    for member in tar:
+                        name = "/".join(p for p in member.name.split("/") if p not in ("", "."))
+                        if name == path and member.isreg():
+                            return tar.extractfile(member).read()
+        return None
+
+
+def _json(data: bytes, what: str) -> Any:
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
+        raise UserError(f"{what}: not valid JSON ({ex})") from None
+
+
+def _history(config: Dict[str, Any]) -> List[str]:
+    return [h.get("created_by", "") for h in config.get("history", []) if not h.get("empty_layer")]
+
+
+def open_image(path: Path) -> ImageRef:
+    """Read the image at ``path`` (layout directory, oci-archive or docker-archive).
+
+    Blobs named by digest are checked against their sha256 when read. Raises :class:`UserError` naming
+    the file for anything else.
+    """
+    path = Path(path)
+    if path.is_dir():
+        if not (path / "oci-layout").is_file():
+            raise UserError(f"{path}: not an OCI image layout (no oci-layout file)")
+
+        def reader(name: str) -> Optional[bytes]:
+            try:
+                return (path / name).read_bytes()
+            except FileNotFoundError:
+                return None
+
+        def opener(name: str) -> Callable[[], BinaryIO]:
+            return lambda: open(path / name, "rb")
+
+        return _from_oci(path, "oci-layout", reader, opener)
+    if not path.is_file():
+        raise UserError(f"{path}: no such image (expected an OCI layout directory, an oci-archive or a docker-archive)")
+    try:
+        tar = tarfile.open(path, mode="r:")
+        names = {"/".join(p for p in m.name.split("/") if p not in ("", ".")): m for m in tar.getmembers()}
+    except tarfile.TarError as ex:
+        raise UserError(f"{path}: not a tar archive ({ex})") from None
+
+    def reader(name: str) -> Optional[bytes]:
+        member = names.get(name)
+        return tar.extractfile(member).read() if member is not None and member.isreg() else None
+
+    def opener(name: str) -> Callable[[], BinaryIO]:
+        def open_member() -> BinaryIO:
+            member = names[name]
+            with open(path, "rb") as handle:
+                handle.seek(member.offset_data)
+                # layers may be large: a bounded view of the archive file would be better; members are read once
+                return io.BytesIO(handle.read(member.size))
+        return open_member
+
+    if "oci-layout" in names:
+        return _from_oci(path, "oci-archive", reader, opener)
+    if "manifest.json" in names:
+        return _from_docker(path, reader, opener)
+    raise UserError(f"{path}: a tar without oci-layout or manifest.json (not an oci-archive or docker-archive)")
+
+
+def _checked_blob(reader, name: str, digest: str, where: Path) -> bytes:
+    data = reader(name)
+    if data is None:
+        raise UserError(f"{where}: blob {digest} missing")
+    if digest_of(data) != digest:
+        raise UserError(f"{where}: blob {digest} has sha256 {digest_of(data)} (corrupt)")
+    return data
+
+
+def _from_oci(path: Path, kind: str, reader, opener) -> ImageRef:
+    index_bytes = reader("index.json")
+    if index_bytes is None:
+        raise UserError(f"{path}: OCI layout without index.json")
+    index = _json(index_bytes, f"{path}: index.json")
+    manifests = index.get("manifests") or []
+    if not manifests:
+        raise UserError(f"{path}: index.json lists no manifests")
+    desc = manifests[0]
+    digest = desc["digest"]
+    manifest = _json(_checked_blob(reader, f"blobs/sha256/{digest[7:]}", digest, path), f"{path}: manifest")
+    cdigest = manifest["config"]["digest"]
+    config = _json(_checked_blob(reader, f"blobs/sha256/{cdigest[7:]}", cdigest, path), f"{path}: config")
+    diff_ids = config.get("rootfs", {}).get("diff_ids", [])
+    if len(diff_ids) != len(manifest.get("layers", [])):
+        raise UserError(f"{path}: manifest has {len(manifest.get('layers', []))} layers but config {len(diff_ids)} diff_ids")
+    history = _history(config)
+    layers = [
+        LayerRef(diff_ids[i], d["digest"], d["size"], d.get("mediaType", MT_LAYER),
+                 history[i] if i < len(history) else "", opener(f"blobs/sha256/{d['digest'][7:]}"))
+        for i, d in enumerate(manifest.get("layers", []))
+    ]
+    return ImageRef(path, kind, digest, cdigest, config, layers)
+
+
+def _from_docker(path: Path, reader, opener) -> ImageRef:
+    manifest = _json(reader("manifest.json") or b"", f"{path}: manifest.json")
+    if not isinstance(manifest, list) or not manifest:
+        raise UserError(f"{path}: manifest.json lists no images")
+    entry = manifest[0]
+    config_bytes = reader(entry["Config"])
+    if config_bytes is None:
+        raise UserError(f"{path}: config {entry['Config']} missing")
+    config = _json(config_bytes, f"{path}: config")
+    diff_ids = config.get("rootfs", {}).get("diff_ids", [])
+    history = _history(config)
+    layers = []
+    for i, name in enumerate(entry.get("Layers", [])):
+        data_size = len(reader(name) or b"")
+        layers.append(LayerRef(diff_ids[i] if i < len(diff_ids) else "", "", data_size, MT_LAYER,
+                               history[i] if i < len(history) else "", opener(name)))
+    return ImageRef(path, "docker-archive", None, digest_of(config_bytes), config, layers)

@@ -1,0 +1,151 @@
+"""Deterministic fixtures for tests and the smoke demo: tiny wheels, a git source archive, a small lock.
+
+Everything here is derived from its arguments only (fixed zip times, fixed git author/committer dates),
+so the same call gives the same bytes and hashes on any machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from trainer.image.layer import FILE, Entry, write_layer
+
+ZIP_TIME = (2020, 1, 1, 0, 0, 0)
+
+
+def make_wheel(directory: Path, name: str, version: str, files: Dict[str, bytes],
+               entry_points: str = "", extra_members: Optional[List[Tuple[zipfile.ZipInfo, bytes]]] = None) -> Path:
+    """Write ``{name}-{version}-py3-none-any.whl`` with ``files`` (path -> bytes), METADATA, WHEEL and a
+    RECORD of sha256 hashes; ``extra_members`` are appended as given (to make bad wheels). Returns its path."""
+    dist = name.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    members = dict(files)
+    members[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
+    members[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: recipe-bundle-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    if entry_points:
+        members[f"{info}/entry_points.txt"] = entry_points.encode()
+    record = []
+    for path, data in members.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+        record.append(f"{path},sha256={digest},{len(data)}")
+    record.append(f"{info}/RECORD,,")
+    members[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
+    path = Path(directory) / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for member, data in members.items():
+            info_ = zipfile.ZipInfo(member, ZIP_TIME)
+            info_.external_attr = 0o644 << 16
+            zf.writestr(info_, data)
+        for zinfo, data in extra_members or []:
+            zf.writestr(zinfo, data)
+    return path
+
+
+def git_env(epoch: int) -> Dict[str, str]:
+    """An environment that makes ``git commit`` deterministic (fixed identity and dates, no user config)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    date = f"{epoch} +0000"
+    env.update(GIT_AUTHOR_NAME="recipe-bundle", GIT_AUTHOR_EMAIL="tests@recipe-bundle.invalid",
+               GIT_COMMITTER_NAME="recipe-bundle", GIT_COMMITTER_EMAIL="tests@recipe-bundle.invalid",
+               GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull,
+               HOME=os.devnull)
+    return env
+
+
+def make_git_source(directory: Path, name: str, files: Dict[str, bytes], epoch: int) -> Tuple[Path, str, str]:
+    """Commit ``files`` in a fresh git repository under ``directory``/``name``.git and write the commit's
+    archive (a tar with top-level directory ``{name}-{commit[:12]}``, made by the deterministic layer writer).
+
+    Returns (archive path, commit id, tree id); the same arguments give the same three on any machine.
+    """
+    repo = Path(directory) / f"{name}.git-work"
+    if repo.exists():
+        shutil.rmtree(repo)
+    repo.mkdir(parents=True)
+    for rel, data in files.items():
+        target = repo / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+    env = git_env(epoch)
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], env=env, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    git("init", "-q")
+    git("add", "-A")
+    git("-c", "commit.gpgsign=false", "commit", "-q", "-m", f"{name} fixture")
+    commit, tree = git("rev-parse", "HEAD"), git("rev-parse", "HEAD^{tree}")
+    top = f"{name}-{commit[:12]}"
+    entries = [Entry(f"{top}/{rel}", FILE, data=data) for rel, data in files.items()]
+    archive = Path(directory) / f"{top}.tar"
+    with open(archive, "wb") as handle:
+        write_layer(entries, handle, epoch)
+    return archive, commit, tree
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def small_lock(name: str, epoch: int, wheels: List[Tuple[Path, str, str, str]],
+               sources: List[Dict[str, Any]], env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+    """A scratch-based lock for ``wheels`` ((path, name, version, group) each) and git ``sources``
+    (lock ``sources[]`` items). URLs point at files.pythonhosted.org-style names that are never fetched
+    (tests seed the cache)."""
+    return {
+        "schema_version": 1,
+        "kind": "recipe-bundle.image-lock",
+        "name": name,
+        "epoch": epoch,
+        "platform": {"os": "linux", "architecture": "amd64"},
+        "python": {"version": "3.12", "platform": "x86_64-manylinux_2_28", "prefix": "/usr/local",
+                   "site_packages": "/usr/local/lib/python3.12/site-packages",
+                   "interpreter": "/usr/local/bin/python3.12"},
+        "base": {"type": "scratch"},
+        "wheels": [
+            {"name": n, "version": v, "filename": Path(p).name, "group": g, "sha256": sha256(p),
+             "url": f"https://files.pythonhosted.org/packages/test/{Path(p).name}"}
+            for p, n, v, g in wheels
+        ],
+        "sdists": [],
+        "sources": sources,
+        "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
+        "image": {"env": env or {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "entrypoint": ["/usr/local/bin/python3.12"],
+                  "working_dir": "/opt/recipe-bundle",
+                  "labels": {"org.opencontainers.image.source": "https://example.invalid/recipe-bundle"}},
+    }
+
+
+SMOKE_SOURCE_FILES = {
+    "README.md": b"smoke-src: the git source of lockfiles/smoke.lock.json (made by trainer.image.testing)\n",
+    "smoke_src/__init__.py": b"GREETING = 'hello from a pinned git source'\n",
+}
+SMOKE_EPOCH = 1767225600
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m trainer.image.testing smoke-source DIR``: write the smoke lock's git source archive into DIR
+    and print its path, commit, tree and sha256 (then `trainer cache add PATH --sha256 HEX`)."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] != "smoke-source":
+        print("usage: python -m trainer.image.testing smoke-source DIR", file=sys.stderr)
+        return 2
+    archive, commit, tree = make_git_source(Path(args[1]), "smoke-src", SMOKE_SOURCE_FILES, SMOKE_EPOCH)
+    print(json.dumps({"archive": str(archive), "commit": commit, "tree": tree, "sha256": sha256(archive)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

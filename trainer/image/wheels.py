@@ -1,0 +1,149 @@
+"""Installing wheels into layer entries with PyPA ``installer`` (no .pyc compilation, nothing touches the host).
+
+:class:`LayerDestination` is an ``installer`` destination that keeps every file it is given as a layer
+:class:`~trainer.image.layer.Entry` (bytes in memory, or a spooled file in a temporary directory for large
+ones) at its path in the image: ``purelib``/``platlib`` under the lock's ``site_packages``, ``scripts``
+under ``PREFIX/bin`` (shebang = the lock's interpreter), ``data`` under ``PREFIX``, ``headers`` under
+``PREFIX/include/pythonX.Y/<dist>`` (the posix_prefix scheme of sysconfig). ``installer`` writes RECORD
+(with ``INSTALLER`` = "recipe-bundle"); no bytecode is compiled, so the layer depends on the wheel only.
+
+Before installing, every zip member is checked: absolute names, ``..`` components, backslashes and
+symlink entries are refused, and the wheel's RECORD hashes are validated (``installer``'s own check).
+"""
+
+from __future__ import annotations
+
+import io
+import posixpath
+import stat
+import zipfile
+from pathlib import Path
+from typing import BinaryIO, Dict, Iterable, List, Tuple
+
+from installer import install
+from installer.destinations import WheelDestination
+from installer.records import Hash, RecordEntry
+from installer.scripts import Script
+from installer.sources import WheelFile
+from installer.utils import construct_record_file, copyfileobj_with_hashing, fix_shebang
+
+from trainer.errors import UserError
+from trainer.image.layer import FILE, Entry
+
+SPOOL_BYTES = 4 << 20  # files larger than this are spooled to disk instead of held in memory
+
+
+def check_wheel_members(path: Path, label: str) -> None:
+    """Refuse a wheel zip whose members could land outside the install root. Raises :class:`UserError`."""
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, OSError) as ex:
+        raise UserError(f"{label}: not a readable wheel ({ex})") from None
+    for info in infos:
+        name = info.filename
+        parts = name.split("/")
+        if name.startswith("/") or "\\" in name or ".." in parts or (len(name) > 1 and name[1] == ":"):
+            raise UserError(f"{label}: zip member {name!r} has an absolute or '..' path (refused)")
+        if stat.S_ISLNK(info.external_attr >> 16):
+            raise UserError(f"{label}: zip member {name!r} is a symlink (wheels may not contain links; refused)")
+
+
+class LayerDestination(WheelDestination):
+    """An ``installer`` destination collecting files as layer entries.
+
+    ``schemes``: scheme name -> absolute directory in the image; ``interpreter``: the scripts' shebang;
+    ``spool``: a directory for large files. After :func:`install_wheels`, :attr:`entries` maps image path ->
+    (Entry, wheel label).
+    """
+
+    def __init__(self, schemes: Dict[str, str], interpreter: str, spool: Path) -> None:
+        self.schemes = schemes
+        self.interpreter = interpreter
+        self.spool = spool
+        self.entries: Dict[str, Tuple[Entry, str]] = {}
+        self.current = ""
+        self._count = 0
+
+    def _image_path(self, scheme: str, path: str) -> str:
+        full = posixpath.normpath(posixpath.join(self.schemes[scheme], path))
+        if not full.startswith(self.schemes[scheme].rstrip("/") + "/"):
+            raise UserError(f"{self.current}: {path!r} would be installed outside {self.schemes[scheme]} (refused)")
+        return full
+
+    def _store(self, image_path: str, stream: BinaryIO, executable: bool, record_path: str) -> RecordEntry:
+        buffer = io.BytesIO()
+        digest, size = copyfileobj_with_hashing(stream, buffer, "sha256")
+        data = buffer.getvalue()
+        if size > SPOOL_BYTES:
+            self._count += 1
+            spooled = self.spool / f"{self._count:08d}"
+            spooled.write_bytes(data)
+            entry = Entry(image_path, FILE, source=spooled, executable=executable)
+        else:
+            entry = Entry(image_path, FILE, data=data, executable=executable)
+        previous = self.entries.get(image_path)
+        if previous is not None:
+            same = previous[0].data == data if previous[0].data is not None else previous[0].source.read_bytes() == data
+            if not same:
+                raise UserError(f"{self.current}: {image_path} is also installed, with different content, by {previous[1]}")
+        self.entries[image_path] = (entry, self.current)
+        return RecordEntry(record_path, Hash("sha256", digest), size)
+
+    def write_file(self, scheme, path, stream, is_executable):  # installer API
+        path = str(path)
+        if scheme == "scripts":
+            with fix_shebang(stream, self.interpreter) as fixed:
+                return self._store(self._image_path(scheme, path), fixed, is_executable, path)
+        return self._store(self._image_path(scheme, path), stream, is_executable, path)
+
+    def write_script(self, name, module, attr, section):  # installer API
+        script_name, data = Script(name, module, attr, section).generate(self.interpreter, "posix")
+        return self._store(self._image_path("scripts", script_name), io.BytesIO(data), True, script_name)
+
+    def finalize_installation(self, scheme, record_file_path, records):  # installer API
+        base = self.schemes[scheme]
+
+        def prefix(file_scheme: str):
+            if file_scheme == scheme:
+                return None
+            return posixpath.relpath(self.schemes[file_scheme], base) + "/"
+
+        with construct_record_file(list(records), prefix) as stream:
+            self._store(self._image_path(scheme, record_file_path), stream, False, record_file_path)
+
+
+def schemes_for(python: Dict[str, str], dist: str) -> Dict[str, str]:
+    """The install scheme (sysconfig posix_prefix) of the lock's ``python`` block, for distribution ``dist``."""
+    prefix = python["prefix"].rstrip("/")
+    version = ".".join(python["version"].split(".")[:2])
+    return {
+        "purelib": python["site_packages"],
+        "platlib": python["site_packages"],
+        "scripts": f"{prefix}/bin",
+        "data": prefix,
+        "headers": f"{prefix}/include/python{version}/{dist}",
+    }
+
+
+def install_wheels(wheels: Iterable[Tuple[Path, str, str]], python: Dict[str, str], spool: Path) -> List[Entry]:
+    """Install ``wheels`` ((file, wheel file name, label) each, in order) for the lock's ``python`` block;
+    return the layer entries. The file may have any name (a cache blob); the wheel file name gives the
+    distribution and version. Raises :class:`UserError` naming the wheel for a refused or invalid wheel."""
+    destination = LayerDestination({}, python["interpreter"], spool)
+    for path, filename, label in wheels:
+        check_wheel_members(path, label)
+        destination.current = label
+        try:
+            with zipfile.ZipFile(path) as zf:
+                zf.filename = filename
+                source = WheelFile(zf)
+                destination.schemes = schemes_for(python, source.distribution)
+                source.validate_record()
+                install(source, destination, {"INSTALLER": b"recipe-bundle\n"})
+        except UserError:
+            raise
+        except Exception as ex:  # installer raises ValueError/InvalidWheelSource/KeyError subclasses
+            message = str(ex).splitlines()[0] if str(ex) else type(ex).__name__
+            raise UserError(f"{label}: invalid wheel ({message})") from None
+    return [entry for entry, _ in destination.entries.values()]
