@@ -97,7 +97,7 @@ BAD = [
     (["model.norm_epsilon=tiny"], "could not be converted to Float (key: model.norm_epsilon)"),
     (["layout.use_distributed_optimizer=maybe"], "Value 'maybe' is not a valid bool (type str) (key: layout.use_distributed_optimizer)"),
     (["model.num_layers=null"], "field 'model.num_layers' is not Optional"),
-    (["layout=nope"], "Could not find 'layout/nope' (available: gpu1-tp1pp1ep1, gpu2-tp1pp1ep2"),
+    (["layout=nope"], "Could not find 'layout/nope' (available: gpu1-tp1pp1ep1, gpu2-tp1pp1ep1, gpu2-tp1pp1ep2"),
     # stack pins against the lockfile
     (["stack.nccl=2.28.8"], "stack.nccl 2.28.8 != lockfiles/stack.json components.nccl.version 2.28.9"),
     (["stack.lockfile=lockfiles/missing.json"], "lockfiles/missing.json: stack lockfile not found"),

@@ -128,7 +128,9 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     try:
         for rank, command in enumerate(commands):
             log = (logs / f"rank-{rank}.log").open("w")
-            procs.append((subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+            procs.append(
+                (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent), log)
+            )
         rank0_log = logs / "rank-0.log"
         position = 0
         while any(p.poll() is None for p, _ in procs):
@@ -178,6 +180,13 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
             probes.append(json.loads(path.read_text()))
     record["probe"] = {"ranks": probes} if probes else None
     return record
+
+
+def _die_with_parent() -> None:
+    """In a worker before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
 
 
 def _echo(path: Path, position: int) -> int:

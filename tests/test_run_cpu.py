@@ -1,0 +1,170 @@
+"""launcher=local-cpu end to end: the tiny DeepSeek-V4 trains on CPU processes, and the run record proves what ran."""
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import helpers
+from helpers import REPO_ROOT, run_train
+from trainer.launch.cpu_worker import megatron_lr
+from trainer.record import effective_status, redact_env
+
+STEPS = 6
+
+
+def smoke(tmp_path_factory, name, *extra):
+    cwd = tmp_path_factory.mktemp(name)
+    run_dir = cwd / "run"
+    env_secret = {"HF_TOKEN": "hf-secret-value-123", "MY_API_KEY": "key-value-456"}
+    os.environ.update(env_secret)
+    try:
+        proc = run_train(["experiment=smoke", f"launcher.steps={STEPS}", f"hydra.run.dir={run_dir}", *extra], cwd, timeout=600)
+    finally:
+        for key in env_secret:
+            os.environ.pop(key)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def dp1(tmp_path_factory):
+    return smoke(tmp_path_factory, "dp1")
+
+
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory):
+    return smoke(tmp_path_factory, "dp2", "layout=gpu2-tp1pp1ep1")
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_loss_falls_and_metrics_have_the_schema(dp1):
+    rows = metrics(dp1)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert set(rows[0]) == {"step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "step_time_s", "max_memory_bytes"}
+    assert rows[0]["lm_loss"] == pytest.approx(math.log(129_280), abs=0.3)  # random init: ~uniform over the vocabulary
+    assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.1
+    assert all(r["tokens"] == 4 * 256 for r in rows)  # global batch 4 rows x 256 tokens
+    assert all(0 < r["supervised_tokens"] < r["tokens"] for r in rows)
+    assert [r["lr"] for r in rows[:2]] == [0.0, pytest.approx(3e-3 / 1)]  # warm-up round(0.1 x 6) = 1 step
+    assert all(r["max_memory_bytes"] > 1e8 and r["step_time_s"] > 0 for r in rows)
+
+
+def test_record_says_what_ran(dp1):
+    record = json.loads((dp1 / "record.json").read_text())
+    assert record["status"] == "complete" and record["kind"] == "run" and record["launcher"] == "local-cpu"
+    assert record["returncodes"] == [0]
+    probe = record["probe"]["ranks"][0]
+    import torch
+    import transformers
+
+    assert probe["torch"]["version"] == torch.__version__
+    assert probe["components"]["transformers"] == transformers.__version__
+    assert probe["components"]["megatron_core"] is None  # absent, not guessed
+    assert record["data"]["manifest"]["rows_sha256"] == "6ceb4f6e949f5e183b4e5cc48187c1ad247edb3770d7d060de7d58d6fd5711f3"
+    for name in ("config.yaml", "argv.json", "env.json", "plan.json", "metrics.jsonl", "logs/rank-0.log"):
+        assert (dp1 / name).is_file(), name
+    argv = json.loads((dp1 / "argv.json").read_text())
+    assert argv[1:3] == ["-m", "trainer.launch.cpu_worker"]
+
+
+def test_secrets_are_redacted_everywhere(dp1):
+    env = json.loads((dp1 / "env.json").read_text())
+    assert env["HF_TOKEN"] == "<redacted>" and env["MY_API_KEY"] == "<redacted>"
+    assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the recipe's env reached the workers
+    for path in dp1.rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".yaml", ".log", ".jsonl"):
+            text = path.read_text(errors="replace")
+            assert "hf-secret-value-123" not in text and "key-value-456" not in text, path
+
+
+def test_data_parallel_matches_one_process(dp1, dp2):
+    one, two = metrics(dp1), metrics(dp2)
+    assert len(one) == len(two) == STEPS
+    for a, b in zip(one, two):
+        assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-4)
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert (b["tokens"], b["supervised_tokens"]) == (a["tokens"], a["supervised_tokens"])
+    record = json.loads((dp2 / "record.json").read_text())
+    assert len(record["probe"]["ranks"]) == 2 and record["returncodes"] == [0, 0]
+
+
+def test_verify_passes_and_catches_planted_drift(dp1, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "trainer", "verify", str(dp1), "--json"], capture_output=True, text=True,
+                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert ok.returncode == 0, ok.stderr
+    rows = {r["component"]: r for r in json.loads(ok.stdout)["rows"]}
+    assert rows["torch"]["verdict"] == "ok" and rows["megatron_core"]["verdict"] == "-"
+    drifted = tmp_path / "drifted"
+    shutil.copytree(dp1, drifted)
+    record = json.loads((drifted / "record.json").read_text())
+    record["probe"]["ranks"][0]["torch"]["version"] = "2.12.0+cpu"
+    record["probe"]["ranks"][0]["components"]["transformers"] = None
+    (drifted / "record.json").write_text(json.dumps(record))
+    bad = subprocess.run([sys.executable, "-m", "trainer", "verify", str(drifted), "--json"], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert bad.returncode == 1
+    rows = {r["component"]: r for r in json.loads(bad.stdout)["rows"]}
+    assert (rows["torch"]["verdict"], rows["torch"]["observed"]) == ("drift", "2.12.0+cpu")
+    assert rows["transformers"]["verdict"] == "absent"
+
+
+def test_model_parallel_layouts_are_refused_on_cpu(tmp_path):
+    proc = run_train(["experiment=smoke", "layout=gpu8-tp2pp2ep4", "model.num_layers=2"], tmp_path)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "train: error: layout.tensor_model_parallel_size 2: launcher local-cpu runs data parallel only "
+        "(TP, PP, CP, EP, ETP must be 1); use a GPU launcher for this layout"
+    ]
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("sig,expected", [(signal.SIGTERM, "interrupted"), (signal.SIGKILL, "running")])
+def test_a_run_stopped_midway_leaves_a_record_that_says_so(tmp_path, sig, expected):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer.train", "experiment=smoke", "launcher.steps=50", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 300
+    while time.time() < deadline and not (run_dir / "metrics.jsonl").is_file():
+        time.sleep(0.5)
+    assert (run_dir / "metrics.jsonl").is_file()
+    proc.send_signal(sig)
+    proc.wait(timeout=120)
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == expected
+    assert effective_status(record) == "interrupted"
+    time.sleep(2)
+    workers = subprocess.run(["pgrep", "-f", f"cpu_worker {run_dir}"], capture_output=True, text=True).stdout.split()
+    assert workers == []  # workers die with their launcher
+
+
+def test_redact_env():
+    env = {"HF_TOKEN": "a", "aws_secret_access_key": "b", "DB_PASSWORD": "c", "GCP_CREDENTIALS": "d", "PATH": "/bin", "KEYBOARD": "x"}
+    out = redact_env(env)
+    assert out == {"DB_PASSWORD": "<redacted>", "GCP_CREDENTIALS": "<redacted>", "HF_TOKEN": "<redacted>",
+                   "KEYBOARD": "<redacted>", "PATH": "/bin", "aws_secret_access_key": "<redacted>"}
+
+
+def test_megatron_learning_rate_schedule():
+    lr, low = 1e-5, 1e-6
+    assert megatron_lr(0, 20, lr, low, 0.1) == 0.0
+    assert megatron_lr(1, 20, lr, low, 0.1) == pytest.approx(lr / 2)
+    assert megatron_lr(2, 20, lr, low, 0.1) == pytest.approx(lr)
+    assert megatron_lr(11, 20, lr, low, 0.1) == pytest.approx(low + (lr - low) * 0.5)
+    assert megatron_lr(20, 20, lr, low, 0.1) == pytest.approx(low)
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
