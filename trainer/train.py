@@ -106,12 +106,10 @@ def run(cfg: DictConfig) -> None:
         print_plan_summary(plan, run_dir)
         return
 
-    from trainer.launch.local_cpu import execute
-
     record = launcher_record("running", pid=os.getpid(), files_sha256=hashes, **common)
     write_json(run_dir / "record.json", record)
     try:
-        record = execute(typed, par, run_dir, record)
+        record = launch.execute(typed, par, run_dir, record)
     except UserError as err:
         record.update(status="failed", reason=str(err))
         write_json(run_dir / "record.json", record)

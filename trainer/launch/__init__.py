@@ -1,27 +1,50 @@
 """Launchers: what ``train`` does with a checked, planned run (``launcher=`` in ``conf/launcher/``).
 
-``plan``       write the plan and launch nothing;
+``plan``       write the plan and launch nothing (no module: ``train`` does it);
 ``local-cpu``  train the composed (tiny) model on this machine's CPUs, data parallel over processes.
 
-Each launcher has a ``check(cfg, par)`` that runs in ``train``'s preflight (before anything is written)
-and an ``execute(cfg, typed, par, run_dir) -> status`` that runs the job and returns its final status.
+A launcher is a module in :data:`LAUNCHERS` with two functions:
+
+``check(cfg: TrainConfig, par: Parallelism) -> None``
+    launcher-specific pre-launch checks; runs in ``train``'s preflight, before anything is written;
+    raises :class:`~trainer.errors.CheckError` (one line).
+``execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: dict) -> dict``
+    runs the job; ``record`` is the run record so far (already written with status ``running``); returns it
+    updated with ``status`` (``complete`` / ``failed`` / ``interrupted``), ``reason`` and ``probe``. Raises
+    :class:`~trainer.errors.UserError` for bad input found late (the caller marks the run failed).
 """
 
 from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any, Dict
 
 from trainer.checks import Parallelism
 from trainer.errors import CheckError
 from trainer.schema import TrainConfig
 
-NAMES = ("plan", "local-cpu")
+LAUNCHERS: Dict[str, str] = {
+    "plan": "",
+    "local-cpu": "trainer.launch.local_cpu",
+}
+
+
+def _module(name: str):
+    if name not in LAUNCHERS:
+        raise CheckError(f"launcher.name {name!r} is not one of {', '.join(sorted(LAUNCHERS))}")
+    return importlib.import_module(LAUNCHERS[name]) if LAUNCHERS[name] else None
 
 
 def check(cfg: TrainConfig, par: Parallelism) -> None:
     """Launcher-specific pre-launch checks; raises :class:`CheckError` with one line."""
-    name = cfg.launcher.name
-    if name not in NAMES:
-        raise CheckError(f"launcher.name {name!r} is not one of {', '.join(NAMES)}")
-    if name == "local-cpu":
-        from trainer.launch.local_cpu import check as cpu_check
+    module = _module(cfg.launcher.name)
+    if module is not None:
+        module.check(cfg, par)
 
-        cpu_check(cfg, par)
+
+def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the job with the configured launcher (not ``plan``); see the module docstring."""
+    module = _module(cfg.launcher.name)
+    assert module is not None, "plan launches nothing"
+    return module.execute(cfg, par, run_dir, record)
