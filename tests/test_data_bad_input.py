@@ -1,0 +1,192 @@
+"""`trainer data build` on bad input: one line naming file and row, exit code 2, nothing left behind; skip options."""
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import helpers
+from helpers import REPO_ROOT
+from trainer import cli
+from trainer.data import synthetic
+from trainer.data.build import shipped_tokenizer_path
+
+GOOD = {"id": "good-1", "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}], "source": "t"}
+
+
+def jsonl(path, *rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def parquet_with(path, messages_rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    table = pa.table({"id": [f"p{i}" for i in range(len(messages_rows))], "messages": pa.array(messages_rows, pa.list_(message)),
+                      "source": ["t"] * len(messages_rows)})
+    pq.write_table(table, path)
+    return path
+
+
+def run(capsys, *args):
+    code = cli.main(["data", "build", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_refused(capsys, tmp_path, inputs, expected, extra=()):
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "--input", *inputs, "--out", out, "--row-tokens", 8, *extra)
+    assert code == 2
+    assert err.startswith("trainer data: error: ") and err.count("\n") == 1, err
+    assert expected in err, err
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary directory left
+    return err
+
+
+def test_row_without_messages(capsys, tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", GOOD, {"id": "x", "source": "t"})
+    assert_refused(capsys, tmp_path, [src], f"{src} line 2: messages: missing; expected a list of {{role, content}} objects")
+
+
+def test_unknown_role_in_parquet(capsys, tmp_path):
+    src = parquet_with(tmp_path / "a.parquet", [GOOD["messages"], [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]])
+    assert_refused(capsys, tmp_path, [src], f"{src} row 1: messages[0].role: unknown role 'tool' (expected system, user or assistant)")
+
+
+def test_non_string_content(capsys, tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", GOOD, GOOD, {"id": "n", "messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "y"}]})
+    assert_refused(capsys, tmp_path, [src], f"{src} line 3: messages[0].content: expected a string, got int 5")
+
+
+def test_invalid_json_line(capsys, tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", GOOD, '{"id": "broken", "messages": [')
+    assert_refused(capsys, tmp_path, [src], f"{src} line 2: not valid JSON")
+
+
+@pytest.mark.parametrize("name,content", [("empty.jsonl", b""), ("blank.jsonl", b"\n \n"), ("empty.parquet", b"")])
+def test_empty_file(capsys, tmp_path, name, content):
+    src = tmp_path / name
+    src.write_bytes(content)
+    good = jsonl(tmp_path / "good.jsonl", GOOD)
+    assert_refused(capsys, tmp_path, [good, src], f"{src}: empty file")
+
+
+def test_parquet_without_rows(capsys, tmp_path):
+    src = parquet_with(tmp_path / "none.parquet", [])
+    assert_refused(capsys, tmp_path, [src], f"{src}: empty file (0 conversations)")
+
+
+def test_truncated_parquet(capsys, tmp_path):
+    whole = tmp_path / "whole.parquet"
+    synthetic.write(whole, 3)
+    src = tmp_path / "cut.parquet"
+    src.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    whole.unlink()
+    assert_refused(capsys, tmp_path, [src], f"{src}: not a readable parquet file (")
+
+
+def test_tokenizer_with_another_hash(capsys, tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", GOOD)
+    other = tmp_path / "tokenizer.json"
+    other.write_text(json.dumps(json.loads(shipped_tokenizer_path().read_text()), indent=1))  # same tokenizer, other bytes
+    digest = hashlib.sha256(other.read_bytes()).hexdigest()
+    err = assert_refused(capsys, tmp_path, [src], f"tokenizer {other}: sha256 {digest} != expected 8f9f37ca", ["--tokenizer", other])
+    assert "--tokenizer-sha256" in err
+    assert_refused(capsys, tmp_path, [src], f"sha256 {digest} != expected {'0' * 64}", ["--tokenizer", other, "--tokenizer-sha256", "0" * 64])
+    # named explicitly by its hash, the other file is accepted and recorded
+    code, out, err = run(capsys, "--input", src, "--out", tmp_path / "ok", "--row-tokens", 8, "--tokenizer", other,
+                         "--tokenizer-sha256", digest, "--json")
+    assert code == 0, err
+    assert json.loads(out)["manifest"]["tokenizer_sha256"] == digest
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--input", "nothing-*.jsonl"], "--input nothing-*.jsonl: no file matches"),
+    (["--input", "missing.jsonl"], "--input missing.jsonl: no such file"),
+    (["--input", "notes.txt"], "notes.txt: unknown input type .txt; expected .parquet or .jsonl"),
+    (["--input", "a.jsonl", "--data", "nosuch"], "nosuch"),
+    (["--input", "a.jsonl", "--rows", "-1"], "--rows -1: expected 0 (all rows) or a positive number"),
+    (["--input", "a.jsonl", "--row-tokens", "1"], "row_tokens 1: expected at least 2 tokens per row"),
+])
+def test_bad_arguments(capsys, tmp_path, monkeypatch, args, expected):
+    monkeypatch.chdir(tmp_path)
+    jsonl(tmp_path / "a.jsonl", GOOD)
+    (tmp_path / "notes.txt").write_text("x")
+    code, _, err = run(capsys, *args, "--out", tmp_path / "out")
+    assert code == 2 and err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_failed_build_removes_the_directories_it_made(capsys, tmp_path):
+    bad = jsonl(tmp_path / "bad.jsonl", GOOD, {"id": "b", "messages": [{"role": "user", "content": "q"}]})
+    code, _, err = run(capsys, "--input", bad, "--out", tmp_path / "new" / "deeper" / "out")
+    assert code == 2 and f"{bad} line 2: messages[0].role: conversation ends with a user turn" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl"]
+
+
+def test_published_build_has_the_usual_modes(capsys, tmp_path):
+    good = jsonl(tmp_path / "good.jsonl", GOOD, dict(GOOD, id="g2"))
+    umask = os.umask(0o022)
+    try:
+        code, _, err = run(capsys, "--input", good, "--out", tmp_path / "out", "--row-tokens", 8)
+    finally:
+        os.umask(umask)
+    assert code == 0, err
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o755
+    assert {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "out").iterdir()} == {"rows.parquet": 0o644, "manifest.json": 0o644}
+
+
+def test_failed_build_leaves_an_earlier_build_intact(capsys, tmp_path):
+    good = jsonl(tmp_path / "good.jsonl", *[dict(GOOD, id=f"g{i}") for i in range(4)])
+    out = tmp_path / "out"
+    code, _, err = run(capsys, "--input", good, "--out", out, "--row-tokens", 8)
+    assert code == 0, err
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    bad = jsonl(tmp_path / "bad.jsonl", {"id": "b"})
+    code, _, err = run(capsys, "--input", good, bad, "--out", out, "--row-tokens", 8)
+    assert code == 2 and f"{bad} line 1: messages: missing" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_skip_options_are_off_by_default_and_counted(capsys, tmp_path):
+    rows = [dict(GOOD, id=f"g{i}") for i in range(6)]
+    src = jsonl(tmp_path / "a.jsonl", rows[0], {"id": "x"}, rows[1], {"id": "y", "messages": [{"role": "bot", "content": "?"}]}, *rows[2:])
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    code, _, err = run(capsys, "--input", src, "--out", tmp_path / "o1", "--row-tokens", 8, "--skip-bad-rows")
+    assert code == 0, err
+    manifest = json.loads((tmp_path / "o1" / "manifest.json").read_text())
+    assert manifest["skipped"]["bad_rows"] == 2 and manifest["conversations"] == {"inputs": 8, "packed": 6, "bad_skipped": 2}
+    assert manifest["skipped"]["skip_bad_rows"] is True and manifest["skipped"]["skip_bad_files"] is False
+    assert manifest["skipped"]["reasons"] == ["a.jsonl line 2: messages: missing; expected a list of {role, content} objects",
+                                              "a.jsonl line 4: messages[0].role: unknown role 'bot' (expected system, user or assistant)"]
+    # an empty file still stops a build with --skip-bad-rows only; --skip-bad-files skips and records it
+    assert_refused(capsys, tmp_path, [src, empty], f"{empty}: empty file", ["--skip-bad-rows"])
+    code, out, err = run(capsys, "--input", src, empty, "--out", tmp_path / "o2", "--row-tokens", 8, "--skip-bad-rows", "--skip-bad-files", "--json")
+    assert code == 0, err
+    manifest = json.loads(out)["manifest"]
+    assert manifest["skipped"]["bad_files"] == 1
+    assert [(i["name"], i["skipped"]) for i in manifest["inputs"] if "skipped" in i] == [
+        ("empty.parquet", "empty.parquet: empty file (0 bytes); expected conversations in the Tulu 3 schema")]
+    assert (tmp_path / "o2" / "rows.parquet").read_bytes() == (tmp_path / "o1" / "rows.parquet").read_bytes()
+
+
+def test_command_line_prints_one_line_without_traceback(tmp_path):
+    src = jsonl(tmp_path / "a.jsonl", {"id": "x", "messages": "not a list"})
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    proc = subprocess.run([sys.executable, "-m", "trainer", "data", "build", "--input", str(src), "--out", str(tmp_path / "out")],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[-1] == f"trainer data: error: {src} line 1: messages: expected a list of {{role, content}} objects, got str"
+    assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

@@ -1,0 +1,288 @@
+"""Packing, manifest, determinism and the rows loader of `trainer data build`, on generated and hand-made inputs."""
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import helpers
+from helpers import REPO_ROOT
+from trainer.data import Rows, chat, synthetic
+from trainer.data.build import BuildConfig, build, default_config, load_tokenizer, shipped_tokenizer_path
+from trainer.errors import UserError
+
+REQUIRED_KEYS = {"rows", "row_tokens", "padding_tokens", "supervised_token_ratio", "seed", "tokenizer_sha256",
+                 "rows_sha256", "parquet_sha256", "parquet_bytes", "inputs"}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    tokenizer, special, _ = load_tokenizer()
+    return tokenizer, special
+
+
+def conv(cid, *turns, system=None):
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user" if i % 2 == 0 else "assistant", "content": text})
+    return {"id": cid, "messages": messages, "source": "test"}
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def read_rows(out):
+    table = pq.read_table(out / "rows.parquet")
+    return ([np.array(x, dtype=np.int64) for x in table.column("tokens").to_pylist()],
+            [np.array(x, dtype=np.int64) for x in table.column("loss_mask").to_pylist()],
+            table.column("source_ids").to_pylist())
+
+
+def reference_rows(tok, files, seed, row_tokens):
+    """The packing rule of trainer/data/build.py written out plainly: (rows, masks, sources, skipped)."""
+    tokenizer, special = tok
+    keyed = []
+    for path in files:
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+        for row, line in enumerate(l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()):
+            keyed.append((hashlib.sha256(f"{seed}:{sha}:{row}".encode()).digest(), json.loads(line)))
+    keyed.sort(key=lambda kv: kv[0])
+    stream, mask, owner = [], [], []
+    for n, (_, item) in enumerate(keyed):
+        if n:
+            stream.append(special.eos), mask.append(0), owner.append(None)
+        ids, m, _ = chat.encode(tokenizer, special, [chat.render(item["messages"])])
+        stream += ids.tolist()
+        mask += m.tolist()
+        owner += [item["id"]] * len(ids)
+    rows, masks, sources, skipped = [], [], [], 0
+    for lo in range(0, len(stream) - row_tokens + 1, row_tokens):
+        r_mask = mask[lo : lo + row_tokens]
+        if sum(r_mask[1:]) == 0:
+            skipped += 1
+            continue
+        rows.append(stream[lo : lo + row_tokens])
+        masks.append(r_mask)
+        sources.append(list(dict.fromkeys(o for o in owner[lo : lo + row_tokens] if o is not None)))
+    return rows, masks, sources, skipped
+
+
+def test_packing_matches_the_written_out_rule(tmp_path, tok):
+    a = tmp_path / "a.jsonl"
+    synthetic.write(a, 6, seed=3)
+    b = write_jsonl(tmp_path / "b.jsonl", [
+        conv("short-1", "Hi?", "Hello."),
+        conv("sys-1", "Translate: chat", "le chat", system="You translate."),
+        conv("multi-1", "1?", "one", "2?", "two", "3?", "three"),
+        conv("empty-1", "Be silent.", ""),
+        conv("uni-1", "日本語で？", "はい、日本語です 🙂"),
+    ])
+    manifest = build([str(a), str(b)], tmp_path / "out", BuildConfig(row_tokens=256, seed=7))
+    rows, masks, sources = read_rows(tmp_path / "out")
+    want_rows, want_masks, want_sources, skipped = reference_rows(tok, [a, b], 7, 256)
+    assert len(rows) == len(want_rows) == manifest["rows"] > 10
+    assert [r.tolist() for r in rows] == want_rows
+    assert [m.tolist() for m in masks] == want_masks
+    assert sources == want_sources
+    assert manifest["skipped"]["unsupervised_rows"] == skipped
+    assert manifest["conversations"] == {"inputs": 11, "packed": 11, "bad_skipped": 0}
+    assert manifest["tokens_encoded"] + manifest["separator_tokens"] == (len(rows) + skipped) * 256 + manifest["tail_tokens_dropped"]
+    assert manifest["separator_tokens"] == 10
+
+
+def test_conversation_longer_than_a_row_continues_with_its_mask(tmp_path, tok):
+    tokenizer, special = tok
+    answer = " ".join(f"word{i}" for i in range(60))
+    src = write_jsonl(tmp_path / "one.jsonl", [conv("long", "Count.", answer)])
+    manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=16))
+    rows, masks, sources = read_rows(tmp_path / "out")
+    ids, mask, _ = chat.encode(tokenizer, special, [chat.render(conv("long", "Count.", answer)["messages"])])
+    full = len(ids) // 16
+    assert manifest["rows"] == full and len(ids) > 3 * 16
+    # consecutive cuts: row k is stream[16k:16k+16], its mask the conversation's mask there
+    assert np.concatenate(rows).tolist() == ids[: full * 16].tolist()
+    assert np.concatenate(masks).tolist() == mask[: full * 16].tolist()
+    assert masks[1][0] == 1 and masks[1].all()  # row 1 starts inside the answer: supervised from token 0 on
+    assert all(s == ["long"] for s in sources)
+    assert manifest["tail_tokens_dropped"] == len(ids) - full * 16 and manifest["padding_tokens"] == 0
+
+
+def test_rows_without_targets_are_skipped(tmp_path, tok):
+    tokenizer, special = tok
+    first = conv("first", "Q", "A")
+    ids, _, _ = chat.encode(tokenizer, special, [chat.render(first["messages"])])
+    width = len(ids) - 1  # row 1 starts at first's final EOS: its only mask-1 token is token 0
+    second = conv("second", " ".join(["prompt"] * 4 * width), "ok")
+    src = write_jsonl(tmp_path / "two.jsonl", [first, second])
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    key = lambda seed, row: hashlib.sha256(f"{seed}:{sha}:{row}".encode()).digest()  # noqa: E731
+    seed = next(s for s in range(100) if key(s, 0) < key(s, 1))  # a seed that packs `first` first
+    manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=width, seed=seed))
+    rows, masks, sources = read_rows(tmp_path / "out")
+    assert manifest["skipped"]["unsupervised_rows"] >= 4  # row 1 (EOS at token 0) and the prompt-only rows
+    assert rows[0].tolist() == ids[:width].tolist() and sources[0] == ["first"]
+    for mask in masks:
+        assert mask[1:].sum() > 0
+    assert len(rows) == manifest["rows"] >= 1
+    assert all(sources[k] == ["second"] for k in range(1, len(rows)))  # later kept rows hold second's answer
+
+
+def test_manifest_fields_and_hash_definitions(tmp_path):
+    src = tmp_path / "corpus.parquet"
+    synthetic.write(src, 8, seed=11)
+    manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=512))
+    on_disk = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert on_disk == manifest and REQUIRED_KEYS <= set(manifest)
+    rows, masks, _ = read_rows(tmp_path / "out")
+    digest = hashlib.sha256()
+    for r, m in zip(rows, masks):
+        digest.update(r.astype("<i4").tobytes() + m.astype(np.uint8).tobytes())
+    data = (tmp_path / "out" / "rows.parquet").read_bytes()
+    assert manifest["rows_sha256"] == digest.hexdigest()
+    assert (manifest["parquet_sha256"], manifest["parquet_bytes"]) == (hashlib.sha256(data).hexdigest(), len(data))
+    assert manifest["inputs"] == [{"name": "corpus.parquet", "sha256": hashlib.sha256(src.read_bytes()).hexdigest(),
+                                   "bytes": src.stat().st_size, "format": "parquet", "conversations": 8}]
+    supervised = sum(int(m[1:].sum()) for m in masks)
+    assert manifest["supervised_tokens"] == supervised
+    assert manifest["supervised_token_ratio"] == round(supervised / (len(rows) * 512), 6)
+    assert 0.5 < manifest["supervised_token_ratio"] < 0.95
+    assert manifest["tokenizer_sha256"] == hashlib.sha256(shipped_tokenizer_path().read_bytes()).hexdigest()
+    assert (manifest["seed"], manifest["row_tokens"], manifest["padding_tokens"], manifest["loss_mask"]) == (42, 512, 0, "deepseek_v4")
+    assert all(len(r) == 512 for r in rows)
+
+
+def test_same_bytes_from_other_dirs_orders_and_processes(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two" / "deeper"
+    one.mkdir()
+    two.mkdir(parents=True)
+    synthetic.write(one / "a.parquet", 5, seed=1)
+    synthetic.write(one / "b.jsonl", 5, seed=2)
+    write_jsonl(one / "c.jsonl", [conv("c1", "x?", "y"), conv("c2", "u?", "v")])
+    for name in ("a.parquet", "b.jsonl", "c.jsonl"):
+        shutil.copy(one / name, two / name)
+    config = default_config()[0]  # what the CLI starts from: conf/train.yaml's data option
+    config.row_tokens = 300
+    first = build([str(one / "a.parquet"), str(one / "b.jsonl"), str(one / "c.jsonl")], tmp_path / "out1", config)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONHASHSEED="12345", TZ="Asia/Tokyo", COLUMNS="100")
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", "data", "build", "--input", "c.jsonl", "*.parquet", "b.jsonl", "--out", str(tmp_path / "out2"),
+         "--row-tokens", "300", "--json"],
+        cwd=two, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    second = json.loads(proc.stdout)["manifest"]
+    assert first == second
+    for name in ("rows.parquet", "manifest.json"):
+        assert (tmp_path / "out1" / name).read_bytes() == (tmp_path / "out2" / name).read_bytes()
+    config.batch_conversations = 2  # batching is not part of the result
+    build([str(two / "*.*")], tmp_path / "out3", config)
+    for name in ("rows.parquet", "manifest.json"):
+        assert (tmp_path / "out3" / name).read_bytes() == (tmp_path / "out1" / name).read_bytes()
+    third = build([str(two / "*")], tmp_path / "out1", BuildConfig(row_tokens=300, seed=43))  # rebuild in place, other seed
+    assert third["rows_sha256"] != first["rows_sha256"] and third["tokens_encoded"] == first["tokens_encoded"]
+    assert sorted(p.name for p in (tmp_path / "out1").iterdir()) == ["manifest.json", "rows.parquet"]
+
+
+def test_max_rows_is_a_prefix_and_too_many_is_refused(tmp_path):
+    src = tmp_path / "c.jsonl"
+    synthetic.write(src, 4, seed=5)
+    full = build([str(src)], tmp_path / "all", BuildConfig(row_tokens=256))
+    part = build([str(src)], tmp_path / "part", BuildConfig(row_tokens=256, max_rows=3))
+    assert part["rows"] == 3 and part["max_rows"] == 3
+    assert [r.tolist() for r in read_rows(tmp_path / "part")[0]] == [r.tolist() for r in read_rows(tmp_path / "all")[0][:3]]
+    with pytest.raises(UserError, match=f"inputs give only {full['rows']} rows of 256 tokens; --rows asks for 1,000"):
+        build([str(src)], tmp_path / "more", BuildConfig(row_tokens=256, max_rows=1000))
+    assert not (tmp_path / "more").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all", "c.jsonl", "part"]
+
+
+def test_worked_example_of_the_chat_docstring_through_build_and_loader(tmp_path):
+    src = write_jsonl(tmp_path / "one.jsonl", [conv("ex", "First?", "One.", system="You are concise.")])
+    manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=13))
+    assert (manifest["rows"], manifest["tail_tokens_dropped"], manifest["supervised_tokens"]) == (1, 0, 4)
+    (batch,) = list(Rows(tmp_path / "out").batches(micro_batch_size=1))
+    assert batch.tokens.tolist() == [[0, 3476, 477, 47468, 16, 128803, 10318, 33, 128804, 128822, 6111, 16, 1]]
+    assert batch.labels.tolist() == [[3476, 477, 47468, 16, 128803, 10318, 33, 128804, 128822, 6111, 16, 1, -100]]
+    assert batch.loss_mask.tolist() == [[0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 0]]
+    assert batch.position_ids.tolist() == [list(range(13))]
+
+
+def test_loader_batches_shards_and_verifies(tmp_path):
+    src = tmp_path / "c.jsonl"
+    synthetic.write(src, 6, seed=9)
+    manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=128))
+    rows, masks, _ = read_rows(tmp_path / "out")
+    data = Rows(tmp_path / "out")
+    assert len(data) == manifest["rows"] == len(rows) >= 40
+    seen = []
+    for rank in range(4):
+        batches = list(data.batches(micro_batch_size=2, dp_rank=rank, dp_size=4))
+        assert len(batches) == len(rows) // 8 == data.num_batches(2, 4)
+        for step, b in enumerate(batches):
+            assert b.tokens.shape == b.labels.shape == b.loss_mask.shape == b.position_ids.shape == (2, 128)
+            assert b.tokens.dtype == b.labels.dtype == b.loss_mask.dtype == b.position_ids.dtype == np.int64
+            assert b.row_index.tolist() == [step * 8 + rank * 2, step * 8 + rank * 2 + 1]
+            for j, r in enumerate(b.row_index):
+                assert b.tokens[j].tolist() == rows[r].tolist()
+                assert b.labels[j, :-1].tolist() == rows[r][1:].tolist() and b.labels[j, -1] == -100
+                assert b.loss_mask[j, :-1].tolist() == masks[r][1:].tolist() and b.loss_mask[j, -1] == 0
+                assert b.position_ids[j].tolist() == list(range(128))
+            seen += b.row_index.tolist()
+    assert sorted(seen) == list(range(len(rows) // 8 * 8))  # ranks partition the rows, none twice
+    again = [b.row_index.tolist() for b in Rows(tmp_path / "out").batches(2, 1, 4, epoch=1)]
+    assert again == [b.row_index.tolist() for b in data.batches(2, 1, 4, epoch=1)]
+    assert again != [b.row_index.tolist() for b in data.batches(2, 1, 4)]
+    assert [b.row_index.tolist() for b in data.batches(2, 1, 4, start=2)] == [b.row_index.tolist() for b in data.batches(2, 1, 4)][2:]
+    with pytest.raises(UserError, match="dp_rank 4: expected 0 <= dp_rank < dp_size 4"):
+        next(data.batches(2, 4, 4))
+    path = tmp_path / "out" / "rows.parquet"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with pytest.raises(UserError, match="rows.parquet: .* bytes, sha256 .*; the manifest says"):
+        Rows(tmp_path / "out")
+
+
+def test_command_line_summary_and_json(tmp_path, capsys, monkeypatch):
+    from trainer import cli
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich's console width: one table line per row
+    src = tmp_path / "c.jsonl"
+    synthetic.write(src, 3, seed=4)
+    assert cli.main(["data", "build", "--input", str(src), "--out", str(tmp_path / "a"), "--row-tokens", "512", "--seed", "9"]) == 0
+    table = capsys.readouterr().out
+    manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
+    assert f"{manifest['rows']:,} x 512 tokens = {manifest['rows'] * 512:,} (padding 0)" in table
+    assert "tokens/s" in table
+    assert f"│ {manifest['rows_sha256']} " in table and f"│ {manifest['parquet_sha256']} · {manifest['parquet_bytes']:,} bytes" in table
+    assert f"{manifest['supervised_token_ratio']:.4f}" in table and "0 bad conversations" in table
+    assert cli.main(["data", "build", "--input", str(src), "--out", str(tmp_path / "b"), "--row-tokens", "512", "--seed", "9", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["manifest"] == manifest and result["manifest"]["seed"] == 9 and result["tokens_per_second"] > 0
+    assert result["matches_config"] == {"data": "dsv4-tulu3-fixed8192-v1", "rows": False, "rows_sha256": False, "parquet_sha256": False}
+    assert cli.main(["data", "verify", str(tmp_path / "b")]) == 0
+    assert f"{manifest['rows']:,} rows x 512 tokens, rows_sha256 {manifest['rows_sha256']}" in capsys.readouterr().out
+    (tmp_path / "b" / "manifest.json").unlink()
+    assert cli.main(["data", "verify", str(tmp_path / "b")]) == 1
+    assert "manifest.json: no such file" in capsys.readouterr().err
+
+
+def test_defaults_come_from_the_data_config():
+    config, expected = default_config("dsv4-tulu3-fixed8192-v1")
+    assert (config.row_tokens, config.seed, config.loss_mask, config.name) == (8192, 42, "deepseek_v4", "dsv4-tulu3-fixed8192-v1")
+    assert config.tokenizer_sha256 == "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"
+    assert expected["rows"] == 6400 and expected["rows_sha256"].startswith("6c7dfdc9")
+    with pytest.raises(UserError, match="nosuch"):
+        default_config("nosuch")
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
