@@ -109,7 +109,7 @@ def test_long_paths_use_gnu_longlink_and_round_trip():
     (Entry("link", SYMLINK, target=".."), "escapes the image root"),
     (Entry("dev/null", "char"), "type 'char' refused"),
     (Entry("/", DIR), "empty path"),
-    (Entry("a", FILE), "exactly one of data or source"),
+    (Entry("a", FILE), "exactly one of data, source or opener"),
 ])
 def test_refused_entries(entry, message):
     out = io.BytesIO()

@@ -8,6 +8,13 @@ re-hashed on every use), install wheels (:mod:`trainer.image.wheels`), unpack an
 (:mod:`trainer.image.sources`), write the tar (:mod:`trainer.image.layer`) into the cache → write config,
 manifest and layout (:mod:`trainer.image.oci`). A one-pin change therefore rebuilds only its layer (and the
 small bundle layer, which holds the lock).
+
+Bases: ``scratch`` (nothing below the Python layers) and ``debian-rootfs`` (one layer unpacked from the
+lock's pinned .debs, :mod:`trainer.image.debian`). ``oci`` bases are verified but not built.
+
+Memory: wheel contents stream from their zip members into the layer file (:mod:`trainer.image.wheels`);
+big layers are hashed and written by a second thread while the first inflates. What is hash-checked when
+is described in :mod:`trainer.image.cas`.
 """
 
 from __future__ import annotations
@@ -38,13 +45,15 @@ LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
 @dataclass
 class LayerPlan:
     """One layer to build: ``name`` (group), ``inputs`` (what its key hashes), ``comment`` for the history,
-    ``make(spool)`` returning its entries (called only on a cache miss)."""
+    ``make(spool, handles)`` returning its entries (called only on a cache miss; open files the entries
+    read from are appended to ``handles`` and closed after the layer is written)."""
 
     name: str
     inputs: Any
     comment: str
-    make: Callable[[Path], List[Entry]]
+    make: Callable[[Path, List[Any]], List[Entry]]
     cacheable: bool = True
+    allow_absolute_symlinks: bool = False
 
 
 @dataclass
@@ -73,21 +82,34 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
     """The layers of ``lock`` in order (empty groups left out). Raises :class:`UserError` for a base type this
     builder cannot produce."""
     base = lock["base"]
-    if base["type"] != "scratch":
+    plans: List[LayerPlan] = []
+    if base["type"] == "debian-rootfs":
+        from trainer.image.debian import deb_inputs, rootfs_entries
+
+        def make_base(spool: Path, handles: List[Any]) -> List[Entry]:
+            debs = [(cache.ensure(d["sha256"], f"deb {d['name']}_{d['version']}_{d['architecture']}", d["url"], offline), d)
+                    for d in base["debs"]]
+            return rootfs_entries(debs, spool)
+
+        if not base["debs"]:
+            raise UserError(f"{lock['_path']}: base.debs is empty (run `trainer lock resolve` to pin the .debs)")
+        packages = ", ".join(f"{d['name']}={d['version']}" for d in base["debs"])
+        comment = f"debian {base.get('suite', '')} rootfs: {len(base['debs'])} packages ({packages})"[:1000]
+        plans.append(LayerPlan("base", deb_inputs(base), comment, make_base, allow_absolute_symlinks=True))
+    elif base["type"] != "scratch":
         raise UserError(
-            f"{lock['_path']}: base.type {base['type']!r} is not built by this version (only 'scratch'); "
+            f"{lock['_path']}: base.type {base['type']!r} is not built by this version (scratch and debian-rootfs are); "
             "see lockfiles/README.md"
         )
-    plans: List[LayerPlan] = []
     for group in lockfile.GROUPS:
         wheels = lockfile.wheels_in(lock, group)
         if not wheels:
             continue
 
-        def make(spool: Path, wheels=wheels) -> List[Entry]:
+        def make(spool: Path, handles: List[Any], wheels=wheels) -> List[Entry]:
             items = [(cache.ensure(w["sha256"], _wheel_label(w), w["url"], offline), w["filename"], _wheel_label(w))
                      for w in wheels]
-            return install_wheels(items, lock["python"], spool)
+            return install_wheels(items, lock["python"], spool, handles)
 
         inputs = [[w["name"], w["version"], w["filename"], w["sha256"]] for w in wheels]
         names = ", ".join(f"{w['name']}=={w['version']}" for w in wheels)
@@ -95,7 +117,7 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
     sources = sorted(lock.get("sources", []), key=lambda s: s["name"])
     sdists = sorted(lock.get("sdists", []), key=lambda s: lockfile.canonical_name(s["name"]))
     if sources or sdists:
-        def make_sources(spool: Path) -> List[Entry]:
+        def make_sources(spool: Path, handles: List[Any]) -> List[Entry]:
             entries: List[Entry] = []
             for src in sources:
                 archive = cache.ensure(src["archive"]["sha256"], f"source {src['name']} ({src['archive']['filename']})",
@@ -113,7 +135,7 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
             comment += "; sdists (not compiled): " + ", ".join(s["filename"] for s in sdists)
         plans.append(LayerPlan("sources", inputs, comment, make_sources))
     plans.append(LayerPlan("bundle", None, f"conf/, the lock {lock['_path'].name} and {lock['bundle']['stamp']}",
-                           lambda spool: [], cacheable=False))
+                           lambda spool, handles: [], cacheable=False))
     return plans
 
 
@@ -149,20 +171,26 @@ def bundle_entries(lock: Dict[str, Any], bundle_root: Path, built: List[Tuple[st
     return entries
 
 
-def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: str, console) -> Tuple[str, int]:
+PIPELINE_BYTES = 64 << 20  # layers at least this large are hashed and written by a second thread
+
+
+def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: str, console,
+                        allow_absolute_symlinks: bool = False) -> Tuple[str, int]:
     total = sum(e.size() for e in entries)
     tmp = cache.new_temp()
+    big = total >= PIPELINE_BYTES
     try:
-        with open(tmp, "wb") as handle:
-            if console is not None and total >= (64 << 20):
-                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+        with open(tmp, "wb", buffering=0) as handle:
+            if console is not None and big:
+                from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-                with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), console=console,
-                              transient=True) as progress:
+                with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+                              console=console, transient=True) as progress:
                     task = progress.add_task(f"writing layer {label}", total=total)
-                    info = write_layer(entries, handle, epoch, on_write=lambda n: progress.advance(task, n))
+                    info = write_layer(entries, handle, epoch, allow_absolute_symlinks,
+                                       on_write=lambda n: progress.advance(task, n), pipelined=True)
             else:
-                info = write_layer(entries, handle, epoch)
+                info = write_layer(entries, handle, epoch, allow_absolute_symlinks, pipelined=big)
             handle.flush()
             os.fsync(handle.fileno())
         cache.commit(tmp, info.hex)
@@ -171,12 +199,25 @@ def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: s
         tmp.unlink(missing_ok=True)
 
 
+def _cached_layer_ok(cache: Cache, record: Dict[str, Any], name: str, verify_cache: bool, console) -> bool:
+    """Whether the cached layer of ``record`` is intact (stamp or full hash); a corrupt one is removed by the
+    cache and rebuilt from its inputs (a layer is derived data, so this is not an error)."""
+    try:
+        return cache.get(record["diff_id"][7:], f"layer {name}", trust_stamp=not verify_cache) is not None
+    except UserError as err:
+        if console is not None:
+            console.print(f"[yellow]{err}; rebuilding it[/yellow]", soft_wrap=True)
+        return False
+
+
 def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, archive: Optional[Path] = None,
-                revision: str = "unknown", offline: bool = False, console=None) -> BuildResult:
+                revision: str = "unknown", offline: bool = False, console=None,
+                verify_cache: bool = False) -> BuildResult:
     """Build the image of the lock at ``lock_path`` into the OCI layout ``out`` (and ``archive``).
 
     ``bundle_root``: the directory whose ``conf/`` (``bundle.include``) goes into the bundle layer;
-    ``revision``: the ``org.opencontainers.image.revision`` label; ``offline``: never download.
+    ``revision``: the ``org.opencontainers.image.revision`` label; ``offline``: never download;
+    ``verify_cache``: re-hash cached layers in full even when their stamp matches (see :mod:`trainer.image.cas`).
     Raises :class:`UserError` for a bad lock, a missing or tampered input, or a refused wheel or archive;
     nothing is written to ``out`` then.
     """
@@ -195,11 +236,17 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
             else:
                 key = layer_key(lock, plan)
                 record = cache.layer_record(key) if plan.cacheable else None
-                if record is not None and cache.get(record["diff_id"][7:], f"layer {plan.name}") is not None:
+                if record is not None and _cached_layer_ok(cache, record, plan.name, verify_cache, console):
                     diff_id, size, status = record["diff_id"], int(record["size"]), "cached"
                 else:
-                    entries = plan.make(spool)
-                    diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console)
+                    handles: List[Any] = []
+                    try:
+                        entries = plan.make(spool, handles)
+                        diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console,
+                                                            plan.allow_absolute_symlinks)
+                    finally:
+                        for handle in handles:
+                            handle.close()
                     cache.put_layer_record(key, {"diff_id": diff_id, "size": size, "layer": plan.name})
                     status = "built"
                     for child in spool.iterdir():
@@ -218,7 +265,14 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
               "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
     config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
                           image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
+    checked = {layer.digest[7:]: cache.blob_path(layer.digest[7:]).stat() for layer in layers}
     digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest))
+    for hexdigest, before in checked.items():
+        # linking into (and removing the old) layout moved ctime; re-stamp only if the bytes' size and mtime are
+        # those just checked (a write in between would change mtime; ctime alone moves on link/unlink)
+        now = cache.blob_path(hexdigest).stat()
+        if (now.st_size, now.st_mtime_ns, now.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino):
+            cache.stamp(hexdigest)
     result = BuildResult(digest, "sha256:" + hashlib.sha256(canonical(config)).hexdigest(), result_layers)
     if archive is not None:
         result.archive_digest = write_archive(out, archive, lock["epoch"])

@@ -5,12 +5,26 @@ Layout (default root ``$XDG_CACHE_HOME/recipe-bundle/cas``, ``~/.cache/recipe-bu
 
     DIR/sha256/<hex>          a blob whose sha256 is <hex>: a wheel, an sdist, a source archive, a layer tar
     DIR/layers/<key>.json     a built layer: {"diff_id", "size"}; <key> is the sha256 of the layer's inputs
+    DIR/stamps/<hex>.json     the blob's stat (size, mtime_ns, ctime_ns, inode) when its hash was last checked
     DIR/tmp/                  downloads and layers being written (renamed into place when complete)
 
 Every write goes to a temporary file in ``DIR/tmp`` and is renamed into place only after its hash has been
 checked, so ``kill -9`` never leaves a corrupt entry, and two builds sharing a cache at once only race to
-rename identical bytes. Every read hashes the blob again; an entry whose bytes no longer match its name is
-removed and reported. Downloads are allowed from PyPI's hosts only.
+rename identical bytes.
+
+What is verified when:
+
+- an input (wheel, sdist, .deb, git archive) is hashed in full when it enters the cache (download,
+  ``trainer cache add``) and again, in full, every time a build reads it to make a layer;
+- a built layer is hashed while it is written; when a later build reuses it (a layer-cache hit) its blob is
+  re-hashed in full unless its stamp still matches: same size, mtime, ctime and inode as recorded right after
+  its hash was last checked. ctime cannot be set back by a user (any write, chmod, truncation or rename
+  moves it), so a modified blob fails the stamp and is re-hashed before it can enter an image; linking a
+  blob into an output layout also moves ctime, and the build re-stamps the blobs it has just checked.
+  ``trainer image build --verify-cache`` and ``trainer cache verify`` re-hash everything regardless.
+
+A blob whose bytes no longer match its name is removed and reported. Downloads are allowed from PyPI's and
+Debian's hosts only (each checked against the locked sha256 before it is renamed in).
 """
 
 from __future__ import annotations
@@ -29,7 +43,9 @@ from typing import Callable, Optional
 from trainer.errors import UserError
 
 HEX = re.compile(r"^[0-9a-f]{64}$")
-DOWNLOAD_HOSTS = ("https://files.pythonhosted.org/", "https://pypi.org/")
+DOWNLOAD_HOSTS = ("https://files.pythonhosted.org/", "https://pypi.org/",
+                  "http://deb.debian.org/", "https://deb.debian.org/", "http://security.debian.org/",
+                  "https://security.debian.org/", "http://snapshot.debian.org/", "https://snapshot.debian.org/")
 CHUNK = 1 << 20
 PROGRESS_MIN_BYTES = 32 << 20  # show a bar when hashing or downloading at least this much
 
@@ -96,19 +112,50 @@ class Cache:
     def has(self, hexdigest: str) -> bool:
         return self.blob_path(hexdigest).is_file()
 
-    def get(self, hexdigest: str, name: str) -> Optional[Path]:
-        """The blob ``hexdigest`` after re-hashing it, or None when absent. A blob whose bytes do not match is
-        removed and :class:`UserError` names ``name`` and both hashes."""
+    def get(self, hexdigest: str, name: str, trust_stamp: bool = False) -> Optional[Path]:
+        """The blob ``hexdigest`` after re-hashing it, or None when absent. With ``trust_stamp`` a blob whose
+        stat still matches its stamp (see the module docstring) is not re-hashed. A blob whose bytes do not
+        match is removed and :class:`UserError` names ``name`` and both hashes."""
         path = self.blob_path(hexdigest)
-        if not path.is_file():
+        try:
+            st = path.stat()
+        except FileNotFoundError:
             return None
+        if trust_stamp and self._stamp_of(st) == self._read_stamp(hexdigest):
+            return path
         actual = hash_file(path, f"verifying {name}")
         if actual != hexdigest:
             path.unlink(missing_ok=True)
+            self._stamp_path(hexdigest).unlink(missing_ok=True)
             raise UserError(
                 f"cache entry for {name} is corrupt: sha256 {actual} != expected {hexdigest} (removed; run again to re-fetch)"
             )
+        self.stamp(hexdigest, st)
         return path
+
+    # stamps: the stat of a blob right after its hash was checked
+    def _stamp_path(self, hexdigest: str) -> Path:
+        return self.root / "stamps" / f"{hexdigest}.json"
+
+    @staticmethod
+    def _stamp_of(st: os.stat_result) -> dict:
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
+
+    def _read_stamp(self, hexdigest: str) -> Optional[dict]:
+        try:
+            return json.loads(self._stamp_path(hexdigest).read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+
+    def stamp(self, hexdigest: str, st: Optional[os.stat_result] = None) -> None:
+        """Record the blob's current stat (``st``: taken before its hash was checked) as trusted."""
+        from trainer.record import atomic_write
+
+        path = self.blob_path(hexdigest)
+        now = path.stat()
+        if st is not None and self._stamp_of(st) != self._stamp_of(now):
+            return  # changed while it was hashed: leave it untrusted
+        atomic_write(self._stamp_path(hexdigest), json.dumps(self._stamp_of(now), sort_keys=True).encode())
 
     def new_temp(self) -> Path:
         """A fresh, empty temporary file in the cache (same filesystem as the blobs, for atomic renames)."""
@@ -122,6 +169,7 @@ class Cache:
         dest.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(tmp, 0o444)
         os.replace(tmp, dest)
+        self.stamp(hexdigest)
         return dest
 
     def add_file(self, source: Path, expected: Optional[str] = None, name: Optional[str] = None) -> str:

@@ -1,6 +1,8 @@
-"""``trainer image build|digest|diff``: build an OCI image from a lock, print its digest, compare two images.
+"""``trainer image build|digest|diff|check``: build an OCI image from a lock, print its digest, compare two
+images, check an image against the expected digest recorded for its lock.
 
-Exit codes: 0 success (``diff``: identical), 1 ``diff``: the images differ, 2 refused input (one line).
+Exit codes: 0 success (``diff``: identical; ``check``: the expected digest), 1 ``diff``: the images differ /
+``check``: not the expected image, 2 refused input (one line).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ EPILOG = """examples:
   trainer image digest --json build/smoke.oci.tar
   trainer image diff build/a.oci build/b.oci      # "identical" (exit 0) or the differences (exit 1)
   trainer image diff build/smoke.oci lockfiles/smoke.lock.json
+  trainer image diff build/smoke.oci runs/RUN/record.json   # the image a run record names
+  trainer image check --lock lockfiles/debian-full.lock.json build/debian-full.oci
 """
+
+EXPECTED = REPO_ROOT / "lockfiles" / "expected-digests.json"
 
 
 def _revision(value: str) -> str:
@@ -42,7 +48,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     console = Console(stderr=True, highlight=False)
     result = build_image(Path(args.lock), Path(args.out), Cache(args.cache), Path(args.bundle_root),
                          Path(args.archive) if args.archive else None, _revision(args.revision), args.offline,
-                         None if args.quiet else console)
+                         None if args.quiet else console, args.verify_cache)
     if args.json:
         print(json.dumps({"manifest_digest": result.manifest_digest, "config_digest": result.config_digest,
                           "archive_sha256": result.archive_digest, "out": args.out,
@@ -79,6 +85,73 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return diff_main(Path(args.a), Path(args.b), args.json)
 
 
+def _layer_names(image) -> List[str]:
+    prefix = "recipe-bundle layer "
+    return [l.history[len(prefix):] if l.history.startswith(prefix) else l.history for l in image.layers]
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """Compare an image with the expected digest recorded for its lock (``--record`` writes that record)."""
+    from trainer.errors import UserError
+    from trainer.image.build import LOCK_LABEL
+    from trainer.image.lockfile import load_lock
+    from trainer.image.oci import open_image
+    from trainer.record import atomic_write
+
+    lock = load_lock(Path(args.lock))
+    image = open_image(Path(args.image))
+    labels = (image.config.get("config") or {}).get("Labels") or {}
+    expected_path = Path(args.expected)
+    try:
+        table = json.loads(expected_path.read_text()) if expected_path.exists() else {}
+    except json.JSONDecodeError as ex:
+        raise UserError(f"{expected_path}: not valid JSON ({ex})") from None
+    layers = [{"name": n, "diff_id": l.diff_id, "size": l.size} for n, l in zip(_layer_names(image), image.layers)]
+    if args.record:
+        if labels.get(LOCK_LABEL) != lock["_sha256"]:
+            raise UserError(f"{args.image}: built from lock sha256 {labels.get(LOCK_LABEL)}, not {args.lock} ({lock['_sha256']})")
+        table[lock["name"]] = {"lock": Path(args.lock).name, "lock_sha256": lock["_sha256"],
+                               "manifest_digest": image.manifest_digest, "config_digest": image.config_digest,
+                               "revision": labels.get("org.opencontainers.image.revision"), "layers": layers}
+        atomic_write(expected_path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+        print(f"recorded {image.manifest_digest} for {lock['name']} in {expected_path}")
+        return 0
+    entry = table.get(lock["name"])
+    if entry is None:
+        raise UserError(f"{expected_path}: no expected digest for lock {lock['name']!r} (record one with --record)")
+    if entry.get("lock_sha256") != lock["_sha256"]:
+        raise UserError(f"{expected_path}: the expected digest of {lock['name']!r} was recorded for lock sha256 "
+                        f"{entry.get('lock_sha256')}, but {args.lock} is {lock['_sha256']} (re-record after a re-lock)")
+    lines = []
+    if labels.get(LOCK_LABEL) != lock["_sha256"]:
+        lines.append(f"lock: image built from lock sha256 {labels.get(LOCK_LABEL)}, expected {lock['_sha256']}")
+    want = {l["name"]: l["diff_id"] for l in entry.get("layers", [])}
+    for layer in layers:
+        if layer["name"] not in want:
+            lines.append(f"layer {layer['name']}: {layer['diff_id']} not expected")
+        elif want[layer["name"]] == layer["diff_id"]:
+            lines.append(f"layer {layer['name']}: same {layer['diff_id']}")
+        else:
+            lines.append(f"layer {layer['name']}: {layer['diff_id']}, expected {want[layer['name']]}")
+    for name in want:
+        if name not in {l["name"] for l in layers}:
+            lines.append(f"layer {name}: missing, expected {want[name]}")
+    ok = image.manifest_digest == entry.get("manifest_digest")
+    if args.json:
+        print(json.dumps({"ok": ok, "manifest_digest": image.manifest_digest, "expected": entry.get("manifest_digest"),
+                          "details": lines}, indent=2))
+        return 0 if ok else 1
+    for line in lines:
+        print(line)
+    if ok:
+        print(f"ok: {image.manifest_digest} is the expected digest")
+        return 0
+    print(f"different: {image.manifest_digest}, expected {entry.get('manifest_digest')} (recorded with --revision "
+          f"{entry.get('revision')}; the bundle layer also holds conf/, so a changed conf/ or revision changes only "
+          "the bundle layer and the config)")
+    return 1
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="trainer image", description=__doc__.splitlines()[0], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,6 +165,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--revision", default="auto",
                    help="org.opencontainers.image.revision label (default: git HEAD, '-dirty' when modified)")
     b.add_argument("--offline", action="store_true", help="never download; missing inputs are an error")
+    b.add_argument("--verify-cache", action="store_true",
+                   help="re-hash every cached layer in full (default: trust a layer blob whose stat matches the stamp "
+                        "recorded when its hash was last checked; inputs are always re-hashed when read)")
     b.add_argument("--json", action="store_true", help="print digests and layers as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no per-layer lines or progress bars")
     b.set_defaults(func=cmd_build)
@@ -104,6 +180,13 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("b", help="image, or an image lock (*.lock.json) / run record (record.json)")
     f.add_argument("--json", action="store_true", help="the differences as JSON")
     f.set_defaults(func=cmd_diff)
+    c = sub.add_parser("check", help="compare an image with the expected digest recorded for its lock (exit 0 match, 1 not)")
+    c.add_argument("image", help="OCI layout directory or oci-archive")
+    c.add_argument("--lock", required=True, help="the lock the image was built from")
+    c.add_argument("--expected", default=str(EXPECTED), help="expected digests (default lockfiles/expected-digests.json)")
+    c.add_argument("--record", action="store_true", help="record this image's digests as the expected ones for the lock")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(func=cmd_check)
     return p
 
 

@@ -8,6 +8,9 @@ per-layer file changes (added/removed/changed, with size and sha256), Python dis
 (from ``*.dist-info/METADATA`` in the merged filesystem) and git sources whose commit differs (from the
 stamped ``/etc/recipe-bundle/lock.json``).
 
+Image vs run record: the record's ``image`` field (``{"digest", "lock"}``, written when a run happens inside
+a bundle image; or ``probe.ranks[0].image``) against the image's manifest digest and stamped lock sha256.
+
 Image vs lock: the image's distributions and stamped sources against the lock's wheels and sources, and the
 lock's sha256 against the image's ``dev.recipe-bundle.lock.sha256`` label; identical when all agree.
 """
@@ -157,11 +160,56 @@ def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
     return result
 
 
+def record_image(record: Dict[str, Any]) -> Dict[str, Any]:
+    """What a run record says about the image it ran in: ``{"digest", "lock"}`` (either may be None).
+
+    Read from ``record["image"]`` (``{"digest": "sha256:...", "lock": "<lock sha256>"}``, or a bare digest
+    string) and, failing that, from the first rank's probe (``record["probe"]["ranks"][0]["image"]``, same
+    shape). ``lock`` may also be a path to a lock file; then its sha256 is used."""
+    found: Dict[str, Any] = {"digest": None, "lock": None}
+    candidates = [record.get("image")]
+    probe = record.get("probe")
+    ranks = probe.get("ranks") if isinstance(probe, dict) else probe if isinstance(probe, list) else None
+    if isinstance(ranks, list) and ranks and isinstance(ranks[0], dict):
+        candidates.append(ranks[0].get("image"))
+    for item in candidates:
+        if isinstance(item, str):
+            item = {"digest": item}
+        if isinstance(item, dict):
+            found["digest"] = found["digest"] or item.get("digest")
+            found["lock"] = found["lock"] or item.get("lock") or item.get("lock_sha256")
+    return found
+
+
+def diff_image_record(a: ImageRef, record: Dict[str, Any], where: Path) -> Dict[str, Any]:
+    """Image ``a`` against a run record: identical when the record's image digest is ``a``'s manifest digest
+    (or, when it names only a lock, when that lock's sha256 is the one ``a`` was stamped with)."""
+    seen = record_image(record)
+    if not seen["digest"] and not seen["lock"]:
+        raise UserError(f"{where}: the run record names no image (expected image.digest, image.lock or "
+                        "probe.ranks[0].image): the run did not happen inside a bundle image")
+    label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
+    lock = seen["lock"]
+    if lock and not re.match(r"^[0-9a-f]{64}$", str(lock)):
+        from trainer.image.lockfile import load_lock
+
+        lock = load_lock(Path(lock))["_sha256"]
+    mine = a.manifest_digest or a.config_digest
+    result: Dict[str, Any] = {"a": mine, "b": str(where), "record_image": seen,
+                              "lock_sha256": {"image": label, "lock": lock or label}}
+    result["identical"] = (not seen["digest"] or seen["digest"] == mine) and (not lock or lock == label)
+    if seen["digest"] and seen["digest"] != mine:
+        result["image_digest"] = {"image": mine, "record": seen["digest"]}
+    return result
+
+
 def render(result: Dict[str, Any]) -> str:
     """The human-readable report of a :func:`diff_images` / :func:`diff_image_lock` result."""
     if result["identical"]:
         return "identical"
     lines = [f"different: {result['a']} vs {result['b']}"]
+    if "image_digest" in result:
+        lines.append(f"image digest: {result['image_digest']['image']}, the run record says {result['image_digest']['record']}")
     if "lock_sha256" in result and result["lock_sha256"]["image"] != result["lock_sha256"]["lock"]:
         lines.append(f"lock sha256: image built from {result['lock_sha256']['image']}, lock is {result['lock_sha256']['lock']}")
     for c in result.get("config", []):
@@ -191,10 +239,10 @@ def diff_main(a: Path, b: Path, as_json: bool) -> int:
         data = json.loads(b.read_text() or "null") if b.stat().st_size < (64 << 20) else None
         if isinstance(data, dict) and data.get("kind") == "recipe-bundle.image-lock":
             result = diff_image_lock(image_a, load_lock(b))
-        elif isinstance(data, dict) and isinstance(data.get("image"), dict) and data["image"].get("lock"):
-            result = diff_image_lock(image_a, load_lock(Path(data["image"]["lock"])))
+        elif isinstance(data, dict):
+            result = diff_image_record(image_a, data, b)
         else:
-            raise UserError(f"{b}: neither an image lock (kind recipe-bundle.image-lock) nor a run record naming one (image.lock)")
+            raise UserError(f"{b}: neither an image lock (kind recipe-bundle.image-lock) nor a run record (a JSON object)")
     else:
         result = diff_images(image_a, open_image(b))
     print(json.dumps(result, indent=2) if as_json else render(result))

@@ -25,9 +25,11 @@ import io
 import os
 import posixpath
 import tarfile
-from dataclasses import dataclass, field
+import zipfile
+import zlib
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple
 
 from trainer.errors import UserError
 
@@ -41,8 +43,13 @@ class Entry:
     """One filesystem entry of a layer.
 
     ``path``: POSIX path inside the image, relative or absolute ("usr/bin/x" and "/usr/bin/x" are the same).
-    ``type``: "file", "dir" or "symlink". A file's content is ``data`` (bytes) or the file at ``source``
-    (read when the layer is written; ``size`` is then taken from it). ``executable`` picks mode 0755 over 0644.
+    ``type``: "file", "dir" or "symlink". A file's content is exactly one of: ``data`` (bytes), the file at
+    ``source`` (read when the layer is written; ``size`` is then taken from it), or ``opener`` (a callable
+    returning a fresh binary stream, e.g. a wheel's zip member, read once when the layer is written) with its
+    ``length`` in bytes. With ``sha256`` (hex) the streamed content is checked while it is written and a
+    mismatch raises :class:`UserError` naming ``label``. ``executable`` picks mode 0755 over 0644; ``mode``
+    (permission bits incl. setuid/setgid/sticky, e.g. 0o1777 for a Debian ``/tmp``) overrides the
+    normalization when given (used for Debian packages, whose modes come from the pinned .deb).
     ``target``: a symlink's target.
     """
 
@@ -52,10 +59,17 @@ class Entry:
     source: Optional[Path] = None
     executable: bool = False
     target: str = ""
+    mode_bits: Optional[int] = None
+    opener: Optional[Callable[[], BinaryIO]] = field(default=None, compare=False)
+    length: int = 0
+    sha256: Optional[str] = None
+    label: str = ""
 
     @property
     def mode(self) -> int:
-        """The normalized permission bits written to the tar header."""
+        """The permission bits written to the tar header (normalized unless ``mode_bits`` is set)."""
+        if self.mode_bits is not None:
+            return self.mode_bits & 0o7777
         if self.type == DIR:
             return 0o755
         if self.type == SYMLINK:
@@ -68,7 +82,19 @@ class Entry:
             return 0
         if self.data is not None:
             return len(self.data)
+        if self.opener is not None:
+            return self.length
         return self.source.stat().st_size if self.source is not None else 0
+
+    def content_id(self) -> Tuple[str, Any]:
+        """What identifies this file's content without reading a stream: used to tell duplicates apart."""
+        if self.data is not None:
+            return ("sha256", hashlib.sha256(self.data).hexdigest())
+        if self.sha256 is not None:
+            return ("sha256", self.sha256)
+        if self.source is not None:
+            return ("source", str(self.source))
+        return ("opener", id(self.opener))
 
 
 @dataclass
@@ -137,13 +163,13 @@ def plan_entries(entries: Iterable[Entry], allow_absolute_symlinks: bool = False
         path = normalize_path(entry.path)
         if entry.type == SYMLINK:
             check_symlink(path, entry.target, allow_absolute_symlinks)
-        if entry.type == FILE and (entry.data is None) == (entry.source is None):
-            raise UserError(f"layer entry {path!r}: a file needs exactly one of data or source")
+        if entry.type == FILE and sum(x is not None for x in (entry.data, entry.source, entry.opener)) != 1:
+            raise UserError(f"layer entry {path!r}: a file needs exactly one of data, source or opener")
         if path in by_path:
             if entry.type == DIR and by_path[path].type == DIR:
                 continue
             raise UserError(f"layer entry {path!r}: path appears twice")
-        by_path[path] = Entry(path, entry.type, entry.data, entry.source, entry.executable, entry.target)
+        by_path[path] = replace(entry, path=path)
     for path in list(by_path):
         parent = posixpath.dirname(path)
         while parent:
@@ -184,6 +210,54 @@ class HashingWriter(io.RawIOBase):
         return self.size
 
 
+class PipelinedHashingWriter(HashingWriter):
+    """A :class:`HashingWriter` whose hashing and writing run in a second thread, so that producing the bytes
+    (inflating a wheel's zip members) and hashing/writing them overlap on two cores (zlib, hashlib and file
+    writes release the GIL). Call :meth:`close` (or use it as a context manager) before reading ``sha256``;
+    an error in the thread is raised there."""
+
+    def __init__(self, sink: Optional[BinaryIO] = None, on_write: Optional[Callable[[int], None]] = None,
+                 depth: int = 64) -> None:
+        import queue
+        import threading
+
+        super().__init__(sink, on_write)
+        self._queue: "queue.Queue[Optional[bytes]]" = queue.Queue(maxsize=depth)
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="layer-hash-write", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            data = self._queue.get()
+            if data is None:
+                return
+            if self._error is not None:
+                continue
+            try:
+                self.sha256.update(data)
+                if self.sink is not None:
+                    self.sink.write(data)
+            except BaseException as ex:  # surfaced in close()
+                self._error = ex
+
+    def write(self, data) -> int:  # type: ignore[override]
+        chunk = data if isinstance(data, bytes) else bytes(data)
+        self._queue.put(chunk)
+        self.size += len(chunk)
+        if self.on_write is not None:
+            self.on_write(len(chunk))
+        return len(chunk)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+        super().close()
+        if self._error is not None:
+            raise self._error
+
+
 def tarinfo(entry: Entry, epoch: int) -> tarfile.TarInfo:
     """The fixed tar header of a planned ``entry`` (see the module docstring for every field)."""
     info = tarfile.TarInfo(entry.path)
@@ -209,36 +283,58 @@ def write_layer(
     epoch: int,
     allow_absolute_symlinks: bool = False,
     on_write: Optional[Callable[[int], None]] = None,
+    pipelined: bool = False,
 ) -> LayerInfo:
     """Write the layer of ``entries`` to ``out`` (a binary stream, or None to only compute the digest).
 
     ``epoch``: the mtime of every entry, integer seconds since 1970-01-01 UTC (the lock's ``epoch``).
-    ``on_write(n)`` is called with each chunk's byte count (progress bars).
+    ``on_write(n)`` is called with each chunk's byte count (progress bars). ``pipelined``: hash and write in
+    a second thread (:class:`PipelinedHashingWriter`; for big layers). Memory: one chunk per file plus the
+    entries' own ``data``; contents from ``source`` and ``opener`` are streamed.
     Returns :class:`LayerInfo`; raises :class:`UserError` for refused entries (before any byte is written)
     or when a source file changes size while it is read.
     """
     if int(epoch) < 0:
         raise UserError(f"layer epoch {epoch}: expected seconds since 1970 (>= 0)")
     planned = plan_entries(entries, allow_absolute_symlinks)
-    writer = HashingWriter(out, on_write)
-    with tarfile.TarFile(fileobj=writer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8") as tar:
+    writer = PipelinedHashingWriter(out, on_write) if pipelined else HashingWriter(out, on_write)
+    try:
+        _write_tar(planned, writer, epoch)
+    finally:
+        writer.close()
+    return LayerInfo(f"sha256:{writer.sha256.hexdigest()}", writer.size, len(planned))
+
+
+def _write_tar(planned: List[Entry], writer: HashingWriter, epoch: int) -> None:
+    with tarfile.TarFile(fileobj=writer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8",
+                         copybufsize=CHUNK) as tar:
         for entry in planned:
             info = tarinfo(entry, epoch)
             if entry.type != FILE:
                 tar.addfile(info)
             elif entry.data is not None:
                 tar.addfile(info, io.BytesIO(entry.data))
+            elif entry.opener is not None:
+                try:
+                    with entry.opener() as handle:
+                        reader = _ExactReader(handle, info.size, entry.path, entry.sha256, entry.label)
+                        tar.addfile(info, reader)
+                        reader.finish()
+                except (zipfile.BadZipFile, zlib.error, EOFError) as ex:
+                    raise UserError(f"{entry.label or 'layer entry'}: {entry.path} is corrupt ({ex})") from None
             else:
                 with open(entry.source, "rb") as handle:
                     tar.addfile(info, _ExactReader(handle, info.size, entry.path))
-    return LayerInfo(f"sha256:{writer.sha256.hexdigest()}", writer.size, len(planned))
 
 
 class _ExactReader:
-    """Reads exactly ``size`` bytes from ``handle``; a file that shrank or grew is an error."""
+    """Reads exactly ``size`` bytes from ``handle``; a file that shrank or grew is an error. With ``sha256``
+    (hex) the bytes are hashed as they pass and :meth:`finish` compares."""
 
-    def __init__(self, handle: BinaryIO, size: int, path: str) -> None:
+    def __init__(self, handle: BinaryIO, size: int, path: str, sha256: Optional[str] = None, label: str = "") -> None:
         self.handle, self.left, self.path = handle, size, path
+        self.expected, self.label = sha256, label
+        self.digest = hashlib.sha256() if sha256 is not None else None
 
     def read(self, n: int = -1) -> bytes:
         want = self.left if n is None or n < 0 else min(n, self.left)
@@ -248,7 +344,15 @@ class _ExactReader:
             raise UserError(f"layer entry {self.path!r}: source file shrank while it was read")
         if self.left == 0 and self.handle.read(1):
             raise UserError(f"layer entry {self.path!r}: source file grew while it was read")
+        if self.digest is not None:
+            self.digest.update(data)
         return data
+
+    def finish(self) -> None:
+        """Raise :class:`UserError` when the streamed bytes do not hash to the expected sha256."""
+        if self.digest is not None and self.digest.hexdigest() != self.expected:
+            raise UserError(f"{self.label or 'layer entry'}: {self.path} has sha256 {self.digest.hexdigest()}, "
+                            f"expected {self.expected} (refused)")
 
 
 def entries_from_tree(root: Path, prefix: str, allow_absolute_symlinks: bool = False) -> List[Entry]:

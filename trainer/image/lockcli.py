@@ -5,10 +5,12 @@ duplicate names or hashes) and consistent with the stack pins in ``lockfiles/sta
 ``conf/stack/`` must agree with, :func:`trainer.lock.verify_stack`). Exit 0 ok, 2 with one line otherwise.
 
 ``resolve``: runs ``uv pip compile --generate-hashes --python-version 3.12 --python-platform
-x86_64-manylinux_2_28`` on a requirements file, then asks PyPI's simple JSON API
+x86_64-manylinux_2_28`` (or the template's Python version and ``--python-platform``) on a requirements file, then asks PyPI's simple JSON API
 (PEP 691, ``https://pypi.org/simple/NAME/``) for the URL of the file with each locked hash (uv prints
 hashes, not URLs), keeping the one wheel that fits the platform, and writes a lock (``--template`` gives
-every field that is not the Python closure). Resolution never runs during a build.
+every field that is not the Python closure). A ``debian-rootfs`` base in the template also gets its
+``debs`` resolved (apt on a private state directory; :func:`trainer.image.debian.resolve_debs`).
+Resolution never runs during a build.
 """
 
 from __future__ import annotations
@@ -55,18 +57,34 @@ def parse_uv_output(text: str) -> List[Tuple[str, str, List[str]]]:
     return out
 
 
-def wheel_fits(filename: str, python: str = "cp312", platform_tags: Tuple[str, ...] = ("manylinux", "linux_x86_64")) -> bool:
-    """Whether a wheel file name fits CPython 3.12 on x86_64 manylinux (py3-none-any, abi3 and cp312 wheels)."""
+LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
+
+
+def _glibc_of(platform_tag: str) -> Tuple[int, int]:
+    """(major, minor) glibc a manylinux platform tag needs ((0, 0) for linux_x86_64 and unknown tags)."""
+    match = re.match(r"^manylinux_(\d+)_(\d+)_", platform_tag)
+    if match:
+        return int(match.group(1)), int(match.group(2))
+    return LEGACY_MANYLINUX.get(platform_tag.split("_x86_64")[0], (0, 0))
+
+
+def wheel_fits(filename: str, python: str = "cp312", platform_tags: Tuple[str, ...] = ("manylinux", "linux_x86_64"),
+               glibc: Tuple[int, int] = (9, 99)) -> bool:
+    """Whether a wheel file name fits CPython ``python`` ("cp312", "cp311") on x86_64 manylinux with at most
+    ``glibc`` (e.g. (2, 36) for Debian bookworm): py3-none-any, abi3 wheels of an older or equal minor, and
+    ``python`` wheels (PEP 425 tags; manylinux glibc versions from PEP 600)."""
     from packaging.utils import parse_wheel_filename
 
+    minor = int(python[3:])
     try:
         _, _, _, tags = parse_wheel_filename(filename)
     except Exception:
         return False
     for tag in tags:
-        interp_ok = tag.interpreter in ("py3", "py312", python) or (tag.abi == "abi3" and tag.interpreter.startswith("cp3")
-                                                                     and int(tag.interpreter[3:] or 0) <= 12)
-        plat_ok = tag.platform == "any" or (tag.platform.endswith("x86_64") and tag.platform.startswith(platform_tags))
+        interp_ok = tag.interpreter in ("py3", f"py3{minor}", python) or (
+            tag.abi == "abi3" and tag.interpreter.startswith("cp3") and int(tag.interpreter[3:] or 0) <= minor)
+        plat_ok = tag.platform == "any" or (tag.platform.endswith("x86_64") and tag.platform.startswith(platform_tags)
+                                            and _glibc_of(tag.platform) <= glibc)
         if interp_ok and plat_ok:
             return True
     return False
@@ -87,10 +105,15 @@ def pypi_files(name: str, version: str) -> List[Dict[str, Any]]:
              "packagetype": "bdist_wheel" if f["filename"].endswith(".whl") else "sdist"} for f in files]
 
 
-def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_64-manylinux_2_28") -> Dict[str, Any]:
-    """A lock: ``template`` with ``wheels`` and ``sdists`` from resolving ``requirements`` (see module docstring)."""
+def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_64-manylinux_2_28",
+            python_version: str = "3.12") -> Dict[str, Any]:
+    """A lock: ``template`` with ``wheels`` and ``sdists`` from resolving ``requirements`` for CPython
+    ``python_version`` ("3.12", "3.11") on ``platform`` (see module docstring)."""
+    cp = "cp" + "".join(python_version.split(".")[:2])
+    target = re.match(r"^x86_64-manylinux_(\d+)_(\d+)$", platform)
+    glibc = (int(target.group(1)), int(target.group(2))) if target else (9, 99)
     cmd = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--generate-hashes", "--no-header",
-           "--python-version", "3.12", "--python-platform", platform, "--index-url",
+           "--python-version", python_version, "--python-platform", platform, "--index-url",
            "https://pypi.org/simple", str(requirements)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -99,7 +122,7 @@ def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_6
     wheels, sdists = [], []
     for name, version, hashes in parse_uv_output(proc.stdout):
         files = [f for f in pypi_files(name, version) if f["sha256"] in hashes]
-        fitting = [f for f in files if f["packagetype"] == "bdist_wheel" and wheel_fits(f["filename"])]
+        fitting = [f for f in files if f["packagetype"] == "bdist_wheel" and wheel_fits(f["filename"], cp, glibc=glibc)]
         item = {"name": name, "version": version, "group": group_of(name)}
         if fitting:
             best = sorted(fitting, key=lambda f: f["filename"])[-1]
@@ -107,10 +130,14 @@ def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_6
         else:
             sd = [f for f in files if f["packagetype"] == "sdist"]
             if not sd:
-                raise UserError(f"{name}=={version}: no wheel for cp312 x86_64 and no sdist among the locked hashes")
+                raise UserError(f"{name}=={version}: no wheel for {cp} x86_64 and no sdist among the locked hashes")
             sdists.append({**item, "filename": sd[0]["filename"], "url": sd[0]["url"], "sha256": sd[0]["sha256"]})
     lock = {k: v for k, v in template.items() if not k.startswith("_")}
     lock["wheels"], lock["sdists"] = wheels, sdists
+    if lock.get("base", {}).get("type") == "debian-rootfs":
+        from trainer.image.debian import resolve_debs
+
+        lock["base"] = {**lock["base"], "debs": resolve_debs(lock["base"])}
     return lock
 
 
@@ -141,7 +168,9 @@ def main(argv: List[str]) -> int:
     r.add_argument("--template", required=True, help="a lock whose non-Python fields (base, sources, image...) are kept")
     r.add_argument("--out", required=True)
     r.add_argument("--python-platform", default="x86_64-manylinux_2_28",
-                   help="uv's target platform (x86_64-manylinux_2_39 for Ubuntu 24.04 bases: glibc 2.39)")
+                   help="uv's target platform (x86_64-manylinux_2_39 for Ubuntu 24.04 bases: glibc 2.39, "
+                        "x86_64-manylinux_2_36 for Debian 12)")
+    r.add_argument("--python-version", help="target CPython minor, e.g. 3.11 (default: the template's python.version)")
     args = p.parse_args(argv)
     if args.command == "verify":
         lock = verify(Path(args.lock), Path(args.stack))
@@ -153,7 +182,8 @@ def main(argv: List[str]) -> int:
               f"base {summary['base']}) sha256:{lock['_sha256']}")
         return 0
     template = json.loads(Path(args.template).read_text())
-    lock = resolve(Path(args.requirements), template, args.python_platform)
+    lock = resolve(Path(args.requirements), template, args.python_platform,
+                   args.python_version or template.get("python", {}).get("version", "3.12"))
     lock["python"]["platform"] = args.python_platform
     lockfile.validate_lock(lock, args.out)
     from trainer.record import atomic_write

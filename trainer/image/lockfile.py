@@ -233,3 +233,21 @@ def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[
     if base.get("type") == "oci" and ref and base.get("reference") != ref:
         problems.append(f"base: lock has {base.get('reference')}, stack.json pins {ref}")
     return problems
+
+
+def inputs_of(lock: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """Every artifact a build of ``lock`` reads, as [{"label", "sha256", "url", "size"}] (url None for
+    artifacts no build downloads, e.g. git archives; size None when the lock does not record it): the base's
+    .debs, wheels, sdists and git source archives, in that order."""
+    out: List[Dict[str, Any]] = []
+    for deb in lock.get("base", {}).get("debs", []) if lock.get("base", {}).get("type") == "debian-rootfs" else []:
+        out.append({"label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']}", "sha256": deb["sha256"],
+                    "url": deb["url"], "size": deb.get("size")})
+    for w in lock.get("wheels", []):
+        out.append({"label": f"wheel {w['filename']}", "sha256": w["sha256"], "url": w["url"], "size": None})
+    for sd in lock.get("sdists", []):
+        out.append({"label": f"sdist {sd['filename']}", "sha256": sd["sha256"], "url": sd["url"], "size": None})
+    for src in lock.get("sources", []):
+        out.append({"label": f"source {src['name']} ({src['archive']['filename']})", "sha256": src["archive"]["sha256"],
+                    "url": src["archive"].get("url"), "size": None})
+    return out

@@ -149,3 +149,48 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def make_deb(directory: Path, name: str, version: str, files: Dict[str, Tuple[bytes, int]],
+             symlinks: Optional[Dict[str, str]] = None, dirs: Optional[Dict[str, int]] = None,
+             control: str = "", epoch: int = SMOKE_EPOCH) -> Path:
+    """Build ``{name}_{version}_amd64.deb`` with ``dpkg-deb --build --root-owner-group``: ``files`` maps an
+    absolute path to (content, mode), ``symlinks`` a path to its target, ``dirs`` a path to its mode;
+    ``control`` adds fields to the control file; DEBIAN/md5sums lists the files. SOURCE_DATE_EPOCH = ``epoch`` (dpkg-deb uses it for the
+    member times). Returns the .deb's path."""
+    root = Path(directory) / f"{name}-{version}.root"
+    if root.exists():
+        shutil.rmtree(root)
+    (root / "DEBIAN").mkdir(parents=True)
+    (root / "DEBIAN" / "control").write_text(
+        f"Package: {name}\nVersion: {version}\nArchitecture: amd64\nMaintainer: tests <tests@recipe-bundle.invalid>\n"
+        f"Description: recipe-bundle test package {name}\n{control}")
+    for path, mode in (dirs or {}).items():
+        target = root / path.lstrip("/")
+        target.mkdir(parents=True, exist_ok=True)
+        os.chmod(target, mode)
+    for path, (data, mode) in files.items():
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(data)
+        os.chmod(target, mode)
+    for path, link in (symlinks or {}).items():
+        target = root / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(link, target)
+    (root / "DEBIAN" / "md5sums").write_text("".join(  # as dh_md5sums writes it
+        f"{hashlib.md5(data).hexdigest()}  {path.lstrip('/')}\n" for path, (data, _) in sorted(files.items())))
+    out = Path(directory) / f"{name}_{version}_amd64.deb"
+    env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch)}
+    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(root), str(out)], check=True,
+                   capture_output=True, env=env)
+    shutil.rmtree(root)
+    return out
+
+
+def debian_base(debs: List[Tuple[Path, str, str]]) -> Dict[str, Any]:
+    """A ``debian-rootfs`` base block for ``debs`` ((path, name, version) each; amd64); URLs name the Debian
+    mirror but tests seed the cache instead."""
+    return {"type": "debian-rootfs", "suite": "bookworm", "variant": "essential", "include": [],
+            "debs": [{"name": n, "version": v, "architecture": "amd64", "sha256": sha256(p), "size": Path(p).stat().st_size,
+                      "url": f"http://deb.debian.org/debian/pool/main/t/{n}/{Path(p).name}"} for p, n, v in debs]}

@@ -1,28 +1,34 @@
 """Installing wheels into layer entries with PyPA ``installer`` (no .pyc compilation, nothing touches the host).
 
-:class:`LayerDestination` is an ``installer`` destination that keeps every file it is given as a layer
-:class:`~trainer.image.layer.Entry` (bytes in memory, or a spooled file in a temporary directory for large
-ones) at its path in the image: ``purelib``/``platlib`` under the lock's ``site_packages``, ``scripts``
+:class:`LayerDestination` is an ``installer`` destination that turns every file it is given into a layer
+:class:`~trainer.image.layer.Entry` at its path in the image, without reading it: a file of the wheel becomes
+a lazy entry that opens the zip member when the layer is written (size from the zip, sha256 from the
+wheel's RECORD, checked while the bytes stream into the layer), so a 500 MB torch wheel is inflated exactly
+once and never held in memory. Generated files (console scripts, rewritten shebangs, RECORD, INSTALLER)
+are small and kept in memory. Paths: ``purelib``/``platlib`` under the lock's ``site_packages``, ``scripts``
 under ``PREFIX/bin`` (shebang = the lock's interpreter), ``data`` under ``PREFIX``, ``headers`` under
 ``PREFIX/include/pythonX.Y/<dist>`` (the posix_prefix scheme of sysconfig). ``installer`` writes RECORD
 (with ``INSTALLER`` = "recipe-bundle"); no bytecode is compiled, so the layer depends on the wheel only.
 
 Before installing, every zip member is checked: absolute names, ``..`` components, backslashes and
-symlink entries are refused, and the wheel's RECORD hashes are validated (``installer``'s own check).
+symlink entries are refused; every member must be listed in RECORD with a sha256 and size
+(``installer``'s ``validate_record`` without contents), and the contents are checked against RECORD while
+the layer is written (a mismatch aborts the layer: nothing is cached or written to the output).
 """
 
 from __future__ import annotations
 
+import base64
 import io
 import posixpath
 import stat
 import zipfile
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterable, List, Tuple
+from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple
 
 from installer import install
 from installer.destinations import WheelDestination
-from installer.records import Hash, RecordEntry
+from installer.records import Hash, RecordEntry, parse_record_file
 from installer.scripts import Script
 from installer.sources import WheelFile
 from installer.utils import construct_record_file, copyfileobj_with_hashing, fix_shebang
@@ -63,7 +69,21 @@ class LayerDestination(WheelDestination):
         self.spool = spool
         self.entries: Dict[str, Tuple[Entry, str]] = {}
         self.current = ""
+        self.zipfile: Optional[zipfile.ZipFile] = None
+        self.record: Dict[str, Tuple[str, int]] = {}  # zip member -> (sha256 hex, size) from the wheel's RECORD
         self._count = 0
+
+    def use_wheel(self, zf: zipfile.ZipFile, label: str) -> None:
+        """Start installing the wheel open as ``zf``: read its RECORD's sha256 and sizes."""
+        self.zipfile, self.current, self.record = zf, label, {}
+        names = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD") and n.count("/") == 1]
+        if len(names) != 1:
+            raise UserError(f"{label}: expected one *.dist-info/RECORD, found {len(names)}")
+        for path, hash_str, size in parse_record_file(zf.read(names[0]).decode("utf-8").splitlines()):
+            algorithm, _, value = (hash_str or "").partition("=")
+            if algorithm == "sha256" and value and size:
+                digest = base64.urlsafe_b64decode(value + "=" * (-len(value) % 4)).hex()
+                self.record[path] = (digest, int(size))
 
     def _image_path(self, scheme: str, path: str) -> str:
         full = posixpath.normpath(posixpath.join(self.schemes[scheme], path))
@@ -71,7 +91,14 @@ class LayerDestination(WheelDestination):
             raise UserError(f"{self.current}: {path!r} would be installed outside {self.schemes[scheme]} (refused)")
         return full
 
+    def _add(self, image_path: str, entry: Entry) -> None:
+        previous = self.entries.get(image_path)
+        if previous is not None and previous[0].content_id() != entry.content_id():
+            raise UserError(f"{self.current}: {image_path} is also installed, with different content, by {previous[1]}")
+        self.entries[image_path] = (entry, self.current)
+
     def _store(self, image_path: str, stream: BinaryIO, executable: bool, record_path: str) -> RecordEntry:
+        """Keep a generated (small) file: read it, hash it; large ones are spooled to disk."""
         buffer = io.BytesIO()
         digest, size = copyfileobj_with_hashing(stream, buffer, "sha256")
         data = buffer.getvalue()
@@ -79,23 +106,38 @@ class LayerDestination(WheelDestination):
             self._count += 1
             spooled = self.spool / f"{self._count:08d}"
             spooled.write_bytes(data)
-            entry = Entry(image_path, FILE, source=spooled, executable=executable)
+            entry = Entry(image_path, FILE, source=spooled, executable=executable,
+                          sha256=_hex_of_record_hash(digest))
         else:
             entry = Entry(image_path, FILE, data=data, executable=executable)
-        previous = self.entries.get(image_path)
-        if previous is not None:
-            same = previous[0].data == data if previous[0].data is not None else previous[0].source.read_bytes() == data
-            if not same:
-                raise UserError(f"{self.current}: {image_path} is also installed, with different content, by {previous[1]}")
-        self.entries[image_path] = (entry, self.current)
+        self._add(image_path, entry)
         return RecordEntry(record_path, Hash("sha256", digest), size)
+
+    def _lazy(self, image_path: str, stream: BinaryIO, executable: bool, record_path: str) -> Optional[RecordEntry]:
+        """A lazy entry for a wheel member (not read now); None when RECORD gives no sha256 for it."""
+        member = getattr(stream, "name", None)
+        known = self.record.get(member) if member else None
+        if known is None or self.zipfile is None:
+            return None
+        info = self.zipfile.getinfo(member)
+        digest, size = known
+        if info.file_size != size:
+            raise UserError(f"{self.current}: {member} is {info.file_size} bytes, RECORD says {size} (refused)")
+        zf = self.zipfile
+        entry = Entry(image_path, FILE, opener=lambda zf=zf, member=member: zf.open(member), length=size,
+                      sha256=digest, label=self.current, executable=executable)
+        self._add(image_path, entry)
+        b64 = base64.urlsafe_b64encode(bytes.fromhex(digest)).rstrip(b"=").decode()
+        return RecordEntry(record_path, Hash("sha256", b64), size)
 
     def write_file(self, scheme, path, stream, is_executable):  # installer API
         path = str(path)
         if scheme == "scripts":
             with fix_shebang(stream, self.interpreter) as fixed:
                 return self._store(self._image_path(scheme, path), fixed, is_executable, path)
-        return self._store(self._image_path(scheme, path), stream, is_executable, path)
+        image_path = self._image_path(scheme, path)
+        return (self._lazy(image_path, stream, is_executable, path)
+                or self._store(image_path, stream, is_executable, path))
 
     def write_script(self, name, module, attr, section):  # installer API
         script_name, data = Script(name, module, attr, section).generate(self.interpreter, "posix")
@@ -126,21 +168,30 @@ def schemes_for(python: Dict[str, str], dist: str) -> Dict[str, str]:
     }
 
 
-def install_wheels(wheels: Iterable[Tuple[Path, str, str]], python: Dict[str, str], spool: Path) -> List[Entry]:
+def _hex_of_record_hash(b64: str) -> str:
+    return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
+
+
+def install_wheels(wheels: Iterable[Tuple[Path, str, str]], python: Dict[str, str], spool: Path,
+                   handles: List[zipfile.ZipFile]) -> List[Entry]:
     """Install ``wheels`` ((file, wheel file name, label) each, in order) for the lock's ``python`` block;
     return the layer entries. The file may have any name (a cache blob); the wheel file name gives the
-    distribution and version. Raises :class:`UserError` naming the wheel for a refused or invalid wheel."""
+    distribution and version. The wheels' zip files are opened and appended to ``handles``: most entries
+    read from them when the layer is written, so the caller closes them afterwards. Raises
+    :class:`UserError` naming the wheel for a refused or invalid wheel (contents that do not match RECORD
+    are refused when the layer is written)."""
     destination = LayerDestination({}, python["interpreter"], spool)
     for path, filename, label in wheels:
         check_wheel_members(path, label)
-        destination.current = label
         try:
-            with zipfile.ZipFile(path) as zf:
-                zf.filename = filename
-                source = WheelFile(zf)
-                destination.schemes = schemes_for(python, source.distribution)
-                source.validate_record()
-                install(source, destination, {"INSTALLER": b"recipe-bundle\n"})
+            zf = zipfile.ZipFile(path)
+            handles.append(zf)
+            zf.filename = filename
+            source = WheelFile(zf)
+            destination.schemes = schemes_for(python, source.distribution)
+            source.validate_record(validate_contents=False)
+            destination.use_wheel(zf, label)
+            install(source, destination, {"INSTALLER": b"recipe-bundle\n"})
         except UserError:
             raise
         except Exception as ex:  # installer raises ValueError/InvalidWheelSource/KeyError subclasses
