@@ -23,6 +23,9 @@ indexer kv, gate, q_b, scorer              2 x [2*id, H], [ih*id, qr], [ih, H]  
 output head, hc head                       [V, H], [k, k*H]                       once
 =========================================  =====================================  ==========================
 
+A model whose ``experimental_attention_variant`` is not ``dsv4`` (the megatron-core proxy) has plain multi-head
+attention instead: Q, K, V, O of [nh*hd, H] each, no hyper-connections, no compressors.
+
 Ratio 0 layers are sliding-window only (no compressor). 1-D vectors (norms, attention sinks,
 hyper-connection base/scale), the compressors' position biases ([ratio, width]) and the input embedding
 [V, H] are counted apart.
@@ -123,14 +126,18 @@ def _layer(m: ModelConfig, index: int, ratio: int, moe: bool) -> LayerParams:
     H, nh, hd, qr = m.hidden_size, m.num_attention_heads, m.qk_head_dim, m.q_lora_rank
     g, ro, k = m.dsv4_o_groups, m.dsv4_o_lora_rank, m.dsv4_hc_mult
     ih, idim = m.dsa_indexer_n_heads, m.dsa_indexer_head_dim
-    attention = qr * H + nh * hd * qr + hd * H + (g * ro) * (nh * hd // g) + H * g * ro
-    hyper = 2 * (2 + k) * k * k * H
+    if m.experimental_attention_variant != "dsv4":
+        # plain multi-head attention (the megatron-core proxy): Q, K, V, O of nh heads of width hd
+        attention, hyper = 4 * H * nh * hd, 0
+    else:
+        attention = qr * H + nh * hd * qr + hd * H + (g * ro) * (nh * hd // g) + H * g * ro
+        hyper = 2 * (2 + k) * k * k * H
     if moe:
         mlp = m.num_experts * H + 3 * m.moe_shared_expert_intermediate_size * H
     else:
         mlp = 3 * m.ffn_hidden_size * H
     matrices = attention + hyper + mlp
-    other = qr + hd + nh + 2 * H + 2 * ((2 + k) * k + 3)
+    other = qr + hd + nh + 2 * H + 2 * ((2 + k) * k + 3) if hyper else 2 * H
     if ratio == CSA_RATIO:
         matrices += 2 * (2 * hd * H) + 2 * (2 * idim * H) + ih * idim * qr + ih * H
         other += hd + idim + ratio * 2 * hd + ratio * 2 * idim

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List
@@ -23,6 +21,7 @@ from typing import Any, Dict, List
 from trainer import REPO_ROOT
 from trainer.checks import Parallelism
 from trainer.errors import CheckError, UserError
+from trainer.launch.processes import collect_probes, supervise
 from trainer.record import redact_env, write_json
 from trainer.schema import TrainConfig
 
@@ -78,16 +77,13 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
             f"paths.prompt_data {cfg.paths.prompt_data}: expected a rows directory from `trainer data build` "
             "(rows.parquet + manifest.json)"
         )
-    Rows(path)  # verify before spending time on processes
+    rows = Rows(path)  # verified against its own manifest before any process starts
+    if data.rows_sha256 and rows.manifest.get("rows_sha256") != data.rows_sha256:
+        raise UserError(
+            f"paths.prompt_data {path}: rows_sha256 {rows.manifest.get('rows_sha256')} != data.rows_sha256 "
+            f"{data.rows_sha256} (data={data.name})"
+        )
     return path
-
-
-def _last_line(path: Path) -> str:
-    try:
-        lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
-    except OSError:
-        return ""
-    return lines[-1].strip() if lines else ""
 
 
 def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -97,8 +93,6 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     ``argv.json`` (rank 0's command) and ``env.json`` (redacted) first.
     """
     world = par.world_size
-    logs = run_dir / "logs"
-    logs.mkdir(exist_ok=True)
     env = dict(os.environ)
     env.update({k: str(v) for k, v in cfg.env.items()} if cfg.env else {})
     env.update(
@@ -117,87 +111,9 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     ]
     write_json(run_dir / "argv.json", commands[0])
     write_json(run_dir / "env.json", redact_env(env))
-    procs = []
-    status, reason = "complete", None
-    previous = signal.getsignal(signal.SIGTERM)
-
-    def _terminate(signum, frame):  # noqa: ARG001 - signal handler signature
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, _terminate)
-    try:
-        for rank, command in enumerate(commands):
-            log = (logs / f"rank-{rank}.log").open("w")
-            procs.append(
-                (subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent), log)
-            )
-        rank0_log = logs / "rank-0.log"
-        position = 0
-        while any(p.poll() is None for p, _ in procs):
-            position = _echo(rank0_log, position)
-            failed = [(r, p.returncode) for r, (p, _) in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed:
-                break
-            try:
-                procs[0][0].wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
-        _echo(rank0_log, position)
-        for p, _ in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p, _ in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        codes = [p.returncode for p, _ in procs]
-        bad = [(r, c) for r, c in enumerate(codes) if c != 0]
-        if bad:
-            rank, code = bad[0]
-            status = "failed"
-            reason = f"rank {rank} exited with code {code}: {_last_line(logs / f'rank-{rank}.log')}"
-    except KeyboardInterrupt:
-        status, reason = "interrupted", "interrupted by a signal"
-        for p, _ in procs:
-            if p.poll() is None:
-                p.terminate()
-        for p, _ in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        for _, log in procs:
-            log.close()
-        (run_dir / ".rendezvous").unlink(missing_ok=True)
-    record.update(status=status, reason=reason, returncodes=[p.returncode for p, _ in procs])
-    probes = []
-    for rank in range(world):
-        path = run_dir / f"probe-rank-{rank}.json"
-        if path.is_file():
-            probes.append(json.loads(path.read_text()))
-    record["probe"] = {"ranks": probes} if probes else None
+    outcome = supervise(commands, env, run_dir / "logs")
+    (run_dir / ".rendezvous").unlink(missing_ok=True)
+    record.update(outcome)
+    record["probe"] = collect_probes(run_dir, world)
     return record
 
-
-def _die_with_parent() -> None:
-    """In a worker before exec: get SIGTERM when the launcher dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG)."""
-    import ctypes
-
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-
-
-def _echo(path: Path, position: int) -> int:
-    """Print what rank 0 logged since ``position``; return the new position."""
-    try:
-        with path.open("rb") as handle:
-            handle.seek(position)
-            chunk = handle.read()
-    except OSError:
-        return position
-    if chunk:
-        sys.stdout.write(chunk.decode(errors="replace"))
-        sys.stdout.flush()
-    return position + len(chunk)
