@@ -162,3 +162,56 @@ def probe() -> Dict[str, Any]:
     if cuda:
         info["driver"] = _driver_version()
     return info
+
+
+def distributions() -> Dict[str, str]:
+    """Every distribution importable from ``sys.path`` (name -> version, names lower-case with ``-``), for
+    comparing an image's site-packages with the lock stamped into it."""
+    out: Dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        if name:
+            out.setdefault(name, dist.version)
+    return dict(sorted(out.items()))
+
+
+def main(argv: Optional[list] = None) -> int:
+    """``python -m trainer.probe [--out PATH] [--distributions] [--node NAME]``: print the probe as JSON.
+
+    ``--out`` writes it (atomically) instead; ``{node}`` in PATH becomes the node name (``--node``, else
+    ``SLURMD_NODENAME``, else the host name), so one command serves every node of a Slurm step.
+    ``--distributions`` adds every importable distribution. Exit 0, or 2 on an unwritable PATH (one line).
+    """
+    import argparse
+    import sys
+    import tempfile
+
+    parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=main.__doc__)
+    parser.add_argument("--out", help="write the JSON here ({node} = node name) instead of stdout")
+    parser.add_argument("--node", help="node name for {node} (default: $SLURMD_NODENAME or the host name)")
+    parser.add_argument("--distributions", action="store_true", help="add every importable distribution")
+    args = parser.parse_args(argv)
+    info = probe()
+    node = args.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    info["node"] = node
+    if args.distributions:
+        info["distributions"] = distributions()
+    text = json.dumps(info, indent=2, sort_keys=True) + "\n"
+    if not args.out:
+        sys.stdout.write(text)
+        return 0
+    path = Path(args.out.replace("{node}", node))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except OSError as ex:
+        print(f"trainer.probe: error: --out {path}: {ex.strerror}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

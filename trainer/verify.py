@@ -65,6 +65,11 @@ def read_lock(path: Path) -> Dict[str, str]:
             data = json.loads(text)
         except json.JSONDecodeError as ex:
             raise UserError(f"{path}: not valid JSON ({ex.msg})") from None
+        if isinstance(data, dict) and "distributions" in data and "lock" in data:
+            # the lock an image was built from, as stamped into it (/etc/recipe-bundle/lock.json)
+            pins["python"] = str((data.get("python") or {}).get("version"))
+            pins.update({f"dist:{n.lower().replace('_', '-')}": str(v) for n, v in data["distributions"].items()})
+            return pins
         comps = data.get("components", {}) if isinstance(data, dict) else {}
         for name, (_, _, stack_key, _) in COMPONENTS.items():
             if stack_key:
@@ -109,6 +114,13 @@ def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str])
         else:
             verdict = "ok" if _same(observed, locked) else "drift"
         rows.append({"component": name, "locked": locked, "recipe": recipe.get(name), "observed": observed, "verdict": verdict})
+    for key in sorted(k for k in lock if k.startswith("dist:")):  # an image stamp's distributions
+        name = key[len("dist:"):]
+        seen = {(p.get("distributions") or {}).get(name) for p in observed_all} if observed_all else {None}
+        observed = " / ".join(sorted(str(s) for s in seen)) if len(seen) > 1 else next(iter(seen))
+        verdict = "drift" if len(seen) > 1 else ("absent" if observed is None else
+                                                ("ok" if _same(observed, lock[key]) else "drift"))
+        rows.append({"component": name, "locked": lock[key], "recipe": None, "observed": observed, "verdict": verdict})
     return rows
 
 

@@ -1,0 +1,92 @@
+"""launcher=local-image: a real image built from a lock, unpacked by digest with umoci and probed inside with
+bubblewrap; `trainer verify` checks the image's stamped lock against what the probe saw inside."""
+
+import helpers
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO_ROOT, run_train
+from trainer.image.testing import make_wheel, small_lock
+
+pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("bwrap") is None,
+                                reason="umoci and bubblewrap (Debian umoci, bubblewrap) are not installed")
+
+
+def trainer(*args):
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], capture_output=True, text=True, env=env,
+                          cwd=REPO_ROOT, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    root = tmp_path_factory.mktemp("image")
+    wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
+    lock = small_lock("local-image-test", 1767225600, [(wheel, "alpha", "1.0", "rest")], [])
+    (root / "lock.json").write_text(json.dumps(lock))
+    (root / "bundle" / "conf").mkdir(parents=True)
+    (root / "bundle" / "conf" / "x.yaml").write_text("a: 1\n")
+    assert trainer("cache", "--cache", root / "cas", "add", wheel).returncode == 0
+    out = trainer("image", "build", "--lock", root / "lock.json", "--out", root / "oci", "--cache", root / "cas",
+                  "--offline", "--bundle-root", root / "bundle", "--revision", "test", "--json")
+    assert out.returncode == 0, out.stderr
+    return {"layout": root / "oci", "digest": json.loads(out.stdout)["manifest_digest"]}
+
+
+def launch(tmp_path, image, digest=None, *extra):
+    run_dir = tmp_path / "run"
+    result = run_train(["experiment=smoke", "launcher=local-image", f"launcher.image={digest or image['digest']}",
+                        f"launcher.image_layout={image['layout']}", f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
+    return result, run_dir
+
+
+def test_probe_inside_the_image_and_verify_against_its_stamp(tmp_path, image):
+    result, run_dir = launch(tmp_path, image)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "has no Python interpreter; running this machine's" in result.stdout
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == "complete"
+    assert record["image"]["digest"] == image["digest"] and record["image"]["tag"] == "latest"
+    assert record["image"]["interpreter"]["from"] == "host"
+    probe = record["probe"]["ranks"][0]
+    stamp = (run_dir / "image" / "lock.json").read_bytes()
+    assert probe["image"]["digest"] == image["digest"]
+    import hashlib
+    assert probe["image"]["lock.json"]["sha256"] == hashlib.sha256(stamp).hexdigest() == record["image"]["stamp_sha256"]
+    # only the image's site-packages are visible inside: none of the launcher environment's packages
+    assert probe["distributions"] == {"alpha": "1.0"}
+    assert probe["components"]["torch"] is None and probe["host"] == "recipe-image"
+    verify = trainer("verify", run_dir, "--json")
+    assert verify.returncode == 1, verify.stderr
+    rows = {r["component"]: r for r in json.loads(verify.stdout)["rows"]}
+    assert rows["alpha"]["verdict"] == "ok" and rows["alpha"]["locked"] == "1.0"
+    # the host's interpreter ran inside (the image has none): verify says so against the image's locked 3.12
+    assert rows["python"]["locked"] == "3.12" and rows["python"]["observed"] == sys.version.split()[0]
+    assert rows["python"]["verdict"] == "drift"
+
+
+def test_a_job_inside_the_image_that_fails_is_recorded(tmp_path, image):
+    result, run_dir = launch(tmp_path, image, None, "launcher.job=[python3,-c,'import alpha, sys; sys.exit(alpha.X + 6)']")
+    assert result.returncode == 1
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == "failed"
+    assert record["reason"] == "the job inside the image exited with code 7"
+    assert record["probe"]["ranks"][0]["distributions"] == {"alpha": "1.0"}
+
+
+def test_a_digest_not_in_the_layout_is_refused(tmp_path, image):
+    other = "sha256:" + "0" * 64
+    result, run_dir = launch(tmp_path, image, other)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"train: error: launcher.image {other}: no such manifest blob in {image['layout']}"
+    assert json.loads((run_dir / "record.json").read_text())["status"] == "failed"
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

@@ -1,0 +1,192 @@
+"""``launcher=local-image``: run inside the bundle's image without a container engine, as pyxis/enroot would.
+
+1. The image is ``launcher.image`` (``sha256:<64 hex>``, or ``NAME@sha256:...``) in the OCI image layout
+   ``launcher.image_layout``: its manifest blob must hash to that digest and be named in the layout's
+   ``index.json`` (``org.opencontainers.image.ref.name``); ``umoci unpack`` then unpacks it into
+   ``RUN_DIR/image/bundle`` and checks every layer blob against its digest.
+2. The probe (``python -m trainer.probe --distributions``) runs inside the unpacked root file system with
+   bubblewrap: ``bwrap --bind ROOTFS / --proc /proc --dev /dev --tmpfs /tmp --unshare-all --cap-drop ALL
+   --clearenv``, no network, ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if
+   given, runs the same way (its log is ``logs/job.log``).
+3. The record carries the image (digest, layout, tag, the stamped ``/etc/recipe-bundle/lock.json`` copied to
+   ``image/lock.json``) and the probe; its ``lock`` is that stamp, so ``trainer verify RUN_DIR`` compares what
+   the probe saw inside the image with the lock the image was built from.
+
+The interpreter: an image whose entrypoint interpreter exists in its root file system runs its own. An image
+without one (the smoke image is ``scratch``: site-packages, sources and the bundle layer, no Python) runs
+**this machine's Python, bound read-only** into the sandbox at its own path (with the host's ``/usr/lib`` and
+``/lib64`` where the image has none), started with ``-S`` so that only the image's site-packages (from the
+stamp) and this bundle's ``trainer`` package (bound read-only at ``/opt/recipe-bundle-launcher``) are on
+``sys.path``. The record says so (``image.interpreter.from = "host"``), and ``trainer verify`` then shows the
+host's Python version against the image's locked one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from trainer import REPO_ROOT
+from trainer.checks import Parallelism
+from trainer.errors import CheckError, UserError
+from trainer.launch import cluster
+from trainer.record import atomic_write, write_json
+from trainer.schema import TrainConfig
+
+LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"
+STAMP = "etc/recipe-bundle/lock.json"
+REF_NAME = "org.opencontainers.image.ref.name"
+
+
+def _digest(cfg: TrainConfig) -> str:
+    image = cfg.launcher.image or ""
+    if cluster.DIGEST_RE.match(image):
+        return image
+    return cluster.parse_image(image)[1]
+
+
+def check(cfg: TrainConfig, par: Parallelism) -> None:
+    """``launcher.image`` pinned by digest; ``launcher.image_layout`` an OCI layout; umoci and bwrap present."""
+    _digest(cfg)
+    layout = Path(cfg.launcher.image_layout or "")
+    if not cfg.launcher.image_layout or not (layout / "index.json").is_file():
+        raise CheckError(f"launcher.image_layout {cfg.launcher.image_layout!r}: expected an OCI image layout directory "
+                         "(oci-layout, index.json, blobs/)")
+    for tool, package in (("umoci", "umoci"), ("bwrap", "bubblewrap")):
+        if shutil.which(tool) is None:
+            raise CheckError(f"launcher=local-image needs `{tool}` (Debian package {package}); bin/setup installs it")
+
+
+def find_tag(layout: Path, digest: str) -> str:
+    """The tag naming manifest ``digest`` in ``layout``'s index, after checking the manifest blob's sha256.
+
+    Raises :class:`UserError` (one line) when the blob is missing, does not hash to ``digest``, or is untagged.
+    """
+    hex_ = digest.split(":", 1)[1]
+    blob = layout / "blobs" / "sha256" / hex_
+    try:
+        data = blob.read_bytes()
+    except OSError:
+        raise UserError(f"launcher.image {digest}: no such manifest blob in {layout}") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != hex_:
+        raise UserError(f"{blob}: sha256 {actual} != {hex_} (the layout is corrupt)")
+    try:
+        index = json.loads((layout / "index.json").read_text())
+    except (OSError, json.JSONDecodeError) as ex:
+        raise UserError(f"{layout / 'index.json'}: not readable JSON ({ex})") from None
+    for manifest in index.get("manifests", []):
+        name = (manifest.get("annotations") or {}).get(REF_NAME)
+        if manifest.get("digest") == digest and name:
+            return name
+    raise UserError(f"launcher.image {digest}: not named in {layout / 'index.json'} (no {REF_NAME} for it)")
+
+
+def _image_interpreter(bundle: Path) -> Optional[str]:
+    """The image's interpreter (its config's first entrypoint word) when it exists in the root file system."""
+    try:
+        args = json.loads((bundle / "config.json").read_text())["process"]["args"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None
+    if not args:
+        return None
+    candidate = bundle / "rootfs" / args[0].lstrip("/")
+    return args[0] if os.path.lexists(candidate) and os.path.exists(candidate) else None
+
+
+def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], str]:
+    """(bwrap argv prefix, interpreter path inside) for running in ``rootfs``; see the module docstring."""
+    args = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv",
+            "--ro-bind", str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer"]
+    python_path = [LAUNCHER_MOUNT] + ([site_packages] if site_packages else [])
+    if host_python:
+        executable = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+        prefix = Path(sys.base_prefix).resolve()
+        args += ["--ro-bind", str(prefix), str(prefix)]
+        for lib in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
+            host = Path(lib)
+            if os.path.lexists(rootfs / lib.lstrip("/")) or not os.path.lexists(host):
+                continue
+            if host.is_symlink():  # merged /usr: the same link in the (private, unpacked) root file system
+                os.symlink(os.readlink(host), rootfs / lib.lstrip("/"))
+            else:
+                args += ["--ro-bind", lib, lib]
+        interpreter = str(executable)
+    else:
+        interpreter = ""
+    args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+             "--setenv", "PYTHONPATH", ":".join(python_path), "--setenv", cluster.DIGEST_ENV, digest,
+             "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    return args, interpreter
+
+
+def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Unpack, probe inside, run ``launcher.job`` inside if given; returns the record (see the module docstring)."""
+    run_dir = run_dir.absolute()
+    digest = _digest(cfg)
+    layout = Path(cfg.launcher.image_layout).absolute()
+    tag = find_tag(layout, digest)
+    image_dir = run_dir / "image"
+    bundle = image_dir / "bundle"
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    image_dir.mkdir(exist_ok=True)
+    record["image"] = {"digest": digest, "layout": str(layout), "tag": tag}
+    record["probe"] = None
+    unpack = ["umoci", "unpack"] + (["--rootless"] if os.geteuid() != 0 else []) + ["--image", f"{layout}:{tag}", str(bundle)]
+    out = subprocess.run(unpack, capture_output=True, text=True, timeout=600)
+    atomic_write(logs / "unpack.log", (out.stdout + out.stderr).encode())
+    if out.returncode != 0:
+        record.update(status="failed", reason=f"umoci unpack {layout}:{tag} failed: {cluster.last_line(out.stderr)}")
+        return record
+    rootfs = bundle / "rootfs"
+    stamp_path = rootfs / STAMP
+    stamp: Dict[str, Any] = {}
+    if stamp_path.is_file():
+        shutil.copyfile(stamp_path, image_dir / "lock.json")
+        stamp = json.loads(stamp_path.read_text())
+        record["image"]["stamp_sha256"] = hashlib.sha256(stamp_path.read_bytes()).hexdigest()
+        record["lock"] = {"path": str(image_dir / "lock.json"), "kind": "image stamp"}
+    site_packages = (stamp.get("python") or {}).get("site_packages")
+    own = _image_interpreter(bundle)
+    prefix, interpreter = sandbox(rootfs, digest, site_packages, host_python=own is None)
+    python = own or interpreter
+    record["image"]["interpreter"] = (
+        {"from": "image", "path": own} if own else
+        {"from": "host", "path": interpreter, "version": sys.version.split()[0],
+         "note": "the image has no Python interpreter; this machine's is bound read-only into the sandbox"}
+    )
+    if own is None:
+        print(f"local-image: {digest} has no Python interpreter; running this machine's ({interpreter}, "
+              f"Python {sys.version.split()[0]}) read-only inside it, with the image's site-packages")
+    command = prefix + [python, "-S", "-m", "trainer.probe", "--distributions", "--node", "image"]
+    (run_dir / "sandbox.json").write_text(json.dumps(command, indent=2) + "\n")
+    probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    atomic_write(logs / "probe.log", probe.stderr.encode())
+    if probe.returncode != 0:
+        record.update(status="failed", reason=f"the probe inside the image exited with code {probe.returncode}: "
+                                              f"{cluster.last_line(probe.stderr)}")
+        return record
+    info = json.loads(probe.stdout)
+    write_json(run_dir / "probes" / "image.json", info)
+    record["probe"] = {"ranks": [info], "nodes": ["image"]}
+    if cfg.launcher.job:
+        argv = [python if token in ("python", "python3") else str(token) for token in cfg.launcher.job]
+        write_json(run_dir / "argv.json", argv)
+        with (logs / "job.log").open("wb") as log:
+            job = subprocess.run(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
+        if job.returncode != 0:
+            text = (logs / "job.log").read_text(errors="replace")
+            tail = cluster.last_line(text)
+            record.update(status="failed", reason=f"the job inside the image exited with code {job.returncode}"
+                                                  + (f": {tail}" if tail else ""))
+            return record
+    record.update(status="complete", reason=None)
+    return record
