@@ -234,6 +234,25 @@ class LauncherConfig:
     submit: bool = False
     seed: int = 1234  # Megatron --seed (its default): model init and data order of executed local runs
     steps: Optional[int] = None  # optimizer steps of an executed run; null = optim.num_rollout
+    # cluster launchers (slurm, ray, local-image; trainer/launch/)
+    image: Optional[str] = None  # the job's image pinned by digest: NAME@sha256:<64 hex> (slurm, ray); sha256:<hex> (local-image)
+    image_layout: Optional[str] = None  # local-image: OCI image layout directory holding `image`
+    container: str = "pyxis"  # slurm: pyxis (srun --container-image) | none (the nodes' own environment)
+    container_mounts: List[str] = field(default_factory=list)  # slurm/pyxis: SRC:DST[:ro] mounts (checkpoints, data)
+    time_limit: str = "04:00:00"  # slurm --time (D-HH:MM:SS or HH:MM:SS)
+    gpus_flag: str = "gpus-per-node"  # slurm: gpus-per-node (--gpus-per-node=N) | gres (--gres=gpu:N) | none
+    sbatch_args: List[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. [--qos=high, --exclusive]
+    ray_port: int = 6379  # Ray GCS port on the head node
+    dashboard_port: int = 8265  # Ray dashboard (job submission) port on the head node
+    ray_start_args: List[str] = field(default_factory=list)  # slurm: extra `ray start` arguments (head and workers)
+    head_ip: Optional[str] = None  # slurm: address Ray binds on the head node; null = the head's `hostname -i`
+    address: Optional[str] = None  # ray: job submission address of an existing cluster, http://HOST:8265
+    python: Optional[str] = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
+    workdir: Optional[str] = None  # directory the job starts in on the cluster (the miles checkout); null = as started
+    job: List[str] = field(default_factory=list)  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
+    expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
+    wait_s: Optional[int] = None  # ray: seconds to wait for the job; null = until it ends
+    master_port: int = 29500  # torchrun rendezvous port on 127.0.0.1 (local-megatron)
 
 
 @dataclass

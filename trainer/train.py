@@ -66,6 +66,10 @@ def reference_config(task_overrides: List[str], reference_layout: str) -> DictCo
     return compose_run(kept + [f"layout={reference_layout}"])
 
 
+# Statuses of a run that now belongs to a scheduler (rendered for it, or accepted by it): not a failure.
+HANDED_OFF = ("rendered", "submitted")
+
+
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
 def run(cfg: DictConfig) -> None:
     """One job: check, render, compare with the reference layout, plan, write the run directory, and
@@ -107,6 +111,7 @@ def run(cfg: DictConfig) -> None:
         return
 
     record = launcher_record("running", pid=os.getpid(), files_sha256=hashes, **common)
+    record["started_utc"] = record["created_utc"]  # job start (a local run has no scheduler admission)
     write_json(run_dir / "record.json", record)
     try:
         record = launch.execute(typed, par, run_dir, record)
@@ -115,13 +120,20 @@ def run(cfg: DictConfig) -> None:
         write_json(run_dir / "record.json", record)
         print(f"train: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
-    record["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    for name in ("argv.json", "env.json", "metrics.jsonl"):
+    now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if record["status"] in HANDED_OFF:
+        record.pop("pid", None)  # the run no longer lives in this process
+        record["handed_off_utc"] = now
+    else:
+        record["finished_utc"] = now
+    for name in ("argv.json", "env.json", "metrics.jsonl", "sbatch.sh"):
         if (run_dir / name).is_file():
             hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
+    record.setdefault("files_sha256", {}).update(hashes)
+    message = record.pop("message", None)
     write_json(run_dir / "record.json", record)
-    print(f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})")
-    if record["status"] != "complete":
+    print(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})")
+    if record["status"] not in ("complete", *HANDED_OFF):
         sys.exit(1)
 
 

@@ -1,7 +1,8 @@
 """Launchers: what ``train`` does with a checked, planned run (``launcher=`` in ``conf/launcher/``).
 
 ``plan``       write the plan and launch nothing (no module: ``train`` does it);
-``local-cpu``  train the composed (tiny) model on this machine's CPUs, data parallel over processes.
+``local-cpu``  train the composed (tiny) model on this machine's CPUs, data parallel over processes;
+``local-megatron``  train the composed (proxy) model with megatron-core on this machine's GPUs (torchrun).
 
 A launcher is a module in :data:`LAUNCHERS` with two functions:
 
@@ -27,6 +28,10 @@ from trainer.schema import TrainConfig
 LAUNCHERS: Dict[str, str] = {
     "plan": "",
     "local-cpu": "trainer.launch.local_cpu",
+    "slurm": "trainer.launch.slurm",
+    "ray": "trainer.launch.ray",
+    "local-image": "trainer.launch.local_image",
+    "local-megatron": "trainer.launch.local_megatron",
 }
 
 
