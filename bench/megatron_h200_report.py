@@ -54,8 +54,9 @@ def main() -> int:
             f"| {plan['layout']} | {summary['tokens_per_s_per_gpu']:,.0f} | {summary['model_tflops_per_gpu']:.1f} | "
             f"{summary['mfu']:.4f} | {summary['step_time_cv_percent']:.2f}% | {peak / 1e9:.1f} | "
             f"{plan['memory']['max_gb']:.1f} ({plan['memory']['max_gb'] / (peak / 1e9):.2f}) | "
-            f"{'pass' if conv_rc == 0 else 'FAIL'} (r = {checks['correlation']:.5f}, final {checks['final_loss']:.4f}) | "
-            f"{record['status']} |"
+            + ("baseline | " if layout == BASELINE else
+               f"{'pass' if conv_rc == 0 else 'FAIL'} (r = {checks['correlation']:.5f}, final {checks['final_loss']:.4f}) | ")
+            + f"{record['status']} |"
         )
         print(f"{layout}: verify exit {ver_rc}; drift/absent: {', '.join(drift)}", file=sys.stderr)
     print("| layout | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | peak GB (measured) | plan estimate GB (ratio) | converge vs 1 GPU | status |")

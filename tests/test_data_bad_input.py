@@ -124,6 +124,25 @@ def test_bad_arguments(capsys, tmp_path, monkeypatch, args, expected):
     assert not (tmp_path / "out").exists()
 
 
+def test_out_that_is_not_a_build_is_left_alone(capsys, tmp_path):
+    src = tmp_path / "in.jsonl"
+    synthetic.write(src, 20, seed=3)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "important.txt").write_text("keep me")
+    code, _, err = run(capsys, "--input", str(src), "--out", str(out))
+    assert code == 2
+    assert err.strip().endswith("a non-empty directory that is not a rows build (no manifest.json); refusing to write into it")
+    assert sorted(p.name for p in out.iterdir()) == ["important.txt"]
+
+
+def test_unwritable_output_is_one_line(capsys, tmp_path):
+    (tmp_path / "dir.jsonl").mkdir()
+    code = cli.main(["data", "example", "--out", str(tmp_path / "dir.jsonl"), "--conversations", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+
+
 def test_failed_build_removes_the_directories_it_made(capsys, tmp_path):
     bad = jsonl(tmp_path / "bad.jsonl", GOOD, {"id": "b", "messages": [{"role": "user", "content": "q"}]})
     code, _, err = run(capsys, "--input", bad, "--out", tmp_path / "new" / "deeper" / "out")

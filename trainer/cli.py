@@ -63,6 +63,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as err:
         print(f"trainer {name}: error: {err}", file=sys.stderr)
         return err.exit_code
+    except OSError as err:  # a path the user gave that cannot be read or written
+        where = f"{err.filename}: " if err.filename else ""
+        print(f"trainer {name}: error: {where}{err.strerror or err}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"trainer {name}: interrupted", file=sys.stderr)
         return 130

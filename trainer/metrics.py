@@ -285,6 +285,10 @@ def model_flops_per_token(model: ModelConfig, seq_length: int) -> Flops:
       them, and the indexer scores all floor(i/4) entries at 2 x indexer heads x indexer head dim each;
     * logits = 2 x vocab x hidden.
 
+    A model whose ``experimental_attention_variant`` is not ``dsv4`` (the megatron-core proxy) has plain causal
+    multi-head attention: every query attends all earlier keys of the row (mean (S+1)/2), no compressor, no
+    indexer.
+
     Assumptions: causal attention over the whole row (packed rows, no document mask); the MTP layer,
     norms, hyper-connection Sinkhorn iterations, softmax and activation functions are not counted
     (Megatron does not count elementwise work either). Units: FLOPs per token.
@@ -292,11 +296,15 @@ def model_flops_per_token(model: ModelConfig, seq_length: int) -> Flops:
     params = count_params(model)
     attention = 0.0
     per_key = 4.0 * model.num_attention_heads * model.qk_head_dim
+    dsv4 = model.experimental_attention_variant == "dsv4"
     for layer in params.layers:
+        if not dsv4:
+            attention += per_key * (seq_length + 1) / 2.0
+            continue
         keys, scored = _mean_keys(seq_length, model.dsv4_window_size, layer.compress_ratio, model.dsa_indexer_topk)
         attention += per_key * keys + 2.0 * model.dsa_indexer_n_heads * model.dsa_indexer_head_dim * scored
     matmul = 2.0 * (params.active_per_token - params.output)
-    logits = 2.0 * params.output
+    logits = 2.0 * model.vocab_size * model.hidden_size  # the output projection, tied or not
     return Flops(matmul=matmul, attention=attention, logits=logits, per_token=3.0 * (matmul + attention + logits))
 
 

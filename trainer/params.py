@@ -175,7 +175,7 @@ def count_params(m: ModelConfig) -> ModelParams:
         layers=layers,
         embedding=V * H,
         output=V * H if m.untie_embeddings_and_output_weights else 0,
-        hc_head=k * k * H,
+        hc_head=k * k * H if m.experimental_attention_variant == "dsv4" else 0,
         final_norm=H + k + 1,
         mtp_dense=mtp_dense,
         mtp_expert=mtp_expert,

@@ -184,7 +184,6 @@ def main(argv: Optional[list] = None) -> int:
     """
     import argparse
     import sys
-    import tempfile
 
     parser = argparse.ArgumentParser(prog="python -m trainer.probe", description=main.__doc__)
     parser.add_argument("--out", help="write the JSON here ({node} = node name) instead of stdout")
@@ -201,12 +200,10 @@ def main(argv: Optional[list] = None) -> int:
         sys.stdout.write(text)
         return 0
     path = Path(args.out.replace("{node}", node))
+    from trainer.record import atomic_write
+
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
+        atomic_write(path, text.encode())
     except OSError as ex:
         print(f"trainer.probe: error: --out {path}: {ex.strerror}", file=sys.stderr)
         return 2

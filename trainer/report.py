@@ -34,12 +34,25 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", type=Path, help="run directory (config.yaml and metrics.jsonl)")
     p.add_argument("--window", metavar="FIRST:LAST", help="measured steps, inclusive (default 5:LAST-1)")
-    p.add_argument("--usd-per-node-hour", type=float, metavar="DOLLARS", help="price of one node (default: cluster.usd_per_node_hour)")
+    p.add_argument("--usd-per-node-hour", type=_price, metavar="DOLLARS", help="price of one node (default: cluster.usd_per_node_hour)")
     p.add_argument("--no-cost", action="store_true", help="leave the cost out (for a cluster without a price)")
     p.add_argument("--out", type=Path, help="where summary.json and step_time.png go (default: the run directory)")
     p.add_argument("--no-plot", action="store_true", help="do not write step_time.png")
     p.add_argument("--json", action="store_true", help="print summary.json to stdout instead of a table")
     return p
+
+
+def _price(text: str) -> float:
+    """argparse type of a price: a finite number >= 0 (US dollars per node-hour)."""
+    import math
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite price >= 0")
+    return value
 
 
 def report_inputs(run: Run, usd_per_node_hour: Optional[float] = None) -> metrics.ReportInputs:

@@ -86,10 +86,12 @@ def read_lock(path: Path) -> Dict[str, str]:
 
 
 def _same(observed: str, locked: str) -> bool:
-    """Versions agree: equal, or equal up to a local label the other lacks, or a commit prefix."""
+    """Versions agree: equal; equal up to a local label (``+cu130``) that the lock does not pin (the lock's
+    ``2.11.0`` accepts ``2.11.0+cu130``, the lock's ``2.11.0+cu130`` refuses ``2.11.0`` and ``2.11.0+cpu``);
+    or one commit a prefix of the other (7 hex digits at least)."""
     if observed == locked:
         return True
-    if observed.split("+")[0] == locked.split("+")[0] and ("+" not in observed or "+" not in locked):
+    if "+" not in locked and observed.split("+")[0] == locked:
         return True
     return len(locked) >= 7 and len(observed) >= 7 and (observed.startswith(locked) or locked.startswith(observed))
 
@@ -132,13 +134,12 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
+    from trainer.rundir import load_record
+
     record_path = args.run_dir / "record.json"
-    try:
-        record = json.loads(record_path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)") from None
-    except json.JSONDecodeError as ex:
-        raise UserError(f"{record_path}: not valid JSON ({ex.msg})") from None
+    record = load_record(args.run_dir)
+    if record is None:
+        raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")
     if not record.get("probe"):
         raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
     lock_path = args.lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))

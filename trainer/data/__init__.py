@@ -89,10 +89,13 @@ class Rows:
                     f"{rows_path}: {len(data)} bytes, sha256 {digest}; the manifest says "
                     f"{self.manifest.get('parquet_bytes')} bytes, sha256 {self.manifest.get('parquet_sha256')}"
                 )
-        table = pq.read_table(pa.BufferReader(data), columns=["tokens", "loss_mask"])
-        shape = (table.num_rows, self.row_tokens)
-        self.tokens = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(shape)
-        self.mask = table.column("loss_mask").combine_chunks().flatten().to_numpy().reshape(shape)
+        try:
+            table = pq.read_table(pa.BufferReader(data), columns=["tokens", "loss_mask"])
+            shape = (table.num_rows, self.row_tokens)
+            self.tokens = table.column("tokens").combine_chunks().flatten().to_numpy().reshape(shape)
+            self.mask = table.column("loss_mask").combine_chunks().flatten().to_numpy().reshape(shape)
+        except (pa.ArrowException, ValueError, KeyError) as err:
+            raise UserError(f"{rows_path}: not a rows parquet of {self.row_tokens}-token rows ({err})") from None
         if table.num_rows != expected_rows:
             raise UserError(f"{rows_path}: {table.num_rows} rows; the manifest says {expected_rows}")
         if verify:

@@ -532,6 +532,8 @@ def build(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
+        raise UserError(f"--out {out}: a non-empty directory that is not a rows build (no {MANIFEST_FILE}); refusing to write into it")
     stats = Stats()
     inputs: List[InputFile] = []
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as pool:

@@ -10,7 +10,7 @@ The story of a step (the recipe's optimizer semantics, Megatron's definitions):
 3. gradient clipping at ``optim.clip_grad`` (Megatron's default 1.0; ``grad_norm`` is the norm before clipping);
 4. Adam with decoupled weight decay on 2-D weights (Megatron leaves biases and norms undecayed), betas from
    the config; the learning rate follows Megatron's ``OptimizerParamScheduler``: linear warm-up from 0 over
-   ``round(lr_warmup_fraction x steps)`` steps, then cosine from ``lr`` to ``min_lr``, evaluated at the number
+   ``lr_warmup_fraction x steps`` steps (a float, as Megatron), then cosine from ``lr`` to ``min_lr``, evaluated at the number
    of completed steps;
 5. router gates frozen (``--moe-router-freeze-gate``); the expert bias is never updated
    (``--freeze-e-score-correction-bias``).
@@ -35,11 +35,12 @@ from trainer.record import atomic_write, canonical_json
 def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float) -> float:
     """Learning rate after ``step_done`` completed steps (Megatron ``OptimizerParamScheduler.get_lr``, cosine).
 
-    Warm-up: ``lr x step_done / warmup`` for ``step_done <= warmup`` (``warmup = round(fraction x steps)``, the
-    first step runs at 0 when there is warm-up); then ``min_lr + (lr - min_lr) x 0.5 x (1 + cos(pi x r))`` with
+    Warm-up: ``lr x step_done / warmup`` for ``step_done <= warmup`` with ``warmup = fraction x steps`` (a
+    float, as Megatron's ``lr_warmup_steps = lr_warmup_fraction x lr_decay_steps``; the first step runs at 0
+    when there is warm-up); then ``min_lr + (lr - min_lr) x 0.5 x (1 + cos(pi x r))`` with
     ``r = (step_done - warmup) / (steps - warmup)``.
     """
-    warmup = round(warmup_fraction * steps)
+    warmup = warmup_fraction * steps
     if warmup > 0 and step_done <= warmup:
         return lr * step_done / warmup
     if steps <= warmup:

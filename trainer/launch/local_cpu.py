@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any, Dict, List
 
-from trainer import REPO_ROOT
 from trainer.checks import Parallelism
 from trainer.errors import CheckError, UserError
-from trainer.launch.processes import collect_probes, supervise
+from trainer.launch.processes import collect_probes, supervise, worker_env
 from trainer.record import redact_env, write_json
 from trainer.schema import TrainConfig
 
@@ -93,15 +92,13 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     ``argv.json`` (rank 0's command) and ``env.json`` (redacted) first.
     """
     world = par.world_size
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in cfg.env.items()} if cfg.env else {})
-    env.update(
+    env = worker_env(
+        cfg.env,
         {
-            "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
             "GLOO_SOCKET_IFNAME": "lo",  # gloo's connections stay on loopback
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
             "PYTHONUNBUFFERED": "1",
-        }
+        },
     )
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}

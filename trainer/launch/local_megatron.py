@@ -14,11 +14,10 @@ import sys
 from pathlib import Path
 from typing import Any, Dict
 
-from trainer import REPO_ROOT
 from trainer.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.local_cpu import prepare_rows
-from trainer.launch.processes import collect_probes, supervise
+from trainer.launch.processes import collect_probes, supervise, worker_env
 from trainer.record import redact_env, write_json
 from trainer.schema import TrainConfig
 
@@ -65,15 +64,7 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
         raise UserError(f"cluster.gpus_per_node {par.world_size}: this machine has {gpus} GPU(s)")
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}
-    env = dict(os.environ)
-    env.update({k: str(v) for k, v in cfg.env.items()})
-    env.update(
-        {
-            "PYTHONPATH": str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "4"),
-        }
-    )
+    env = worker_env(cfg.env, {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")})
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(par.world_size),

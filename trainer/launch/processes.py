@@ -8,11 +8,37 @@ launcher leaves no orphaned workers; the launcher's own record then still says `
 from __future__ import annotations
 
 import json
+import os
+import string
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence
+
+from trainer import REPO_ROOT
+from trainer.errors import UserError
+
+
+def worker_env(recipe_env: Mapping[str, str], extra: Mapping[str, str]) -> Dict[str, str]:
+    """The environment of a local run's processes: this process's, the recipe's ``env`` block, then ``extra``.
+
+    The recipe's values may refer to variables (``$KERNEL_CACHE/triton``); here they are expanded as the
+    recipe's shell would. ``KERNEL_CACHE`` defaults to ``$XDG_CACHE_HOME/recipe-bundle/kernels`` (the JIT
+    kernel caches persist across runs). ``PYTHONPATH`` starts with the bundle's source tree.
+    Raises :class:`UserError` naming the variable when a value still refers to an unset variable.
+    """
+    env = dict(os.environ)
+    cache_root = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    env.setdefault("KERNEL_CACHE", str(Path(cache_root) / "recipe-bundle" / "kernels"))
+    for name, value in recipe_env.items():
+        expanded = string.Template(str(value)).safe_substitute(env)
+        if "$" in expanded:
+            raise UserError(f"env.{name} {value}: refers to a variable that is not set here")
+        env[name] = expanded
+    env.update(extra)
+    env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def die_with_parent() -> None:
