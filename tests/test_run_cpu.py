@@ -43,6 +43,16 @@ def dp2(tmp_path_factory):
     return smoke(tmp_path_factory, "dp2", "layout=gpu2-tp1pp1ep1")
 
 
+@pytest.fixture(scope="module")
+def lr10(tmp_path_factory):
+    return smoke(tmp_path_factory, "lr10", "optim.lr=3e-2")
+
+
+def trainer(*args):
+    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
+
+
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -100,6 +110,30 @@ def test_data_parallel_matches_one_process(dp1, dp2):
         assert (b["tokens"], b["supervised_tokens"]) == (a["tokens"], a["supervised_tokens"])
     record = json.loads((dp2 / "record.json").read_text())
     assert len(record["probe"]["ranks"]) == 2 and record["returncodes"] == [0, 0]
+
+
+def test_convergence_passes_for_another_layout_and_fails_for_another_learning_rate(dp1, dp2, lr10):
+    same = trainer("converge", dp2, dp1, "--json")
+    assert same.returncode == 0, same.stdout[-2000:]
+    assert json.loads(same.stdout)["passed"] is True
+    other = trainer("converge", lr10, dp1, "--json")
+    assert other.returncode == 1
+    failed = {c["name"] for c in json.loads(other.stdout)["checks"] if not c["passed"]}
+    assert "final_loss" in failed
+    predicted = trainer("converge", "--predict", "--candidate", "experiment=smoke optim.lr=3e-2", "--reference", "experiment=smoke")
+    assert predicted.returncode == 1 and "--lr" in predicted.stdout
+
+
+def test_the_run_as_a_recipe(dp1, dp2, tmp_path):
+    out = tmp_path / "recipe.yaml"
+    proc = trainer("recipe", dp2, "--reference", dp1, "--no-cost", "-o", out)
+    assert proc.returncode == 0, proc.stderr
+    import yaml
+
+    recipe = yaml.safe_load(out.read_text())
+    assert recipe["correctness"]["convergence"]["result"] == "pass"
+    assert recipe["result"]["mfu"] is None and "no GPU" in recipe["result"]["mfu_note"]
+    assert trainer("recipe", "--validate", out).returncode == 0
 
 
 def test_verify_passes_and_catches_planted_drift(dp1, tmp_path):

@@ -348,7 +348,7 @@ class ReportInputs:
     gpus_per_node: int
     active_params: int
     active_params_source: str
-    peak_flops: float
+    peak_flops: Optional[float]  # None: the run had no GPU (MFU n/a)
     usd_per_node_hour: Optional[float]
     model: Optional[ModelConfig] = None
     seq_length: Optional[int] = None
@@ -382,7 +382,7 @@ def summarize(
         "window_seconds": seconds,
         "gpus": inputs.gpus,
         "tokens_per_s_per_gpu": tps,
-        "mfu": mfu(inputs.active_params, tps, inputs.peak_flops),
+        "mfu": mfu(inputs.active_params, tps, inputs.peak_flops) if inputs.peak_flops else None,
         "mfu_formula": "6 * N * tokens_per_s_per_gpu / peak",
         "active_params": {"count": inputs.active_params, "source": inputs.active_params_source},
         "peak_flops": {"value": inputs.peak_flops, "source": PEAK_SOURCE},

@@ -61,13 +61,16 @@ def report_inputs(run: Run, usd_per_node_hour: Optional[float] = None) -> metric
     cfg = run.config
     n = count_params(cfg.model).active_per_token
     wall = metrics.job_wall_seconds(run.record or {})
+    probes = ((run.record or {}).get("probe") or {}).get("ranks") or []
+    # a run whose processes saw no GPU (launcher=local-cpu) has no GPU peak to compare with
+    cpu_only = bool(probes) and not any(((p.get("torch") or {}).get("gpus")) for p in probes)
     return metrics.ReportInputs(
         gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
         gpus_per_node=cfg.cluster.gpus_per_node,
         active_params=n,
         active_params_source=f"trainer.params.count_params(model={cfg.model.name}).active_per_token"
         + (f"; shapes from {cfg.model.source}" if cfg.model.source else ""),
-        peak_flops=cfg.cluster.gpu_peak_bf16_flops,
+        peak_flops=None if cpu_only else cfg.cluster.gpu_peak_bf16_flops,
         usd_per_node_hour=usd_per_node_hour if usd_per_node_hour is not None else cfg.cluster.usd_per_node_hour,
         model=cfg.model,
         seq_length=cfg.data.seq_length,
@@ -102,8 +105,11 @@ def print_summary(summary: Dict[str, Any], where: Path, console: Optional[Consol
     w = summary["window"]
     table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.2f}",
                   f"{summary['window_tokens']:,} tokens / {summary['window_seconds']:.2f} s / {summary['gpus']} GPUs, steps {w[0]}..{w[1]}")
-    table.add_row("MFU", f"{summary['mfu']:.4f}",
-                  f"6 x N {summary['active_params']['count']:,} x tokens/s/GPU / peak {summary['peak_flops']['value']:.4g} FLOP/s")
+    if summary["mfu"] is None:
+        table.add_row("MFU", "n/a", "the run's processes saw no GPU (the probe), so there is no GPU peak to divide by")
+    else:
+        table.add_row("MFU", f"{summary['mfu']:.4f}",
+                      f"6 x N {summary['active_params']['count']:,} x tokens/s/GPU / peak {summary['peak_flops']['value']:.4g} FLOP/s")
     if summary["model_tflops_per_gpu"] is not None:
         f = summary["model_flops_per_token"]
         table.add_row("model TFLOP/s/GPU", f"{summary['model_tflops_per_gpu']:.2f}",
