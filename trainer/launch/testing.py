@@ -30,10 +30,14 @@ from typing import Dict, List, Optional
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 
 
+def _search_path() -> str:
+    """PATH plus the system directories the daemons live in (Bazel's strict action env drops /usr/sbin)."""
+    return os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+
+
 def missing_slurm() -> List[str]:
     """The Slurm/munge programs absent from PATH (and /usr/sbin)."""
-    path = os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
-    return [b for b in SLURM_BINARIES if shutil.which(b, path=path) is None]
+    return [b for b in SLURM_BINARIES if shutil.which(b, path=_search_path()) is None]
 
 
 def missing_ray() -> Optional[str]:
@@ -121,7 +125,7 @@ class LocalSlurm:
 
     def env(self) -> Dict[str, str]:
         """The environment for Slurm commands against this cluster."""
-        return {**os.environ, "SLURM_CONF": str(self.conf)}
+        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": _search_path()}
 
     def _write_config(self) -> None:
         r = self.root
@@ -173,7 +177,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
     def _spawn(self, argv: List[str], log: str) -> subprocess.Popen:
         out = open(self.root / log, "wb")
-        proc = subprocess.Popen(["timeout", str(self.lifetime_s), *argv], stdout=out, stderr=subprocess.STDOUT,
+        program = shutil.which(argv[0], path=_search_path()) or argv[0]
+        proc = subprocess.Popen(["timeout", str(self.lifetime_s), program, *argv[1:]], stdout=out, stderr=subprocess.STDOUT,
                                 env=self.env(), start_new_session=True)
         self.procs.append(proc)
         return proc
