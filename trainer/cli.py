@@ -30,6 +30,7 @@ COMMANDS: Dict[str, Tuple[str, str]] = {
 
 
 def usage() -> str:
+    """The top-level help text: one line per subcommand of :data:`COMMANDS`, sorted by name."""
     width = max(len(name) for name in COMMANDS)
     lines = ["usage: trainer COMMAND [ARGS ...]", "", "commands:"]
     lines += [f"  {name:<{width}}  {text}" for name, (_, text) in sorted(COMMANDS.items())]

@@ -34,6 +34,7 @@ from trainer.rundir import load_config, load_run
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``trainer converge`` (see the module docstring for the two modes)."""
     p = argparse.ArgumentParser(
         prog="trainer converge",
         description="Convergence check of a candidate run against a reference run (Megatron-Bridge validate_convergence "
@@ -84,6 +85,9 @@ def _fmt(value: Any) -> str:
 
 
 def print_prediction(result: Dict[str, Any], console: Console) -> None:
+    """Print a :func:`predict` result to ``console``: a table of the differing arguments with their class
+    (numerics in red, performance in green), or "no argument differs", then the verdict line.
+    """
     table = Table(title=f"numerics: {result['candidate'] or '(defaults)'} vs {result['reference'] or '(defaults)'}")
     for col in ("argument", "key", "candidate", "reference", "class"):
         table.add_column(col)
@@ -98,6 +102,11 @@ def print_prediction(result: Dict[str, Any], console: Console) -> None:
 
 
 def print_check(result: Dict[str, Any], cand: str, ref: str, console: Console) -> None:
+    """Print a :func:`trainer.convergence.check` result to ``console``: one table row per check (value,
+    threshold, pass/FAIL), the pointwise failure count, then PASS or FAIL with the failed checks.
+
+    ``cand``/``ref`` are the runs' labels for the title; raises ``KeyError`` if ``result`` lacks a key it prints.
+    """
     table = Table(title=f"convergence: {cand} vs reference {ref} ({result['thresholds']['name']} thresholds)")
     for col in ("check", "value", "threshold", "result", "detail"):
         table.add_column(col)

@@ -158,6 +158,7 @@ def _differs(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``trainer logs`` (``--seq-length`` in tokens per row)."""
     p = argparse.ArgumentParser(
         prog="trainer logs",
         description="Read per-step LM loss, grad norm, learning rate and iteration time from a Megatron-LM or miles "

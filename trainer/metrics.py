@@ -68,6 +68,7 @@ class Step:
     max_memory_bytes: Optional[float] = None
 
     def as_dict(self) -> Dict[str, Any]:
+        """The row as a dict with every key of :data:`KEYS`, in that order (absent optional keys as None)."""
         return {k: getattr(self, k) for k in KEYS}
 
 

@@ -59,6 +59,7 @@ class Difference:
     cls: str
 
     def as_dict(self) -> Dict[str, Any]:
+        """The difference as JSON-able data: ``flag``, ``key``, ``candidate``, ``reference``, ``class``."""
         return {"flag": self.flag, "key": self.key, "candidate": self.candidate, "reference": self.reference, "class": self.cls}
 
 
@@ -70,13 +71,18 @@ class Verdict:
 
     @property
     def numerics_differences(self) -> List[Difference]:
+        """The differences classed ``numerics`` (those that can change the function computed)."""
         return [d for d in self.differences if d.cls == NUMERICS]
 
     @property
     def equivalent(self) -> bool:
+        """True when no numerics-affecting argument differs (performance differences are allowed)."""
         return not self.numerics_differences
 
     def as_dict(self) -> Dict[str, Any]:
+        """The verdict as JSON-able data: ``equivalent`` (bool), ``verdict`` (one sentence naming the differing
+        numerics arguments) and ``differences`` (:meth:`Difference.as_dict` each).
+        """
         return {
             "equivalent": self.equivalent,
             "verdict": (

@@ -112,6 +112,9 @@ def stack_block(run: Run) -> Dict[str, Any]:
 
 
 def workload_block(run: Run) -> Dict[str, Any]:
+    """The ``workload:`` block from the run's config: row length (tokens), rows, global batch (rows), precision
+    and the dataset with its build (tokenizer, loss mask, hashes, parquet size in bytes).
+    """
     d = run.config.data
     b = d.build
     return {
@@ -144,6 +147,10 @@ def workload_block(run: Run) -> Dict[str, Any]:
 
 
 def layout_block(run: Run) -> Dict[str, Any]:
+    """The ``layout:`` block: TP/PP/VPP/CP/EP/ETP/DP sizes, layer split, recompute, dispatcher, offload and a
+    one-line summary. DP and the per-stage layer split come from :func:`trainer.checks.check`, which raises
+    :class:`~trainer.errors.CheckError` for a layout that does not fit the model or cluster.
+    """
     lay = run.config.layout
     par = checks.check(run.config)
     split = "/".join(map(str, par.stage_layers))
@@ -210,6 +217,10 @@ def measured_date(run: Run) -> str:
 
 
 def result_block(run: Run, summary: Dict[str, Any]) -> Dict[str, Any]:
+    """The ``result:`` block from a :func:`trainer.report.build_summary` ``summary``, rounded as the seed rounds
+    (2 decimals; MFU 4, model TFLOP/s per GPU 1): tokens/s per GPU, USD per 1M tokens, step-time CV (%), MFU,
+    peak FLOP/s, window (steps) and its tokens, GPU-hours, and the measured date (:func:`measured_date`).
+    """
     cost = summary["usd_per_million_tokens"]
     return {
         "tokens_per_s_per_gpu": round(summary["tokens_per_s_per_gpu"], 2),
@@ -232,6 +243,10 @@ def result_block(run: Run, summary: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def correctness_block(run: Run, reference: Optional[Run], convergence: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """The ``correctness:`` block. Without ``reference`` or ``convergence``: ``not-checked``. Else ``pass`` only
+    when the convergence check passed and the configs are not numerics-different (:func:`trainer.numerics.compare`;
+    ``configuration`` is ``not-checked`` when the reference has no config), with the check's figures rounded.
+    """
     if reference is None or convergence is None:
         return {
             "result": "not-checked", "summary": "no reference run given", "reference": "",
@@ -318,6 +333,7 @@ def dump_recipe(recipe: Dict[str, Any], name: str) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``trainer recipe`` (write a recipe from RUN_DIR, or ``--validate`` files)."""
     p = argparse.ArgumentParser(
         prog="trainer recipe",
         description="Write a run as a recipe YAML (the seed's format, schema/recipe.schema.yaml): result from the run's "

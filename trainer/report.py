@@ -25,6 +25,7 @@ from trainer.rundir import Run, load_run
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``trainer report`` (``--window`` in steps, ``--usd-per-node-hour`` in US dollars)."""
     p = argparse.ArgumentParser(
         prog="trainer report",
         description="Throughput (tokens/s/GPU), MFU, model TFLOP/s/GPU, $ per 1M tokens, step-time CV and GPU-hours "

@@ -32,10 +32,14 @@ class Run:
 
     @property
     def directory(self) -> Optional[Path]:
+        """The run directory, or None when only a ``metrics.jsonl`` file was given."""
         return self.path if self.path.is_dir() else None
 
     @property
     def label(self) -> str:
+        """A short name for tables and plots: the layout label from the config, else the directory's name (for a
+        metrics file, its parent directory's name).
+        """
         if self.config is not None:
             return self.config.layout.label
         return self.path.parent.name if self.path.is_file() else self.path.name

@@ -102,14 +102,17 @@ class Cache:
         self.root = Path(root) if root is not None else default_root()
 
     def blob_path(self, hexdigest: str) -> Path:
+        """Where blob ``hexdigest`` (64 hex digits) lives: ``ROOT/sha256/<hex>``; it need not exist."""
         return self.root / "sha256" / hexdigest
 
     def tmp_dir(self) -> Path:
+        """``ROOT/tmp`` (created if missing), the directory for partial downloads and layers being written."""
         path = self.root / "tmp"
         path.mkdir(parents=True, exist_ok=True)
         return path
 
     def has(self, hexdigest: str) -> bool:
+        """Whether blob ``hexdigest`` is present as a file (its content is not re-hashed; use :meth:`get`)."""
         return self.blob_path(hexdigest).is_file()
 
     def get(self, hexdigest: str, name: str, trust_stamp: bool = False) -> Optional[Path]:
@@ -259,6 +262,10 @@ class Cache:
 
     # built layers, keyed by the hash of their inputs
     def layer_record(self, key: str) -> Optional[dict]:
+        """The built-layer record ``ROOT/layers/<key>.json`` (``{"diff_id": "sha256:<hex>", "size": bytes, ...}``), or
+        None when it is absent, not valid JSON, not an object, or has no valid ``diff_id``. ``key``: the sha256 of the
+        layer's inputs. The blob itself is not checked here.
+        """
         path = self.root / "layers" / f"{key}.json"
         try:
             record = json.loads(path.read_text())
@@ -269,6 +276,9 @@ class Cache:
         return record
 
     def put_layer_record(self, key: str, record: dict) -> None:
+        """Write ``record`` (JSON, sorted keys) as ``ROOT/layers/<key>.json`` atomically
+        (:func:`trainer.record.atomic_write`).
+        """
         from trainer.record import atomic_write
 
         atomic_write(self.root / "layers" / f"{key}.json", (json.dumps(record, sort_keys=True) + "\n").encode())

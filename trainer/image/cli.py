@@ -41,6 +41,10 @@ def _revision(value: str) -> str:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
+    """``trainer image build``: build the lock's image (:func:`trainer.image.build.build_image`) and print its
+    manifest digest (or, with ``--json``, the digests and each layer's name, diff_id, size in bytes and cache
+    status; ``--archive`` also prints the archive's sha256). Returns 0; refused input raises :class:`UserError`.
+    """
     from rich.console import Console
 
     from trainer.image.build import build_image
@@ -62,6 +66,11 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_digest(args: argparse.Namespace) -> int:
+    """``trainer image digest``: print the image's manifest digest (``sha256:<hex>``), or with ``--json`` its
+    kind, manifest and config digests and layers (diff_id, digest, size in bytes, media type). Returns 0.
+
+    Raises :class:`UserError` for a docker-archive without ``--json`` (it has no manifest digest).
+    """
     from trainer.errors import UserError
     from trainer.image.oci import open_image
 
@@ -80,6 +89,7 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
+    """``trainer image diff A B``: :func:`trainer.image.diff.diff_main`; returns 0 identical, 1 different."""
     from trainer.image.diff import diff_main
 
     return diff_main(Path(args.a), Path(args.b), args.json)
@@ -153,6 +163,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``trainer image`` with its ``build``, ``digest``, ``diff`` and ``check``
+    subcommands; each sets ``func`` to its ``cmd_*`` handler.
+    """
     p = argparse.ArgumentParser(prog="trainer image", description=__doc__.splitlines()[0], epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)

@@ -109,6 +109,9 @@ def distributions(image: ImageRef) -> Dict[str, str]:
 
 
 def stamped(image: ImageRef) -> Dict[str, Any]:
+    """The lock stamped into ``image`` at ``/etc/recipe-bundle/lock.json`` (:data:`STAMP`), decoded; ``{}``
+    when the image has no such file or it is not valid JSON.
+    """
     data = image.read_file(STAMP)
     if data is None:
         return {}

@@ -108,6 +108,7 @@ class LayerInfo:
 
     @property
     def hex(self) -> str:
+        """``diff_id`` without its ``sha256:`` prefix (64 hex digits)."""
         return self.diff_id.split(":", 1)[1]
 
 
@@ -194,9 +195,11 @@ class HashingWriter(io.RawIOBase):
         self.on_write = on_write
 
     def writable(self) -> bool:
+        """Always True (a write-only stream)."""
         return True
 
     def write(self, data) -> int:  # type: ignore[override]
+        """Hash ``data`` (any bytes-like object), pass it to the sink, count it; returns its length in bytes."""
         view = memoryview(data)
         self.sha256.update(view)
         if self.sink is not None:
@@ -207,6 +210,7 @@ class HashingWriter(io.RawIOBase):
         return len(view)
 
     def tell(self) -> int:
+        """Bytes written so far (the stream position; ``tarfile`` reads it)."""
         return self.size
 
 
@@ -242,6 +246,9 @@ class PipelinedHashingWriter(HashingWriter):
                 self._error = ex
 
     def write(self, data) -> int:  # type: ignore[override]
+        """Queue a copy of ``data`` for the hashing thread (blocks while the queue is full); count it and return
+        its length in bytes. A sink error surfaces in :meth:`close`, not here.
+        """
         chunk = data if isinstance(data, bytes) else bytes(data)
         self._queue.put(chunk)
         self.size += len(chunk)
@@ -250,6 +257,9 @@ class PipelinedHashingWriter(HashingWriter):
         return len(chunk)
 
     def close(self) -> None:
+        """Wait for the hashing thread to drain the queue, close the stream, then re-raise any error the thread
+        hit (hashing or writing to the sink). After it, ``sha256`` and ``size`` are final.
+        """
         if self._thread.is_alive():
             self._queue.put(None)
             self._thread.join()
@@ -337,6 +347,9 @@ class _ExactReader:
         self.digest = hashlib.sha256() if sha256 is not None else None
 
     def read(self, n: int = -1) -> bytes:
+        """Up to ``n`` bytes (all that remain of ``size`` when ``n`` is None or negative), hashed when a sha256
+        is expected. Raises :class:`UserError` when the source ends early (shrank) or has bytes past ``size`` (grew).
+        """
         want = self.left if n is None or n < 0 else min(n, self.left)
         data = self.handle.read(want)
         self.left -= len(data)

@@ -46,6 +46,7 @@ def canonical(obj: Any) -> bytes:
 
 
 def digest_of(data: bytes) -> str:
+    """The OCI digest of ``data``: ``"sha256:" + hex`` (OCI image-spec descriptor.md, "Digests")."""
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 

@@ -17,6 +17,7 @@ import zipfile
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from trainer.image.cas import hash_file
 from trainer.image.layer import FILE, Entry, write_layer
 
 ZIP_TIME = (2020, 1, 1, 0, 0, 0)
@@ -94,7 +95,11 @@ def make_git_source(directory: Path, name: str, files: Dict[str, bytes], epoch: 
 
 
 def sha256(path: Path) -> str:
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    """sha256 hex (64 digits) of the file at ``path`` (str or Path): :func:`trainer.image.cas.hash_file`
+    (streamed in 1 MiB chunks; a progress bar on stderr only for files of 32 MiB or more). Raises
+    ``FileNotFoundError`` when the file does not exist.
+    """
+    return hash_file(Path(path))
 
 
 def small_lock(name: str, epoch: int, wheels: List[Tuple[Path, str, str, str]],

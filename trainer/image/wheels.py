@@ -131,6 +131,14 @@ class LayerDestination(WheelDestination):
         return RecordEntry(record_path, Hash("sha256", b64), size)
 
     def write_file(self, scheme, path, stream, is_executable):  # installer API
+        """``installer`` hook: add file ``path`` of ``scheme`` as a layer entry and return its RECORD entry.
+
+        Scripts are read now, their shebang rewritten to the lock's interpreter; other wheel members become lazy
+        entries (read when the layer is written) when RECORD gives their sha256, else they are read now. What is
+        read now is kept in memory, or spooled to disk above :data:`SPOOL_BYTES` bytes. Raises :class:`UserError`
+        for a path outside the scheme's directory, a size that disagrees with RECORD, or a path already installed
+        with other content.
+        """
         path = str(path)
         if scheme == "scripts":
             with fix_shebang(stream, self.interpreter) as fixed:
@@ -140,10 +148,17 @@ class LayerDestination(WheelDestination):
                 or self._store(image_path, stream, is_executable, path))
 
     def write_script(self, name, module, attr, section):  # installer API
+        """``installer`` hook: add the console/GUI script ``name`` (calling ``module:attr``; ``section``: its
+        entry-point group), generated for the lock's interpreter, under ``scripts`` as an executable entry.
+        Returns its RECORD entry; raises :class:`UserError` as :meth:`write_file`.
+        """
         script_name, data = Script(name, module, attr, section).generate(self.interpreter, "posix")
         return self._store(self._image_path("scripts", script_name), io.BytesIO(data), True, script_name)
 
     def finalize_installation(self, scheme, record_file_path, records):  # installer API
+        """``installer`` hook: write the wheel's RECORD at ``record_file_path`` under ``scheme`` from ``records``
+        ((scheme, RecordEntry) pairs; paths in other schemes made relative to ``scheme``'s directory).
+        """
         base = self.schemes[scheme]
 
         def prefix(file_scheme: str):

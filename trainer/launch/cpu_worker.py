@@ -50,6 +50,15 @@ def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fra
 
 
 def main(argv=None) -> int:
+    """Train one rank; ``argv`` (default ``sys.argv[1:]``) is ``RUN_DIR RANK WORLD ROWS_DIR``. Returns 0.
+
+    Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``; with ``WORLD > 1`` joins a gloo group
+    through the file ``RUN_DIR/.rendezvous``. Writes ``RUN_DIR/probe-rank-RANK.json`` (every rank); rank 0
+    appends one line per step to ``RUN_DIR/metrics.jsonl`` (``tokens``/``supervised_tokens`` summed over
+    ranks, ``step_time_s`` wall seconds, ``max_memory_bytes`` peak RSS in bytes, max over ranks) and prints it.
+    Raises ``IndexError``/``ValueError`` on a short or non-integer ``argv``, :class:`UserError` on a bad
+    config or rows.
+    """
     argv = sys.argv[1:] if argv is None else argv
     run_dir, rank, world, rows_dir = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
 

@@ -32,6 +32,14 @@ from pathlib import Path
 
 
 def main(argv=None) -> int:
+    """Train one torchrun rank with megatron-core; ``argv`` (default ``sys.argv[1:]``) is ``RUN_DIR ROWS_DIR``,
+    and ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` come from the environment (``KeyError`` if unset). Returns 0.
+
+    Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``. Writes ``RUN_DIR/probe-rank-RANK.json``
+    (every rank); the first rank of the last pipeline stage (DP rank 0, TP rank 0) appends one line per step
+    to ``RUN_DIR/metrics.jsonl`` (``tokens`` = global batch x seq length, ``step_time_s`` wall seconds,
+    ``max_memory_bytes`` = ``torch.cuda.max_memory_allocated`` in bytes, max over ranks) and prints it.
+    """
     argv = sys.argv[1:] if argv is None else argv
     run_dir, rows_dir = Path(argv[0]), Path(argv[1])
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])

@@ -94,6 +94,7 @@ class Report:
 
     @property
     def ok(self) -> bool:
+        """True when no node differs (``differences`` is empty)."""
         return not self.differences
 
     def reason(self) -> str:
@@ -126,6 +127,9 @@ class Report:
         return "\n".join(lines)
 
     def as_dict(self) -> Dict[str, Any]:
+        """The report as JSON-able data: ``ok``, ``nodes``, ``reference``, ``summaries``, ``differences`` (dicts)
+        and ``reason`` (None when ok).
+        """
         return {
             "ok": self.ok,
             "nodes": self.nodes,
