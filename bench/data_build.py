@@ -9,7 +9,7 @@ alternates, ``--repeats`` times each:
 - builder: ``trainer.data.build.build`` end to end from the parquet file: read and hash the input, permute,
   render, tokenize, mask, pack, write ``rows.parquet`` (zstd) and the manifest.
 
-Both count the same tokens (checked). Goal: builder >= 0.8 x baseline tokens/s (issue 3). Reported: the
+Both count the same tokens (checked). Goal: builder >= 0.8 x baseline tokens/s. Reported: the
 wall-clock ratio (baseline time / builder time; the goal's figure) and the CPU-time ratio (process CPU
 seconds, all threads), which other load on a shared machine disturbs less, and the 1-minute load average.
 
