@@ -86,7 +86,9 @@ class Verdict:
         return {
             "equivalent": self.equivalent,
             "verdict": (
-                "numerics-equivalent: only performance arguments differ; the convergence check should pass"
+                "identical: no argument differs"
+                if not self.differences
+                else "numerics-equivalent: only performance arguments differ; the convergence check should pass"
                 if self.equivalent
                 else "numerics differ: "
                 + ", ".join(d.flag for d in self.numerics_differences)

@@ -284,6 +284,8 @@ def build_recipe(run: Run, summary: Dict[str, Any], reference: Optional[Run] = N
     cfg = run.config
     correctness = correctness_block(run, reference, convergence)
     status = {"pass": "verified", "fail": "failed"}.get(correctness["result"], "measured")
+    if run.cpu_only and status == "verified":
+        status = "measured"  # a CPU smoke run checks the bundle, not the recipe's GPU result
     command = run.path / "command.sh"
     if command.is_file():
         script = command.read_text()
@@ -295,7 +297,8 @@ def build_recipe(run: Run, summary: Dict[str, Any], reference: Optional[Run] = N
         "schema_version": 1,
         "model": cfg.model.display_name,
         "gpu": {
-            "type": cfg.cluster.gpu_type,
+            # a run whose processes saw no GPU (the probe) says so rather than the cluster's GPU type
+            "type": cfg.cluster.gpu_type if not run.cpu_only else "none (CPU processes)",
             "memory_gb": cfg.cluster.gpu_memory_gb,
             "count": cfg.cluster.nodes * cfg.cluster.gpus_per_node,
             "per_node": cfg.cluster.gpus_per_node,

@@ -62,9 +62,7 @@ def report_inputs(run: Run, usd_per_node_hour: Optional[float] = None) -> metric
     cfg = run.config
     n = count_params(cfg.model).active_per_token
     wall = metrics.job_wall_seconds(run.record or {})
-    probes = ((run.record or {}).get("probe") or {}).get("ranks") or []
-    # a run whose processes saw no GPU (launcher=local-cpu) has no GPU peak to compare with
-    cpu_only = bool(probes) and not any(((p.get("torch") or {}).get("gpus")) for p in probes)
+    cpu_only = run.cpu_only  # a run whose processes saw no GPU (launcher=local-cpu) has no GPU peak
     return metrics.ReportInputs(
         gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
         gpus_per_node=cfg.cluster.gpus_per_node,
@@ -89,7 +87,7 @@ def build_summary(run: Run, window: Optional[str] = None, usd_per_node_hour: Opt
         "model": cfg.model.display_name,
         "layout": cfg.layout.label,
         "cluster": cfg.cluster.name,
-        "gpu_type": cfg.cluster.gpu_type,
+        "gpu_type": "CPU processes" if run.cpu_only else cfg.cluster.gpu_type,
         "instance": cfg.cluster.instance,
     }
     return summary

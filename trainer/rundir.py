@@ -31,6 +31,12 @@ class Run:
     record: Optional[Dict[str, Any]] = None
 
     @property
+    def cpu_only(self) -> bool:
+        """True when the record has probes and none of its ranks saw a GPU (a ``launcher=local-cpu`` run)."""
+        probes = ((self.record or {}).get("probe") or {}).get("ranks") or []
+        return bool(probes) and not any((p.get("torch") or {}).get("gpus") for p in probes)
+
+    @property
     def directory(self) -> Optional[Path]:
         """The run directory, or None when only a ``metrics.jsonl`` file was given."""
         return self.path if self.path.is_dir() else None
