@@ -9,8 +9,10 @@ re-hashed on every use), install wheels (:mod:`trainer.image.wheels`), unpack an
 manifest and layout (:mod:`trainer.image.oci`). A one-pin change therefore rebuilds only its layer (and the
 small bundle layer, which holds the lock).
 
-Bases: ``scratch`` (nothing below the Python layers) and ``debian-rootfs`` (one layer unpacked from the
-lock's pinned .debs, :mod:`trainer.image.debian`). ``oci`` bases are verified but not built.
+Bases: ``scratch`` (nothing below the Python layers), ``debian-rootfs`` (one layer unpacked from the
+lock's pinned .debs, :mod:`trainer.image.debian`) and ``oci`` (a registry image by manifest digest, seeded
+into the cache by ``trainer cache add-image``; its manifest, config and layer blobs are re-hashed from the
+cache and its layer blobs reused unchanged below ours, :mod:`trainer.image.base`).
 
 Memory: wheel contents stream from their zip members into the layer file (:mod:`trainer.image.wheels`);
 big layers are hashed and written by a second thread while the first inflates. What is hash-checked when
@@ -33,7 +35,7 @@ from trainer.errors import UserError
 from trainer.image import lockfile
 from trainer.image.cas import Cache
 from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
-from trainer.image.oci import Layer, canonical, image_config, write_archive, write_layout
+from trainer.image.oci import Layer, based_config, canonical, image_config, write_archive, write_layout
 from trainer.image.sources import source_entries
 from trainer.image.wheels import install_wheels
 
@@ -96,7 +98,7 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
         packages = ", ".join(f"{d['name']}={d['version']}" for d in base["debs"])
         comment = f"debian {base.get('suite', '')} rootfs: {len(base['debs'])} packages ({packages})"[:1000]
         plans.append(LayerPlan("base", deb_inputs(base), comment, make_base, allow_absolute_symlinks=True))
-    elif base["type"] != "scratch":
+    elif base["type"] not in ("scratch", "oci"):
         raise UserError(
             f"{lock['_path']}: base.type {base['type']!r} is not built by this version (scratch and debian-rootfs are); "
             "see lockfiles/README.md"
@@ -222,8 +224,19 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
     nothing is written to ``out`` then.
     """
     lock = lockfile.load_lock(lock_path)
-    plans = plan_layers(lock, cache, bundle_root, offline)
+    base_image = None
     layers: List[Layer] = []
+    if lock["base"]["type"] == "oci":
+        from trainer.image.base import load_base
+
+        base_image = load_base(cache, lock["base"], lock.get("platform", {}), str(lock_path))
+        layers = [Layer(l["digest"], l["size"], l["path"], "base", media_type=l["mediaType"], diff_id=l["diff_id"])
+                  for l in base_image.layers]
+        if console is not None:
+            console.print(f"base  {lock['base']['reference']}  manifest {base_image.manifest_digest}: "
+                          f"{len(layers)} layers, {sum(l.size for l in layers):,} bytes, verified", soft_wrap=True)
+    base_count = len(layers)
+    plans = plan_layers(lock, cache, bundle_root, offline)
     result_layers: List[Tuple[str, str, int, str]] = []
     built: List[Tuple[str, str]] = []
     spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
@@ -260,11 +273,18 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
         shutil.rmtree(spool, ignore_errors=True)
 
     image = lock["image"]
-    env = {"PATH": DEFAULT_PATH, **image["env"]}
     labels = {"org.opencontainers.image.version": __version__, **image["labels"],
               "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
-    config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
-                          image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
+    if base_image is not None:
+        config = based_config(base_image.config, base_count, layers[base_count:], lock["epoch"], image["env"],
+                              image.get("entrypoint", []), image.get("cmd", []), labels, image.get("working_dir", ""),
+                              DEFAULT_PATH)
+    else:
+        env = {"PATH": DEFAULT_PATH, **image["env"]}
+        config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
+                              image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
+        if image.get("cmd"):
+            config["config"]["Cmd"] = list(image["cmd"])
     checked = {layer.digest[7:]: cache.blob_path(layer.digest[7:]).stat() for layer in layers}
     digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest))
     for hexdigest, before in checked.items():

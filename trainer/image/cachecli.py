@@ -1,7 +1,11 @@
-"""``trainer cache add|path|verify``: the content-addressed input cache (see :mod:`trainer.image.cas`).
+"""``trainer cache add|add-image|path|fetch|verify``: the content-addressed input cache (see :mod:`trainer.image.cas`).
 
 ``add FILE [--sha256 HEX]`` copies a user-provided input (a git archive, a base image blob, a wheel that
 cannot be downloaded) into the cache; with ``--sha256`` a mismatch is refused and nothing is added.
+``add-image SEED [--lock L | --digest sha256:HEX]`` seeds an ``oci`` base: SEED is a skopeo ``dir:`` copy,
+an OCI layout or an oci-archive of the image; its manifest must hash to the lock's ``base.digest`` and the
+manifest(s), config and every layer blob are stored, each hash-checked (see :mod:`trainer.image.base`);
+prints the resolved ``base`` block (config digest, layers with diff_ids) for the lock.
 ``fetch --lock L`` downloads every input of a lock that is not cached yet (PyPI and Debian URLs; each
 checked against its locked sha256 before it enters the cache) and names those a user must add.
 ``verify`` re-hashes every blob and removes those whose bytes do not match their name (exit 1 if any).
@@ -31,6 +35,16 @@ def main(argv: List[str]) -> int:
     g = sub.add_parser("path", help="print the cache directory, or the path of one blob")
     g.add_argument("sha256", nargs="?")
     g.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+    i = sub.add_parser("add-image", help="seed an oci base image (skopeo dir: copy, OCI layout or oci-archive), every blob "
+                                         "hash-checked; prints the lock's resolved base block",
+                       epilog="on a machine with registry access: skopeo copy docker://NAME@sha256:HEX dir:base-image; "
+                              "here: trainer cache add-image base-image --lock lockfiles/full.lock.json")
+    i.add_argument("seed", help="skopeo dir: directory, OCI layout directory or oci-archive tar")
+    i.add_argument("--lock", help="take the manifest digest, reference and platform from this lock's base")
+    i.add_argument("--digest", help="the manifest digest to add (sha256:HEX; default: the seed's only image)")
+    i.add_argument("--platform", default="linux/amd64", help="OS/ARCH picked from an index (default linux/amd64)")
+    i.add_argument("--json", action="store_true", help="print only the resolved base block as JSON")
+    i.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
     f = sub.add_parser("fetch", help="download every input of a lock into the cache (hash-checked)")
     f.add_argument("--lock", required=True)
     f.add_argument("--json", action="store_true")
@@ -48,6 +62,8 @@ def main(argv: List[str]) -> int:
         return 0
     if args.command == "fetch":
         return _fetch(cache, Path(args.lock), args.json)
+    if args.command == "add-image":
+        return _add_image(cache, args)
     blobs = sorted((cache.root / "sha256").glob("*")) if (cache.root / "sha256").is_dir() else []
     bad = []
     for blob in blobs:
@@ -64,11 +80,46 @@ def main(argv: List[str]) -> int:
     return 1 if bad else 0
 
 
+def _add_image(cache: Cache, args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from trainer.image.base import add_image
+    from trainer.image.lockfile import load_lock
+
+    digest, reference, platform = args.digest, None, tuple(args.platform.split("/", 1))
+    if len(platform) != 2:
+        raise UserError(f"--platform: expected OS/ARCH (e.g. linux/amd64), got {args.platform!r}")
+    if args.lock:
+        lock = load_lock(Path(args.lock))
+        if lock["base"]["type"] != "oci":
+            raise UserError(f"{args.lock}: base.type is {lock['base']['type']!r}, not 'oci' (nothing to seed)")
+        if digest and digest != lock["base"]["digest"]:
+            raise UserError(f"--digest {digest} differs from {args.lock}'s base.digest {lock['base']['digest']}")
+        digest, reference = lock["base"]["digest"], lock["base"]["reference"]
+        platform = (lock.get("platform", {}).get("os", "linux"), lock.get("platform", {}).get("architecture", "amd64"))
+    console = None if args.json else Console(stderr=True, highlight=False)
+    block = add_image(cache, Path(args.seed), digest, platform, reference, console)
+    if args.json:
+        print(json.dumps(block, indent=1, sort_keys=True))
+    else:
+        size = sum(l["size"] for l in block["layers"])
+        print(f"added {block['digest']} (config {block['config_digest']}, {len(block['layers'])} layers, {size:,} bytes)")
+    return 0
+
+
 def _fetch(cache: Cache, lock_path: Path, as_json: bool) -> int:
     from trainer.image.lockfile import inputs_of, load_lock
 
     lock = load_lock(lock_path)
     fetched, present, missing = 0, 0, []
+    if lock["base"]["type"] == "oci":
+        from trainer.image.base import load_base
+
+        try:
+            load_base(cache, lock["base"], lock.get("platform", {}), str(lock_path))
+            present += 1
+        except UserError as err:
+            missing.append(str(err))
     for item in inputs_of(lock):
         if cache.has(item["sha256"]):
             present += 1

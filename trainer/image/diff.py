@@ -92,6 +92,8 @@ def distributions(image: ImageRef) -> Dict[str, str]:
     """name -> version of every installed Python distribution (dist-info METADATA, top-most layer wins)."""
     out: Dict[str, str] = {}
     for layer in image.layers:
+        if layer.media_type.endswith("+zstd"):
+            continue  # not decompressed here (no zstd in the standard library); only base images use it
         with layer.open() as raw:
             import gzip
             import tarfile

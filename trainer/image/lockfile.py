@@ -14,7 +14,9 @@ writes it, ``trainer lock verify`` checks it offline. Format (``schema_version``
                  "site_packages": "/usr/local/lib/python3.12/site-packages",
                  "interpreter": "/usr/local/bin/python3.12"},      # the shebang of console scripts
       "base": {"type": "scratch"}                                 # nothing below our layers (smoke)
-            | {"type": "oci", "reference": "NAME:TAG@sha256:...", "digest": "sha256:..."}   # the real recipe
+            | {"type": "oci", "reference": "NAME:TAG@sha256:...", "digest": "sha256:...",  # the real recipe
+               "config_digest"?: "sha256:...", "platform_manifest"?: "sha256:...",       # once resolved by
+               "layers"?: [{"digest", "mediaType", "size", "diff_id"}, ...]}              # `cache add-image`
             | {"type": "debian-rootfs", "suite": "bookworm", "variant": "essential",
                "debs": [{"name", "version", "architecture", "url", "sha256"}, ...]},        # buildable variant
       "wheels": [{"name", "version", "filename", "url", "sha256", "group"}, ...],
@@ -22,7 +24,7 @@ writes it, ``trainer lock verify`` checks it offline. Format (``schema_version``
       "sources": [{"name", "url", "commit", "tree", "dest",
                    "archive": {"filename", "sha256", "url"?}}, ...],              # git sources (archive tar)
       "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
-      "image": {"env": {...}, "entrypoint": [...], "working_dir": "...",
+      "image": {"env": {...}, "entrypoint": [...], "cmd"?: [...], "working_dir": "...",
                 "labels": {"org.opencontainers.image.source": "...", ...}},
       "stack": "lockfiles/stack.json"          # optional: the stack pins this lock must agree with
     }
@@ -124,6 +126,17 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
         digest = _need(base, "digest", str, f"{where}.base")
         if not digest.startswith("sha256:") or not HEX64.match(digest[7:]) or not ref.endswith("@" + digest):
             raise UserError(f"{where}.base: reference {ref!r} must end with @<digest> and digest be sha256:<hex>")
+        for key in ("config_digest", "platform_manifest"):
+            if key in base and not (isinstance(base[key], str) and base[key].startswith("sha256:") and HEX64.match(base[key][7:])):
+                raise UserError(f"{where}.base.{key}: expected sha256:<64 hex>, got {json.dumps(base[key])}")
+        for i, layer in enumerate(_need(base, "layers", list, f"{where}.base") if "layers" in base else []):
+            w = f"{where}.base.layers[{i}]"
+            _need(layer, "mediaType", str, w)
+            _need(layer, "size", int, w)
+            for key in ("digest", "diff_id"):
+                value = _need(layer, key, str, w)
+                if not value.startswith("sha256:") or not HEX64.match(value[7:]):
+                    raise UserError(f"{w}.{key}: expected sha256:<64 hex>, got {value!r}")
     if base["type"] == "debian-rootfs":
         debs = _need(base, "debs", list, f"{where}.base")
         seen: Dict[str, int] = {}
@@ -193,9 +206,10 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
     for key, value in env.items():
         if not isinstance(value, str) or "=" in key:
             raise UserError(f"{where}.image.env.{key}: expected a string value and a name without '='")
-    entrypoint = image.get("entrypoint", [])
-    if not isinstance(entrypoint, list) or not all(isinstance(x, str) for x in entrypoint):
-        raise UserError(f"{where}.image.entrypoint: expected a list of strings")
+    for key in ("entrypoint", "cmd"):
+        value = image.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+            raise UserError(f"{where}.image.{key}: expected a list of strings")
     labels = _need(image, "labels", dict, f"{where}.image")
     if not all(isinstance(v, str) for v in labels.values()):
         raise UserError(f"{where}.image.labels: expected string values")

@@ -92,6 +92,61 @@ def image_config(layers: List[Layer], epoch: int, env: Dict[str, str], entrypoin
     }
 
 
+OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir", "Labels", "StopSignal",
+                   "ArgsEscaped", "Healthcheck", "Shell", "OnBuild")
+
+
+def based_config(base: Dict[str, Any], base_layer_count: int, layers: List[Layer], epoch: int, env: Dict[str, str],
+                 entrypoint: List[str], cmd: List[str], labels: Dict[str, str], working_dir: str,
+                 default_path: str) -> Dict[str, Any]:
+    """The config of our ``layers`` on top of the ``base`` image config (config.md).
+
+    ``rootfs.diff_ids``: the base's followed by ours; ``history``: the base's entries (synthesized, one per
+    layer, when the base's non-empty entries do not match its ``base_layer_count`` layers) followed by one
+    per layer of ours. ``config``: the base's OCI fields (``OCI_CONFIG_KEYS``, empty ones dropped) with
+    ``Env`` = the base's Env updated by ``env`` (ours win; ``PATH`` stays the base's unless ``env`` sets it,
+    ``default_path`` when neither has one), ``Entrypoint`` ours when given (then the base's ``Cmd`` is
+    dropped, as a Dockerfile ENTRYPOINT does, unless ``cmd`` is given), ``Cmd`` ours when given,
+    ``WorkingDir`` ours when given, ``Labels`` the base's updated by ``labels``. ``architecture``, ``os``
+    and ``variant`` are the base's; ``created`` is ``epoch``.
+    """
+    created = rfc3339(epoch)
+    inner = {k: v for k, v in (base.get("config") or {}).items() if k in OCI_CONFIG_KEYS and v not in (None, "", [], {})}
+    merged: Dict[str, str] = {}
+    for item in inner.get("Env") or []:
+        key, _, value = item.partition("=")
+        merged[key] = value
+    merged.setdefault("PATH", default_path)
+    merged.update(env)
+    inner["Env"] = [f"{k}={merged[k]}" for k in sorted(merged)]
+    if entrypoint:
+        inner["Entrypoint"] = list(entrypoint)
+        inner.pop("Cmd", None)
+    if cmd:
+        inner["Cmd"] = list(cmd)
+    if working_dir:
+        inner["WorkingDir"] = working_dir
+    inner["Labels"] = dict(sorted({**(inner.get("Labels") or {}), **labels}.items()))
+    history = [h for h in base.get("history") or [] if isinstance(h, dict)]
+    if sum(1 for h in history if not h.get("empty_layer")) != base_layer_count:
+        history = [{"created_by": f"base layer {i + 1}/{base_layer_count}"} for i in range(base_layer_count)]
+    config: Dict[str, Any] = {"architecture": base.get("architecture"), "os": base.get("os")}
+    for key in ("variant", "os.version", "os.features"):
+        if base.get(key):
+            config[key] = base[key]
+    config.update({
+        "created": created,
+        "config": dict(sorted(inner.items())),
+        "rootfs": {"type": "layers",
+                   "diff_ids": list((base.get("rootfs") or {}).get("diff_ids") or []) + [l.diff_id or l.digest for l in layers]},
+        "history": history + [
+            {"created": created, "created_by": f"recipe-bundle layer {layer.name}", "comment": layer.comment}
+            for layer in layers
+        ],
+    })
+    return config
+
+
 def image_manifest(config_bytes: bytes, layers: List[Layer], annotations: Dict[str, str]) -> Dict[str, Any]:
     """The image manifest (manifest.md) for ``config_bytes`` and ``layers``."""
     manifest: Dict[str, Any] = {

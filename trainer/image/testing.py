@@ -199,3 +199,49 @@ def debian_base(debs: List[Tuple[Path, str, str]]) -> Dict[str, Any]:
     return {"type": "debian-rootfs", "suite": "bookworm", "variant": "essential", "include": [],
             "debs": [{"name": n, "version": v, "architecture": "amd64", "sha256": sha256(p), "size": Path(p).stat().st_size,
                       "url": f"http://deb.debian.org/debian/pool/main/t/{n}/{Path(p).name}"} for p, n, v in debs]}
+
+
+def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch: int = SMOKE_EPOCH,
+                    config: Optional[Dict[str, Any]] = None, docker_types: bool = False) -> Tuple[Path, str]:
+    """Write an OCI image layout at ``directory`` standing in for a registry base image: one gzip-compressed
+    layer (made by the deterministic layer writer, gzip mtime 0) of ``files`` (path -> (content, mode)),
+    ``config`` merged into the image config's ``config`` field, a history with one empty-layer entry.
+    ``docker_types``: Docker schema 2 media types for the manifest, config and layer (as Docker Hub serves).
+    Returns (layout path, manifest digest "sha256:<hex>"); the same arguments give the same bytes."""
+    import gzip
+
+    from trainer.image.oci import canonical, rfc3339
+
+    buf = io.BytesIO()
+    info = write_layer([Entry(p, FILE, data=data, mode_bits=mode) for p, (data, mode) in files.items()], buf, epoch)
+    layer = gzip.compress(buf.getvalue(), compresslevel=6, mtime=0)
+    created = rfc3339(epoch)
+    config_doc = {"architecture": "amd64", "os": "linux", "created": created,
+                  "config": {"Env": ["PATH=/opt/base/bin:/usr/local/bin:/usr/bin:/bin", "BASE_ONLY=1"],
+                             "Cmd": ["/bin/sh"], **(config or {})},
+                  "rootfs": {"type": "layers", "diff_ids": [info.diff_id]},
+                  "history": [{"created": created, "created_by": "base: add files"},
+                              {"created": created, "created_by": "base: ENV BASE_ONLY=1", "empty_layer": True}]}
+    config_bytes = canonical(config_doc)
+    manifest = {"schemaVersion": 2,
+                "mediaType": "application/vnd.docker.distribution.manifest.v2+json" if docker_types
+                else "application/vnd.oci.image.manifest.v1+json",
+                "config": {"mediaType": "application/vnd.docker.container.image.v1+json" if docker_types
+                           else "application/vnd.oci.image.config.v1+json",
+                           "digest": "sha256:" + hashlib.sha256(config_bytes).hexdigest(), "size": len(config_bytes)},
+                "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip" if docker_types
+                            else "application/vnd.oci.image.layer.v1.tar+gzip",
+                            "digest": "sha256:" + hashlib.sha256(layer).hexdigest(), "size": len(layer)}]}
+    manifest_bytes = canonical(manifest)
+    digest = "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
+    directory = Path(directory)
+    blobs = directory / "blobs" / "sha256"
+    blobs.mkdir(parents=True, exist_ok=True)
+    for data in (config_bytes, manifest_bytes, layer):
+        (blobs / hashlib.sha256(data).hexdigest()).write_bytes(data)
+    (directory / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
+    (directory / "index.json").write_bytes(canonical({
+        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
+        "manifests": [{"mediaType": manifest["mediaType"], "digest": digest, "size": len(manifest_bytes),
+                       "annotations": {"org.opencontainers.image.ref.name": "latest"}}]}))
+    return directory, digest
