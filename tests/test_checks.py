@@ -101,6 +101,11 @@ BAD = [
     # stack pins against the lockfile
     (["stack.nccl=2.28.8"], "stack.nccl 2.28.8 != lockfiles/stack.json components.nccl.version 2.28.9"),
     (["stack.lockfile=lockfiles/missing.json"], "lockfiles/missing.json: stack lockfile not found"),
+    # launcher-specific: megatron-core's local spec and this machine
+    (["launcher=local-megatron"], "cluster.nodes 8: launcher local-megatron runs on one node (use slurm or ray)"),
+    (["launcher=local-megatron", "layout=gpu1-tp1pp1ep1", "model=deepseek-v4-tiny"], "launcher local-megatron: model.multi_latent_attention true: the local spec has no MLA"),
+    (["experiment=proxy-h200", "layout=gpu8-tp2pp2ep4"], "launcher local-megatron: layout.sequence_parallel true"),
+    (["experiment=smoke", "layout=gpu2-tp1pp1ep2"], "layout.expert_model_parallel_size 2: launcher local-cpu runs data parallel only"),
     # sweeps
     (["layout=tp2pp4ep8,tp8pp8ep8"], "layout=tp2pp4ep8,tp8pp8ep8: a sweep needs multirun (-m)"),
     (["-m", "layout=tp2pp4ep8,gpu8-tp2pp2ep4"], "layout=gpu8-tp2pp2ep4: layout.pipeline_model_parallel_size 2"),

@@ -86,6 +86,24 @@ def test_write_json_is_canonical(tmp_path):
     assert (tmp_path / "a.json").read_text() == '{\n  "a": [\n    1,\n    2\n  ],\n  "b": 1\n}\n'
 
 
+def test_redaction_of_argv_and_url_credentials():
+    from trainer.record import redact_argv, redact_env
+
+    assert redact_argv(["train", "+env.HF_TOKEN=hf_abc", "optim.lr=1e-5", "paths.prompt_data=s3://u:pw@bucket/rows"]) == [
+        "train", "+env.HF_TOKEN=<redacted>", "optim.lr=1e-5", "paths.prompt_data=s3://<redacted>@bucket/rows"]
+    assert redact_env({"PIP_INDEX_URL": "https://user:pw@pypi.example/simple", "DB_PASSWD": "x", "PATH": "/bin"}) == {
+        "DB_PASSWD": "<redacted>", "PATH": "/bin", "PIP_INDEX_URL": "https://<redacted>@pypi.example/simple"}
+
+
+def test_verify_versions_and_commits():
+    from trainer.verify import _same
+
+    assert _same("2.11.0+cu130", "2.11.0")  # the lock pins no build label
+    assert not _same("2.11.0", "2.11.0+cu130") and not _same("2.11.0+cpu", "2.11.0+cu130")
+    assert _same("37f91617b95c1ef4f01fc66210e502572ad97fda", "37f91617")  # a commit and its prefix
+    assert not _same("2.6.0.post10", "2.6.0.post1")  # prefixes count for commits only
+
+
 def test_git_revision_from_nix(monkeypatch):
     monkeypatch.setenv("TRAINER_SOURCE_REVISION", "dirty")
     assert git_revision() == {"revision": None, "dirty": True, "from": "nix flake"}

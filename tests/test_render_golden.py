@@ -81,6 +81,29 @@ def test_shell_script_parses_back_to_the_argv():
 
 
 @pytest.mark.parametrize(
+    "token,quoted",
+    [
+        ("$HF_CKPT", '"$HF_CKPT"'),
+        ("${KERNEL_CACHE}/triton", '"${KERNEL_CACHE}/triton"'),
+        ("$(rm -rf /)", "'$(rm -rf /)'"),
+        ("${X:=y}", "'${X:=y}'"),
+        ("`id`", "'`id`'"),
+        ("plain", "plain"),
+    ],
+)
+def test_shell_words_expand_plain_variables_only(token, quoted):
+    from trainer.render import _shell_word
+
+    assert _shell_word(token) == quoted
+    # bash agrees: a command substitution is never run
+    import subprocess
+
+    out = subprocess.run(["bash", "-c", f"HF_CKPT=/ckpt KERNEL_CACHE=/kc; printf %s {quoted}"], capture_output=True, text=True)
+    expected = {"$HF_CKPT": "/ckpt", "${KERNEL_CACHE}/triton": "/kc/triton"}.get(token, token)
+    assert out.stdout == expected
+
+
+@pytest.mark.parametrize(
     "value,text", [(1e-6, "1e-6"), (1e-5, "1e-5"), (0.0, "0.0"), (0.98, "0.98"), (160000.0, "160000.0"), (True, "true"), (7, "7")]
 )
 def test_format_value(value, text):

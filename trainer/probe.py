@@ -53,18 +53,32 @@ def _mapped_libraries() -> list:
 
 
 def _git_commit_of(module_name: str) -> Optional[str]:
-    """The commit of a package installed from a git checkout: ``GIT_COMMIT`` stamped next to it, or ``git``."""
+    """The commit of a package installed from its own git checkout, or None.
+
+    A ``GIT_COMMIT`` file stamped in or beside the package wins; otherwise ``git rev-parse HEAD``, accepted only
+    when the package directory sits at the top of that checkout (``<checkout>/<module_name>``), so a package
+    inside another repository (or a namespace package without a file) is never given that repository's commit.
+    """
+    import importlib.util
+
     try:
-        module = __import__(module_name)
-    except Exception:  # noqa: BLE001 - absent or broken: no commit
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
         return None
-    root = Path(getattr(module, "__file__", "") or "").parent
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        return None
+    root = Path(locations[0]).resolve()
     for candidate in (root / "GIT_COMMIT", root.parent / "GIT_COMMIT"):
         if candidate.is_file():
             return candidate.read_text().strip() or None
     try:
+        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                             timeout=5)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() / module_name != root:
+            return None
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None if out.returncode == 0 else None
+        return (out.stdout.strip() or None) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -157,7 +171,7 @@ def probe() -> Dict[str, Any]:
         "gpus": gpus,
         "threads": torch.get_num_threads(),
     }
-    plugins = [lib for lib in _mapped_libraries() if "nccl-net" in Path(lib).name or "ofi" in Path(lib).name]
+    plugins = [lib for lib in _mapped_libraries() if "nccl-net" in Path(lib).name or "nccl_net" in Path(lib).name]
     info["nccl_net_plugin"] = {"env": os.environ.get("NCCL_NET_PLUGIN"), "loaded": plugins}
     if cuda:
         info["driver"] = _driver_version()

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -19,11 +20,24 @@ import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 from trainer import REPO_ROOT, __version__
 
 LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
+
+
+def _umask() -> int:
+    """The process umask, read without changing it (``/proc/self/status``; other threads may be writing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0)  # no /proc: the classic read, not thread-safe
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(path: Path, data: bytes, mode: int = 0o666) -> None:
@@ -33,8 +47,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o666) -> None:
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
+    umask = _umask()
     try:
         os.fchmod(fd, mode & ~umask)
         with os.fdopen(fd, "wb") as handle:
@@ -120,23 +133,42 @@ def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
             "lockfiles/launcher.lock": sha256_file(REPO_ROOT / "lockfiles" / "launcher.lock"),
             "lockfiles/stack.json": sha256_file(REPO_ROOT / "lockfiles" / "stack.json"),
         },
-        "command": sys.argv,
+        "command": redact_argv(sys.argv),
     }
     record.update(fields)
     return record
 
 
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "CREDENTIAL")
+SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDS", "AUTH", "PRIVATE", "COOKIE")
 REDACTED = "<redacted>"
+_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def is_secret_name(name: str) -> bool:
+    """True when a variable's name contains TOKEN, KEY, SECRET, PASSWORD, PASSWD, CREDENTIAL, CREDS, AUTH,
+    PRIVATE or COOKIE (case-insensitive): its value is never recorded."""
+    return any(marker in name.upper() for marker in SECRET_MARKERS)
+
+
+def redact_value(value: str) -> str:
+    """``value`` with the user:password part of any URL in it replaced (``https://<redacted>@host/...``)."""
+    return _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
 
 
 def redact_env(env: Dict[str, str]) -> Dict[str, str]:
-    """A copy of ``env`` (sorted by name) whose values are replaced by ``<redacted>`` where the variable's name
-    contains TOKEN, KEY, SECRET, PASSWORD or CREDENTIAL (case-insensitive)."""
-    return {
-        name: (REDACTED if any(marker in name.upper() for marker in SECRET_MARKERS) else value)
-        for name, value in sorted(env.items())
-    }
+    """A copy of ``env`` (sorted by name): values of secret-named variables (:func:`is_secret_name`) become
+    ``<redacted>``, and credentials inside URLs in the other values are removed (:func:`redact_value`)."""
+    return {name: (REDACTED if is_secret_name(name) else redact_value(value)) for name, value in sorted(env.items())}
+
+
+def redact_argv(argv: List[str]) -> List[str]:
+    """A command line with ``NAME=VALUE`` words of secret-named keys (Hydra overrides such as
+    ``+env.HF_TOKEN=...``) and URL credentials redacted."""
+    out = []
+    for word in argv:
+        key, sep, _ = word.partition("=")
+        out.append(f"{key}={REDACTED}" if sep and is_secret_name(key) else redact_value(word))
+    return out
 
 
 def effective_status(record: Dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ Kinds of flag:
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass
 from typing import Any, Dict, List, Tuple
@@ -239,8 +240,15 @@ class Launch:
         return "\n".join(lines) + "\n"
 
 
+_SIMPLE_REFS = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
+
+
 def _shell_word(token: str) -> str:
-    if "$" in token and all(c not in token for c in '"`\\'):
+    """Quote ``token`` for bash. A token whose only specials are plain variable references (``$HF_CKPT``,
+    ``${KERNEL_CACHE}/triton``) is double-quoted so the shell expands them; anything else (``$(cmd)``,
+    ``${X:=y}``, backticks, quotes) is single-quoted by ``shlex.quote`` and stays literal."""
+    rest = _SIMPLE_REFS.sub("", token)
+    if rest != token and not any(c in rest for c in '$"`\\!'):
         return f'"{token}"'
     return shlex.quote(token)
 

@@ -252,7 +252,7 @@ class LauncherConfig:
     job: List[str] = field(default_factory=list)  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
     wait_s: Optional[int] = None  # ray: seconds to wait for the job; null = until it ends
-    master_port: int = 29500  # torchrun rendezvous port on 127.0.0.1 (local-megatron)
+    master_port: Optional[int] = None  # torchrun rendezvous port on 127.0.0.1 (local-megatron); null = a free one
 
 
 @dataclass

@@ -31,7 +31,7 @@ from trainer.lock import verify_stack
 from trainer.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
 from trainer.plan import build_plan
-from trainer.record import atomic_write, launcher_record, write_json
+from trainer.record import atomic_write, launcher_record, redact_argv, write_json
 from trainer.render import render
 from trainer.summary import print_plan_summary
 
@@ -98,7 +98,7 @@ def run(cfg: DictConfig) -> None:
     common = dict(
         kind="plan" if typed.launcher.name == "plan" else "run",
         launcher=typed.launcher.name,
-        overrides=overrides,
+        overrides=redact_argv(overrides),
         choices={k: v for k, v in HydraConfig.get().runtime.choices.items() if not k.startswith("hydra")},
         stack=OmegaConf.to_container(cfg.stack, resolve=True),
         lock={"path": "lockfiles/launcher.lock"},
@@ -120,6 +120,17 @@ def run(cfg: DictConfig) -> None:
         write_json(run_dir / "record.json", record)
         print(f"train: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
+    except KeyboardInterrupt:
+        record.update(status="interrupted", reason="interrupted by a signal")
+        write_json(run_dir / "record.json", record)
+        print(f"train: interrupted ({run_dir})", file=sys.stderr)
+        sys.exit(130)
+    except Exception as err:  # noqa: BLE001 - the record must say how the run ended, whatever ended it
+        reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        record.update(status="failed", reason=f"launcher {typed.launcher.name} raised {reason}")
+        write_json(run_dir / "record.json", record)
+        print(f"train: error: launcher {typed.launcher.name} failed: {reason} ({run_dir})", file=sys.stderr)
+        sys.exit(1)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     if record["status"] in HANDED_OFF:
         record.pop("pid", None)  # the run no longer lives in this process

@@ -93,7 +93,10 @@ def _same(observed: str, locked: str) -> bool:
         return True
     if "+" not in locked and observed.split("+")[0] == locked:
         return True
-    return len(locked) >= 7 and len(observed) >= 7 and (observed.startswith(locked) or locked.startswith(observed))
+    commit = re.compile(r"^[0-9a-f]{7,40}$")
+    return bool(commit.match(locked) and commit.match(observed)) and (
+        observed.startswith(locked) or locked.startswith(observed)
+    )
 
 
 def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str]) -> List[Dict[str, Optional[str]]]:

@@ -136,7 +136,8 @@ def main(argv=None) -> int:
                     p.grad = torch.zeros_like(p)
                 dist.all_reduce(p.grad)
             dist.all_reduce(loss_sum)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad)
+        # Megatron: clip_grad 0 means no clipping (the norm is still reported)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf"))
         optimizer.step()
         rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)])
         if world > 1:

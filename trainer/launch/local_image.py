@@ -109,6 +109,12 @@ def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python
     if host_python:
         executable = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
         prefix = Path(sys.base_prefix).resolve()
+        if prefix in (Path("/"), Path("/usr"), Path("/usr/local")) or os.path.lexists(rootfs / str(prefix).lstrip("/")):
+            raise UserError(
+                f"the host's Python lives in {prefix}, which the image also has: binding it would hide the image's "
+                f"{prefix}; use an image with its own Python, or a launcher environment built from a Python installed "
+                "elsewhere (TRAINER_PYTHON=/opt/python3.11/bin/python3.11 bin/python-env)"
+            )
         args += ["--ro-bind", str(prefix), str(prefix)]
         for lib in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
             host = Path(lib)

@@ -15,45 +15,39 @@ from pathlib import Path
 from typing import Any, Dict
 
 from trainer.checks import Parallelism
-from trainer.errors import CheckError, UserError
+from trainer.errors import CheckError
 from trainer.launch.local_cpu import prepare_rows
 from trainer.launch.processes import collect_probes, supervise, worker_env
 from trainer.record import redact_env, write_json
 from trainer.schema import TrainConfig
 
 
-def _has_transformer_engine() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def check(cfg: TrainConfig, par: Parallelism) -> None:
-    """Refuse what megatron-core's local (non-TransformerEngine) spec cannot run, with one line."""
+    """Refuse, with one line, what the worker's megatron-core local (non-TransformerEngine) layer spec does not
+    build: it would otherwise be dropped silently (MLA, V4 attention, MTP, dense layers) or fail at run time
+    (sequence parallel with torch norms, context parallel without per-rank sequence splitting)."""
+    m, lay = cfg.model, cfg.layout
     if cfg.cluster.nodes != 1:
         raise CheckError(f"cluster.nodes {cfg.cluster.nodes}: launcher local-megatron runs on one node (use slurm or ray)")
-    if not _has_transformer_engine():
-        if cfg.model.multi_latent_attention:
-            raise CheckError(
-                "model.multi_latent_attention true needs TransformerEngine, which is not installed: "
-                "use a proxy model without MLA (model=dsv4-proxy)"
-            )
-        if cfg.layout.sequence_parallel:
-            raise CheckError(
-                "layout.sequence_parallel true needs TransformerEngine norms, which are not installed "
-                "(and MoE with TP > 1 needs sequence parallel): use TP 1"
-            )
-    if cfg.model.moe_router_score_function not in ("softmax", "sigmoid"):
-        raise CheckError(
-            f"model.moe_router_score_function {cfg.model.moe_router_score_function}: megatron-core has softmax "
-            "and sigmoid (sqrtsoftplus lives in miles' Megatron-LM fork)"
-        )
-
-
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
+    refusals = [
+        (m.multi_latent_attention, "model.multi_latent_attention true: the local spec has no MLA (use model=dsv4-proxy)"),
+        (m.experimental_attention_variant not in ("none", ""),
+         f"model.experimental_attention_variant {m.experimental_attention_variant}: V4 attention lives in miles "
+         "(use model=dsv4-proxy)"),
+        (m.mtp_num_layers > 0, f"model.mtp_num_layers {m.mtp_num_layers}: the worker builds no MTP layer"),
+        (any(f != 1 for f in m.moe_layer_freq), "model.moe_layer_freq: the worker builds MoE in every layer (all 1)"),
+        (lay.sequence_parallel,
+         "layout.sequence_parallel true: the local spec's torch norms do not support it (and MoE with TP > 1 needs it): "
+         "use TP 1"),
+        (lay.context_parallel_size > 1,
+         f"layout.context_parallel_size {lay.context_parallel_size}: the worker does not split rows over CP ranks"),
+        (m.moe_router_score_function not in ("softmax", "sigmoid"),
+         f"model.moe_router_score_function {m.moe_router_score_function}: megatron-core has softmax and sigmoid "
+         "(sqrtsoftplus lives in miles' Megatron-LM fork)"),
+    ]
+    for refused, line in refusals:
+        if refused:
+            raise CheckError(f"launcher local-megatron: {line}")
     try:
         import torch
 
@@ -61,14 +55,39 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     except ImportError:
         gpus = 0
     if gpus < par.world_size:
-        raise UserError(f"cluster.gpus_per_node {par.world_size}: this machine has {gpus} GPU(s)")
+        raise CheckError(
+            f"launcher local-megatron: cluster.gpus_per_node {cfg.cluster.gpus_per_node} x cluster.nodes "
+            f"{cfg.cluster.nodes} = {par.world_size} GPUs, this machine has {gpus}"
+        )
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}
-    env = worker_env(cfg.env, {"PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")})
+    env = worker_env(
+        cfg.env,
+        {
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"),
+            # one node: NCCL's bootstrap and gloo stay on loopback
+            "NCCL_SOCKET_IFNAME": "lo",
+            "GLOO_SOCKET_IFNAME": "lo",
+        },
+    )
     command = [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", "1", "--nproc-per-node", str(par.world_size),
-        "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port),
+        "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port or _free_port()),
         "-m", "trainer.launch.megatron_worker", str(run_dir), str(rows_dir),
     ]
     write_json(run_dir / "argv.json", command)

@@ -58,7 +58,9 @@ def main(argv=None) -> int:
     cfg = validate(load_config(run_dir / "config.yaml"))
     lay, m, optim = cfg.layout, cfg.model, cfg.optim
     torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", rank=rank, world_size=world)
+    dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local_rank))
+    # NCCL loads its net plugin with the first communicator: probe after one collective, so the probe sees it
+    dist.all_reduce(torch.zeros(1, device="cuda"))
     atomic_write(run_dir / f"probe-rank-{rank}.json", canonical_json(probe()))
 
     from megatron.core import parallel_state as ps
@@ -132,7 +134,7 @@ def main(argv=None) -> int:
     model = GPTModel(
         config=config,
         transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=m.num_experts, moe_grouped_gemm=False, qk_layernorm=False, normalization=m.normalization
+            num_experts=m.num_experts, moe_grouped_gemm=False, qk_layernorm=m.qk_layernorm, normalization=m.normalization
         ),
         vocab_size=m.vocab_size,
         max_sequence_length=seq,

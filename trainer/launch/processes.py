@@ -13,6 +13,7 @@ import string
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence
 
@@ -70,16 +71,20 @@ def _echo(path: Path, position: int) -> int:
     return position + len(chunk)
 
 
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 30) -> None:
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 30) -> set:
+    """Terminate the processes still running (SIGTERM, then SIGKILL after ``grace_s``); return their pids."""
+    stopped = set()
     for p in procs:
         if p.poll() is None:
             p.terminate()
+            stopped.add(p.pid)
     for p in procs:
         try:
             p.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    return stopped
 
 
 def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path) -> Dict[str, Any]:
@@ -100,29 +105,32 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
 
     signal.signal(signal.SIGTERM, _terminate)
     try:
-        for rank, command in enumerate(commands):
-            handle = (logs / f"rank-{rank}.log").open("w")
-            handles.append(handle)
-            procs.append(
-                subprocess.Popen(
-                    command, env=dict(env), stdout=handle, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+        try:
+            for rank, command in enumerate(commands):
+                handle = (logs / f"rank-{rank}.log").open("w")
+                handles.append(handle)
+                procs.append(
+                    subprocess.Popen(
+                        command, env=dict(env), stdout=handle, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
+                    )
                 )
-            )
+        except OSError as err:
+            _stop(procs)
+            return {"status": "failed", "reason": f"cannot start rank {len(procs)}: {err}",
+                    "returncodes": [p.returncode for p in procs]}
         position = 0
         while any(p.poll() is None for p in procs):
             position = _echo(logs / "rank-0.log", position)
             if any(p.poll() not in (None, 0) for p in procs):
                 break
-            try:
-                procs[0].wait(timeout=0.5)
-            except subprocess.TimeoutExpired:
-                pass
+            time.sleep(0.5)
         _echo(logs / "rank-0.log", position)
-        _stop(procs)
+        stopped = _stop(procs)
         bad = [(rank, p.returncode) for rank, p in enumerate(procs) if p.returncode != 0]
         if bad:
-            # the first to fail is the cause; the others were stopped because of it
-            first = min(bad, key=lambda rc: (rc[1] in (-signal.SIGTERM, 143), rc[0]))
+            # the cause is a rank that exited by itself; the ones stopped here were stopped because of it
+            causes = [rc for rc in bad if procs[rc[0]].pid not in stopped] or bad
+            first = causes[0]
             status = "failed"
             reason = f"rank {first[0]} exited with code {first[1]}: {last_line(logs / f'rank-{first[0]}.log')}"
     except KeyboardInterrupt:

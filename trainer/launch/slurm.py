@@ -49,6 +49,9 @@ LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"  # where pyxis mounts this bundle
 FINAL = ("complete", "failed", "interrupted")
 
 
+SBATCH_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:=@/+-]+$")
+
+
 def check(cfg: TrainConfig, par: Parallelism) -> None:
     """Refuse what cannot become a valid sbatch script (one line naming the field)."""
     lau = cfg.launcher
@@ -66,10 +69,30 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     for port in ("ray_port", "dashboard_port"):
         if not 0 < getattr(lau, port) < 65536:
             raise CheckError(f"launcher.{port} {getattr(lau, port)}: expected a TCP port (1-65535)")
+    # values that become #SBATCH lines or words of the script: one line each, no spaces where Slurm splits
+    for key, value in (("cluster.partition", cfg.cluster.partition), ("cluster.account", cfg.cluster.account),
+                       ("layout.name", cfg.layout.name), *((f"launcher.sbatch_args[{i}]", a) for i, a in enumerate(lau.sbatch_args))):
+        if value is not None and (not SBATCH_VALUE_RE.match(str(value))):
+            raise CheckError(f"{key} {value!r}: expected one word of letters, digits and _.,:=@/+- (it becomes an #SBATCH line)")
 
 
 def _q(word: str) -> str:
     return shlex.quote(str(word))
+
+
+def _require_vars(env: Dict[str, str], argv: List[str]) -> List[str]:
+    """Script lines that stop the job with one clear line when a variable the env or argv refers to
+    (``$KERNEL_CACHE``, ``$HF_CKPT`` from ``paths.*``) is not set where the batch script runs."""
+    names = sorted({m.group(1) for text in [*env.values(), *argv]
+                    for m in re.finditer(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", str(text))} - set(env))
+    if not names:
+        return []
+    return [
+        "# variables the recipe's env and argv refer to (paths.*): set them before sbatch",
+        f"for v in {' '.join(names)}; do",
+        '  [ -n "${!v+x}" ] || { echo "sbatch.sh: $v is not set: export it before sbatch (paths.* refer to it)" >&2; exit 2; }',
+        "done",
+    ]
 
 
 def _argv_lines(argv: List[str]) -> List[str]:
@@ -90,6 +113,8 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
 
     lau, clu = cfg.launcher, cfg.cluster
     run_dir = run_dir.absolute()
+    if not SBATCH_VALUE_RE.match(str(run_dir)):
+        raise UserError(f"run directory {run_dir}: expected a path without spaces or special characters (Slurm's --output)")
     pyxis = lau.container == "pyxis"
     digest = cluster.parse_image(lau.image)[1] if lau.image else ""
     python = lau.python or ("python3" if pyxis else sys.executable)
@@ -141,6 +166,7 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
     head += [
         "export RAY_USAGE_STATS_ENABLED=0 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 PYTHONUNBUFFERED=1",
         "",
+        *_require_vars(env, argv),
         "# the recipe's environment (env.json; the same lines as command.sh)",
         *(f"export {k}={_shell_word(v)}" for k, v in env.items()),
         "",
@@ -158,7 +184,7 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
     if lau.workdir:
         entry += ["--workdir", lau.workdir]
     preflight_args = [f"--expect-gpus {gpus}" if lau.expect_gpus else "", f"--expect-digest {digest}" if digest else ""]
-    head_ip = _q(lau.head_ip) if lau.head_ip else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname --ip-address | awk \'{print $1}\')'
+    head_ip = _q(lau.head_ip) if lau.head_ip else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname -I | awk \'{print $1}\')'
     ray_args = "".join(" " + _q(a) for a in lau.ray_start_args)
     body = f"""\
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/probes"

@@ -27,19 +27,25 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
          "DEADLINE")
 
 
+UNKNOWN = "UNKNOWN"  # Slurm could not be asked (timeout, slurmctld unreachable): keep polling, conclude nothing
+
+
 def slurm_state(job_id: str) -> Optional[str]:
-    """The Slurm job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ...), or None when Slurm no longer knows it."""
+    """The Slurm job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ...); None when Slurm says it no longer
+    knows the job (``Invalid job id``); :data:`UNKNOWN` when Slurm could not be asked."""
     try:
         out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
         if out.returncode == 0 and out.stdout.strip():
             return out.stdout.strip().split()[0]
         out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.SubprocessError):
-        return None
+        return UNKNOWN
     for word in out.stdout.split():
         if word.startswith("JobState="):
             return word.split("=", 1)[1]
-    return None
+    if "invalid job id" in (out.stderr + out.stdout).lower():
+        return None
+    return UNKNOWN
 
 
 def refresh(run_dir: Path) -> Dict[str, Any]:

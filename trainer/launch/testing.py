@@ -184,6 +184,14 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         return proc
 
     def start(self) -> "LocalSlurm":
+        """Start the cluster (see :meth:`_start`); on any failure stop what was started, then re-raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "LocalSlurm":
         """Write the config, start the daemons, wait until the node is idle (about 2 s)."""
         self._write_config()
         m = self.root / "munge"
@@ -203,7 +211,10 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 
     def stop(self) -> None:
         """Cancel every job, then stop the daemons by PID (slurmd, slurmctld, munged)."""
-        subprocess.run(["scancel", "--user=root", "--full"], capture_output=True, env=self.env(), timeout=30)
+        try:
+            subprocess.run(["scancel", "--user=root", "--full"], capture_output=True, env=self.env(), timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass  # not installed, or slurmctld never came up: nothing to cancel
         for proc in reversed(self.procs):
             _stop(proc)
         self.procs = []
@@ -243,6 +254,14 @@ class LocalRay:
                 "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
 
     def start(self) -> "LocalRay":
+        """Start the head (see :meth:`_start`); on any failure stop what was started, then re-raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "LocalRay":
         """Start the head and wait for the dashboard (about 5-7 s)."""
         from trainer.launch.ray import ray_cli, reachable
 
