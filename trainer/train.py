@@ -132,19 +132,28 @@ def run(cfg: DictConfig) -> None:
         print(f"train: error: launcher {typed.launcher.name} failed: {reason} ({run_dir})", file=sys.stderr)
         sys.exit(1)
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if record["status"] in HANDED_OFF:
+    handed_off = record["status"] in HANDED_OFF
+    message = record.pop("message", None)
+    for name in ("argv.json", "env.json", "metrics.jsonl", "sbatch.sh"):
+        if (run_dir / name).is_file():
+            hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
+    if record["status"] == "submitted":
+        # the job may already have started and written its own status (it drops our pid): keep what it wrote
+        from trainer.rundir import load_record
+
+        on_disk = load_record(run_dir) or {}
+        if on_disk and "pid" not in on_disk:
+            on_disk.setdefault("slurm", {}).update({k: v for k, v in (record.get("slurm") or {}).items() if v is not None})
+            record = on_disk
+    if handed_off:
         record.pop("pid", None)  # the run no longer lives in this process
         record["handed_off_utc"] = now
     else:
         record["finished_utc"] = now
-    for name in ("argv.json", "env.json", "metrics.jsonl", "sbatch.sh"):
-        if (run_dir / name).is_file():
-            hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
     record.setdefault("files_sha256", {}).update(hashes)
-    message = record.pop("message", None)
     write_json(run_dir / "record.json", record)
     print(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})")
-    if record["status"] not in ("complete", *HANDED_OFF):
+    if not handed_off and record["status"] != "complete":
         sys.exit(1)
 
 
