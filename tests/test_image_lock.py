@@ -13,7 +13,7 @@ import pytest
 from helpers import REPO_ROOT
 from trainer.errors import UserError
 from trainer.image.lockcli import group_of, parse_uv_output, verify, wheel_fits
-from trainer.image.lockfile import find_stack_consistency, load_lock, validate_lock
+from trainer.image.lockfile import find_stack_consistency, validate_lock
 
 SMOKE = REPO_ROOT / "lockfiles" / "smoke.lock.json"
 STACK = REPO_ROOT / "lockfiles" / "stack.json"

@@ -2,11 +2,11 @@
 
 import json
 import math
-import statistics
 
 import pytest
 
 import helpers
+from helpers import RECIPE_TPS, recipe_rows, write_rows
 from helpers import compose
 from trainer import cli
 from trainer.compose import validate
@@ -24,26 +24,6 @@ from trainer.metrics import (
 from trainer.params import count_params
 
 N_FLASH = 13_268_221_952  # the recipe's active parameters per token
-ROW_TOKENS, GLOBAL_BATCH, GPUS = 8192, 128, 64
-RECIPE_TPS = 808.22
-
-
-def recipe_rows(tps=RECIPE_TPS, cv=3.25, steps=20, window=(5, 19)):
-    """20 steps whose window [5, 19] has the recipe's throughput and step-time CV (population)."""
-    n = window[1] - window[0] + 1
-    mean = n * GLOBAL_BATCH * ROW_TOKENS / GPUS / tps / n
-    z = [i - (n - 1) / 2 for i in range(n)]
-    sd = statistics.pstdev(z)
-    rows = []
-    for s in range(1, steps + 1):
-        t = mean * (1 + cv / 100 * z[s - window[0]] / sd) if window[0] <= s <= window[1] else mean * 1.5
-        rows.append({"step": s, "lm_loss": 2.0 - 0.01 * s, "grad_norm": 1.0, "lr": 1e-5, "tokens": GLOBAL_BATCH * ROW_TOKENS,
-                     "supervised_tokens": 700_000, "step_time_s": t, "max_memory_bytes": 120_000_000_000})
-    return rows
-
-
-def write_rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,5 @@
 """Parameter counts from config shapes (transformers' DeepseekV4ForCausalLM layout)."""
 
-import pytest
 
 import helpers
 from helpers import compose

@@ -2,37 +2,17 @@
 
 import copy
 import json
-import statistics
 
 import pytest
 import yaml
 
 import helpers
+from helpers import recipe_rows, write_rows
 from helpers import GOLDEN
 from trainer import cli
 from trainer.recipe import load_schema, validation_errors
 
 SEED = GOLDEN / "attune-tp2-pp4-ep8.yaml"
-ROW_TOKENS, GLOBAL_BATCH, GPUS = 8192, 128, 64
-RECIPE_TPS = 808.22
-
-
-def recipe_rows(tps=RECIPE_TPS, cv=3.25, steps=20, window=(5, 19)):
-    """20 steps whose window [5, 19] has the recipe's throughput and step-time CV (population)."""
-    n = window[1] - window[0] + 1
-    mean = n * GLOBAL_BATCH * ROW_TOKENS / GPUS / tps / n
-    z = [i - (n - 1) / 2 for i in range(n)]
-    sd = statistics.pstdev(z)
-    rows = []
-    for s in range(1, steps + 1):
-        t = mean * (1 + cv / 100 * z[s - window[0]] / sd) if window[0] <= s <= window[1] else mean * 1.5
-        rows.append({"step": s, "lm_loss": 2.0 - 0.01 * s, "grad_norm": 1.0, "lr": 1e-5, "tokens": GLOBAL_BATCH * ROW_TOKENS,
-                     "supervised_tokens": 700_000, "step_time_s": t, "max_memory_bytes": 120_000_000_000})
-    return rows
-
-
-def write_rows(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def seed():

@@ -18,7 +18,6 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer import metrics
-from trainer.errors import UserError
 from trainer.params import count_params
 from trainer.record import write_json
 from trainer.rundir import Run, load_run

@@ -22,7 +22,6 @@ is described in :mod:`trainer.image.cas`.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import tempfile

@@ -20,7 +20,6 @@ import json
 import re
 import subprocess
 import sys
-import tempfile
 import urllib.request
 from pathlib import Path
 from typing import Any, Dict, List, Tuple

@@ -28,7 +28,7 @@ import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, BinaryIO, Callable, Dict, List, Optional
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, Entry, write_layer
