@@ -288,12 +288,9 @@ class ImageRef:
         """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
         out: Dict[str, Dict[str, Any]] = {}
         with layer.open() as raw:
-            head = raw.read(2)
-            raw.seek(0)
-            stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
+            with _layer_tar(raw) as tar:
                 for member in tar:
-                    name = "/".join(p for p in member.name.split("/") if p not in ("", "."))
+                    name = _member_name(member)
                     item: Dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
                     if member.isreg():
                         digest = hashlib.sha256()
@@ -315,15 +312,24 @@ class ImageRef:
         path = path.strip("/")
         for layer in reversed(self.layers):
             with layer.open() as raw:
-                head = raw.read(2)
-                raw.seek(0)
-                stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
-                with tarfile.open(fileobj=stream, mode="r|") as tar:
+                with _layer_tar(raw) as tar:
                     for member in tar:
-                        name = "/".join(p for p in member.name.split("/") if p not in ("", "."))
-                        if name == path and member.isreg():
+                        if _member_name(member) == path and member.isreg():
                             return tar.extractfile(member).read()
         return None
+
+
+def _layer_tar(raw: BinaryIO) -> tarfile.TarFile:
+    """A streaming tar reader over a layer blob, gzip-compressed (sniffed by its magic bytes) or plain."""
+    head = raw.read(2)
+    raw.seek(0)
+    stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
+    return tarfile.open(fileobj=stream, mode="r|")
+
+
+def _member_name(member: tarfile.TarInfo) -> str:
+    """A tar member's path normalized the way layers are compared: no leading ``./`` or ``/``, no empty parts."""
+    return "/".join(p for p in member.name.split("/") if p not in ("", "."))
 
 
 def _json(data: bytes, what: str) -> Any:
