@@ -23,7 +23,7 @@ def ray_head(tmp_path_factory):
 def submit(tmp_path, address, *extra):
     run_dir = tmp_path / "run"
     result = run_train(["experiment=smoke", "launcher=ray", f"launcher.address={address}",
-                        f"launcher.image=registry.example.invalid/smoke@{DIGEST}", "launcher.expect_gpus=false",
+                        f"launcher.image=registry.example.invalid/smoke@{DIGEST}", "launcher.expect_gpus=false", "launcher.workdir=null",
                         f"paths.kernel_cache={tmp_path}/kernels", f"hydra.run.dir={run_dir}", *extra],
                        cwd=tmp_path, timeout=180)
     record = json.loads((run_dir / "record.json").read_text())

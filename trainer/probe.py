@@ -33,6 +33,8 @@ DISTRIBUTIONS = {
     "nvidia_nccl": ("nvidia-nccl-cu13", "nvidia-nccl-cu12"),
 }
 STAMP_DIR = Path("/etc/recipe-bundle")
+# git sources the recipe runs from a checkout (no distribution metadata): component -> top-level package
+SOURCE_MODULES = {"megatron_lm": "megatron", "miles": "miles"}
 
 
 def _dist_version(names) -> Optional[str]:
@@ -42,6 +44,25 @@ def _dist_version(names) -> Optional[str]:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def _megatron_version(checkout: str) -> Optional[str]:
+    """megatron-core's version from a Megatron-LM checkout, read (not imported) from
+    ``megatron/core/package_info.py``: MAJOR.MINOR.PATCH + PRE_RELEASE, as its ``__version__`` forms it."""
+    import ast
+
+    try:
+        tree = ast.parse((Path(checkout) / "megatron" / "core" / "package_info.py").read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    values = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            if isinstance(node.value, ast.Constant):
+                values[node.targets[0].id] = node.value.value
+    if not all(k in values for k in ("MAJOR", "MINOR", "PATCH")):
+        return None
+    return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE', '')}"
 
 
 def _mapped_libraries() -> list:
@@ -81,6 +102,55 @@ def _git_commit_of(module_name: str) -> Optional[str]:
         return (out.stdout.strip() or None) if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+def _pins() -> Dict[str, Dict[str, str]]:
+    """Git sources this process could be running, by tree id -> {"name", "commit"}: the image's stamp
+    (``/etc/recipe-bundle/lock.json`` ``sources``) and the bundle's ``lockfiles/stack.json``."""
+    pins: Dict[str, Dict[str, str]] = {}
+    candidates = [STAMP_DIR / "lock.json", Path(__file__).absolute().parent.parent / "lockfiles" / "stack.json"]
+    for path in candidates:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        items = (data.get("sources") or data.get("components") or {}) if isinstance(data, dict) else {}
+        for name, item in items.items() if isinstance(items, dict) else []:
+            if isinstance(item, dict) and item.get("tree") and item.get("commit"):
+                pins.setdefault(str(item["tree"]), {"name": name, "commit": str(item["commit"])})
+    return pins
+
+
+def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None) -> Dict[str, Optional[str]]:
+    """Which commit of its repository the importable package ``module_name`` comes from, read from the files.
+
+    The package's checkout root (the directory holding ``<module_name>/``) is hashed as git hashes a tree
+    (:func:`trainer.image.gittree.directory_tree_id`; byte-code caches and ``.git`` left out). The commit is
+    the one a pin with that tree names (the image's stamp or ``lockfiles/stack.json``: the files are exactly
+    that commit's), else :func:`_git_commit_of` (a live checkout; its files may differ from the commit, which
+    the tree then shows). Returns {"commit", "tree", "path"}, each None when unknown.
+    """
+    import importlib.util
+
+    from trainer.image.gittree import directory_tree_id
+
+    out: Dict[str, Optional[str]] = {"commit": None, "tree": None, "path": None}
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        return out
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    if not locations:
+        return out
+    root = Path(locations[0]).resolve().parent
+    out["path"] = str(root)
+    try:
+        out["tree"] = directory_tree_id(root)
+    except OSError:
+        pass
+    pin = (pins if pins is not None else _pins()).get(out["tree"] or "")
+    out["commit"] = pin["commit"] if pin else _git_commit_of(module_name)
+    return out
 
 
 def _driver_version() -> Optional[str]:
@@ -130,10 +200,14 @@ def probe() -> Dict[str, Any]:
     """Probe this process's environment. Returns a JSON-ready dict (see the module docstring).
 
     Keys: ``python``, ``host``, ``cpu``, ``components`` (name -> version or None), ``torch`` (version, CUDA,
-    cuDNN, NCCL as loaded, GPUs), ``nccl_net_plugin``, ``megatron_lm_commit``, ``miles_commit``, ``driver``,
-    ``image``. Imports torch if installed (seconds).
+    cuDNN, NCCL as loaded, GPUs), ``nccl_net_plugin``, ``sources`` (megatron_lm, miles: commit, tree, path;
+    :func:`source_of`), ``megatron_lm_commit``/``_tree``, ``miles_commit``/``_tree``, ``driver``, ``image``. Imports torch if installed (seconds).
     """
     components = {name: _dist_version(dists) for name, dists in DISTRIBUTIONS.items()}
+    pins = _pins()
+    sources = {name: source_of(module, pins) for name, module in SOURCE_MODULES.items()}
+    if components["megatron_core"] is None and sources["megatron_lm"]["path"]:
+        components["megatron_core"] = _megatron_version(sources["megatron_lm"]["path"])
     info: Dict[str, Any] = {
         "python": platform.python_version(),
         "host": socket.gethostname(),
@@ -141,8 +215,11 @@ def probe() -> Dict[str, Any]:
         "components": components,
         "torch": None,
         "nccl_net_plugin": None,
-        "megatron_lm_commit": _git_commit_of("megatron") if components["megatron_core"] else None,
-        "miles_commit": _git_commit_of("miles") if components["miles"] else None,
+        "sources": sources,
+        "megatron_lm_commit": sources["megatron_lm"]["commit"],
+        "megatron_lm_tree": sources["megatron_lm"]["tree"],
+        "miles_commit": sources["miles"]["commit"],
+        "miles_tree": sources["miles"]["tree"],
         "driver": None,
         "image": _image(),
     }

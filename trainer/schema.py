@@ -248,7 +248,7 @@ class LauncherConfig:
     head_ip: Optional[str] = None  # slurm: address Ray binds on the head node; null = the head's `hostname -i`
     address: Optional[str] = None  # ray: job submission address of an existing cluster, http://HOST:8265
     python: Optional[str] = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
-    workdir: Optional[str] = None  # directory the job starts in on the cluster (the miles checkout); null = as started
+    workdir: Optional[str] = None  # directory the job starts in on the cluster (the image's miles checkout, /root/miles, in conf/launcher/); null = as started
     job: List[str] = field(default_factory=list)  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
     wait_s: Optional[int] = None  # ray: seconds to wait for the job; null = until it ends

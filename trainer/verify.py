@@ -35,7 +35,9 @@ COMPONENTS = {
     "transformer_engine": (("components", "transformer_engine"), "transformer-engine", "transformer_engine", "transformer_engine"),
     "megatron_core": (("components", "megatron_core"), "megatron-core", "megatron_lm", "megatron_core"),
     "megatron_lm_commit": (("megatron_lm_commit",), None, "megatron_lm.commit", "megatron_lm_commit"),
+    "megatron_lm_tree": (("megatron_lm_tree",), None, "megatron_lm.tree", None),
     "miles_commit": (("miles_commit",), None, "miles.commit", "miles_commit"),
+    "miles_tree": (("miles_tree",), None, "miles.tree", None),
     "deepep": (("components", "deepep"), "deep-ep", "deepep", "deepep"),
     "tilelang": (("components", "tilelang"), "tilelang", None, None),
     "triton": (("components", "triton"), "triton", None, None),
@@ -69,6 +71,12 @@ def read_lock(path: Path) -> Dict[str, str]:
             # the lock an image was built from, as stamped into it (/etc/recipe-bundle/lock.json)
             pins["python"] = str((data.get("python") or {}).get("version"))
             pins.update({f"dist:{n.lower().replace('_', '-')}": str(v) for n, v in data["distributions"].items()})
+            sources = data.get("sources") if isinstance(data.get("sources"), dict) else {}
+            for name in ("megatron_lm", "miles"):  # git sources installed in the image
+                src = sources.get(name)
+                if isinstance(src, dict):
+                    pins[f"{name}_commit"] = str(src.get("commit"))
+                    pins[f"{name}_tree"] = str(src.get("tree"))
             return pins
         comps = data.get("components", {}) if isinstance(data, dict) else {}
         for name, (_, _, stack_key, _) in COMPONENTS.items():
@@ -88,11 +96,14 @@ def read_lock(path: Path) -> Dict[str, str]:
 def _same(observed: str, locked: str) -> bool:
     """Versions agree: equal; equal up to a local label (``+cu130``) that the lock does not pin (the lock's
     ``2.11.0`` accepts ``2.11.0+cu130``, the lock's ``2.11.0+cu130`` refuses ``2.11.0`` and ``2.11.0+cpu``);
+    a release series the lock pins (``3.11``) and a release in it (``3.11.2``, not ``3.110``);
     or one commit a prefix of the other (7 hex digits at least)."""
     if observed == locked:
         return True
     if "+" not in locked and observed.split("+")[0] == locked:
         return True
+    if re.match(r"^\d+(\.\d+)*$", locked) and re.match(r"^" + re.escape(locked) + r"\.\d", observed):
+        return True  # a lock pinning a release series (Python "3.11") accepts its patch releases ("3.11.2")
     commit = re.compile(r"^[0-9a-f]{7,40}$")
     return bool(commit.match(locked) and commit.match(observed)) and (
         observed.startswith(locked) or locked.startswith(observed)

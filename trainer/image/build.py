@@ -35,7 +35,7 @@ from trainer.image import lockfile
 from trainer.image.cas import Cache
 from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
 from trainer.image.oci import Layer, based_config, canonical, image_config, write_archive, write_layout
-from trainer.image.sources import source_entries
+from trainer.image.sources import cached_archive, pth_entry, source_entries
 from trainer.image.wheels import install_wheels
 
 LAYER_FORMAT = 1  # bump when layer bytes for the same inputs would change (writer or installer behaviour)
@@ -121,16 +121,21 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
         def make_sources(spool: Path, handles: List[Any]) -> List[Entry]:
             entries: List[Entry] = []
             for src in sources:
-                archive = cache.ensure(src["archive"]["sha256"], f"source {src['name']} ({src['archive']['filename']})",
-                                       src["archive"].get("url"), offline)
-                entries += source_entries(archive, src)
+                entries += source_entries(cached_archive(cache, src, offline), src)
+            pth = pth_entry(sources, lock["python"]["site_packages"])
+            if pth is not None:
+                entries.append(pth)
             for sd in sdists:
                 path = cache.ensure(sd["sha256"], f"sdist {sd['filename']}", sd["url"], offline)
                 entries.append(Entry(f"{lock['bundle']['dest']}/sdists/{sd['filename']}", FILE, source=path))
             return entries
 
-        inputs = {"sources": [[s["name"], s["commit"], s["tree"], s["archive"]["sha256"], s["dest"]] for s in sources],
+        # a source's layer bytes follow from its tree (verified on unpacking), not from the archive it came in
+        inputs = {"sources": [[s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))]
+                              for s in sources],
                   "sdists": [[s["filename"], s["sha256"], lock["bundle"]["dest"]] for s in sdists]}
+        if any(s.get("python_path") for s in sources):
+            inputs["pth"] = lock["python"]["site_packages"]
         comment = "git sources: " + ", ".join(f"{s['name']}@{s['commit'][:12]}" for s in sources)
         if sdists:
             comment += "; sdists (not compiled): " + ", ".join(s["filename"] for s in sdists)
@@ -150,7 +155,8 @@ def stamp(lock: Dict[str, Any], layers: List[Tuple[str, str]]) -> bytes:
         "python": {"version": lock["python"]["version"], "site_packages": lock["python"]["site_packages"]},
         "distributions": {w["name"]: w["version"] for w in lock.get("wheels", [])},
         "sdists": {s["name"]: s["version"] for s in lock.get("sdists", [])},
-        "sources": {s["name"]: {"commit": s["commit"], "tree": s["tree"], "url": s["url"]} for s in lock.get("sources", [])},
+        "sources": {s["name"]: {"commit": s["commit"], "tree": s["tree"], "url": s["url"], "dest": s["dest"]}
+                    for s in lock.get("sources", [])},
         "base": lock["base"],
     }) + b"\n"
 
@@ -182,7 +188,7 @@ def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: s
     big = total >= PIPELINE_BYTES
     try:
         with open(tmp, "wb", buffering=0) as handle:
-            if console is not None and big:
+            if console is not None and big and console.is_terminal:  # off a terminal a bar leaves blank lines
                 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
                 with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),

@@ -6,8 +6,13 @@ cannot be downloaded) into the cache; with ``--sha256`` a mismatch is refused an
 an OCI layout or an oci-archive of the image; its manifest must hash to the lock's ``base.digest`` and the
 manifest(s), config and every layer blob are stored, each hash-checked (see :mod:`trainer.image.base`);
 prints the resolved ``base`` block (config digest, layers with diff_ids) for the lock.
-``fetch --lock L`` downloads every input of a lock that is not cached yet (PyPI and Debian URLs; each
-checked against its locked sha256 before it enters the cache) and names those a user must add.
+``add-git GITDIR --commit C [--lock L ...] [--tree T]`` seeds a git source from a local clone or bare
+repository: the commit's files are read from git's objects, their git tree id recomputed and checked against
+the tree the locks pin for that commit (default: every ``lockfiles/*.lock.json`` and ``stack.json`` of the
+bundle), then stored by tree id (see :mod:`trainer.image.sources`).
+``fetch --lock L`` downloads every input of a lock that is not cached yet (PyPI and Debian URLs, each
+checked against its locked sha256 before it enters the cache; git sources from GitHub's archive of the
+commit, checked by tree) and names those a user must add.
 ``verify`` re-hashes every blob and removes those whose bytes do not match their name (exit 1 if any).
 Exit codes: 0 ok, 1 ``verify`` found corrupt entries or ``fetch`` left inputs missing, 2 refused input.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 from typing import List
 
@@ -45,9 +51,22 @@ def main(argv: List[str]) -> int:
     i.add_argument("--platform", default="linux/amd64", help="OS/ARCH picked from an index (default linux/amd64)")
     i.add_argument("--json", action="store_true", help="print only the resolved base block as JSON")
     i.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+    ag = sub.add_parser("add-git", help="seed a git source from a local clone or bare repository, checked against "
+                                        "the tree the locks pin; prints the stored tree",
+                        epilog="e.g. trainer cache add-git ../Megatron-LM --commit 37f91617b95c1ef4f01fc66210e502572ad97fda")
+    ag.add_argument("repo", help="a git work tree or bare repository holding the commit")
+    ag.add_argument("--commit", required=True, help="the commit (full or abbreviated) to export")
+    ag.add_argument("--lock", action="append", default=[],
+                    help="lock(s) whose pin the commit must match (default: the bundle's lockfiles/*.lock.json and "
+                         "stack.json)")
+    ag.add_argument("--tree", help="the expected git tree id, for a commit no lock pins")
+    ag.add_argument("--json", action="store_true")
+    ag.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
     f = sub.add_parser("fetch", help="download every input of a lock into the cache (hash-checked)")
     f.add_argument("--lock", required=True)
     f.add_argument("--json", action="store_true")
+    f.add_argument("--allow-host", action="append", default=[], metavar="URL_PREFIX",
+                   help="also download git source archives from URLs starting with this (default: GitHub only)")
     f.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
     v = sub.add_parser("verify", help="re-hash every blob; remove and list corrupt ones")
     v.add_argument("--json", action="store_true")
@@ -61,7 +80,9 @@ def main(argv: List[str]) -> int:
         print(cache.blob_path(parse_sha256(args.sha256, "sha256")) if args.sha256 else cache.root)
         return 0
     if args.command == "fetch":
-        return _fetch(cache, Path(args.lock), args.json)
+        return _fetch(cache, Path(args.lock), args.json, tuple(args.allow_host))
+    if args.command == "add-git":
+        return _add_git(cache, args)
     if args.command == "add-image":
         return _add_image(cache, args)
     blobs = sorted((cache.root / "sha256").glob("*")) if (cache.root / "sha256").is_dir() else []
@@ -107,8 +128,29 @@ def _add_image(cache: Cache, args: argparse.Namespace) -> int:
     return 0
 
 
-def _fetch(cache: Cache, lock_path: Path, as_json: bool) -> int:
+def _add_git(cache: Cache, args: argparse.Namespace) -> int:
+    from trainer import REPO_ROOT
+    from trainer.image.sources import add_git, pins_for
+
+    if args.tree is not None and not re.match(r"^[0-9a-f]{40}$", args.tree):
+        raise UserError(f"--tree: expected a full 40-hex git tree id, got {args.tree!r}")
+    locks = [Path(p) for p in args.lock] or sorted((REPO_ROOT / "lockfiles").glob("*.lock.json")) + [
+        REPO_ROOT / "lockfiles" / "stack.json"]
+    for lock in locks:
+        if not lock.is_file():
+            raise UserError(f"--lock {lock}: not found")
+    stored = add_git(cache, Path(args.repo), args.commit, pins_for(locks), args.tree)
+    if args.json:
+        print(json.dumps(stored, indent=2, sort_keys=True))
+    else:
+        print(f"added {stored['name']} {stored['commit']} tree {stored['tree']} ({stored['files']} files, "
+              f"{stored['bytes']:,} bytes) as sha256:{stored['sha256']}")
+    return 0
+
+
+def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()) -> int:
     from trainer.image.lockfile import inputs_of, load_lock
+    from trainer.image.sources import FETCH_HOSTS, fetch_source
 
     lock = load_lock(lock_path)
     fetched, present, missing = 0, 0, []
@@ -120,12 +162,22 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool) -> int:
             present += 1
         except UserError as err:
             missing.append(str(err))
-    for item in inputs_of(lock):
+    for item in inputs_of(lock, sources=False):
         if cache.has(item["sha256"]):
             present += 1
             continue
         try:
             cache.ensure(item["sha256"], item["label"], item["url"])
+            fetched += 1
+        except UserError as err:
+            missing.append(str(err))
+    for src in lock.get("sources", []):  # git sources: by archive sha256 or by tree, each tree-checked on use
+        record = cache.tree_record(src["tree"])
+        if ("archive" in src and cache.has(src["archive"]["sha256"])) or (record and cache.has(record["sha256"])):
+            present += 1
+            continue
+        try:
+            fetch_source(cache, src, FETCH_HOSTS + extra_hosts)
             fetched += 1
         except UserError as err:
             missing.append(str(err))

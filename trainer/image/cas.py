@@ -5,6 +5,7 @@ Layout (default root ``$XDG_CACHE_HOME/recipe-bundle/cas``, ``~/.cache/recipe-bu
 
     DIR/sha256/<hex>          a blob whose sha256 is <hex>: a wheel, an sdist, a source archive, a layer tar
     DIR/layers/<key>.json     a built layer: {"diff_id", "size"}; <key> is the sha256 of the layer's inputs
+    DIR/trees/<tree>.json     a git tree (40 hex): {"sha256": the blob holding its files, "commit": ...}
     DIR/stamps/<hex>.json     the blob's stat (size, mtime_ns, ctime_ns, inode) when its hash was last checked
     DIR/tmp/                  downloads and layers being written (renamed into place when complete)
 
@@ -71,8 +72,11 @@ def _progress(total: int, description: str):
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    console = Console(stderr=True)
+    if not console.is_terminal:  # a transient bar off a terminal leaves only blank lines behind
+        return None
     progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        console=Console(stderr=True), transient=True)
+                        console=console, transient=True)
     return progress, progress.add_task(description, total=total)
 
 
@@ -282,6 +286,41 @@ class Cache:
         from trainer.record import atomic_write
 
         atomic_write(self.root / "layers" / f"{key}.json", (json.dumps(record, sort_keys=True) + "\n").encode())
+
+    # git trees: which blob holds a tree's files (the blob is re-hashed and its files' tree id recomputed
+    # on every use, so this index is a hint, never trusted; see trainer.image.sources)
+    def tree_record(self, tree: str) -> Optional[dict]:
+        """``ROOT/trees/<tree>.json`` (``{"sha256": hex, "commit": hex, "source": ...}``), or None when absent or
+        malformed. ``tree``: a git tree id, 40 hex."""
+        if not re.match(r"^[0-9a-f]{40}$", tree):
+            return None
+        try:
+            record = json.loads((self.root / "trees" / f"{tree}.json").read_text())
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if not isinstance(record, dict) or not HEX.match(str(record.get("sha256", ""))):
+            return None
+        return record
+
+    def put_tree(self, tree: str, entries: list, record: dict) -> str:
+        """Store the canonical archive of git ``tree`` (layer ``entries``, see
+        :func:`trainer.image.sources.canonical_entries`) as a blob and index it under the tree id; returns the
+        blob's sha256 hex. The blob is written to a temporary file and renamed in, then the index entry."""
+        from trainer.image.layer import write_layer
+        from trainer.record import atomic_write
+
+        tmp = self.new_temp()
+        try:
+            with open(tmp, "wb") as handle:
+                info = write_layer(entries, handle, 0)
+                handle.flush()
+                os.fsync(handle.fileno())
+            self.commit(tmp, info.hex)
+        finally:
+            tmp.unlink(missing_ok=True)
+        atomic_write(self.root / "trees" / f"{tree}.json",
+                     (json.dumps({**record, "sha256": info.hex}, sort_keys=True) + "\n").encode())
+        return info.hex
 
     def link_or_copy(self, hexdigest: str, dest: Path) -> None:
         """Place blob ``hexdigest`` at ``dest`` (a hard link when possible, else a copy)."""

@@ -5,14 +5,17 @@ diff_ids are equal (an OCI layout and the docker-archive skopeo made from it are
 report lists: config differences (architecture, created, Env by name, Entrypoint, Cmd, WorkingDir, Labels),
 layers aligned by diff_id (unmatched layers paired by their history's ``created_by``, else by position) with
 per-layer file changes (added/removed/changed, with size and sha256), Python distributions that differ
-(from ``*.dist-info/METADATA`` in the merged filesystem) and git sources whose commit differs (from the
-stamped ``/etc/recipe-bundle/lock.json``).
+(from ``*.dist-info/METADATA`` under any ``site-packages/`` or ``dist-packages/`` directory, where CPython
+and Debian's Python find them, in the merged filesystem), Debian packages that differ (from the dpkg
+database, ``var/lib/dpkg/status``) and git sources whose commit or tree differs (from the stamped
+``/etc/recipe-bundle/lock.json``).
 
 Image vs run record: the record's ``image`` field (``{"digest", "lock"}``, written when a run happens inside
 a bundle image; or ``probe.ranks[0].image``) against the image's manifest digest and stamped lock sha256.
 
-Image vs lock: the image's distributions and stamped sources against the lock's wheels and sources, and the
-lock's sha256 against the image's ``dev.recipe-bundle.lock.sha256`` label; identical when all agree.
+Image vs lock: the image's distributions, Debian packages and stamped sources against the lock's wheels,
+base .debs and sources, and the lock's sha256 against the image's ``dev.recipe-bundle.lock.sha256`` label;
+identical when all agree.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ from trainer.image.oci import ImageRef, LayerRef, open_image
 
 STAMP = "etc/recipe-bundle/lock.json"
 LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
-METADATA = re.compile(r"(^|/)site-packages/[^/]+\.dist-info/METADATA$")
+METADATA = re.compile(r"(^|/)(site|dist)-packages/[^/]+\.dist-info/METADATA$")
+DPKG_STATUS = "var/lib/dpkg/status"
 
 
 def _config_view(config: Dict[str, Any]) -> Dict[str, Any]:
@@ -88,26 +92,55 @@ def align_layers(a: List[LayerRef], b: List[LayerRef]) -> List[Tuple[Optional[La
     return pairs
 
 
-def distributions(image: ImageRef) -> Dict[str, str]:
-    """name -> version of every installed Python distribution (dist-info METADATA, top-most layer wins)."""
-    out: Dict[str, str] = {}
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """What is installed in ``image``, read in one pass over its layers (top-most layer wins): Python
+    distributions (canonical name -> version, from dist-info METADATA) and Debian packages (name -> version,
+    the ``install ok installed`` entries of the dpkg status file)."""
+    import gzip
+    import tarfile
+
+    dists: Dict[str, str] = {}
+    status: Optional[bytes] = None
     for layer in image.layers:
         if layer.media_type.endswith("+zstd"):
             continue  # not decompressed here (no zstd in the standard library); only base images use it
         with layer.open() as raw:
-            import gzip
-            import tarfile
-
             head = raw.read(2)
             raw.seek(0)
             stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
-                    if member.isreg() and METADATA.search(member.name):
+                    name = member.name.lstrip("./")
+                    if member.isreg() and METADATA.search(name):
                         headers = BytesHeaderParser().parsebytes(tar.extractfile(member).read())
                         if headers.get("Name"):
-                            out[headers["Name"]] = headers.get("Version", "")
+                            dists[_canonical(headers["Name"])] = headers.get("Version", "")
+                    elif member.isreg() and name == DPKG_STATUS:
+                        status = tar.extractfile(member).read()
+    return dists, _dpkg_installed(status or b"")
+
+
+def _dpkg_installed(status: bytes) -> Dict[str, str]:
+    out: Dict[str, str] = {}
+    for paragraph in status.decode("utf-8", "replace").split("\n\n"):
+        fields = dict(line.split(": ", 1) for line in paragraph.splitlines() if ": " in line and not line.startswith(" "))
+        if fields.get("Package") and fields.get("Status", "").endswith("installed") and "not-installed" not in fields["Status"]:
+            out[fields["Package"]] = fields.get("Version", "")
     return out
+
+
+def distributions(image: ImageRef) -> Dict[str, str]:
+    """canonical name -> version of every installed Python distribution (see :func:`contents`)."""
+    return contents(image)[0]
+
+
+def _source_pins(sources: Any) -> Dict[str, str]:
+    items = sources.items() if isinstance(sources, dict) else ((s.get("name"), s) for s in sources or [])
+    return {n: f"{s.get('commit')} tree {s.get('tree')}" for n, s in items if isinstance(s, dict)}
 
 
 def stamped(image: ImageRef) -> Dict[str, Any]:
@@ -143,25 +176,28 @@ def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
                        "status": "changed" if la and lb else "removed" if la else "added",
                        "files": file_changes(fa, fb)})
     sa, sb = stamped(a), stamped(b)
-    commits_a = {n: s.get("commit") for n, s in (sa.get("sources") or {}).items()}
-    commits_b = {n: s.get("commit") for n, s in (sb.get("sources") or {}).items()}
+    (dists_a, debs_a), (dists_b, debs_b) = contents(a), contents(b)
     return {"identical": False, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest,
             "config": config_changes(a.config, b.config), "layers": layers,
-            "distributions": _versions(distributions(a), distributions(b)),
-            "sources": _versions(commits_a, commits_b)}
+            "distributions": _versions(dists_a, dists_b), "debs": _versions(debs_a, debs_b),
+            "sources": _versions(_source_pins(sa.get("sources")), _source_pins(sb.get("sources")))}
 
 
 def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
     """Image ``a`` against a loaded lock: distributions, sources and the lock hash label."""
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
-    wheels = {w["name"]: w["version"] for w in lock.get("wheels", [])}
-    dists = _versions(distributions(a), wheels)
-    commits = {n: s.get("commit") for n, s in (stamped(a).get("sources") or {}).items()}
-    sources = _versions(commits, {s["name"]: s["commit"] for s in lock.get("sources", [])})
+    wheels = {_canonical(w["name"]): w["version"] for w in lock.get("wheels", [])}
+    installed, installed_debs = contents(a)
+    # distributions the image has from elsewhere (its base, Debian's python3-* packages) are not the lock's
+    dists = [d for d in _versions(installed, wheels) if d["new"] is not None]
+    base = lock.get("base", {})
+    debs = (_versions(installed_debs, {d["name"]: d["version"] for d in base.get("debs", [])})
+            if base.get("type") == "debian-rootfs" else [])
+    sources = _versions(_source_pins(stamped(a).get("sources")), _source_pins(lock.get("sources", [])))
     result: Dict[str, Any] = {"a": a.manifest_digest or a.config_digest, "b": str(lock["_path"]),
                               "lock_sha256": {"image": label, "lock": lock["_sha256"]},
-                              "distributions": dists, "sources": sources}
-    result["identical"] = not dists and not sources and label == lock["_sha256"]
+                              "distributions": dists, "debs": debs, "sources": sources}
+    result["identical"] = not dists and not debs and not sources and label == lock["_sha256"]
     return result
 
 
@@ -230,6 +266,8 @@ def render(result: Dict[str, Any]) -> str:
             lines.append(f"  {f['change']:<7} {f['path']}  {describe(f['old'])} -> {describe(f['new'])}")
     for d in result.get("distributions", []):
         lines.append(f"python {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
+    for d in result.get("debs", []):
+        lines.append(f"deb {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
     for s in result.get("sources", []):
         lines.append(f"source {s['name']}: {s['old'] or '(absent)'} -> {s['new'] or '(absent)'}")
     return "\n".join(lines)

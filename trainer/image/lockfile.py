@@ -21,8 +21,9 @@ writes it, ``trainer lock verify`` checks it offline. Format (``schema_version``
                "debs": [{"name", "version", "architecture", "url", "sha256"}, ...]},        # buildable variant
       "wheels": [{"name", "version", "filename", "url", "sha256", "group"}, ...],
       "sdists": [{"name", "version", "filename", "url", "sha256", "group"}, ...],   # shipped, not compiled
-      "sources": [{"name", "url", "commit", "tree", "dest",
-                   "archive": {"filename", "sha256", "url"?}}, ...],              # git sources (archive tar)
+      "sources": [{"name", "url", "commit", "tree", "dest",            # git sources by commit + git tree id
+                   "python_path"?: true,                              # dest goes on the image Python's path
+                   "archive"?: {"filename", "sha256", "url"?}}, ...],  # optional: pin one archive's bytes too
       "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
       "image": {"env": {...}, "entrypoint": [...], "cmd"?: [...], "working_dir": "...",
                 "labels": {"org.opencontainers.image.source": "...", ...}},
@@ -175,6 +176,7 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
     if not isinstance(sources, list):
         raise UserError(f"{where}.sources: expected a list")
     dests: Dict[str, str] = {}
+    trees: Dict[str, str] = {}
     for i, src in enumerate(sources):
         w = f"{where}.sources[{i}]"
         for key in ("name", "url", "dest"):
@@ -182,12 +184,20 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
         for key in ("commit", "tree"):
             if not HEX40.match(str(src.get(key, ""))):
                 raise UserError(f"{w}.{key}: expected a full 40-hex git id, got {src.get(key)!r}")
-        archive = _need(src, "archive", dict, w)
-        _need(archive, "filename", str, f"{w}.archive")
-        sha = _sha(archive, "sha256", f"{w}.archive")
-        if sha in hashes:
-            raise UserError(f"{w}.archive.sha256: same hash as {hashes[sha]}")
-        hashes[sha] = w
+        if "archive" in src:  # optional: the tree is what is verified; an archive pins its own bytes too
+            archive = _need(src, "archive", dict, w)
+            _need(archive, "filename", str, f"{w}.archive")
+            sha = _sha(archive, "sha256", f"{w}.archive")
+            if sha in hashes:
+                raise UserError(f"{w}.archive.sha256: same hash as {hashes[sha]}")
+            hashes[sha] = w
+            if "url" in archive and not isinstance(archive["url"], str):
+                raise UserError(f"{w}.archive.url: expected a string")
+        if not isinstance(src.get("python_path", False), bool):
+            raise UserError(f"{w}.python_path: expected true or false, got {json.dumps(src.get('python_path'))}")
+        if src["tree"] in trees:
+            raise UserError(f"{w}.tree: same tree as {trees[src['tree']]}")
+        trees[src["tree"]] = w
         if not src["dest"].startswith("/") or ".." in src["dest"].split("/"):
             raise UserError(f"{w}.dest: expected an absolute path without '..', got {src['dest']!r}")
         if src["name"] in dests or src["dest"] in dests.values():
@@ -249,10 +259,10 @@ def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[
     return problems
 
 
-def inputs_of(lock: Dict[str, Any]) -> List[Dict[str, Any]]:
+def inputs_of(lock: Dict[str, Any], sources: bool = True) -> List[Dict[str, Any]]:
     """Every artifact a build of ``lock`` reads, as [{"label", "sha256", "url", "size"}] (url None for
     artifacts no build downloads, e.g. git archives; size None when the lock does not record it): the base's
-    .debs, wheels, sdists and git source archives, in that order."""
+    .debs, wheels, sdists and (with ``sources``) the git source archives the lock pins by sha256, in that order."""
     out: List[Dict[str, Any]] = []
     for deb in lock.get("base", {}).get("debs", []) if lock.get("base", {}).get("type") == "debian-rootfs" else []:
         out.append({"label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']}", "sha256": deb["sha256"],
@@ -261,7 +271,8 @@ def inputs_of(lock: Dict[str, Any]) -> List[Dict[str, Any]]:
         out.append({"label": f"wheel {w['filename']}", "sha256": w["sha256"], "url": w["url"], "size": None})
     for sd in lock.get("sdists", []):
         out.append({"label": f"sdist {sd['filename']}", "sha256": sd["sha256"], "url": sd["url"], "size": None})
-    for src in lock.get("sources", []):
-        out.append({"label": f"source {src['name']} ({src['archive']['filename']})", "sha256": src["archive"]["sha256"],
-                    "url": src["archive"].get("url"), "size": None})
+    for src in lock.get("sources", []) if sources else []:
+        if "archive" in src:  # a source pinned by its tree only is seeded by tree id (trainer.image.sources)
+            out.append({"label": f"source {src['name']} ({src['archive']['filename']})",
+                        "sha256": src["archive"]["sha256"], "url": src["archive"].get("url"), "size": None})
     return out

@@ -1,80 +1,387 @@
-"""Git sources: an archive (tar, optionally compressed) of one commit, checked against the lock's git tree id.
+"""Git sources: one commit's files, pinned by the lock's git tree id, from any archive or a local clone.
 
-The archive must hold one top-level directory (as ``git archive --prefix=NAME/`` and GitHub's tarballs do);
-it is stripped, and the remaining files are hashed the way git hashes a tree (blob = sha1("blob <size>\\0" +
-bytes); tree entries "<mode> <name>\\0<20-byte id>" sorted with directories compared as "name/"; modes
-100644, 100755, 120000 and 40000 — Git's object format, Documentation/technical/ in git's sources). The
-result must equal the lock's ``tree``: the archive then holds exactly that commit's files, whatever tool
-made the tar. Empty directories are not part of a git tree and are dropped from the layer.
+A lock's ``sources[]`` item names a repository ``url``, a full ``commit`` and its git ``tree`` (what ``git
+rev-parse COMMIT^{tree}`` prints), where it goes in the image (``dest``) and, optionally, an ``archive``
+(``filename``, ``sha256``, ``url``) whose own bytes are pinned too. Archive bytes are not what is trusted:
+GitHub's tarballs changed checksum when its git was upgraded (2023), so, as Nix does with the hash of an
+unpacked tree, the builder recomputes the git tree id of what it unpacked (:mod:`trainer.image.gittree`)
+and refuses any difference. Any format that unpacks to that tree serves: ``git archive`` tar (with or
+without compression), GitHub's tar.gz and zip, a zip from any tool.
+
+Ways into the cache (:mod:`trainer.image.cas`):
+
+- ``trainer cache add-git GITDIR --commit C`` reads the commit's tree straight from a local clone or bare
+  repository (``git ls-tree`` + ``git cat-file --batch``, so ``.gitattributes`` export rules cannot leave a
+  file out), recomputes its tree id, checks it against the lock and stores it as a canonical tar
+  (:func:`canonical_entries`: sorted, fixed times, one top-level directory) indexed by tree id;
+- ``trainer cache fetch`` downloads the archive from the source's URL where the network allows and stores it
+  the same way after the same check;
+- ``trainer cache add FILE --sha256 HEX`` for a source whose lock pins ``archive.sha256``.
+
+What the layer gets: every file and symlink of the tree under ``dest`` (empty directories are not part of a
+tree), and, for a source with ``python_path: true``, its ``dest`` in ``<site_packages>/recipe-bundle-sources.pth``
+so the image's Python imports it (the way ``pip install -e`` makes a checkout importable).
 """
 
 from __future__ import annotations
 
-import hashlib
+import io
+import stat
+import subprocess
+import tarfile
+import zipfile
+import zlib
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
+from trainer.image.gittree import EXEC_MODE, FILE_MODE, LINK_MODE, check_links_stay_inside, git_tree_id
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tar
 
+PTH_NAME = "recipe-bundle-sources.pth"
+MAX_SOURCE_BYTES = 2 << 30  # a source tree larger than this (uncompressed) is refused: 2 GiB
 
-def _blob_id(data: bytes) -> bytes:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
+
+def source_label(source: Dict[str, Any]) -> str:
+    """``source NAME@COMMIT12`` for messages."""
+    return f"source {source['name']}@{source['commit'][:12]}"
 
 
-def git_tree_id(files: Dict[str, Tuple[str, bytes]]) -> str:
-    """The git tree id (40 hex) of ``files``: relative path -> (mode "100644"/"100755"/"120000", content
-    or symlink target bytes)."""
-    root: Dict[str, Any] = {}
-    for path, (mode, data) in files.items():
-        node = root
-        parts = path.split("/")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-        node[parts[-1]] = (mode, _blob_id(data))
-
-    def tree(node: Dict[str, Any]) -> bytes:
-        items = []
-        for name, value in node.items():
-            if isinstance(value, dict):
-                items.append((name + "/", b"40000 " + name.encode() + b"\0" + tree(value)))
+def _zip_entries(stream: BinaryIO) -> List[Entry]:
+    """Entries of a zip archive: files (executable from the Unix mode in ``external_attr``), symlinks (Unix
+    mode S_IFLNK, target = the member's content) and directories. Raises :class:`UserError` for ``..`` paths,
+    special files, or an archive larger than :data:`MAX_SOURCE_BYTES`."""
+    out: List[Entry] = []
+    try:
+        archive = zipfile.ZipFile(stream)
+    except zipfile.BadZipFile as ex:
+        raise UserError(f"not a readable zip archive ({ex})") from None
+    with archive:
+        if sum(info.file_size for info in archive.infolist()) > MAX_SOURCE_BYTES:
+            raise UserError(f"zip archive unpacks to more than {MAX_SOURCE_BYTES:,} bytes (refused)")
+        for info in archive.infolist():
+            parts = [p for p in info.filename.split("/") if p not in ("", ".")]
+            if ".." in parts or info.filename.startswith("/"):
+                raise UserError(f"archive member {info.filename!r}: path outside the archive's root")
+            if not parts:
+                continue
+            mode = info.external_attr >> 16
+            path = "/".join(parts)
+            if info.is_dir() or stat.S_ISDIR(mode):
+                out.append(Entry(path, DIR))
+            elif stat.S_ISLNK(mode):
+                out.append(Entry(path, SYMLINK, target=archive.read(info).decode("utf-8", "surrogateescape")))
+            elif mode == 0 or stat.S_ISREG(mode):
+                out.append(Entry(path, FILE, data=archive.read(info), executable=bool(mode & 0o111)))
             else:
-                items.append((name, value[0].encode() + b" " + name.encode() + b"\0" + value[1]))
-        body = b"".join(entry for _, entry in sorted(items, key=lambda x: x[0].encode()))
-        return hashlib.sha1(b"tree %d\0" % len(body) + body).digest()
-
-    return tree(root).hex()
+                raise UserError(f"archive member {info.filename!r}: device, FIFO or other special file refused")
+    return out
 
 
-def source_entries(archive: Path, source: Dict[str, Any]) -> List[Entry]:
-    """Layer entries of the git ``source`` (a lock ``sources[]`` item) from its ``archive``, under its ``dest``.
+def archive_entries(path: Path, label: str) -> List[Entry]:
+    """The raw entries of an archive file (zip, or tar with any compression :mod:`tarfile` reads).
+    Raises :class:`UserError` naming ``label`` for an unreadable archive or a refused member."""
+    try:
+        with open(path, "rb") as handle:
+            magic = handle.read(4)
+            handle.seek(0)
+            if magic.startswith(b"PK"):
+                return _zip_entries(handle)
+            return entries_from_tar(handle, "", strip_components=0)
+    except UserError as err:
+        raise UserError(f"{label}: {err}") from None
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as ex:
+        raise UserError(f"{label}: not a readable tar or zip archive ({ex})") from None
 
-    Raises :class:`UserError` when the archive's files do not hash to the locked tree, when it does not
-    have a single top-level directory, or for refused members (see :func:`entries_from_tar`).
-    """
-    label = f"source {source['name']} ({source['archive']['filename']})"
-    with open(archive, "rb") as handle:
-        raw = entries_from_tar(handle, "", strip_components=0)
+
+def tree_files(raw: List[Entry], label: str) -> Dict[str, Tuple[str, bytes]]:
+    """The files of an archive with one top-level directory (stripped), as git tree input: relative path ->
+    (mode, content or symlink target bytes). Symlinks are checked to stay inside the tree, chains included.
+    Raises :class:`UserError` naming ``label``."""
     tops = {e.path.split("/")[0] for e in raw}
     if len(tops) != 1 or any(e.path == next(iter(tops)) and e.type != DIR for e in raw):
         raise UserError(f"{label}: expected one top-level directory in the archive, found {len(tops)} entries")
     top = next(iter(tops))
     files: Dict[str, Tuple[str, bytes]] = {}
-    entries: List[Entry] = []
-    dest = source["dest"].strip("/")
     for entry in raw:
         rel = entry.path[len(top) + 1:]
         if not rel:
             continue
         if entry.type == FILE:
-            files[rel] = ("100755" if entry.executable else "100644", entry.data)
+            files[rel] = (EXEC_MODE if entry.executable else FILE_MODE, entry.data)
         elif entry.type == SYMLINK:
-            files[rel] = ("120000", entry.target.encode())
-        else:
-            continue  # directories follow from files; empty ones are not in a git tree
-        entries.append(Entry(f"{dest}/{rel}", entry.type, data=entry.data, executable=entry.executable,
-                             target=entry.target))
+            files[rel] = (LINK_MODE, entry.target.encode("utf-8", "surrogateescape"))
+    _check_tree(files, label)
+    return files
+
+
+def _check_tree(files: Dict[str, Tuple[str, bytes]], label: str) -> None:
+    if not files:
+        raise UserError(f"{label}: the archive holds no files")
+    links = {path: data.decode("utf-8", "surrogateescape") for path, (mode, data) in files.items() if mode == LINK_MODE}
+    check_links_stay_inside(links, label)
+    for path in files:  # nothing may live under a symlink: unpacking would write through it
+        parent = path.rsplit("/", 1)[0] if "/" in path else ""
+        while parent:
+            if parent in links:
+                raise UserError(f"{label}: {path} lies under the symlink {parent} (refused)")
+            parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
+
+
+def verified_files(archive: Path, source: Dict[str, Any]) -> Dict[str, Tuple[str, bytes]]:
+    """The files of ``archive`` after checking that they hash to ``source['tree']``.
+    Raises :class:`UserError` on a mismatch, naming both tree ids."""
+    label = source_label(source)
+    files = tree_files(archive_entries(archive, label), label)
+    _check_paths(files, label)
     tree = git_tree_id(files)
     if tree != source["tree"]:
         raise UserError(f"{label}: archive files hash to git tree {tree}, lock says {source['tree']} (refused)")
-    return entries
+    return files
+
+
+def source_entries(archive: Path, source: Dict[str, Any]) -> List[Entry]:
+    """Layer entries of the git ``source`` (a lock ``sources[]`` item) from its ``archive``, under its ``dest``.
+
+    Raises :class:`UserError` when the archive's files do not hash to the locked tree, when it does not have
+    a single top-level directory, or for refused members (``..``, special files, symlinks leaving the tree).
+    """
+    dest = source["dest"].strip("/")
+    out = []
+    for rel, (mode, data) in verified_files(archive, source).items():
+        if mode == LINK_MODE:
+            out.append(Entry(f"{dest}/{rel}", SYMLINK, target=data.decode("utf-8", "surrogateescape")))
+        else:
+            out.append(Entry(f"{dest}/{rel}", FILE, data=data, executable=mode == EXEC_MODE))
+    return out
+
+
+def cached_archive(cache: Any, source: Dict[str, Any], offline: bool = False) -> Path:
+    """The cached archive of ``source`` (re-hashed by the cache; its tree is checked when it is unpacked):
+    by ``archive.sha256`` when the lock pins one and the cache has it, else the blob the cache's tree index
+    names (seeded by ``add-git`` or ``fetch``).
+
+    Raises :class:`UserError` with one line naming the source, its commit and tree and the commands that seed
+    it, when the cache does not hold it.
+    """
+    label = source_label(source)
+    archive = source.get("archive")
+    path = cache.get(archive["sha256"], f"{label} ({archive['filename']})") if archive else None
+    if path is None:
+        record = cache.tree_record(source["tree"])
+        path = cache.get(record["sha256"], f"{label} (git tree {source['tree']})") if record else None
+    if path is None:
+        raise UserError(
+            f"missing input {label} (git tree {source['tree']}); seed it from a clone with `trainer cache add-git "
+            f"CLONE --commit {source['commit']}` or, with network to {source['url']}, `trainer cache fetch --lock LOCK`"
+        )
+    return path
+
+
+def pth_entry(sources: List[Dict[str, Any]], site_packages: str) -> Optional[Entry]:
+    """The ``.pth`` file that puts every ``python_path`` source's ``dest`` on the image Python's path
+    (site.py reads one directory per line), or None when no source asks for it."""
+    lines = [s["dest"] for s in sorted(sources, key=lambda s: s["name"]) if s.get("python_path")]
+    if not lines:
+        return None
+    return Entry(f"{site_packages.rstrip('/')}/{PTH_NAME}", FILE, data="".join(f"{line}\n" for line in lines).encode())
+
+
+def canonical_entries(files: Dict[str, Tuple[str, bytes]], tree: str) -> List[Entry]:
+    """The cache's own archive of a tree: every file under one top-level directory ``tree-<12 hex>``, for
+    :func:`trainer.image.layer.write_layer` (sorted, fixed time: the same tree always gives the same bytes)."""
+    top = f"tree-{tree[:12]}"
+    out = [Entry(top, DIR)]
+    for rel, (mode, data) in files.items():
+        if mode == LINK_MODE:
+            out.append(Entry(f"{top}/{rel}", SYMLINK, target=data.decode("utf-8", "surrogateescape")))
+        else:
+            out.append(Entry(f"{top}/{rel}", FILE, data=data, executable=mode == EXEC_MODE))
+    return out
+
+
+def _git(gitdir: Path, *args: str, stdin: Optional[bytes] = None) -> bytes:
+    try:
+        out = subprocess.run(["git", "--git-dir", str(gitdir), *args], input=stdin, capture_output=True, timeout=600)
+    except FileNotFoundError:
+        raise UserError("git is not installed (apt-get install git)") from None
+    except subprocess.TimeoutExpired:
+        raise UserError(f"{gitdir}: git {args[0]} took more than 600 s") from None
+    if out.returncode != 0:
+        message = out.stderr.decode(errors="replace").strip().splitlines()
+        raise UserError(f"{gitdir}: git {' '.join(args[:2])}: {message[-1] if message else 'failed'}")
+    return out.stdout
+
+
+def git_dir_of(path: Path) -> Path:
+    """The git directory of ``path``: a bare repository itself, or a work tree's ``.git``.
+    Raises :class:`UserError` when ``path`` is neither."""
+    if not path.is_dir():
+        raise UserError(f"{path}: not a directory (expected a git clone or bare repository)")
+    for candidate in (path / ".git", path):
+        if (candidate / "objects").is_dir() and (candidate / "HEAD").is_file():
+            return candidate
+        if candidate.name == ".git" and candidate.is_file():  # a worktree or submodule: .git names the gitdir
+            text = candidate.read_text().strip()
+            if text.startswith("gitdir:"):
+                return (path / text[len("gitdir:"):].strip()).resolve()
+    raise UserError(f"{path}: not a git repository (no objects/ and HEAD in it or in its .git)")
+
+
+def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[str, bytes]]]:
+    """Read ``commit``'s tree from the git repository at ``path`` without a checkout.
+
+    Returns (full commit id, tree id as git states it, files as for :func:`git_tree_id`). Raises
+    :class:`UserError` for a commit the repository does not have, a submodule entry (not part of the
+    recipe's sources; its files would be missing), or a tree over :data:`MAX_SOURCE_BYTES`.
+    """
+    gitdir = git_dir_of(path)
+    try:
+        full = _git(gitdir, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").decode().strip()
+    except UserError:
+        raise UserError(f"{path}: commit {commit} is not in this repository (fetch it first)") from None
+    tree = _git(gitdir, "rev-parse", f"{full}^{{tree}}").decode().strip()
+    listing = _git(gitdir, "ls-tree", "-r", "-z", "--full-tree", "-l", full)
+    items = []
+    total = 0
+    for record in listing.split(b"\0"):
+        if not record:
+            continue
+        meta, _, name = record.partition(b"\t")
+        mode, kind, oid, size = meta.split()
+        rel = name.decode("utf-8", "surrogateescape")
+        if kind != b"blob":
+            raise UserError(f"{path}: {commit[:12]} has a {kind.decode()} at {rel} (submodules are not supported)")
+        total += int(size)
+        if total > MAX_SOURCE_BYTES:
+            raise UserError(f"{path}: {commit[:12]}'s tree is larger than {MAX_SOURCE_BYTES:,} bytes (refused)")
+        items.append((rel, mode.decode(), oid))
+    batch = _git(gitdir, "cat-file", "--batch", stdin=b"".join(oid + b"\n" for _, _, oid in items))
+    reader = io.BytesIO(batch)
+    files: Dict[str, Tuple[str, bytes]] = {}
+    for rel, mode, oid in items:
+        header = reader.readline().split()
+        if len(header) != 3 or header[0] != oid:
+            raise UserError(f"{path}: git cat-file returned {header!r} for {rel}")
+        data = reader.read(int(header[2]))
+        reader.read(1)  # the newline after each object
+        files[rel] = ("100644" if mode == "100664" else mode, data)
+    return full, tree, files
+
+
+def _check_paths(files: Dict[str, Tuple[str, bytes]], label: str) -> None:
+    for rel in files:
+        parts = rel.split("/")
+        if rel.startswith("/") or any(p in ("", ".", "..", ".git") or "\0" in p for p in parts):
+            raise UserError(f"{label}: path {rel!r} leaves the tree or is not a plain relative path (refused)")
+
+
+def pins_for(locks: List[Path]) -> List[Dict[str, Any]]:
+    """Every git source pinned by the image locks and stack files in ``locks``: [{"name", "url", "commit",
+    "tree", "where"}]. Image locks give ``sources[]``; a ``stack.json`` gives its components with a commit and
+    tree. Raises :class:`UserError` for an unreadable file."""
+    import json
+
+    from trainer.image.lockfile import load_lock
+
+    out: List[Dict[str, Any]] = []
+    for path in locks:
+        if path.name.endswith(".lock.json"):
+            for src in load_lock(path).get("sources", []):
+                out.append({**{k: src[k] for k in ("name", "url", "commit", "tree")}, "where": path.name})
+            continue
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as ex:
+            raise UserError(f"{path}: cannot read the pins ({ex})") from None
+        components = data.get("components", {}) if isinstance(data, dict) else {}
+        for name, comp in components.items() if isinstance(components, dict) else []:
+            if isinstance(comp, dict) and comp.get("commit") and comp.get("tree"):
+                out.append({"name": name, "url": comp.get("source", ""), "commit": comp["commit"], "tree": comp["tree"],
+                            "where": path.name})
+    return out
+
+
+def add_git(cache: Any, repo: Path, commit: str, pins: List[Dict[str, Any]], tree: Optional[str] = None) -> Dict[str, Any]:
+    """Seed the cache with ``commit``'s tree from the local git repository ``repo`` (clone or bare).
+
+    The commit must be one that ``pins`` (see :func:`pins_for`) name, or ``tree`` must be given; its files
+    are read from git's objects, their tree id recomputed here (:func:`git_tree_id`) and compared with both
+    git's own and the pinned tree. Returns {"name", "commit", "tree", "sha256", "files", "bytes"}. Raises
+    :class:`UserError` (nothing stored) for an unknown commit, a mismatch, a path outside the tree or a
+    symlink leaving it.
+    """
+    full, git_tree, files = export_commit(repo, commit)
+    pinned = [p for p in pins if p["commit"] == full]
+    if tree is not None:
+        pinned = [{"name": "(--tree)", "url": str(repo), "commit": full, "tree": tree, "where": "--tree"}]
+    if not pinned:
+        raise UserError(f"{repo}: commit {full} is not pinned by any lock given (pass --lock LOCK or --tree TREE)")
+    pin = pinned[0]
+    label = f"source {pin['name']}@{full[:12]}"
+    _check_paths(files, label)
+    _check_tree(files, label)
+    computed = git_tree_id(files)
+    if computed != git_tree:
+        raise UserError(f"{label}: files of {repo} hash to git tree {computed}, but git says {git_tree} "
+                        "(a corrupt repository; run `git fsck`)")
+    if computed != pin["tree"]:
+        raise UserError(f"{label}: {repo} has tree {computed} for this commit, {pin['where']} pins {pin['tree']} (refused)")
+    sha = cache.put_tree(computed, canonical_entries(files, computed), {"commit": full, "source": pin["url"]})
+    return {"name": pin["name"], "commit": full, "tree": computed, "sha256": sha, "files": len(files),
+            "bytes": sum(len(data) for _, data in files.values())}
+
+
+GITHUB = "https://github.com/"
+FETCH_HOSTS = ("https://github.com/", "https://codeload.github.com/")
+
+
+def archive_url(source: Dict[str, Any]) -> Optional[str]:
+    """Where ``source``'s archive can be downloaded: ``archive.url`` when the lock gives one, else GitHub's
+    tarball of the commit for a ``https://github.com/OWNER/REPO`` url, else None."""
+    archive = source.get("archive") or {}
+    if archive.get("url"):
+        return archive["url"]
+    url = source["url"].rstrip("/")
+    if url.endswith(".git"):
+        url = url[:-4]
+    if url.startswith(GITHUB) and url[len(GITHUB):].count("/") == 1:
+        return f"https://codeload.github.com/{url[len(GITHUB):]}/tar.gz/{source['commit']}"
+    return None
+
+
+def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FETCH_HOSTS, timeout: float = 60) -> str:
+    """Download ``source``'s archive (:func:`archive_url`, from ``hosts`` only), check it (its sha256 when the
+    lock pins one, always its git tree) and store the tree in the cache; returns the stored blob's sha256.
+    Raises :class:`UserError` for no URL, a refused host, a failed download or a mismatch (nothing stored)."""
+    import hashlib
+    import urllib.error
+    import urllib.request
+
+    label = source_label(source)
+    url = archive_url(source)
+    if url is None:
+        raise UserError(f"{label}: no download URL known for {source['url']}; seed it with `trainer cache add-git "
+                        f"CLONE --commit {source['commit']}`")
+    if not url.startswith(hosts):
+        raise UserError(f"{label}: will not download {url} (hosts allowed: {', '.join(hosts)})")
+    tmp = cache.new_temp()
+    try:
+        digest = hashlib.sha256()
+        try:
+            with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
+                while chunk := response.read(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+        except (urllib.error.URLError, OSError, TimeoutError) as ex:
+            raise UserError(f"{label}: download of {url} failed ({getattr(ex, 'reason', ex)})") from None
+        pinned = (source.get("archive") or {}).get("sha256")
+        if pinned and digest.hexdigest() != pinned:
+            raise UserError(f"{label}: {url} has sha256 {digest.hexdigest()}, the lock pins {pinned} (refused)")
+        files = verified_files(tmp, source)
+        if pinned:
+            cache.add_file(tmp, pinned, label)
+        return cache.put_tree(source["tree"], canonical_entries(files, source["tree"]),
+                              {"commit": source["commit"], "source": url})
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -172,7 +172,10 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     if own is None:
         print(f"local-image: {digest} has no Python interpreter; running this machine's ({interpreter}, "
               f"Python {sys.version.split()[0]}) read-only inside it, with the image's site-packages")
-    command = prefix + [python, "-S", "-m", "trainer.probe", "--distributions", "--node", "image"]
+    # the image's own Python starts as in the container (its site.py reads the .pth files that put git
+    # sources on the path); a host Python starts with -S so that none of the host's site-packages leak in
+    flags = [] if own else ["-S"]
+    command = prefix + [python, *flags, "-m", "trainer.probe", "--distributions", "--node", "image"]
     (run_dir / "sandbox.json").write_text(json.dumps(command, indent=2) + "\n")
     probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
     atomic_write(logs / "probe.log", probe.stderr.encode())
