@@ -205,6 +205,32 @@ def test_tampered_cache_entry_is_refused_and_nothing_written(inputs, tmp_path):
     assert r.returncode == 2 and f"missing input wheel alpha-1.0-py3-none-any.whl sha256:{blob.name} (offline)" in r.stderr
 
 
+def test_cache_trust_survives_removed_outputs_but_not_a_write(inputs, tmp_path, monkeypatch):
+    """Removing an old --out (hard links to the cache's layer blobs) moves their ctime: the next build still
+    trusts them without re-hashing; a write to a blob (same size) is caught and the layer rebuilt."""
+    import trainer.image.cas as cas
+    from trainer.image.build import build_image
+
+    cache = cas.Cache(seeded_cache(tmp_path / "cas", inputs["files"]))
+    hashed = []
+    real = cas.hash_file
+    monkeypatch.setattr(cas, "hash_file", lambda path, description="": hashed.append(Path(path).name) or real(path, description))
+    first = build_image(inputs["lock"], tmp_path / "a.oci", cache, inputs["bundle"], offline=True)
+    hashed.clear()
+    shutil.rmtree(tmp_path / "a.oci")
+    again = build_image(inputs["lock"], tmp_path / "b.oci", cache, inputs["bundle"], offline=True)
+    assert again.manifest_digest == first.manifest_digest and hashed == []
+    layer = next(d for n, d, _, _ in again.layers if n == "rest")[7:]
+    blob = cache.blob_path(layer)
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 1
+    os.chmod(blob, 0o644)
+    blob.write_bytes(bytes(data))
+    third = build_image(inputs["lock"], tmp_path / "c.oci", cache, inputs["bundle"], offline=True)
+    assert layer in hashed and third.manifest_digest == first.manifest_digest
+    assert hashlib.sha256(cache.blob_path(layer).read_bytes()).hexdigest() == layer
+
+
 def test_cache_add_checks_the_hash(inputs, tmp_path):
     wheel = inputs["files"][0]
     r = trainer("cache", "--cache", tmp_path / "cas", "add", wheel, "--sha256", "0" * 64)

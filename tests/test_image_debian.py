@@ -279,5 +279,24 @@ def test_diff_against_a_run_record(world, tmp_path):
     assert r.returncode == 2 and "names no image" in r.stderr
 
 
+def test_diff_against_the_lock_reads_dist_packages_and_dpkg(world, tmp_path):
+    """The wheels Debian's Python finds under dist-packages and the .debs in the dpkg database are what the
+    lock pins: identical; a lock pinning another wheel version or another .deb version is named."""
+    layout = tmp_path / "d.oci"  # its own build: other tests here modify cached blobs the module's layout links to
+    assert trainer("image", "build", "--lock", world["lock"], "--out", layout, "--cache", world["cache"], "--offline",
+                   "--bundle-root", world["bundle"], "--revision", "test").returncode == 0
+    r = trainer("image", "diff", layout, world["lock"])
+    assert (r.returncode, r.stdout.strip()) == (0, "identical"), r.stdout + r.stderr
+    other = json.loads(world["lock"].read_text())
+    other["wheels"][0]["version"] = "1.1"
+    other["base"]["debs"][1]["version"] = "1.0-2"
+    path = tmp_path / "other.lock.json"
+    path.write_text(json.dumps(other))
+    r = trainer("image", "diff", layout, path, "--json")
+    result = json.loads(r.stdout)
+    assert r.returncode == 1 and result["distributions"] == [{"name": "alpha", "old": "1.0", "new": "1.1"}]
+    assert result["debs"] == [{"name": "tinybin", "old": "1.0-1", "new": "1.0-2"}]
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -3,6 +3,7 @@
 import helpers
 
 import copy
+import hashlib
 import json
 import os
 import subprocess
@@ -119,3 +120,24 @@ def test_wheel_fits_cpython312_x86_64(filename, fits):
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))
+
+
+def test_expected_digests_follow_the_current_conf():
+    """expected-digests.json is not stale: the digest a build would give now, with the bundle layer made from
+    this checkout's conf/ and the lower layers as recorded (they follow from the lock alone), is the recorded
+    one. A change to conf/ or a lock without a new recorded build fails here, not on a user's machine."""
+    from trainer.image.build import predict_digests
+
+    table = json.loads((REPO_ROOT / "lockfiles" / "expected-digests.json").read_text())
+    assert table, "no expected digests recorded"
+    for name, entry in table.items():
+        lock = REPO_ROOT / "lockfiles" / entry["lock"]
+        assert hashlib.sha256(lock.read_bytes()).hexdigest() == entry["lock_sha256"], (
+            f"{lock.name} changed since its digest was recorded: rebuild it and re-record with "
+            f"`trainer image check --lock lockfiles/{lock.name} IMAGE --record`")
+        predicted = predict_digests(lock, entry, REPO_ROOT)
+        assert predicted["manifest_digest"] == entry["manifest_digest"], (
+            f"{name}: a build now gives {predicted['manifest_digest']} (bundle layer {predicted['bundle']}), "
+            f"expected-digests.json says {entry['manifest_digest']}: conf/ changed since it was recorded; rebuild "
+            f"and re-record with `trainer image check --lock lockfiles/{lock.name} IMAGE --record`")
+        assert predicted["config_digest"] == entry["config_digest"]

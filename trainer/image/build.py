@@ -217,6 +217,58 @@ def _cached_layer_ok(cache: Cache, record: Dict[str, Any], name: str, verify_cac
         return False
 
 
+def make_config(lock: Dict[str, Any], layers: List[Layer], revision: str, base_image: Any = None,
+                base_count: int = 0) -> Dict[str, Any]:
+    """The image config (OCI image-spec config.md) for ``layers`` (base layers first, ``base_count`` of them
+    from ``base_image`` for an ``oci`` base): Env, Entrypoint, Cmd, WorkingDir and Labels from the lock's
+    ``image`` block, the labels naming the bundle version, ``revision`` and the lock's sha256."""
+    image = lock["image"]
+    labels = {"org.opencontainers.image.version": __version__, **image["labels"],
+              "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
+    if base_image is not None:
+        return based_config(base_image.config, base_count, layers[base_count:], lock["epoch"], image["env"],
+                            image.get("entrypoint", []), image.get("cmd", []), labels, image.get("working_dir", ""),
+                            DEFAULT_PATH)
+    env = {"PATH": DEFAULT_PATH, **image["env"]}
+    config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
+                          image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
+    if image.get("cmd"):
+        config["config"]["Cmd"] = list(image["cmd"])
+    return config
+
+
+def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path) -> Dict[str, str]:
+    """The digests a build of ``lock_path`` would give now, without its inputs: the layers below the bundle
+    are taken from ``recorded`` (an ``expected-digests.json`` entry: their diff_ids and sizes follow from the
+    lock alone), the bundle layer is rebuilt in memory from ``bundle_root``'s ``conf/``, then the config and
+    manifest are made as :func:`build_image` makes them (with ``recorded["revision"]``).
+
+    Returns {"bundle", "config_digest", "manifest_digest"} ("sha256:<hex>" each). Raises :class:`UserError`
+    for an ``oci`` base (its config comes from the base image's blobs) or a record whose layers do not match
+    the lock's layer plan.
+    """
+    from trainer.image.layer import write_layer
+    from trainer.image.oci import digest_of, image_manifest
+
+    lock = lockfile.load_lock(lock_path)
+    if lock["base"]["type"] == "oci":
+        raise UserError(f"{lock_path}: an oci base's config comes from its blobs; build the image to check it")
+    plans = plan_layers(lock, Cache(Path(tempfile.gettempdir()) / "unused-cache"), bundle_root, offline=True)
+    names = [p.name for p in plans]
+    rec = recorded.get("layers", [])
+    if [l["name"] for l in rec] != names:
+        raise UserError(f"{lock_path}: recorded layers {[l['name'] for l in rec]} do not match the lock's {names}")
+    built = [(l["name"], l["diff_id"]) for l in rec[:-1]]
+    info = write_layer(bundle_entries(lock, bundle_root, built), None, lock["epoch"])
+    layers = [Layer(l["diff_id"], int(l["size"]), Path("/nonexistent"), p.name, p.comment, diff_id=l["diff_id"])
+              for l, p in zip(rec[:-1], plans)]
+    layers.append(Layer(info.diff_id, info.size, Path("/nonexistent"), "bundle", plans[-1].comment,
+                        diff_id=info.diff_id))
+    config_bytes = canonical(make_config(lock, layers, recorded.get("revision", "unknown")))
+    manifest = canonical(image_manifest(config_bytes, layers, {}))
+    return {"bundle": info.diff_id, "config_digest": digest_of(config_bytes), "manifest_digest": digest_of(manifest)}
+
+
 def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, archive: Optional[Path] = None,
                 revision: str = "unknown", offline: bool = False, console=None,
                 verify_cache: bool = False) -> BuildResult:
@@ -277,19 +329,7 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
     finally:
         shutil.rmtree(spool, ignore_errors=True)
 
-    image = lock["image"]
-    labels = {"org.opencontainers.image.version": __version__, **image["labels"],
-              "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
-    if base_image is not None:
-        config = based_config(base_image.config, base_count, layers[base_count:], lock["epoch"], image["env"],
-                              image.get("entrypoint", []), image.get("cmd", []), labels, image.get("working_dir", ""),
-                              DEFAULT_PATH)
-    else:
-        env = {"PATH": DEFAULT_PATH, **image["env"]}
-        config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
-                              image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
-        if image.get("cmd"):
-            config["config"]["Cmd"] = list(image["cmd"])
+    config = make_config(lock, layers, revision, base_image, base_count)
     checked = {layer.digest[7:]: cache.blob_path(layer.digest[7:]).stat() for layer in layers}
     digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest))
     for hexdigest, before in checked.items():

@@ -20,8 +20,10 @@ What is verified when:
 - a built layer is hashed while it is written; when a later build reuses it (a layer-cache hit) its blob is
   re-hashed in full unless its stamp still matches: same size, mtime, ctime and inode as recorded right after
   its hash was last checked. ctime cannot be set back by a user (any write, chmod, truncation or rename
-  moves it), so a modified blob fails the stamp and is re-hashed before it can enter an image; linking a
-  blob into an output layout also moves ctime, and the build re-stamps the blobs it has just checked.
+  moves it), so a modified blob fails the stamp and is re-hashed before it can enter an image. Linking a
+  blob into an output layout, or removing such a layout, also moves ctime: a ctime that moved together with
+  the link count, with size, mtime and inode unchanged, is accepted (a write would have moved mtime), so a
+  cache entry does not depend on what happens to the outputs that link to it.
   ``trainer image build --verify-cache`` and ``trainer cache verify`` re-hash everything regardless.
 
 A blob whose bytes no longer match its name is removed and reported. Downloads are allowed from PyPI's and
@@ -128,7 +130,7 @@ class Cache:
             st = path.stat()
         except FileNotFoundError:
             return None
-        if trust_stamp and self._stamp_of(st) == self._read_stamp(hexdigest):
+        if trust_stamp and self._stamp_matches(st, self._read_stamp(hexdigest)):
             return path
         actual = hash_file(path, f"verifying {name}")
         if actual != hexdigest:
@@ -146,7 +148,21 @@ class Cache:
 
     @staticmethod
     def _stamp_of(st: os.stat_result) -> dict:
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino}
+        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
+                "nlink": st.st_nlink}
+
+    @classmethod
+    def _stamp_matches(cls, st: os.stat_result, stamp: Optional[dict]) -> bool:
+        """Whether ``st`` is the stat the blob had when its hash was checked. A moved ctime is explained, and
+        accepted, only by a changed link count with size, mtime and inode unchanged: an output layout that
+        hard-links the blob was made or removed (``rm -rf`` of an old ``--out``); any write moves mtime."""
+        if not isinstance(stamp, dict):
+            return False
+        now = cls._stamp_of(st)
+        if now == stamp:
+            return True
+        same_bytes = all(now[k] == stamp.get(k) for k in ("size", "mtime_ns", "ino"))
+        return same_bytes and "nlink" in stamp and now["nlink"] != stamp["nlink"]
 
     def _read_stamp(self, hexdigest: str) -> Optional[dict]:
         try:

@@ -284,16 +284,18 @@ def pins_for(locks: List[Path]) -> List[Dict[str, Any]]:
 
     from trainer.image.lockfile import load_lock
 
+    from trainer.image.lockfile import KIND
+
     out: List[Dict[str, Any]] = []
     for path in locks:
-        if path.name.endswith(".lock.json"):
-            for src in load_lock(path).get("sources", []):
-                out.append({**{k: src[k] for k in ("name", "url", "commit", "tree")}, "where": path.name})
-            continue
         try:
             data = json.loads(path.read_text())
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as ex:
             raise UserError(f"{path}: cannot read the pins ({ex})") from None
+        if isinstance(data, dict) and data.get("kind") == KIND:
+            for src in load_lock(path).get("sources", []):
+                out.append({**{k: src[k] for k in ("name", "url", "commit", "tree")}, "where": path.name})
+            continue
         components = data.get("components", {}) if isinstance(data, dict) else {}
         for name, comp in components.items() if isinstance(components, dict) else []:
             if isinstance(comp, dict) and comp.get("commit") and comp.get("tree"):
