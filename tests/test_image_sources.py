@@ -354,3 +354,36 @@ def test_recipe_locks_pin_the_recipes_sources():
             assert (sources[comp]["commit"], sources[comp]["tree"]) == (stack[comp]["commit"], stack[comp]["tree"])
         assert sources["miles"]["dest"] == "/root/miles" and sources["miles"]["python_path"] is True
         assert sources["megatron_lm"]["python_path"] is True and "python_path" not in sources["deepep"]
+
+
+def _crafted_tar(members):
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        for name, kind, payload in members:
+            info = tarfile.TarInfo(name)
+            if kind == "link":
+                info.type, info.linkname = tarfile.SYMTYPE, payload
+                tar.addfile(info)
+            else:
+                info.size = len(payload)
+                tar.addfile(info, io.BytesIO(payload))
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("members, why", [
+    ([("top/ok", "file", b"1"), ("top/../../escape", "file", b"x")], "'..' in path"),
+    ([("top/ok", "file", b"1"), ("top/d", "link", "ok"), ("top/d/x", "file", b"x")], "d/x lies under the symlink d"),
+    ([("top/ok", "file", b"1"), ("other/x", "file", b"x")], "expected one top-level directory"),
+    ([("top/up", "link", ".."), ("top/esc", "link", "up/../../etc/shadow")], "resolves outside the source tree"),
+])
+def test_crafted_archives_are_refused_at_build(members, why, repo, tmp_path):
+    data = _crafted_tar(members)
+    path = tmp_path / "crafted.tar"
+    path.write_bytes(data)
+    sha = hashlib.sha256(data).hexdigest()
+    lock = lock_file(tmp_path, repo, archive={"filename": path.name, "sha256": sha})
+    cache = tmp_path / "cas"
+    assert trainer("cache", "--cache", cache, "add", path, "--sha256", sha).returncode == 0
+    r = build(tmp_path, lock, cache, "img")
+    assert r.returncode == 2 and r.stderr.count("error:") == 1 and why in r.stderr.strip().splitlines()[-1], r.stderr
+    assert "Traceback" not in r.stderr and not (tmp_path / "img").exists()
