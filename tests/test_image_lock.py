@@ -118,10 +118,6 @@ def test_wheel_fits_cpython312_x86_64(filename, fits):
     assert wheel_fits(filename) is fits
 
 
-if __name__ == "__main__":
-    raise SystemExit(helpers.main(__file__))
-
-
 def test_expected_digests_follow_the_current_conf():
     """expected-digests.json is not stale: the digest a build would give now, with the bundle layer made from
     this checkout's conf/ and the lower layers as recorded (they follow from the lock alone), is the recorded
@@ -141,3 +137,8 @@ def test_expected_digests_follow_the_current_conf():
             f"expected-digests.json says {entry['manifest_digest']}: conf/ changed since it was recorded; rebuild "
             f"and re-record with `trainer image check --lock lockfiles/{lock.name} IMAGE --record`")
         assert predicted["config_digest"] == entry["config_digest"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
+

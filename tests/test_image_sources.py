@@ -217,6 +217,7 @@ def test_fetch_downloads_an_archive_and_checks_its_tree(repo, tmp_path):
         assert refused.returncode == 1 and "will not download http://127.0.0.1" in refused.stdout
         r = trainer("cache", "--cache", cache, "fetch", "--lock", lock, "--allow-host", base, "--json")
         assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stderr == ""  # off a terminal: no progress bars, no blank lines
         assert json.loads(r.stdout)["fetched"] == 1
         assert build(tmp_path, lock, cache, "img").returncode == 0
     finally:
@@ -326,13 +327,13 @@ def test_probe_reads_the_commit_from_the_installed_files(repo, tmp_path):
         sys.path.remove(str(out))
 
 
-def test_verify_compares_the_image_stamps_sources():
+def test_verify_compares_the_image_stamps_sources(tmp_path):
     from trainer.verify import read_lock, verify
 
     stack = json.loads((REPO_ROOT / "lockfiles" / "stack.json").read_text())["components"]
     stamp = {"lock": {"name": "x"}, "distributions": {}, "python": {"version": "3.11"},
              "sources": {"megatron_lm": stack["megatron_lm"], "miles": stack["miles"]}}
-    path = Path(os.environ.get("TEST_TMPDIR", "/tmp")) / "stamp-lock.json"
+    path = tmp_path / "stamp-lock.json"
     path.write_text(json.dumps(stamp))
     pins = read_lock(path)
     assert pins["megatron_lm_tree"] == "a37cb22fbe3089d8c8ec617a42e8c623ea1679e3"
@@ -375,6 +376,9 @@ def _crafted_tar(members):
     ([("top/ok", "file", b"1"), ("top/d", "link", "ok"), ("top/d/x", "file", b"x")], "d/x lies under the symlink d"),
     ([("top/ok", "file", b"1"), ("other/x", "file", b"x")], "expected one top-level directory"),
     ([("top/up", "link", ".."), ("top/esc", "link", "up/../../etc/shadow")], "resolves outside the source tree"),
+    # a path both a file and a directory, in both orders: no git tree holds it
+    ([("top/README.md/evil.py", "file", b"x"), ("top/README.md", "file", b"demo\n")], "both a file and a directory"),
+    ([("top/README.md", "file", b"demo\n"), ("top/README.md/evil.py", "file", b"x")], "both a file and a directory"),
 ])
 def test_crafted_archives_are_refused_at_build(members, why, repo, tmp_path):
     data = _crafted_tar(members)
@@ -387,3 +391,56 @@ def test_crafted_archives_are_refused_at_build(members, why, repo, tmp_path):
     r = build(tmp_path, lock, cache, "img")
     assert r.returncode == 2 and r.stderr.count("error:") == 1 and why in r.stderr.strip().splitlines()[-1], r.stderr
     assert "Traceback" not in r.stderr and not (tmp_path / "img").exists()
+
+
+def test_archive_urls_and_allowed_hosts(tmp_path):
+    from trainer.image.sources import archive_url
+
+    src = {"name": "m", "url": "https://github.com/radixark/Megatron-LM.git", "commit": "37f91617" + "0" * 32}
+    assert archive_url(src) == "https://codeload.github.com/radixark/Megatron-LM/tar.gz/37f91617" + "0" * 32
+    assert archive_url({**src, "url": "https://gitlab.example/x/y"}) is None
+    assert archive_url({**src, "archive": {"url": "https://mirror.example/m.zip"}}) == "https://mirror.example/m.zip"
+    lock = tmp_path / "l.json"
+    lock.write_text("{}")
+    r = trainer("cache", "--cache", tmp_path / "cas", "fetch", "--lock", lock, "--allow-host", "http://127.0.0.1")
+    assert r.returncode == 2 and "--allow-host 'http://127.0.0.1': expected a URL prefix ending" in r.stderr
+
+
+def test_a_dest_that_could_inject_a_pth_line_is_refused(repo, tmp_path):
+    lock = json.loads(lock_file(tmp_path, repo).read_text())
+    lock["sources"][0]["dest"] = "/opt/src/demo\nimport os; os.system('id')"
+    path = tmp_path / "inject.json"
+    path.write_text(json.dumps(lock))
+    r = trainer("lock", "verify", path)
+    assert r.returncode == 2 and "sources[0].dest: expected an absolute path without '..', whitespace" in r.stderr
+
+
+def test_non_utf8_names_hash_the_same_from_git_zip_and_tar(tmp_path):
+    work = tmp_path / "w"
+    work.mkdir()
+    git(work, "init", "-q")
+    (work / os.fsdecode(b"caf\xe9.txt")).write_bytes(b"latin-1 name\n")
+    c, t = commit(work, "latin-1")
+    src = {"name": "n", "url": "x", "commit": c, "tree": t, "dest": "/opt/n"}
+    from trainer.image.sources import verified_files
+
+    for fmt in ("tar", "zip"):
+        data = subprocess.run(["git", "-C", str(work), "archive", f"--format={fmt}", "--prefix=n/", c],
+                              capture_output=True, check=True).stdout
+        path = tmp_path / f"n.{fmt}"
+        path.write_bytes(data)
+        assert set(verified_files(path, src)) == {os.fsdecode(b"caf\xe9.txt")}, fmt
+
+
+def test_the_probe_never_hashes_a_site_directory(tmp_path):
+    from trainer.probe import source_of
+
+    site = tmp_path / "site-packages"
+    (site / "wheelpkg").mkdir(parents=True)
+    (site / "wheelpkg" / "__init__.py").write_text("")
+    (site / "wheelpkg-1.0.dist-info").mkdir()
+    sys.path.insert(0, str(site))
+    try:
+        assert source_of("wheelpkg", {}) == {"commit": None, "tree": None, "path": str(site)}
+    finally:
+        sys.path.remove(str(site))

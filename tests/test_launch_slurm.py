@@ -35,7 +35,7 @@ def submit(tmp_path, slurm, *extra):
     result = run_train(["experiment=smoke", "launcher=slurm", "launcher.container=none", "launcher.submit=true",
                         "launcher.head_ip=127.0.0.1", f"launcher.ray_port={free_port()}",
                         f"launcher.dashboard_port={free_port()}", f"launcher.ray_start_args=[{ray_args}]",
-                        "launcher.time_limit=00:05:00", "launcher.workdir=null", f"paths.kernel_cache={tmp_path}/kernels",
+                        "launcher.time_limit=00:05:00", f"paths.kernel_cache={tmp_path}/kernels",
                         f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
     return result, run_dir
 

@@ -128,7 +128,9 @@ def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None
     (:func:`trainer.image.gittree.directory_tree_id`; byte-code caches and ``.git`` left out). The commit is
     the one a pin with that tree names (the image's stamp or ``lockfiles/stack.json``: the files are exactly
     that commit's), else :func:`_git_commit_of` (a live checkout; its files may differ from the commit, which
-    the tree then shows). Returns {"commit", "tree", "path"}, each None when unknown.
+    the tree then shows). A package installed from a wheel into a site directory has neither (its root is
+    the site directory, never hashed). Hash at the start of a run: files a job later writes into the
+    checkout change the tree. Returns {"commit", "tree", "path"}, each None when unknown.
     """
     import importlib.util
 
@@ -144,6 +146,8 @@ def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None
         return out
     root = Path(locations[0]).resolve().parent
     out["path"] = str(root)
+    if root.name in ("site-packages", "dist-packages") or next(root.glob("*.dist-info"), None) is not None:
+        return out  # installed from a wheel into a site directory: no checkout to hash, no commit to name
     try:
         out["tree"] = directory_tree_id(root)
     except OSError:

@@ -121,7 +121,7 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
         def make_sources(spool: Path, handles: List[Any]) -> List[Entry]:
             entries: List[Entry] = []
             for src in sources:
-                entries += source_entries(cached_archive(cache, src, offline), src)
+                entries += source_entries(cached_archive(cache, src), src)
             pth = pth_entry(sources, lock["python"]["site_packages"])
             if pth is not None:
                 entries.append(pth)

@@ -80,6 +80,10 @@ def main(argv: List[str]) -> int:
         print(cache.blob_path(parse_sha256(args.sha256, "sha256")) if args.sha256 else cache.root)
         return 0
     if args.command == "fetch":
+        for host in args.allow_host:
+            if not re.match(r"^https?://[^/]+/", host):
+                raise UserError(f"--allow-host {host!r}: expected a URL prefix ending with the host's '/', "
+                                "e.g. http://127.0.0.1:8000/")
         return _fetch(cache, Path(args.lock), args.json, tuple(args.allow_host))
     if args.command == "add-git":
         return _add_git(cache, args)

@@ -20,10 +20,13 @@ What is verified when:
 - a built layer is hashed while it is written; when a later build reuses it (a layer-cache hit) its blob is
   re-hashed in full unless its stamp still matches: same size, mtime, ctime and inode as recorded right after
   its hash was last checked. ctime cannot be set back by a user (any write, chmod, truncation or rename
-  moves it), so a modified blob fails the stamp and is re-hashed before it can enter an image. Linking a
+  moves it), so a blob modified in place fails the stamp and is re-hashed before it can enter an image. Linking a
   blob into an output layout, or removing such a layout, also moves ctime: a ctime that moved together with
   the link count, with size, mtime and inode unchanged, is accepted (a write would have moved mtime), so a
-  cache entry does not depend on what happens to the outputs that link to it.
+  cache entry does not depend on what happens to the outputs that link to it. What a stamp does not catch:
+  a deliberate same-size write whose mtime is then set back by hand (``touch -d``, ``os.utime``) and whose
+  link count changes too; stamps guard against accidents, not against someone with write access to the
+  cache (who could rewrite the stamp as well): ``--verify-cache`` re-hashes everything.
   ``trainer image build --verify-cache`` and ``trainer cache verify`` re-hash everything regardless.
 
 A blob whose bytes no longer match its name is removed and reported. Downloads are allowed from PyPI's and

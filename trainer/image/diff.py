@@ -96,14 +96,16 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str]]:
+def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str, str]]:
     """What is installed in ``image``, read in one pass over its layers (top-most layer wins): Python
-    distributions (canonical name -> version, from dist-info METADATA) and Debian packages (name -> version,
-    the ``install ok installed`` entries of the dpkg status file)."""
+    distributions (canonical name -> version, from dist-info METADATA), Debian packages (name -> version,
+    the ``install ok installed`` entries of the dpkg status file) and each distribution's directory (canonical
+    name -> the site directory holding its dist-info, relative, e.g. ``usr/local/lib/python3.11/dist-packages``)."""
     import gzip
     import tarfile
 
     dists: Dict[str, str] = {}
+    where: Dict[str, str] = {}
     status: Optional[bytes] = None
     for layer in image.layers:
         if layer.media_type.endswith("+zstd"):
@@ -114,21 +116,23 @@ def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str]]:
             stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
             with tarfile.open(fileobj=stream, mode="r|") as tar:
                 for member in tar:
-                    name = member.name.lstrip("./")
+                    name = member.name.removeprefix("./").lstrip("/")
                     if member.isreg() and METADATA.search(name):
                         headers = BytesHeaderParser().parsebytes(tar.extractfile(member).read())
                         if headers.get("Name"):
                             dists[_canonical(headers["Name"])] = headers.get("Version", "")
+                            where[_canonical(headers["Name"])] = name.rsplit("/", 2)[0]
                     elif member.isreg() and name == DPKG_STATUS:
                         status = tar.extractfile(member).read()
-    return dists, _dpkg_installed(status or b"")
+    return dists, _dpkg_installed(status or b""), where
 
 
 def _dpkg_installed(status: bytes) -> Dict[str, str]:
     out: Dict[str, str] = {}
     for paragraph in status.decode("utf-8", "replace").split("\n\n"):
         fields = dict(line.split(": ", 1) for line in paragraph.splitlines() if ": " in line and not line.startswith(" "))
-        if fields.get("Package") and fields.get("Status", "").endswith("installed") and "not-installed" not in fields["Status"]:
+        state = fields.get("Status", "").split()
+        if fields.get("Package") and len(state) == 3 and state[2] == "installed":  # not half-installed etc.
             out[fields["Package"]] = fields.get("Version", "")
     return out
 
@@ -176,7 +180,7 @@ def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
                        "status": "changed" if la and lb else "removed" if la else "added",
                        "files": file_changes(fa, fb)})
     sa, sb = stamped(a), stamped(b)
-    (dists_a, debs_a), (dists_b, debs_b) = contents(a), contents(b)
+    (dists_a, debs_a, _), (dists_b, debs_b, _) = contents(a), contents(b)
     return {"identical": False, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest,
             "config": config_changes(a.config, b.config), "layers": layers,
             "distributions": _versions(dists_a, dists_b), "debs": _versions(debs_a, debs_b),
@@ -187,9 +191,14 @@ def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
     """Image ``a`` against a loaded lock: distributions, sources and the lock hash label."""
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
     wheels = {_canonical(w["name"]): w["version"] for w in lock.get("wheels", [])}
-    installed, installed_debs = contents(a)
-    # distributions the image has from elsewhere (its base, Debian's python3-* packages) are not the lock's
-    dists = [d for d in _versions(installed, wheels) if d["new"] is not None]
+    installed, installed_debs, where = contents(a)
+    # every distribution in the lock's site directory is the lock's to pin (one added there is named); those
+    # elsewhere (a base image's, Debian's python3-* packages) are not
+    for sd in lock.get("sdists", []):  # an sdist is pinned as installed once a build step has made it a wheel
+        if _canonical(sd["name"]) in installed:
+            wheels[_canonical(sd["name"])] = sd["version"]
+    site = lock["python"]["site_packages"].strip("/")
+    dists = _versions({n: v for n, v in installed.items() if where.get(n) == site or n in wheels}, wheels)
     base = lock.get("base", {})
     debs = (_versions(installed_debs, {d["name"]: d["version"] for d in base.get("debs", [])})
             if base.get("type") == "debian-rootfs" else [])

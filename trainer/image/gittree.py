@@ -44,13 +44,18 @@ def git_tree_id(files: Dict[str, Tuple[str, bytes]]) -> str:
 
 
 def tree_id_of_blobs(blobs: Dict[str, Tuple[str, bytes]]) -> str:
-    """The git tree id (40 hex) of ``blobs``: relative path -> (mode, 20-byte blob id)."""
+    """The git tree id (40 hex) of ``blobs``: relative path -> (mode, 20-byte blob id). Raises
+    :class:`UserError` when a path is both a file and a directory (no git tree can hold that)."""
     root: Dict[str, Any] = {}
     for path, value in blobs.items():
         node = root
         parts = path.split("/")
-        for part in parts[:-1]:
+        for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise UserError(f"{'/'.join(parts[:i + 1])} is both a file and a directory (refused)")
+        if isinstance(node.get(parts[-1]), dict):
+            raise UserError(f"{path} is both a file and a directory (refused)")
         node[parts[-1]] = value
 
     def tree(node: Dict[str, Any]) -> bytes:
@@ -67,12 +72,16 @@ def tree_id_of_blobs(blobs: Dict[str, Tuple[str, bytes]]) -> str:
     return tree(root).hex()
 
 
-def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".git")) -> str:
+def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".git"),
+                      max_bytes: int = 1 << 30) -> str:
     """The git tree id of the files under directory ``root`` as they are on disk now (a source installed
     from an archive or a checkout), leaving out directories named in ``skip_dirs`` (byte-code caches and a
-    checkout's own ``.git``) and ``*.egg-info`` directories an editable install adds. Files are read in
-    full (about 0.1 s for Megatron-LM's 36 MB). Raises :class:`OSError` when ``root`` cannot be read."""
+    checkout's own ``.git``) and ``*.egg-info`` directories an editable install adds, at any depth (an
+    upstream tree that commits such a directory therefore shows as changed). Files are read one at a time
+    (about 0.1 s for Megatron-LM's 36 MB). Raises :class:`OSError` when ``root`` cannot be read or holds
+    more than ``max_bytes`` bytes of files (not a source checkout; default 1 GiB)."""
     skip = set(skip_dirs)
+    total = 0
     blobs: Dict[str, Tuple[str, bytes]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         keep = []
@@ -92,9 +101,12 @@ def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".g
             if stat.S_ISLNK(st.st_mode):
                 blobs[rel] = (LINK_MODE, blob_id(os.fsencode(os.readlink(full))))
             elif stat.S_ISREG(st.st_mode):
+                total += st.st_size
+                if total > max_bytes:
+                    raise OSError(f"{root}: more than {max_bytes:,} bytes of files (not a source checkout)")
                 with open(full, "rb") as handle:
                     data = handle.read()
-                blobs[rel] = (EXEC_MODE if st.st_mode & 0o111 else FILE_MODE, blob_id(data))
+                blobs[rel] = (EXEC_MODE if st.st_mode & 0o100 else FILE_MODE, blob_id(data))  # git: owner x bit
     if not blobs:
         raise OSError(f"{root}: no files")
     return tree_id_of_blobs(blobs)

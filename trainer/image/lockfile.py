@@ -198,8 +198,10 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
         if src["tree"] in trees:
             raise UserError(f"{w}.tree: same tree as {trees[src['tree']]}")
         trees[src["tree"]] = w
-        if not src["dest"].startswith("/") or ".." in src["dest"].split("/"):
-            raise UserError(f"{w}.dest: expected an absolute path without '..', got {src['dest']!r}")
+        if (not src["dest"].startswith("/") or ".." in src["dest"].split("/")
+                or any(c.isspace() or ord(c) < 32 for c in src["dest"])):
+            raise UserError(f"{w}.dest: expected an absolute path without '..', whitespace or control characters, "
+                            f"got {src['dest']!r}")
         if src["name"] in dests or src["dest"] in dests.values():
             raise UserError(f"{w}: name or dest duplicates another source")
         dests[src["name"]] = src["dest"]

@@ -60,9 +60,12 @@ def _zip_entries(stream: BinaryIO) -> List[Entry]:
         if sum(info.file_size for info in archive.infolist()) > MAX_SOURCE_BYTES:
             raise UserError(f"zip archive unpacks to more than {MAX_SOURCE_BYTES:,} bytes (refused)")
         for info in archive.infolist():
-            parts = [p for p in info.filename.split("/") if p not in ("", ".")]
-            if ".." in parts or info.filename.startswith("/"):
-                raise UserError(f"archive member {info.filename!r}: path outside the archive's root")
+            name = info.filename
+            if not info.flag_bits & 0x800:  # no UTF-8 flag: zipfile decoded the raw bytes as cp437; git wrote bytes
+                name = name.encode("cp437").decode("utf-8", "surrogateescape")
+            parts = [p for p in name.split("/") if p not in ("", ".")]
+            if ".." in parts or name.startswith("/"):
+                raise UserError(f"archive member {name!r}: path outside the archive's root")
             if not parts:
                 continue
             mode = info.external_attr >> 16
@@ -87,6 +90,13 @@ def archive_entries(path: Path, label: str) -> List[Entry]:
             handle.seek(0)
             if magic.startswith(b"PK"):
                 return _zip_entries(handle)
+            with tarfile.open(fileobj=handle, mode="r:*") as tar:  # headers only: refuse a bomb before reading
+                total = 0
+                for member in tar:
+                    total += member.size
+                    if total > MAX_SOURCE_BYTES:
+                        raise UserError(f"archive unpacks to more than {MAX_SOURCE_BYTES:,} bytes (refused)")
+            handle.seek(0)
             return entries_from_tar(handle, "", strip_components=0)
     except UserError as err:
         raise UserError(f"{label}: {err}") from None
@@ -134,10 +144,18 @@ def verified_files(archive: Path, source: Dict[str, Any]) -> Dict[str, Tuple[str
     label = source_label(source)
     files = tree_files(archive_entries(archive, label), label)
     _check_paths(files, label)
-    tree = git_tree_id(files)
+    tree = labelled_tree_id(files, label)
     if tree != source["tree"]:
         raise UserError(f"{label}: archive files hash to git tree {tree}, lock says {source['tree']} (refused)")
     return files
+
+
+def labelled_tree_id(files: Dict[str, Tuple[str, bytes]], label: str) -> str:
+    """:func:`git_tree_id` with ``label`` in front of its error (a path both a file and a directory)."""
+    try:
+        return git_tree_id(files)
+    except UserError as err:
+        raise UserError(f"{label}: {err}") from None
 
 
 def source_entries(archive: Path, source: Dict[str, Any]) -> List[Entry]:
@@ -156,7 +174,7 @@ def source_entries(archive: Path, source: Dict[str, Any]) -> List[Entry]:
     return out
 
 
-def cached_archive(cache: Any, source: Dict[str, Any], offline: bool = False) -> Path:
+def cached_archive(cache: Any, source: Dict[str, Any]) -> Path:
     """The cached archive of ``source`` (re-hashed by the cache; its tree is checked when it is unpacked):
     by ``archive.sha256`` when the lock pins one and the cache has it, else the blob the cache's tree index
     names (seeded by ``add-git`` or ``fetch``).
@@ -171,9 +189,12 @@ def cached_archive(cache: Any, source: Dict[str, Any], offline: bool = False) ->
         record = cache.tree_record(source["tree"])
         path = cache.get(record["sha256"], f"{label} (git tree {source['tree']})") if record else None
     if path is None:
+        also = (f", or add its archive with `trainer cache add {archive['filename']} --sha256 {archive['sha256']}`"
+                if archive else "")
         raise UserError(
             f"missing input {label} (git tree {source['tree']}); seed it from a clone with `trainer cache add-git "
-            f"CLONE --commit {source['commit']}` or, with network to {source['url']}, `trainer cache fetch --lock LOCK`"
+            f"CLONE --commit {source['commit']}`{also}, or, with network to {source['url']}, "
+            "`trainer cache fetch --lock LOCK`"
         )
     return path
 
@@ -184,6 +205,9 @@ def pth_entry(sources: List[Dict[str, Any]], site_packages: str) -> Optional[Ent
     lines = [s["dest"] for s in sorted(sources, key=lambda s: s["name"]) if s.get("python_path")]
     if not lines:
         return None
+    for line in lines:  # site.py executes a .pth line that starts with "import": only plain paths here
+        if not line.startswith("/") or any(c.isspace() or ord(c) < 32 for c in line):
+            raise UserError(f"sources dest {line!r}: expected an absolute path without whitespace or control characters")
     return Entry(f"{site_packages.rstrip('/')}/{PTH_NAME}", FILE, data="".join(f"{line}\n" for line in lines).encode())
 
 
@@ -222,9 +246,15 @@ def git_dir_of(path: Path) -> Path:
         if (candidate / "objects").is_dir() and (candidate / "HEAD").is_file():
             return candidate
         if candidate.name == ".git" and candidate.is_file():  # a worktree or submodule: .git names the gitdir
-            text = candidate.read_text().strip()
+            try:
+                text = candidate.read_text().strip()
+            except (OSError, UnicodeDecodeError):
+                raise UserError(f"{candidate}: not a readable 'gitdir: PATH' file") from None
             if text.startswith("gitdir:"):
-                return (path / text[len("gitdir:"):].strip()).resolve()
+                gitdir = (path / text[len("gitdir:"):].strip()).resolve()
+                if not (gitdir / "HEAD").is_file():
+                    raise UserError(f"{candidate}: names {gitdir}, which is not a git directory")
+                return gitdir
     raise UserError(f"{path}: not a git repository (no objects/ and HEAD in it or in its .git)")
 
 
@@ -265,7 +295,9 @@ def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[st
             raise UserError(f"{path}: git cat-file returned {header!r} for {rel}")
         data = reader.read(int(header[2]))
         reader.read(1)  # the newline after each object
-        files[rel] = ("100644" if mode == "100664" else mode, data)
+        files[rel] = (mode, data)  # as git stores it (a legacy 100664 stays 100664, so the tree id is git's)
+    if not files:
+        raise UserError(f"{path}: commit {full[:12]} has no files (an empty tree is not a source)")
     return full, tree, files
 
 
@@ -323,7 +355,7 @@ def add_git(cache: Any, repo: Path, commit: str, pins: List[Dict[str, Any]], tre
     label = f"source {pin['name']}@{full[:12]}"
     _check_paths(files, label)
     _check_tree(files, label)
-    computed = git_tree_id(files)
+    computed = labelled_tree_id(files, label)
     if computed != git_tree:
         raise UserError(f"{label}: files of {repo} hash to git tree {computed}, but git says {git_tree} "
                         "(a corrupt repository; run `git fsck`)")
@@ -353,9 +385,11 @@ def archive_url(source: Dict[str, Any]) -> Optional[str]:
 
 
 def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FETCH_HOSTS, timeout: float = 60) -> str:
-    """Download ``source``'s archive (:func:`archive_url`, from ``hosts`` only), check it (its sha256 when the
-    lock pins one, always its git tree) and store the tree in the cache; returns the stored blob's sha256.
-    Raises :class:`UserError` for no URL, a refused host, a failed download or a mismatch (nothing stored)."""
+    """Download ``source``'s archive (:func:`archive_url`, from URLs starting with one of ``hosts``, after
+    redirects too; at most :data:`MAX_SOURCE_BYTES`; ``timeout`` in seconds per network operation), check it
+    (its sha256 when the lock pins one, always its git tree) and store the tree in the cache; returns the
+    stored blob's sha256. Raises :class:`UserError` for no URL, a refused host, a failed or oversized download
+    or a mismatch (nothing stored)."""
     import hashlib
     import urllib.error
     import urllib.request
@@ -372,7 +406,13 @@ def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FE
         digest = hashlib.sha256()
         try:
             with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as out:
+                if not response.geturl().startswith(hosts):
+                    raise UserError(f"{label}: {url} redirected to {response.geturl()}, not an allowed host (refused)")
+                size = 0
                 while chunk := response.read(1 << 20):
+                    size += len(chunk)
+                    if size > MAX_SOURCE_BYTES:
+                        raise UserError(f"{label}: {url} is larger than {MAX_SOURCE_BYTES:,} bytes (refused)")
                     digest.update(chunk)
                     out.write(chunk)
         except (urllib.error.URLError, OSError, TimeoutError) as ex:

@@ -46,6 +46,7 @@ CONTAINERS = ("pyxis", "none")
 GPUS_FLAGS = ("gpus-per-node", "gres", "none")
 TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
 LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"  # where pyxis mounts this bundle's trainer package
+IMAGE_WORKDIR = "/root/miles"  # where the recipe image has miles (lockfiles: sources miles.dest); the job starts there
 FINAL = ("complete", "failed", "interrupted")
 
 
@@ -181,8 +182,9 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
         entry += ["--expect-gpus", str(gpus)]
     if digest:
         entry += ["--expect-digest", digest]
-    if lau.workdir:
-        entry += ["--workdir", lau.workdir]
+    workdir = lau.workdir or (IMAGE_WORKDIR if lau.container != "none" else None)
+    if workdir:
+        entry += ["--workdir", workdir]
     preflight_args = [f"--expect-gpus {gpus}" if lau.expect_gpus else "", f"--expect-digest {digest}" if digest else ""]
     head_ip = _q(lau.head_ip) if lau.head_ip else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname -I | awk \'{print $1}\')'
     ray_args = "".join(" " + _q(a) for a in lau.ray_start_args)
