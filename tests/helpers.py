@@ -52,16 +52,6 @@ def seed_command() -> Tuple[List[str], Dict[str, str]]:
     return argv, env
 
 
-def same_token(a: str, b: str) -> bool:
-    """Two argv tokens mean the same to argparse: equal strings, or equal numbers (``16`` vs ``16.0``)."""
-    if a == b:
-        return True
-    try:
-        return float(a) == float(b)
-    except ValueError:
-        return False
-
-
 def run_train(args: Sequence[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python -m trainer.train ARGS`` in ``cwd`` with the current interpreter; capture output."""
     env = dict(os.environ)

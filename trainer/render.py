@@ -9,6 +9,9 @@ both occurrences come from the same field, so they cannot disagree).
 
 Kinds of flag:
 ``value``  ``--flag VALUE``; omitted when the value is null.
+``int``    ``--flag VALUE`` with a float of integral value written as an integer (``16``, not ``16.0``):
+           the form miles' ``model_args_utils.py`` prints for these flags (its snapshot in
+           ``tests/golden/miles-78527b91.model-args.*.txt``); a non-integral value keeps its float form.
 ``true``   ``--flag`` when the field is true, nothing when false (a Megatron ``store_true``).
 ``false``  ``--flag`` when the field is false, nothing when true (a Megatron ``store_false`` such as
            ``--disable-bias-linear`` for ``add_bias_linear``).
@@ -55,11 +58,11 @@ MODEL_ARGS: Tuple[Row, ...] = (
     ("--qk-pos-emb-head-dim", "model.qk_pos_emb_head_dim", "value"),
     ("--v-head-dim", "model.v_head_dim", "value"),
     ("--qk-layernorm", "model.qk_layernorm", "true"),
-    ("--rotary-scaling-factor", "model.rotary_scaling_factor", "value"),
+    ("--rotary-scaling-factor", "model.rotary_scaling_factor", "int"),
     ("--rotary-base", "model.rotary_base", "value"),
     ("--original-max-position-embeddings", "model.original_max_position_embeddings", "value"),
-    ("--beta-fast", "model.beta_fast", "value"),
-    ("--beta-slow", "model.beta_slow", "value"),
+    ("--beta-fast", "model.beta_fast", "int"),
+    ("--beta-slow", "model.beta_slow", "int"),
     ("--attention-softmax-in-fp32", "model.attention_softmax_in_fp32", "true"),
     ("--no-rope-fusion", "model.apply_rope_fusion", "false"),
     ("--num-experts", "model.num_experts", "value"),
@@ -72,14 +75,14 @@ MODEL_ARGS: Tuple[Row, ...] = (
     ("--moe-router-enable-expert-bias", "model.moe_router_enable_expert_bias", "true"),
     ("--moe-router-load-balancing-type", "model.moe_router_load_balancing_type", "value"),
     ("--moe-token-dispatcher-type", "layout.moe_token_dispatcher_type", "value"),
-    ("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "value"),
+    ("--moe-aux-loss-coeff", "model.moe_aux_loss_coeff", "int"),
     ("--moe-grouped-gemm", "model.moe_grouped_gemm", "true"),
     ("--moe-router-topk-scaling-factor", "model.moe_router_topk_scaling_factor", "value"),
     ("--experimental-attention-variant", "model.experimental_attention_variant", "value"),
     ("--dsv4-hc-mult", "model.dsv4_hc_mult", "value"),
     ("--dsv4-hc-sinkhorn-iters", "model.dsv4_hc_sinkhorn_iters", "value"),
     ("--dsv4-compress-ratios", "model.dsv4_compress_ratios", "nargs"),
-    ("--dsv4-compress-rope-theta", "model.dsv4_compress_rope_theta", "value"),
+    ("--dsv4-compress-rope-theta", "model.dsv4_compress_rope_theta", "int"),
     ("--dsv4-o-groups", "model.dsv4_o_groups", "value"),
     ("--dsv4-o-lora-rank", "model.dsv4_o_lora_rank", "value"),
     ("--dsv4-n-hash-layers", "model.dsv4_n_hash_layers", "value"),
@@ -88,7 +91,7 @@ MODEL_ARGS: Tuple[Row, ...] = (
     ("--dsa-indexer-head-dim", "model.dsa_indexer_head_dim", "value"),
     ("--dsa-indexer-topk", "model.dsa_indexer_topk", "value"),
     ("--spec", "model.spec", "nargs"),
-    ("--activation-func-clamp-value", "model.activation_func_clamp_value", "value"),
+    ("--activation-func-clamp-value", "model.activation_func_clamp_value", "int"),
     ("--no-bias-swiglu-fusion", "model.bias_swiglu_fusion", "false"),
     ("--no-activation-func-clamp-shared-expert", "model.activation_func_clamp_shared_expert", "false"),
 )
@@ -161,14 +164,17 @@ SECTIONS: Tuple[Tuple[str, Tuple[Row, ...]], ...] = (
 )
 
 
-def format_value(value: Any) -> str:
+def format_value(value: Any, integral: bool = False) -> str:
     """One argv token for a config value: floats as Python's shortest repr with a short exponent.
 
-    ``1e-06`` becomes ``1e-6``; ``16.0`` stays ``16.0`` (argparse's ``type=float`` reads both
-    ``16`` and ``16.0`` as the same value); booleans are lower-case; everything else ``str()``.
+    ``1e-06`` becomes ``1e-6``; ``16.0`` stays ``16.0`` unless ``integral`` (the ``int`` kind), which
+    writes a float with an integral value as the integer ``16``; booleans are lower-case; everything
+    else ``str()``. The token is the recipe's string, compared byte for byte by the golden test.
     """
     if isinstance(value, bool):
         return "true" if value else "false"
+    if integral and isinstance(value, float) and value.is_integer():
+        return str(int(value))
     if isinstance(value, float):
         text = repr(value)
         if "e" in text:
@@ -192,9 +198,9 @@ def render_rows(cfg: DictConfig, rows: Tuple[Row, ...]) -> List[str]:
             raise KeyError(f"render: config has no key {key!r} for {flag}")
         if isinstance(value, DictConfig):
             raise ValueError(f"render: {key} is a mapping, {flag} needs a value")
-        if kind == "value":
+        if kind in ("value", "int"):
             if value is not None:
-                out += [flag, format_value(value)]
+                out += [flag, format_value(value, integral=kind == "int")]
         elif kind in ("true", "false"):
             if not isinstance(value, bool):
                 raise ValueError(f"render: {key} must be a boolean for {flag}, got {value!r}")
