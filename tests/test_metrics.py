@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 
 import pytest
 
@@ -20,6 +21,7 @@ from trainer.metrics import (
     read_metrics,
     select_window,
     usd_per_million_tokens,
+    write_metrics,
 )
 from trainer.params import count_params
 
@@ -139,6 +141,9 @@ def test_mean_attended_keys_by_hand():
         ('{"step": 1}\n', "missing key 'lm_loss'"),
         ('{"step": 1, "lm_loss": "x"}\n', "lm_loss is 'x', expected a number"),
         ('{"step": 1, "lm_loss": 1, "loss": 2}\n', "unknown key 'loss'"),
+        ('{"step": 1, "lm_loss": "nan"}\n', "lm_loss is 'nan', expected a number"),  # only "NaN", "Infinity", "-Infinity"
+        ('{"step": 1, "lm_loss": 1.0, "skipped_iterations": 1.5}\n', "skipped_iterations is 1.5, expected an integer >= 0 or null"),
+        ('{"step": 1, "lm_loss": 1.0, "nan_iterations": -1}\n', "nan_iterations is -1"),
     ],
 )
 def test_bad_metrics_files(tmp_path, text, needle):
@@ -151,9 +156,37 @@ def test_bad_metrics_files(tmp_path, text, needle):
 
 def test_nan_loss_is_read(tmp_path):
     path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 1, "lm_loss": NaN, "grad_norm": Infinity}\n')
+    path.write_text('{"step": 1, "lm_loss": NaN, "grad_norm": Infinity}\n')  # bare tokens of older files
     (row,) = read_metrics(path)
     assert math.isnan(row.lm_loss) and math.isinf(row.grad_norm)
+    path.write_text('{"step": 1, "lm_loss": "NaN", "grad_norm": "-Infinity", "skipped_iterations": 1, "nan_iterations": 0}\n')
+    (row,) = read_metrics(path)
+    assert math.isnan(row.lm_loss) and row.grad_norm == -math.inf and (row.skipped_iterations, row.nan_iterations) == (1, 0)
+    assert row.no_loss_reason == "1 skipped iteration"
+
+
+def test_write_metrics_is_strict_json(tmp_path):
+    steps = [Step(step=1, lm_loss=math.nan, grad_norm=math.inf, skipped_iterations=1, nan_iterations=1), Step(step=2, lm_loss=2.0)]
+    write_metrics(tmp_path / "metrics.jsonl", steps)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0], parse_constant=lambda c: pytest.fail(c)) == {
+        "step": 1, "lm_loss": "NaN", "grad_norm": "Infinity", "lr": None, "tokens": None, "supervised_tokens": None,
+        "step_time_s": None, "max_memory_bytes": None, "skipped_iterations": 1, "nan_iterations": 1}
+    assert "iterations" not in lines[1]  # counts only where known
+    back = read_metrics(tmp_path / "metrics.jsonl")
+    assert math.isnan(back[0].lm_loss) and back[0].skipped_iterations == 1 and back[1] == steps[1]
+
+
+def test_report_reads_a_run_with_a_nan_step(recipe_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(recipe_run, run)
+    rows = recipe_rows()
+    rows[-1].update(lm_loss="NaN", grad_norm="NaN", skipped_iterations=0, nan_iterations=1)  # step 20: outside the window
+    write_rows(run / "metrics.jsonl", rows)
+    code, out, err = trainer(["report", str(run), "--json"], capsys)
+    assert code == 0, err
+    summary = json.loads(out, parse_constant=lambda c: pytest.fail(c))
+    assert summary["tokens_per_s_per_gpu"] == pytest.approx(RECIPE_TPS, rel=1e-9)
 
 
 @pytest.mark.parametrize(

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import shutil
 
 import pytest
 import yaml
@@ -104,6 +105,21 @@ def test_recipe_without_reference_is_measured(runs, capsys):
     recipe = json.loads(out)
     assert recipe["status"] == "measured" and recipe["correctness"]["result"] == "not-checked"
     assert validation_errors(yaml.safe_load((runs / "ref" / "recipe.yaml").read_text())) == []
+
+
+def test_recipe_of_a_run_with_a_nan_step_fails_its_check(runs, tmp_path, capsys):
+    cand = tmp_path / "cand"
+    shutil.copytree(runs / "cand", cand)
+    rows = recipe_rows()
+    rows[9].update(lm_loss="NaN", skipped_iterations=1, nan_iterations=1)  # as `trainer logs` writes a lossless step
+    write_rows(cand / "metrics.jsonl", rows)
+    code = cli.main(["recipe", str(cand), "--reference", str(runs / "ref"), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    recipe = json.loads(out, parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert recipe["status"] == "failed" and recipe["correctness"]["result"] == "fail"
+    assert "finite_loss" in recipe["correctness"]["summary"]
+    assert validation_errors(yaml.safe_load((cand / "recipe.yaml").read_text())) == []
 
 
 def test_validate_command(tmp_path, capsys):

@@ -29,6 +29,7 @@ from rich.table import Table
 from trainer import numerics
 from trainer.convergence import DEFAULT_THRESHOLDS, check, load_thresholds
 from trainer.errors import UserError
+from trainer.metrics import json_number
 from trainer.record import write_json
 from trainer.rundir import load_config, load_run
 
@@ -160,9 +161,9 @@ def main(argv: List[str]) -> int:
 
 
 def _jsonable(obj: Any) -> Any:
-    """NaN/Inf become the strings "NaN"/"Infinity"/"-Infinity" so the JSON is standard."""
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if math.isnan(obj) else ("Infinity" if obj > 0 else "-Infinity")
+    """NaN/Inf become the strings "NaN"/"Infinity"/"-Infinity" so the JSON is standard (as in metrics.jsonl)."""
+    if isinstance(obj, float):
+        return json_number(obj)
     if isinstance(obj, dict):
         return {k: _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, list):

@@ -18,7 +18,8 @@ false, so a run with half its steps missing passes): here the two runs are align
 by position, and
 
 6. every step of either run must be present in the other (``aligned``);
-7. every loss must be finite (``finite_loss``);
+7. every loss must be finite (``finite_loss``; a step whose log line had no loss, a NaN or skipped
+   Megatron iteration, has a NaN loss and fails here, named with its skipped/nan iteration counts);
 8. every grad norm must be finite where logged (``finite_grad_norm``; the pipeline fails such runs too).
 
 The run passes when every check passes. Checks 2-5 run on the steps present and finite in both, so their
@@ -107,6 +108,11 @@ def _finite(value: Optional[float]) -> bool:
     return value is not None and math.isfinite(value)
 
 
+def _step_name(step: int, who: str, run: Dict[int, Step]) -> str:
+    reason = run[step].no_loss_reason
+    return f"{who} step {step}" + (f" ({reason})" if reason else "")
+
+
 def _rel(ok: bool, yes: str = "<=", no: str = ">") -> str:
     return yes if ok else no
 
@@ -155,7 +161,7 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
     checks.append(_check(
         "finite_loss", len(nonfinite_loss), 0, not nonfinite_loss,
         "no NaN/Inf loss" if not nonfinite_loss
-        else "NaN/Inf loss at " + ", ".join(f"{who} step {s}" for s, who in nonfinite_loss[:5]),
+        else "NaN/Inf loss at " + ", ".join(_step_name(s, who, cand if who == "candidate" else ref) for s, who in nonfinite_loss[:5]),
     ))
     if th.require_finite_grad_norm:
         checks.append(_check(

@@ -10,7 +10,14 @@ Megatron-LM ``training_log`` (``megatron/training/training.py``), fields separat
   ``iteration N/ M`` is the 1-based step N (the step just finished); ``elapsed time per iteration (ms)``
   gives ``step_time_s`` (ms / 1000; with ``--log-interval`` > 1 it is the mean over the interval, and
   only every interval-th step is logged); ``lm loss``, ``grad norm`` (``nan``/``inf`` kept),
-  ``learning rate`` and ``global batch size`` are read where present; other fields are ignored.
+  ``learning rate``, ``global batch size``, ``number of skipped iterations`` and ``number of nan
+  iterations`` are read where present; other fields are ignored.
+
+  Every iteration line is a step. Megatron prints ``lm loss`` only when the interval's mean loss is
+  > 0 (``training_log``: ``if avg > 0.0``), so an iteration whose loss was NaN, or that the optimizer
+  skipped (its loss is then not summed), has a line without a loss: it becomes a step with
+  ``lm_loss`` NaN (written ``"NaN"`` in metrics.jsonl) and the two counts, and fails ``trainer
+  converge`` as a step without a finite loss, instead of disappearing from the run.
 
 miles / slime (``backends/megatron_utils/model.py``), a Python dict per step and per rollout::
 
@@ -54,7 +61,8 @@ def _float(text: str, where: str, field: str) -> float:
 
 
 def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
-    """One Megatron ``training_log`` line -> {step, lm_loss, grad_norm, lr, global_batch_size, step_time_s}, or None."""
+    """One Megatron ``training_log`` line -> {step, lm_loss, grad_norm, lr, global_batch_size, step_time_s,
+    skipped_iterations, nan_iterations} (those present; ``lm_loss`` NaN when the line has none), or None."""
     match = MEGATRON_ITERATION.search(line)
     if not match:
         return None
@@ -63,9 +71,14 @@ def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
         key, sep, value = part.partition(":")
         if sep:
             fields[key.strip()] = value.strip()
-    if "lm loss" not in fields:
-        return None  # a log line of an iteration without a loss (e.g. skipped): not a step we can use
-    row: Dict[str, Any] = {"step": int(match.group(1)), "lm_loss": _float(fields["lm loss"], where, "lm loss")}
+    loss = _float(fields["lm loss"], where, "lm loss") if "lm loss" in fields else math.nan  # NaN or skipped
+    row: Dict[str, Any] = {"step": int(match.group(1)), "lm_loss": loss}
+    for field, key in (("number of skipped iterations", "skipped_iterations"), ("number of nan iterations", "nan_iterations")):
+        if field in fields:
+            try:
+                row[key] = int(fields[field])
+            except ValueError:
+                raise UserError(f"{where}: {field} {fields[field]!r} is not an integer") from None
     if "grad norm" in fields:
         row["grad_norm"] = _float(fields["grad norm"], where, "grad norm")
     if "learning rate" in fields:
@@ -131,7 +144,7 @@ def parse_log(text: str, name: str = "log", seq_length: Optional[int] = None) ->
         seen_at[step] = number
     if not rows:
         raise UserError(
-            f"{name}: no training step lines found (expected Megatron 'iteration N/ M | ... | lm loss: X |' "
+            f"{name}: no training step lines found (expected Megatron 'iteration N/ M | ...' "
             "or miles 'step N: {...}' lines; see `trainer logs --help`)"
         )
     # a rollout's time is a step's time only when each rollout is one step (steps numbered like rollouts)
@@ -183,6 +196,9 @@ def main(argv: List[str]) -> int:
     out = args.output / "metrics.jsonl" if args.output.is_dir() else args.output
     write_metrics(out, steps)
     timed = sum(s.step_time_s is not None for s in steps)
+    lossless = [s.step for s in steps if not math.isfinite(s.lm_loss)]
     print(f"{out}: {len(steps)} steps ({steps[0].step}..{steps[-1].step}), {timed} with a step time, "
-          f"{sum(s.tokens is not None for s in steps)} with tokens")
+          f"{sum(s.tokens is not None for s in steps)} with tokens"
+          + (f", {len(lossless)} without a finite loss (steps {', '.join(map(str, lossless[:5]))}"
+             f"{', ...' if len(lossless) > 5 else ''})" if lossless else ""))
     return 0

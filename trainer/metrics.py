@@ -6,15 +6,24 @@
 key                    meaning
 =====================  ==========================================================================
 ``step``               optimizer step, 1-based integer, strictly increasing (gaps allowed)
-``lm_loss``            LM loss of the step (number; ``NaN``/``Infinity`` are read, and fail the
-                       convergence check)
+``lm_loss``            LM loss of the step (number, or ``"NaN"`` where the step has no finite loss:
+                       Megatron prints ``lm loss`` only when it is > 0, so a NaN or skipped
+                       iteration has none); fails the convergence check when not finite
 ``grad_norm``          global gradient norm (number or null)
 ``lr``                 learning rate (number or null)
 ``tokens``             tokens processed in the step by the whole job, all ranks (number or null)
 ``supervised_tokens``  tokens with a loss target in the step, whole job (number or null)
 ``step_time_s``        wall time of the step, seconds (number or null)
 ``max_memory_bytes``   peak allocated device memory of the step, max over ranks, bytes (or null)
+``skipped_iterations`` Megatron's ``number of skipped iterations`` of the logging interval ending
+                       at this step (integer or null where the log does not say)
+``nan_iterations``     Megatron's ``number of nan iterations`` of that interval (integer or null)
 =====================  ==========================================================================
+
+Strict JSON: a number that is not finite is written as the string ``"NaN"``, ``"Infinity"`` or
+``"-Infinity"`` (the spelling of Python's ``json`` module, as a string, as ``convergence.json`` does), never
+as a bare ``NaN``. Readers accept those three strings for any number key, and for compatibility the bare
+tokens of files written before.
 
 Figures (shared docs METRICS.md; the recipe's ``result:`` block):
 
@@ -48,8 +57,11 @@ from trainer.errors import UserError
 from trainer.params import CSA_RATIO, count_params
 from trainer.schema import ModelConfig
 
-KEYS = ("step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "step_time_s", "max_memory_bytes")
-OPTIONAL_KEYS = KEYS[2:]
+KEYS = ("step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "step_time_s", "max_memory_bytes",
+        "skipped_iterations", "nan_iterations")
+OPTIONAL_KEYS = KEYS[2:8]
+COUNT_KEYS = KEYS[8:]  # integer counts (or null); absent from rows that do not know them
+NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 DEFAULT_FIRST_STEP = 5  # the recipe's window starts at step 5 (steps 1-4: warm-up, JIT, allocator growth)
 PEAK_SOURCE = "cluster.gpu_peak_bf16_flops (dense bf16 FLOP/s per GPU; 989e12 for H200 SXM as torchtitan uses)"
 
@@ -66,10 +78,35 @@ class Step:
     supervised_tokens: Optional[float] = None
     step_time_s: Optional[float] = None
     max_memory_bytes: Optional[float] = None
+    skipped_iterations: Optional[int] = None
+    nan_iterations: Optional[int] = None
 
     def as_dict(self) -> Dict[str, Any]:
-        """The row as a dict with every key of :data:`KEYS`, in that order (absent optional keys as None)."""
-        return {k: getattr(self, k) for k in KEYS}
+        """The row as a dict: every key of :data:`KEYS` in that order (absent optional keys as None), except
+        the Megatron counts, present only when known."""
+        return {k: getattr(self, k) for k in KEYS if k not in COUNT_KEYS or getattr(self, k) is not None}
+
+    @property
+    def no_loss_reason(self) -> Optional[str]:
+        """Megatron's counts of the step's interval when its loss is not finite (``"1 skipped iteration"``),
+        else None (a finite loss, or no counts logged)."""
+        if math.isfinite(self.lm_loss):
+            return None
+        counts = [f"{n} {name} iteration{'s' if n != 1 else ''}" for name, n in
+                  (("skipped", self.skipped_iterations), ("nan", self.nan_iterations)) if n]
+        return ", ".join(counts) or None
+
+
+def json_number(value: Any) -> Any:
+    """``value`` for strict JSON: a non-finite float becomes ``"NaN"``/``"Infinity"``/``"-Infinity"``."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    return value
+
+
+def dumps_row(row: Dict[str, Any]) -> str:
+    """One ``metrics.jsonl`` line (no newline) of a row dict, strict JSON (non-finite numbers as strings)."""
+    return json.dumps({k: json_number(v) for k, v in row.items()}, separators=(", ", ": "), allow_nan=False)
 
 
 def metrics_path(path: Path) -> Path:
@@ -84,6 +121,8 @@ def metrics_path(path: Path) -> Path:
 def _number(value: Any, where: str, key: str, allow_null: bool) -> Optional[float]:
     if value is None and allow_null:
         return None
+    if isinstance(value, str) and value in NONFINITE_STRINGS:
+        return NONFINITE_STRINGS[value]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"{where}: {key} is {value!r}, expected a number" + (" or null" if allow_null else ""))
     return float(value)
@@ -106,7 +145,12 @@ def parse_row(obj: Any, where: str) -> Step:
     step = obj["step"]
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise UserError(f"{where}: step is {step!r}, expected an integer >= 1 (steps are 1-based)")
-    values = {key: _number(obj.get(key), where, key, allow_null=True) for key in OPTIONAL_KEYS}
+    values: Dict[str, Any] = {key: _number(obj.get(key), where, key, allow_null=True) for key in OPTIONAL_KEYS}
+    for key in COUNT_KEYS:
+        count = obj.get(key)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+            raise UserError(f"{where}: {key} is {count!r}, expected an integer >= 0 or null")
+        values[key] = count
     return Step(step=step, lm_loss=_number(obj["lm_loss"], where, "lm_loss", allow_null=False), **values)
 
 
@@ -143,10 +187,10 @@ def read_metrics(path: Path) -> List[Step]:
 
 
 def write_metrics(path: Path, steps: Sequence[Step]) -> None:
-    """Write ``steps`` as ``metrics.jsonl`` atomically (one compact JSON object per line)."""
+    """Write ``steps`` as ``metrics.jsonl`` atomically (one strict JSON object per line, :func:`dumps_row`)."""
     from trainer.record import atomic_write
 
-    data = "".join(json.dumps(s.as_dict(), separators=(", ", ": ")) + "\n" for s in steps)
+    data = "".join(dumps_row(s.as_dict()) + "\n" for s in steps)
     atomic_write(Path(path), data.encode())
 
 

@@ -21,7 +21,6 @@ probe to ``probe-rank-N.json``. Run as ``python -m trainer.launch.cpu_worker RUN
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -67,6 +66,7 @@ def main(argv=None) -> int:
 
     from trainer.compose import validate
     from trainer.data import Rows
+    from trainer.metrics import dumps_row
     from trainer.models.deepseek_v4_hf import build_model, freeze_router
     from trainer.probe import probe
     from trainer.rundir import load_config
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
                 "step_time_s": elapsed,
                 "max_memory_bytes": float(rss),
             }
-            metrics.write(json.dumps(row) + "\n")
+            metrics.write(dumps_row(row) + "\n")
             metrics.flush()
             print(f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']:.3f} lr {lr:.3g} "
                   f"{elapsed:.2f} s", flush=True)

@@ -24,7 +24,6 @@ needs sequence parallel for MoE, which the local spec's torch norms do not suppo
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -50,6 +49,7 @@ def main(argv=None) -> int:
 
     from trainer.compose import validate
     from trainer.data import Rows
+    from trainer.metrics import dumps_row
     from trainer.launch.cpu_worker import megatron_lr
     from trainer.probe import probe
     from trainer.record import atomic_write, canonical_json
@@ -249,7 +249,7 @@ def main(argv=None) -> int:
                 "step_time_s": elapsed,
                 "max_memory_bytes": float(memory.item()),
             }
-            metrics.write(json.dumps(row) + "\n")
+            metrics.write(dumps_row(row) + "\n")
             metrics.flush()
             print(f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']} lr {lr:.3g} "
                   f"{elapsed:.3f} s", flush=True)
