@@ -56,8 +56,20 @@ def test_row_without_messages(capsys, tmp_path):
 
 
 def test_unknown_role_in_parquet(capsys, tmp_path):
-    src = parquet_with(tmp_path / "a.parquet", [GOOD["messages"], [{"role": "tool", "content": "x"}, {"role": "assistant", "content": "y"}]])
-    assert_refused(capsys, tmp_path, [src], f"{src} row 1: messages[0].role: unknown role 'tool' (expected system, user or assistant)")
+    src = parquet_with(tmp_path / "a.parquet", [GOOD["messages"], [{"role": "function", "content": "x"}, {"role": "assistant", "content": "y"}]])
+    assert_refused(capsys, tmp_path, [src], f"{src} row 1: messages[0].role: unknown role 'function' "
+                   "(expected system, developer, user, tool, assistant or latest_reminder)")
+
+
+def test_what_the_format_cannot_express_is_refused_not_dropped(capsys, tmp_path):
+    call = {"id": "c", "function": {"name": "f", "arguments": "x=1"}}
+    bad = {"id": "b", "source": "t", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                                                  {"role": "tool", "content": "r"}, {"role": "assistant", "content": "a"}]}
+    src = jsonl(tmp_path / "a.jsonl", GOOD, bad)
+    assert_refused(capsys, tmp_path, [src], f"{src} line 2: messages[1].tool_calls[0].function.arguments: expected a JSON object")
+    extra = {"id": "e", "source": "t", "messages": [{"role": "user", "content": "q", "name": "bob"}, {"role": "assistant", "content": "a"}]}
+    src = jsonl(tmp_path / "a.jsonl", GOOD, extra)
+    assert_refused(capsys, tmp_path, [src], f"{src} line 2: messages[0].name: not part of the DeepSeek-V4 format")
 
 
 def test_non_string_content(capsys, tmp_path):
@@ -185,7 +197,8 @@ def test_skip_options_are_off_by_default_and_counted(capsys, tmp_path):
     assert manifest["skipped"]["bad_rows"] == 2 and manifest["conversations"] == {"inputs": 8, "packed": 6, "bad_skipped": 2}
     assert manifest["skipped"]["skip_bad_rows"] is True and manifest["skipped"]["skip_bad_files"] is False
     assert manifest["skipped"]["reasons"] == ["a.jsonl line 2: messages: missing; expected a list of {role, content} objects",
-                                              "a.jsonl line 4: messages[0].role: unknown role 'bot' (expected system, user or assistant)"]
+                                              "a.jsonl line 4: messages[0].role: unknown role 'bot' "
+                                              "(expected system, developer, user, tool, assistant or latest_reminder)"]
     # an empty file still stops a build with --skip-bad-rows only; --skip-bad-files skips and records it
     assert_refused(capsys, tmp_path, [src, empty], f"{empty}: empty file", ["--skip-bad-rows"])
     code, out, err = run(capsys, "--input", src, empty, "--out", tmp_path / "o2", "--row-tokens", 8, "--skip-bad-rows", "--skip-bad-files", "--json")

@@ -191,6 +191,38 @@ def test_same_bytes_from_other_dirs_orders_and_processes(tmp_path):
     assert sorted(p.name for p in (tmp_path / "out1").iterdir()) == ["manifest.json", "rows.parquet"]
 
 
+def test_loss_mask_convention_and_encoding_are_named_in_the_manifest(tmp_path, tok):
+    tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+    agent = {"id": "agent", "source": "test", "messages": [
+        {"role": "system", "content": "S", "tools": tools}, {"role": "user", "content": "Time?"},
+        {"role": "assistant", "content": None, "reasoning_content": "ask the tool", "tool_calls": [{"id": "t", "function": {"name": "now", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "t", "content": "noon"}, {"role": "assistant", "content": "Noon.", "reasoning_content": "done"}]}
+    thinker = {"id": "thinker", "source": "test", "messages": [
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "reasoning_content": "dropped by the format"},
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "easy"}]}
+    src = write_jsonl(tmp_path / "a.jsonl", [conv("plain", "Hi?", "Hello.")] * 20 + [agent, thinker] * 10)
+    v4 = build([str(src)], tmp_path / "v4", BuildConfig(row_tokens=64))
+    official = build([str(src)], tmp_path / "official", BuildConfig(row_tokens=64, loss_mask="deepseek_v4_official"))
+    assert (v4["loss_mask"], official["loss_mask"]) == ("deepseek_v4", "deepseek_v4_official")
+    assert "mode token" in v4["loss_mask_definition"] and "prompt/response split" in official["loss_mask_definition"]
+    assert v4["chat_encoding"] == {"format": chat.FORMAT_SOURCE, "thinking_mode": "auto", "drop_thinking": True, "reasoning_effort": None}
+    dropped = v4["dropped_by_drop_thinking"]
+    assert (dropped["reasoning_content"], dropped["developer_messages"]) == (10, 0)  # thinker's first reasoning, ten times
+    # same tokens, fewer targets: the official split leaves one opener token per assistant turn in the prompt
+    rows_v4, masks_v4, _ = read_rows(tmp_path / "v4")
+    rows_off, masks_off, _ = read_rows(tmp_path / "official")
+    assert [r.tolist() for r in rows_v4] == [r.tolist() for r in rows_off] and v4["rows_sha256"] != official["rows_sha256"]
+    assert v4["tokens_encoded"] == official["tokens_encoded"]
+    tokenizer, special = tok
+    stream = np.concatenate(rows_v4)
+    diff = np.concatenate(masks_v4) - np.concatenate(masks_off)
+    assert set(diff.tolist()) == {0, 1}
+    assert set(stream[diff == 1].tolist()) == {special.think_start, special.think_end}  # exactly the openers
+    assert (np.roll(stream, 1)[diff == 1] == special.assistant).all()
+    with pytest.raises(UserError, match="loss_mask 'other': unknown"):
+        build([str(src)], tmp_path / "x", BuildConfig(row_tokens=64, loss_mask="other"))
+
+
 def test_max_rows_is_a_prefix_and_too_many_is_refused(tmp_path):
     src = tmp_path / "c.jsonl"
     synthetic.write(src, 4, seed=5)

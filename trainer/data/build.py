@@ -13,8 +13,10 @@ The build, step by step (``build()``):
    key order (ties, which only identical input files produce, keep identical conversations together).
    The order depends on the seed and the inputs' contents only: not on paths, on the order the inputs
    are listed, or on any library's random number generator.
-4. **Render, tokenize, mask** (``trainer.data.chat``): DeepSeek-V4 chat text, encoded in batches with
-   ``Tokenizer.encode_batch_fast``, the token-aligned ``deepseek_v4`` mask.
+4. **Render, tokenize, mask** (``trainer.data.chat``): DeepSeek-V4 chat text (the official encoding's rules;
+   ``thinking_mode`` / ``drop_thinking`` / ``reasoning_effort`` of the config, recorded in the manifest as
+   ``chat_encoding``), encoded in batches with ``Tokenizer.encode_batch_fast``, the token-aligned mask of
+   the ``loss_mask`` convention (``deepseek_v4``, the default, or ``deepseek_v4_official``).
 5. **Pack.** The conversations form one stream, with one EOS token (mask 0) inserted between consecutive
    conversations (after the EOS that ends each conversation's last assistant turn). The stream is cut
    into consecutive rows of ``row_tokens`` tokens. A conversation cut by a row boundary continues at the
@@ -70,6 +72,12 @@ ZSTD_LEVEL = 3
 BATCH_CONVERSATIONS = 256  # conversations per tokenizer call (small enough to pipeline, large enough for all cores)
 MAX_REASONS = 10  # skipped-input reasons kept in the manifest
 INPUT_SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
+LOSS_MASK_DEFINITIONS = {  # the manifest's one-line statement of each convention (trainer.data.chat)
+    "deepseek_v4": "supervised: from right after each <｜Assistant｜> (the mode token <think>/</think> included) through "
+                   "the assistant turn's EOS inclusive (Megatron-Bridge's DeepSeek-V4 SFT convention)",
+    "deepseek_v4_official": "supervised: the assistant messages' own text through EOS; the mode token after <｜Assistant｜> "
+                            "is prompt (the official encoder's prompt/response split)",
+}
 
 
 @dataclass
@@ -78,7 +86,9 @@ class BuildConfig:
 
     ``row_tokens``: tokens per row; ``seed``: permutation seed; ``tokenizer_sha256``: expected sha256 (hex)
     of ``tokenizer`` (None: the shipped file, checked against ``SHIPPED_TOKENIZER_SHA256``);
-    ``max_rows``: stop after this many rows (None: all); ``name``: the data config's build name.
+    ``max_rows``: stop after this many rows (None: all); ``name``: the data config's build name;
+    ``loss_mask``: a convention of :data:`trainer.data.chat.LOSS_MASKS`; ``thinking_mode``,
+    ``drop_thinking``, ``reasoning_effort``: how conversations are rendered (:class:`chat.Encoding`).
     """
 
     row_tokens: int = 8192
@@ -86,11 +96,21 @@ class BuildConfig:
     tokenizer: Optional[Path] = None
     tokenizer_sha256: Optional[str] = None
     loss_mask: str = "deepseek_v4"
+    thinking_mode: str = "auto"
+    drop_thinking: bool = True
+    reasoning_effort: Optional[str] = None
     max_rows: Optional[int] = None
     skip_bad_rows: bool = False
     skip_bad_files: bool = False
     name: Optional[str] = None
     batch_conversations: int = BATCH_CONVERSATIONS
+
+    def encoding(self) -> chat.Encoding:
+        """The rendering options; raises :class:`UserError` for an unknown mode or effort."""
+        try:
+            return chat.Encoding(self.thinking_mode, self.drop_thinking, self.reasoning_effort)
+        except ValueError as err:
+            raise UserError(str(err)) from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -290,6 +310,8 @@ class Stats:
     bad_files_skipped: int = 0
     reasons: List[str] = field(default_factory=list)
     tail_tokens_dropped: int = 0
+    reasoning_dropped: int = 0  # reasoning_content removed by the format's drop-thinking rule
+    developer_dropped: int = 0  # developer messages removed by that rule
 
     def skip(self, reason: str) -> None:
         """Keep ``reason`` (one line naming file and row) among the first ``MAX_REASONS``."""
@@ -302,6 +324,7 @@ def conversations(
 ) -> Iterator[List[Tuple[str, chat.Rendered]]]:
     """Batches of ``(id, rendered)`` in packing order; bad rows raise or are skipped (``stats``)."""
     size = config.batch_conversations
+    encoding = config.encoding()
     for start in range(0, len(order), size):
         chunk = order[start : start + size]
         by_file: Dict[int, List[int]] = {}
@@ -319,7 +342,10 @@ def conversations(
                     raise chat.ConversationError("messages: missing; expected a list of {role, content} objects")
                 if not isinstance(conv_id, str):
                     raise chat.ConversationError(f"id: expected a string, got {'missing' if conv_id is None else type(conv_id).__name__}")
-                batch.append((conv_id, chat.render(messages)))
+                rendered = chat.render(messages, encoding)
+                batch.append((conv_id, rendered))
+                stats.reasoning_dropped += rendered.reasoning_dropped
+                stats.developer_dropped += rendered.developer_dropped
             except ValueError as err:
                 if not config.skip_bad_rows:
                     raise UserError(f"{inputs[index].where(row)}: {err}") from None
@@ -408,7 +434,7 @@ def pack(
     for batch in batches:
         if not batch:
             continue
-        ids, mask, lengths = chat.encode(tokenizer, special, [r for _, r in batch])
+        ids, mask, lengths = chat.encode(tokenizer, special, [r for _, r in batch], config.loss_mask)
         stats.tokens_encoded += int(ids.shape[0])
         # one separator EOS before every conversation but the stream's first
         first = 1 if stream > 0 else 0
@@ -476,6 +502,8 @@ def manifest_fields(config: BuildConfig, stats: Stats, inputs: Sequence[InputFil
         "supervised_token_ratio": round(stats.supervised_tokens / tokens, 6) if tokens else 0.0,
         "supervised_tokens_definition": "label-aligned: sum over rows of loss_mask[1:] (token 0 of a row is never a target)",
         "loss_mask": config.loss_mask,
+        "loss_mask_definition": LOSS_MASK_DEFINITIONS[config.loss_mask],
+        "chat_encoding": config.encoding().manifest(),
         "loss_mask_alignment": "token: loss_mask[i] = 1 iff token i is a supervised target (labels[i] = tokens[i+1] use loss_mask[i+1])",
         "seed": config.seed,
         "permutation": "ascending sha256(f'{seed}:{input sha256 hex}:{row}')",
@@ -488,6 +516,11 @@ def manifest_fields(config: BuildConfig, stats: Stats, inputs: Sequence[InputFil
             "inputs": sum(entry.rows for entry in inputs),
             "packed": stats.conversations_packed,
             "bad_skipped": stats.bad_rows_skipped,
+        },
+        "dropped_by_drop_thinking": {  # what the format's rule removed (thinking mode, drop_thinking on, no tools)
+            "reasoning_content": stats.reasoning_dropped,
+            "developer_messages": stats.developer_dropped,
+            "rule": "before the last user turn: reasoning_content of assistant turns and developer messages are not rendered",
         },
         "tokens_encoded": stats.tokens_encoded,
         "separator_tokens": stats.separator_tokens,

