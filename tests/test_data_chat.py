@@ -281,6 +281,62 @@ def test_official_split_leaves_the_mode_token_in_the_prompt(tok):
         encode_one(tok, messages, "other")
 
 
+def random_conversation(rng):
+    """A random conversation over every role and key of the format, ending with an assistant turn."""
+    texts = ["", "a", " lead", "x\ny", "中文 🙂", f"{ASSISTANT}inside", f"e{EOS}", "</think>t"]
+    messages = []
+    for _ in range(rng.randint(0, 6)):
+        role = rng.choice(["system", "user", "user", "assistant", "assistant", "tool", "developer", "latest_reminder"])
+        m = {"role": role, "content": rng.choice(texts)}
+        if role == "developer":
+            m["content"] = "dev" + m["content"]
+        if role in ("system", "developer") and rng.random() < 0.2:
+            m["tools"] = [TOOL]
+        if role == "user" and rng.random() < 0.1:
+            m["task"] = rng.choice(sorted(chat.TASK_TOKENS))
+        if role == "tool" and rng.random() < 0.5:
+            m["tool_call_id"] = rng.choice(["c0", "c1"])
+        if role == "assistant":
+            if rng.random() < 0.3:
+                m["tool_calls"] = [{"id": f"c{k}", "function": {"name": "f", "arguments": json.dumps({"k": k, "s": " v"})}} for k in range(rng.randint(1, 2))]
+                m["content"] = rng.choice([None, "", "ok"])
+            if rng.random() < 0.5:
+                m["reasoning_content"] = rng.choice(["", "think", " r"])
+            if rng.random() < 0.05:
+                m["wo_eos"] = True
+        messages.append(m)
+    return messages + [{"role": "assistant", "content": rng.choice(["end", " end", "\nend"])}]
+
+
+def test_property_masks_cut_where_the_tokenizer_cuts(tok):
+    # whatever renders: piecewise encoding == whole encoding (every cut touches a special token), both masks end at
+    # an EOS or the text's end, and the fast id scan equals the role-based deepseek_v4 mask where it claims to
+    import random
+
+    tokenizer, special = tok
+    rng = random.Random(7)
+    rendered_count = exact = 0
+    for _ in range(400):
+        try:
+            rendered = chat.render(random_conversation(rng), chat.Encoding(thinking_mode=rng.choice(["auto", "thinking"]),
+                                                                           drop_thinking=rng.random() < 0.5))
+        except chat.ConversationError as err:
+            assert "\n" not in str(err) and str(err).startswith("messages")
+            continue
+        rendered_count += 1
+        whole = ids_of(tokenizer, rendered.text)
+        masks = {}
+        for loss_mask in chat.LOSS_MASKS:
+            ids, mask, _ = chat.encode(tokenizer, special, [rendered], loss_mask)
+            assert ids.tolist() == whole
+            masks[loss_mask] = mask
+        assert (masks["deepseek_v4"] >= masks["deepseek_v4_official"]).all()  # the official split supervises a subset
+        if rendered.scan_exact:
+            exact += 1
+            assert chat.deepseek_v4_mask(np.array(whole), special).tolist() == masks["deepseek_v4"].tolist()
+    assert rendered_count > 200 and exact > 20
+
+
 @pytest.mark.parametrize("messages,message", [
     (None, "messages: expected a list of {role, content} objects, got missing"),
     ("hi", "messages: expected a list of {role, content} objects, got str"),
