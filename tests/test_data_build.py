@@ -305,6 +305,22 @@ def test_command_line_summary_and_json(tmp_path, capsys, monkeypatch):
     (tmp_path / "b" / "manifest.json").unlink()
     assert cli.main(["data", "verify", str(tmp_path / "b")]) == 1
     assert "manifest.json: no such file" in capsys.readouterr().err
+    # the encoding and mask flags reach the manifest
+    thinker = {"id": "t", "source": "test", "messages": [
+        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "reasoning_content": "one and one"},
+        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "easy"}]}
+    write_jsonl(src, [thinker] * 40)
+    args = ["data", "build", "--input", str(src), "--row-tokens", "64", "--json"]
+    assert cli.main([*args, "--out", str(tmp_path / "c")]) == 0
+    default = json.loads(capsys.readouterr().out)["manifest"]
+    assert cli.main([*args, "--out", str(tmp_path / "d"), "--loss-mask", "deepseek_v4_official", "--keep-reasoning", "--reasoning-effort", "max"]) == 0
+    chosen = json.loads(capsys.readouterr().out)["manifest"]
+    assert (default["loss_mask"], chosen["loss_mask"]) == ("deepseek_v4", "deepseek_v4_official")
+    assert default["chat_encoding"]["drop_thinking"] is True and default["dropped_by_drop_thinking"]["reasoning_content"] == 40
+    assert chosen["chat_encoding"] == {"format": chat.FORMAT_SOURCE, "thinking_mode": "auto", "drop_thinking": False, "reasoning_effort": "max"}
+    assert chosen["dropped_by_drop_thinking"]["reasoning_content"] == 0 and chosen["tokens_encoded"] > default["tokens_encoded"]
+    assert cli.main([*args, "--out", str(tmp_path / "e"), "--thinking-mode", "chat"]) == 2  # chat mode cannot show the reasoning
+    assert "messages[1].reasoning_content: chat mode renders no reasoning" in capsys.readouterr().err
 
 
 def test_defaults_come_from_the_data_config():

@@ -8,17 +8,17 @@ rules below, not a copy of that code.
 
 Messages (Tulu 3 / OpenAI schema: ``[{"role", "content", ...}, ...]``)
 ---------------------------------------------------------------------
-=================  ===================================================================================
-role               keys besides ``role`` (a key whose value is null counts as absent)
-=================  ===================================================================================
-``system``         ``content`` (string or null), ``tools``, ``response_format``
-``developer``      ``content`` (non-empty string), ``tools``, ``response_format``, ``task``
-``user``           ``content`` (string), ``task``, ``mask``
-``tool``           ``content`` (string, or a list of ``{"type": "text", "text"}`` blocks), ``tool_call_id``
-``assistant``      ``content`` (string; null only beside ``tool_calls``), ``reasoning_content``,
-                   ``tool_calls``, ``wo_eos``, ``mask``
-``latest_reminder`` ``content`` (string)
-=================  ===================================================================================
+===================  ===================================================================================
+role                 keys besides ``role`` (a key whose value is null counts as absent)
+===================  ===================================================================================
+``system``           ``content`` (string or null), ``tools``, ``response_format``
+``developer``        ``content`` (non-empty string), ``tools``, ``response_format``, ``task``
+``user``             ``content`` (string), ``task``, ``mask``
+``tool``             ``content`` (string, or a list of ``{"type": "text", "text"}`` blocks), ``tool_call_id``
+``assistant``        ``content`` (string; null only beside ``tool_calls``), ``reasoning_content``,
+                     ``tool_calls``, ``wo_eos``, ``mask``
+``latest_reminder``  ``content`` (string)
+===================  ===================================================================================
 
 ``tools``: OpenAI function tools ``[{"type": "function", "function": {...}}]``; ``tool_calls``:
 ``[{"id"?, "type"?, "function": {"name": str, "arguments": JSON string of an object}}]``; ``task``: one
