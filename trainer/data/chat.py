@@ -81,6 +81,11 @@ from tokens ``0..i-1``. Each rendered piece has a part: prompt, *opener* (what a
   last user turn ends with it, ``parse_message_from_completion_text`` starts after it). In thinking mode
   ``</think>`` closing the reasoning is part of the response; ``<think>`` is prompt.
 
+Which one the recipe used is not public: it launches miles with ``--rollout-function-path
+pretokenized_sft_rollout.generate_rollout`` (not a module of miles 78527b91, whose own SFT masks,
+``--loss-mask-type``, are only ``qwen``, ``qwen3`` and ``distill_qwen``), i.e. with pretokenized rows whose mask
+came from its own builder. So the default stays ``deepseek_v4``, and a build names its convention.
+
 Everything else is 0: BOS, system, user/tool/developer/reminder text, ``<｜User｜>``, ``<｜Assistant｜>``
 itself, and the EOS the builder inserts between conversations. Training uses the label-aligned form
 (``trainer.data``): ``labels[i] = tokens[i + 1]`` and ``loss_mask[i] = mask[i + 1]``; the last position of
