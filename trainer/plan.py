@@ -170,7 +170,7 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> 
             f"optim.num_rollout {cfg.optim.num_rollout} x optim.rollout_batch_size {cfg.optim.rollout_batch_size} = "
             f"{rows_needed} rows > data.build.rows {cfg.data.build.rows}: rows repeat"
         )
-    return {
+    plan = {
         "schema_version": 1,
         "model": cfg.model.display_name,
         "layout": cfg.layout.label,
@@ -195,3 +195,8 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> 
             "command": "command.sh",
         },
     }
+    if cfg.launcher.name == "local-megatron":
+        from trainer.launch.local_megatron import megatron_choice
+
+        plan["megatron"] = megatron_choice(cfg)
+    return plan

@@ -65,6 +65,11 @@ def _megatron_version(checkout: str) -> Optional[str]:
     return f"{values['MAJOR']}.{values['MINOR']}.{values['PATCH']}{values.get('PRE_RELEASE', '')}"
 
 
+def mapped_libraries() -> list:
+    """Paths of the shared objects mapped into this process (``/proc/self/maps``), sorted; [] where unreadable."""
+    return _mapped_libraries()
+
+
 def _mapped_libraries() -> list:
     try:
         text = Path("/proc/self/maps").read_text()
@@ -244,16 +249,23 @@ def probe() -> Dict[str, Any]:
             nccl = ".".join(str(v) for v in version) if isinstance(version, tuple) else str(version)
         except Exception:  # noqa: BLE001 - NCCL not loadable: absent
             nccl = None
+    cudnn = None
+    if cuda and torch.backends.cudnn.is_available():
+        try:
+            cudnn = str(torch.backends.cudnn.version())
+        except RuntimeError as ex:  # torch refuses a cuDNN other than its own: record what it says
+            cudnn = f"refused: {str(ex).split('.')[0]}"
     info["torch"] = {
         "version": torch.__version__,
         "cuda": torch.version.cuda,
-        "cudnn": (str(torch.backends.cudnn.version()) if cuda and torch.backends.cudnn.is_available() else None),
+        "cudnn": cudnn,
         "nccl": nccl,
         "gpus": gpus,
         "threads": torch.get_num_threads(),
     }
     plugins = [lib for lib in _mapped_libraries() if "nccl-net" in Path(lib).name or "nccl_net" in Path(lib).name]
     info["nccl_net_plugin"] = {"env": os.environ.get("NCCL_NET_PLUGIN"), "loaded": plugins}
+    info["torch"]["cudnn_libraries"] = [lib for lib in _mapped_libraries() if Path(lib).name.startswith("libcudnn")]
     if cuda:
         info["driver"] = _driver_version()
     return info

@@ -253,6 +253,12 @@ class LauncherConfig:
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
     wait_s: Optional[int] = None  # ray: seconds to wait for the job; null = until it ends
     master_port: Optional[int] = None  # torchrun rendezvous port on 127.0.0.1 (local-megatron); null = a free one
+    # local-megatron: the Megatron-LM and miles sources (checkouts of the locked commits, verified by git tree hash)
+    megatron_lm_path: Optional[str] = None  # Megatron-LM checkout; null = $MEGATRON_LM_PATH
+    miles_path: Optional[str] = None  # miles checkout; null = $MILES_PATH
+    transformer_impl: str = "auto"  # Megatron --transformer-impl: auto (TE when installed) | transformer_engine | local
+    attention_backend: str = "unfused"  # Megatron --attention-backend: unfused | fused | flash | local | auto
+    profile_step: Optional[int] = None  # local-megatron: run this step under torch.profiler (top kernels table)
 
 
 @dataclass

@@ -1,25 +1,30 @@
-"""One rank of a ``launcher=local-megatron`` run: the composed config trained with megatron-core on local GPUs.
+"""One rank of a ``launcher=local-megatron`` run: the composed config trained with Megatron-LM on local GPUs.
 
 Started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` in the environment) as
-``python -m trainer.launch.megatron_worker RUN_DIR ROWS_DIR``. The story of the run:
+``python -m trainer.launch.megatron_worker RUN_DIR ROWS_DIR``, with the verified Megatron-LM and miles
+checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.checkout`). The story of the run:
 
-1. NCCL process group; ``parallel_state.initialize_model_parallel`` with the layout's TP/PP/CP/EP/ETP
-   (Megatron's default rank order ``tp-cp-ep-dp-pp``, the one ``trainer.plan`` places ranks by);
-2. ``TransformerConfig`` from the ``model`` and ``layout`` configs (bf16, RMSNorm, SwiGLU, no linear biases,
-   RoPE, MoE with ``num_experts`` routed experts + a shared expert, top-k, expert bias with its update rate
-   set to 0 = frozen, the layout's dispatcher, full uniform recompute, uneven first/last pipeline stages,
-   per-token loss); a ``GPTModel`` with megatron-core's local (non-TransformerEngine) layer spec;
-3. router gates frozen (``--moe-router-freeze-gate``); megatron-core's DDP (fp32 grad reduction with
-   ``accumulate_allreduce_grads_in_fp32``) and its optimizer (Adam, distributed optimizer from the layout,
-   clip 1.0); the learning rate of :func:`trainer.launch.cpu_worker.megatron_lr` set before every step;
-4. per step: this DP rank's microbatches from the fixed rows (:class:`trainer.data.Rows`),
+1. NCCL process group; the probe (after one collective, so it sees NCCL's net plugin);
+2. Megatron-LM's arguments from the composed config (:func:`trainer.launch.megatron_args.megatron_argv`: the
+   recipe's model, layout and optimizer flags, ``--transformer-impl`` from ``launcher.transformer_impl``,
+   ``--attention-backend`` from ``launcher.attention_backend``), parsed and validated as miles does
+   (:func:`megatron_args`); ``parallel_state.initialize_model_parallel`` with the layout's TP/PP/CP/EP/ETP;
+3. the model as miles' model provider builds it (:func:`build_model`): TransformerEngine's layers or the local
+   spec, miles' DeepSeek-V4 spec (``--spec miles_plugins.models.deepseek_v4.deepseek_v4 get_dsv4_spec``) when
+   the model names it, an MTP block when ``model.mtp_num_layers`` > 0; the parameters the V4 code leaves for a
+   checkpoint given initial values (:func:`init_checkpoint_only`: the recipe loads a checkpoint, this runs
+   from random init);
+4. router gates frozen; bf16 weights as Megatron's ``get_model`` makes them (``Float16Module``, miles'
+   ``enforce_marked_param_dtypes``); megatron-core's DDP (fp32 grad reduction with ``accumulate_allreduce_grads_in_fp32``)
+   and optimizer (Adam, distributed optimizer from the layout, clip from ``optim.clip_grad``); the learning
+   rate of :func:`trainer.launch.cpu_worker.megatron_lr` set before every step;
+5. per step: this DP rank's microbatches from the fixed rows (:class:`trainer.data.Rows`),
    ``get_forward_backward_func()`` (1F1B when PP > 1), ``optimizer.step()``; one ``metrics.jsonl`` line
    written by the first rank of the last pipeline stage.
 
-What the proxy lacks against DeepSeek-V4 (they need TransformerEngine or live in miles): multi-latent
-attention, the V4 compressed-sparse / heavily-compressed attention with its indexer, hyper-connections,
-hash routing, the ``sqrtsoftplus`` router score (megatron-core 0.16 has softmax and sigmoid), MTP. TP > 1
-needs sequence parallel for MoE, which the local spec's torch norms do not support.
+Rank 0 writes ``RUN_DIR/megatron.json``: the implementation, attention backend, spec and argv that ran (and,
+after step 1, the cuDNN libraries mapped into the process); with ``launcher.profile_step`` N, step N runs
+under ``torch.profiler`` and rank 0 writes ``RUN_DIR/profile-top-kernels.md`` (:func:`top_kernels_table`).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ def main(argv=None) -> int:
     and ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` come from the environment (``KeyError`` if unset). Returns 0.
 
     Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``. Writes ``RUN_DIR/probe-rank-RANK.json``
-    (every rank); the first rank of the last pipeline stage (DP rank 0, TP rank 0) appends one line per step
+    (every rank) and ``RUN_DIR/megatron.json`` (rank 0); the first rank of the last pipeline stage (DP rank 0, TP rank 0) appends one line per step
     to ``RUN_DIR/metrics.jsonl`` (``tokens`` = global batch x seq length, ``step_time_s`` wall seconds,
     ``max_memory_bytes`` = ``torch.cuda.max_memory_allocated`` in bytes, max over ranks) and prints it.
     """
@@ -45,7 +50,6 @@ def main(argv=None) -> int:
 
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from trainer.compose import validate
     from trainer.data import Rows
@@ -65,16 +69,21 @@ def main(argv=None) -> int:
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # megatron-core 0.16.0/0.16.1 NameError without TransformerEngine
+    from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
+
+    impl = resolve_transformer_impl(cfg.launcher.transformer_impl)
+    if cfg.model.experimental_attention_variant == "dsv4":
+        tilelang_compat()
+    steps = cfg.launcher.steps or optim.num_rollout * (optim.rollout_batch_size // optim.global_batch_size)
+    args = megatron_args(cfg, megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps), world)
+    if rank == 0:
+        atomic_write(run_dir / "megatron.json", canonical_json(
+            {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend,
+             "spec": args.spec, "argv": megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps)}))
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=lay.tensor_model_parallel_size,
@@ -87,69 +96,23 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.launcher.seed)
     model_parallel_cuda_manual_seed(cfg.launcher.seed)
     seq = cfg.data.seq_length
-    config = TransformerConfig(
-        num_layers=m.num_layers,
-        hidden_size=m.hidden_size,
-        num_attention_heads=m.num_attention_heads,
-        ffn_hidden_size=m.ffn_hidden_size,
-        num_moe_experts=m.num_experts,
-        moe_router_topk=m.moe_router_topk,
-        moe_ffn_hidden_size=m.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=m.moe_shared_expert_intermediate_size,
-        moe_router_score_function=m.moe_router_score_function,
-        moe_router_enable_expert_bias=m.moe_router_enable_expert_bias,
-        moe_router_bias_update_rate=0.0 if optim.freeze_e_score_correction_bias else 1e-3,
-        moe_router_pre_softmax=m.moe_router_pre_softmax,
-        moe_router_topk_scaling_factor=m.moe_router_topk_scaling_factor,
-        moe_router_load_balancing_type=m.moe_router_load_balancing_type,
-        moe_aux_loss_coeff=m.moe_aux_loss_coeff,
-        moe_token_dispatcher_type=lay.moe_token_dispatcher_type,
-        moe_grouped_gemm=False,
-        normalization=m.normalization,
-        layernorm_epsilon=m.norm_epsilon,
-        gated_linear_unit=m.swiglu,
-        activation_func=F.silu,
-        add_bias_linear=m.add_bias_linear,
-        hidden_dropout=m.hidden_dropout,
-        attention_dropout=m.attention_dropout,
-        attention_softmax_in_fp32=m.attention_softmax_in_fp32,
-        apply_rope_fusion=False,
-        bias_activation_fusion=False,
-        bf16=optim.bf16,
-        params_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if optim.bf16 else torch.float32,
-        tensor_model_parallel_size=lay.tensor_model_parallel_size,
-        pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
-        context_parallel_size=lay.context_parallel_size,
-        expert_model_parallel_size=lay.expert_model_parallel_size,
-        expert_tensor_parallel_size=lay.expert_tensor_parallel_size,
-        sequence_parallel=lay.sequence_parallel,
-        num_layers_in_first_pipeline_stage=lay.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=lay.decoder_last_pipeline_num_layers,
-        recompute_granularity=lay.recompute_granularity,
-        recompute_method=lay.recompute_method,
-        recompute_num_layers=lay.recompute_num_layers,
-        calculate_per_token_loss=optim.calculate_per_token_loss,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(
-            num_experts=m.num_experts, moe_grouped_gemm=False, qk_layernorm=m.qk_layernorm, normalization=m.normalization
-        ),
-        vocab_size=m.vocab_size,
-        max_sequence_length=seq,
-        pre_process=ps.is_pipeline_first_stage(),
-        post_process=ps.is_pipeline_last_stage(),
-        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
-        position_embedding_type=m.position_embedding_type,
-        rotary_base=m.rotary_base,
-    )
+    model, config = build_model(args, impl, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
+    chosen = json.loads((run_dir / "megatron.json").read_text()) if rank == 0 else None
+    initialized = init_checkpoint_only(model, config.init_method_std, cfg.model.num_experts, cfg.launcher.seed)
     frozen = 0
     for name, param in model.named_parameters():
         if optim.moe_router_freeze_gate and name.endswith("router.weight"):
-            param.requires_grad_(False)
+            param.requires_grad_(False)  # the fork's router does this too (config.moe_router_freeze_gate)
             frozen += param.numel()
     model.cuda(torch.cuda.current_device())
+    if optim.bf16:
+        # as Megatron-LM's get_model (megatron/training/training.py): bf16 weights except those marked
+        # _keep_fp32 (attention sinks, hyper-connection maps), then miles' restoring of marked dtypes
+        from megatron.core.transformer.module import Float16Module
+        from miles.backends.megatron_utils.fp32_param_utils import enforce_marked_param_dtypes
+
+        model = Float16Module(config, model)
+        enforce_marked_param_dtypes([model])
     model = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(
@@ -181,12 +144,12 @@ def main(argv=None) -> int:
     mbs = lay.micro_batch_size
     num_micro = optim.global_batch_size // (mbs * dp_size)
     per_epoch = rows.num_batches(mbs, dp_size)
-    steps = cfg.launcher.steps or optim.num_rollout * (optim.rollout_batch_size // optim.global_batch_size)
     writer = ps.is_pipeline_last_stage() and dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
     metrics = (run_dir / "metrics.jsonl").open("a") if writer else None
     if writer:
         print(f"megatron-core: {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
-              f"{frozen:,} frozen router weights; {num_micro} microbatches per step", flush=True)
+              f"{frozen:,} frozen router weights, {initialized} checkpoint-only tensors initialised; "
+              f"{num_micro} microbatches per step", flush=True)
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -194,7 +157,7 @@ def main(argv=None) -> int:
         labels = torch.from_numpy(batch.labels).clamp(min=0).cuda(non_blocking=True)
         mask = torch.from_numpy(batch.loss_mask).float().cuda(non_blocking=True)
         positions = torch.from_numpy(batch.position_ids).cuda(non_blocking=True)
-        output = model(tokens, positions, None, labels=labels)
+        output = model(tokens, positions, None, labels=labels, loss_mask=mask)
 
         def loss_func(output_tensor):
             losses = output_tensor.float().reshape(-1)
@@ -218,6 +181,11 @@ def main(argv=None) -> int:
             batches.append(next(rows.batches(mbs, dp_rank=dp_rank, dp_size=dp_size, epoch=epoch, start=index)))
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        profiler = None
+        if step == cfg.launcher.profile_step:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler.__enter__()
         reduced = forward_backward(
             forward_step_func=forward_step,
             data_iterator=iter(batches),
@@ -228,6 +196,11 @@ def main(argv=None) -> int:
             forward_only=False,
         )
         _, grad_norm, _ = optimizer.step()
+        if profiler is not None:
+            torch.cuda.synchronize()
+            profiler.__exit__(None, None, None)
+            if rank == 0:
+                atomic_write(run_dir / "profile-top-kernels.md", top_kernels_table(profiler).encode())
         totals = torch.zeros(2, device="cuda")
         if ps.is_pipeline_last_stage():
             for item in reduced:
@@ -251,6 +224,11 @@ def main(argv=None) -> int:
             }
             metrics.write(dumps_row(row) + "\n")
             metrics.flush()
+            if step == 1 and chosen is not None:  # the cuDNN that TE and torch loaded, once both ran a step
+                from trainer.probe import mapped_libraries
+
+                chosen["cudnn_loaded"] = [lib for lib in mapped_libraries() if "libcudnn" in lib]
+                atomic_write(run_dir / "megatron.json", canonical_json(chosen))
             print(f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']} lr {lr:.3g} "
                   f"{elapsed:.3f} s", flush=True)
     if metrics is not None:
@@ -259,6 +237,149 @@ def main(argv=None) -> int:
     ps.destroy_model_parallel()
     dist.destroy_process_group()
     return 0
+
+
+def top_kernels_table(profiler, limit: int = 25) -> str:
+    """The ``limit`` GPU kernels of a finished ``torch.profiler.profile`` with the most device time, as a
+    Markdown table: kernel name (cut to 90 characters), calls, total device ms, share of all kernels' time
+    in percent. Raises nothing for a profile without GPU events (the table is then empty)."""
+    events = [e for e in profiler.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events) or 1.0
+    lines = [f"total device time of all kernels: {total / 1e3:.1f} ms", "",
+             "| kernel | calls | device ms | share |", "|---|---|---|---|"]
+    for e in events[:limit]:
+        name = e.key.replace("|", "/")[:90]
+        lines.append(f"| `{name}` | {e.count} | {e.self_device_time_total / 1e3:.2f} | "
+                     f"{100.0 * e.self_device_time_total / total:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+# DeepSeek-V4 parameters that miles 78527b91 and its Megatron-LM fork allocate with torch.empty (or, for tid2eid,
+# fill with -1) and only ever load from a checkpoint: (name suffix, initial value). Values as transformers'
+# DeepseekV4PreTrainedModel._init_weights (modeling_deepseek_v4.py): hyper-connection fn ~ N(0, std), base 0,
+# scale 1; attention sinks 0; compressor position bias (miles' `ape`) 0.
+CHECKPOINT_ONLY = (
+    ("hc_attn_fn", "normal"), ("hc_ffn_fn", "normal"), ("hc_head_fn", "normal"),
+    ("hc_attn_base", "zeros"), ("hc_ffn_base", "zeros"), ("hc_head_base", "zeros"),
+    ("hc_attn_scale", "ones"), ("hc_ffn_scale", "ones"), ("hc_head_scale", "ones"),
+    ("attn_sink", "zeros"), ("compressor.ape", "zeros"),
+)
+
+
+def init_checkpoint_only(model, std: float, num_experts: int, seed: int) -> int:
+    """Give a randomly initialised model the values of the parameters that the V4 code leaves for a checkpoint
+    (:data:`CHECKPOINT_ONLY`, ``std`` = ``init_method_std``), and the hash routers' ``tid2eid`` tables
+    ``topk`` distinct experts per token id from ``seed``
+    (:func:`trainer.models.deepseek_v4_hf.fill_tid2eid`; the fork asserts every entry >= 0). Returns the
+    number of tensors set; a model without such parameters is left as it is (0)."""
+    import torch
+
+    from trainer.models.deepseek_v4_hf import fill_tid2eid
+
+    done = 0
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            kind = next((k for suffix, k in CHECKPOINT_ONLY if name.endswith(suffix)), None)
+            if name.endswith("tid2eid"):
+                table = torch.empty(param.shape, dtype=param.dtype)
+                fill_tid2eid(table, num_experts, generator)
+                param.copy_(table)
+            elif kind == "normal":
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif kind in ("zeros", "ones"):
+                param.fill_(0.0 if kind == "zeros" else 1.0)
+            else:
+                continue
+            done += 1
+    return done
+
+
+def tilelang_compat() -> None:
+    """Let TileKernels 1.0.0 import under tilelang 0.1.15.
+
+    miles 78527b91's V4 hyper-connections and FP8 cast-back come from TileKernels (``tile_kernels``), which its
+    ``docker/Dockerfile`` installs at 1.0.0 next to tilelang 0.1.8; the bundle's lock pins tilelang 0.1.15,
+    where ``determine_target`` moved from ``tilelang.utils.target`` to ``tilelang.backend.target``. When the
+    old module is missing and the new one exists, the old name is made an alias of the new module (the only
+    import of TileKernels 1.0.0 that 0.1.15 lacks); otherwise nothing changes."""
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec("tilelang") is None:
+        return
+    try:
+        importlib.import_module("tilelang.utils.target")
+    except ModuleNotFoundError:
+        sys.modules["tilelang.utils.target"] = importlib.import_module("tilelang.backend.target")
+
+
+def megatron_args(cfg, argv, world: int):
+    """Megatron-LM's argument namespace for ``argv`` (:func:`trainer.launch.megatron_args.megatron_argv`), made
+    as miles 78527b91 makes it for its Megatron backend (``miles/utils/arguments.py`` ``parse_args``):
+    Megatron-LM's ``parse_args`` (flags only miles defines are skipped), the miles-only fields the model
+    reads set from the config (``moe_router_freeze_gate``, ``freeze_e_score_correction_bias``), miles'
+    ``set_default_megatron_args`` (padded vocabulary, rope type, DSA top-k backend), Megatron's
+    ``validate_args``. Raises whatever those raise (an ``AssertionError`` names the bad argument)."""
+    from megatron.training.arguments import parse_args, validate_args
+    from megatron.training.global_vars import set_args
+    from miles.backends.megatron_utils.arguments import set_default_megatron_args
+
+    saved = sys.argv
+    sys.argv = ["megatron"] + list(argv)
+    try:
+        args = parse_args(ignore_unknown_args=True)
+    finally:
+        sys.argv = saved
+    args.moe_router_freeze_gate = cfg.optim.moe_router_freeze_gate
+    args.freeze_e_score_correction_bias = cfg.optim.freeze_e_score_correction_bias
+    args.rank, args.world_size = int(os.environ["RANK"]), world
+    args = set_default_megatron_args(args)
+    validate_args(args)
+    set_args(args)
+    return args
+
+
+def build_model(args, impl: str, pre_process: bool, post_process: bool):
+    """The ``GPTModel`` and its ``TransformerConfig``, built as miles 78527b91's
+    ``miles/backends/megatron_utils/model_provider.py`` ``model_provider`` builds the actor: config from
+    ``core_transformer_config_from_args``; the layer spec from ``--spec`` (called as ``spec(args, config,
+    vp_stage)``: DeepSeek-V4's ``get_dsv4_spec``) or, without one, ``get_gpt_decoder_block_spec`` with
+    TransformerEngine or the local modules; an MTP block from ``get_gpt_mtp_block_spec``; the same
+    ``GPTModel`` arguments. (That module itself is not imported: it pulls in ``miles.utils.misc``, which
+    imports ray at module level, and ray is not part of a training process's needs.)"""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.transformer.spec_utils import import_module
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    use_te = impl == "transformer_engine"
+    config = core_transformer_config_from_args(args)
+    if args.spec:
+        spec = import_module(args.spec)
+        if callable(spec):
+            spec = spec(args, config, None)
+    else:
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te)
+    kwargs = {
+        "config": config,
+        "transformer_layer_spec": spec,
+        "vocab_size": args.padded_vocab_size,
+        "max_sequence_length": args.max_position_embeddings,
+        "pre_process": pre_process,
+        "post_process": post_process,
+        "fp16_lm_cross_entropy": args.fp16_lm_cross_entropy,
+        "parallel_output": True,
+        "share_embeddings_and_output_weights": not args.untie_embeddings_and_output_weights,
+        "position_embedding_type": args.position_embedding_type,
+        "rotary_percent": args.rotary_percent,
+        "rotary_base": args.rotary_base,
+        "rope_scaling": args.use_rope_scaling,
+    }
+    if args.mtp_num_layers:
+        kwargs["mtp_block_spec"] = get_gpt_mtp_block_spec(config, spec, use_transformer_engine=use_te)
+    return GPTModel(**kwargs), config
 
 
 if __name__ == "__main__":

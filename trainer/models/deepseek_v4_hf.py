@@ -101,9 +101,18 @@ def build_model(m: ModelConfig, seed: int):
     for module in model.modules():
         table = getattr(module, "tid2eid", None)
         if isinstance(table, torch.Tensor):
-            scores = torch.rand(table.shape[0], m.num_experts, generator=generator)
-            table.copy_(scores.argsort(dim=1)[:, : table.shape[1]])
+            fill_tid2eid(table, m.num_experts, generator)
     return model.train()
+
+
+def fill_tid2eid(table, num_experts: int, generator) -> None:
+    """Fill a hash router's ``tid2eid`` table ``[vocab, topk]`` in place with ``topk`` distinct expert ids per
+    token id, drawn from ``generator`` (a ``torch.Generator``): the argsort of uniform scores per row. A real
+    checkpoint carries its own table; this is the random-init stand-in."""
+    import torch
+
+    scores = torch.rand(table.shape[0], num_experts, generator=generator)
+    table.copy_(scores.argsort(dim=1)[:, : table.shape[1]].to(table.dtype))
 
 
 def freeze_router(model, freeze_gate: bool, freeze_bias: bool) -> int:

@@ -1,0 +1,168 @@
+"""launcher=local-megatron on CPU: checkouts verified by git tree hash, the Megatron-LM argv, the plan's choice,
+the initial values of checkpoint-only V4 parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+import helpers
+from helpers import compose
+from trainer.errors import CheckError
+from trainer.launch.checkout import verify_checkouts
+from trainer.launch.local_megatron import megatron_choice
+from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
+from trainer.plan import build_plan
+from trainer.compose import validate
+from trainer import checks
+
+
+def _git(cwd: Path, *args: str) -> str:
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}
+    return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def _checkout(root: Path, package: str) -> tuple[str, str]:
+    """A git repository with a package dir, an executable, a symlink and a nested file; (commit, tree)."""
+    (root / package / "sub").mkdir(parents=True)
+    (root / package / "__init__.py").write_text("__version__ = '0.0.1'\n")
+    (root / package / "sub" / "data.txt").write_bytes(b"\x00\x01binary\n")
+    (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "link").symlink_to("run.sh")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "commit", "-q", "-m", "x")
+    return _git(root, "rev-parse", "HEAD"), _git(root, "rev-parse", "HEAD^{tree}")
+
+
+@pytest.fixture()
+def checkouts(tmp_path):
+    megatron, miles = tmp_path / "Megatron-LM", tmp_path / "miles"
+    megatron.mkdir(), miles.mkdir()
+    pins = {}
+    for root, package, name in ((megatron, "megatron", "megatron_lm"), (miles, "miles", "miles")):
+        commit, tree = _checkout(root, package)
+        pins[name] = {"version": "0", "commit": commit, "tree": tree}
+    lock = tmp_path / "stack.json"
+    lock.write_text(json.dumps({"components": pins}))
+
+    class Launcher:
+        megatron_lm_path, miles_path = str(megatron), str(miles)
+
+    return Launcher, lock, pins
+
+
+def test_verify_checkouts_returns_the_locked_commits(checkouts):
+    launcher, lock, pins = checkouts
+    out = verify_checkouts(launcher, lock)
+    assert out["megatron_lm"]["commit"] == pins["megatron_lm"]["commit"]
+    assert out["miles"]["tree"] == pins["miles"]["tree"]
+    assert out["miles"]["path"] == launcher.miles_path
+
+
+def test_verify_checkouts_refuses_another_tree_with_one_line(checkouts):
+    launcher, lock, pins = checkouts
+    (Path(launcher.miles_path) / "miles" / "extra.py").write_text("x = 1\n")
+    with pytest.raises(CheckError) as info:
+        verify_checkouts(launcher, lock)
+    text = str(info.value)
+    assert text.startswith(f"launcher.miles_path {launcher.miles_path}: files hash to git tree ")
+    assert f"stack.json pins {pins['miles']['tree']}" in text and text.endswith("refused") and "\n" not in text
+
+
+def test_verify_checkouts_needs_a_path(checkouts, monkeypatch):
+    launcher, lock, _ = checkouts
+    monkeypatch.delenv("MILES_PATH", raising=False)
+    launcher.miles_path = None
+    with pytest.raises(CheckError, match=r"launcher.miles_path \(or \$MILES_PATH\) is not set"):
+        verify_checkouts(launcher, lock)
+
+
+def test_megatron_argv_of_the_proxy_on_the_local_spec():
+    argv = megatron_argv(compose("experiment=proxy-h200"), "local", "unfused", 12)
+    assert not any(t.startswith(("--dsv4-", "--dsa-", "--spec", "--experimental-attention-variant")) for t in argv)
+    assert "--moe-grouped-gemm" not in argv and "--multi-latent-attention" not in argv
+    for flag, value in (("--num-layers", "8"), ("--hidden-size", "2048"), ("--seq-length", "4096"),
+                        ("--global-batch-size", "16"), ("--train-iters", "12"), ("--transformer-impl", "local"),
+                        ("--attention-backend", "unfused"), ("--moe-router-score-function", "sigmoid")):
+        assert argv[argv.index(flag) + 1] == value
+    for flag in ("--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
+                 "--bf16", "--use-distributed-optimizer", "--calculate-per-token-loss"):
+        assert flag in argv
+
+
+def test_megatron_argv_of_dsv4_tiny_names_miles_v4_spec():
+    argv = megatron_argv(compose("experiment=dsv4-tiny-h200"), "transformer_engine", "unfused", 20)
+    assert argv[argv.index("--spec") + 1 : argv.index("--spec") + 3] == [
+        "miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec"]
+    ratios = argv.index("--dsv4-compress-ratios")
+    assert argv[ratios + 1 : ratios + 5] == ["0", "4", "128", "4"]
+    for flag, value in (("--experimental-attention-variant", "dsv4"), ("--dsv4-hc-mult", "4"),
+                        ("--dsv4-n-hash-layers", "1"), ("--moe-router-score-function", "sqrtsoftplus"),
+                        ("--seq-length", "8192"), ("--micro-batch-size", "1"), ("--kv-lora-rank", "512")):
+        assert argv[argv.index(flag) + 1] == value
+    assert "--moe-grouped-gemm" in argv and "--no-persist-layer-norm" not in argv and "--mtp-num-layers" not in argv
+
+
+def test_transformer_impl_auto_follows_transformer_engine(monkeypatch):
+    import importlib.util
+
+    installed = importlib.util.find_spec("transformer_engine") is not None
+    assert resolve_transformer_impl("auto") == ("transformer_engine" if installed else "local")
+    assert resolve_transformer_impl("local") == "local"
+    with pytest.raises(ValueError, match="expected auto, transformer_engine or local"):
+        resolve_transformer_impl("apex")
+
+
+def test_the_plan_says_which_implementation_and_attention_backend_and_why():
+    cfg = validate(compose("experiment=dsv4-tiny-h200"))
+    plan = build_plan(cfg, checks.check(cfg), {})
+    assert plan["megatron"] == megatron_choice(cfg)
+    assert plan["megatron"]["attention_backend"] == "unfused"
+    why = " ".join(plan["megatron"]["why"])
+    assert "CUDNN_STATUS_BAD_PARAM" in why and "cuDNN 9.19.0" in why and "tilelang sparse-attention" in why
+    proxy = validate(compose("experiment=proxy-h200", "launcher.attention_backend=fused"))
+    assert megatron_choice(proxy)["why"][1] == "attention_backend fused: asked for"
+
+
+
+def test_checkpoint_only_parameters_get_initial_values():
+    import torch
+
+    from trainer.launch.megatron_worker import init_checkpoint_only
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.hc_attn_fn = torch.nn.Parameter(torch.full((24, 64), float("nan")))
+            self.hc_attn_base = torch.nn.Parameter(torch.full((24,), float("nan")))
+            self.hc_ffn_scale = torch.nn.Parameter(torch.full((3,), float("nan")))
+            self.attn_sink = torch.nn.Parameter(torch.full((4,), float("nan")))
+            self.compressor = torch.nn.Module()
+            self.compressor.ape = torch.nn.Parameter(torch.full((4, 8), float("nan")))
+            self.router = torch.nn.Module()
+            self.router.tid2eid = torch.nn.Parameter(torch.full((50, 6), -1, dtype=torch.int32), requires_grad=False)
+            self.other = torch.nn.Parameter(torch.full((2,), 7.0))
+
+    layer = Layer()
+    assert init_checkpoint_only(layer, 0.02, 16, seed=3) == 6
+    assert 0.01 < layer.hc_attn_fn.std().item() < 0.03 and abs(layer.hc_attn_fn.mean().item()) < 0.005
+    assert torch.equal(layer.hc_attn_base, torch.zeros(24)) and torch.equal(layer.hc_ffn_scale, torch.ones(3))
+    assert torch.equal(layer.attn_sink, torch.zeros(4)) and torch.equal(layer.compressor.ape, torch.zeros(4, 8))
+    table = layer.router.tid2eid
+    assert table.dtype == torch.int32 and int(table.min()) >= 0 and int(table.max()) < 16
+    assert all(len(set(row.tolist())) == 6 for row in table)
+    assert torch.equal(layer.other, torch.full((2,), 7.0))
+    again = Layer()
+    init_checkpoint_only(again, 0.02, 16, seed=3)
+    assert torch.equal(again.router.tid2eid, table) and torch.equal(again.hc_attn_fn, layer.hc_attn_fn)
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
