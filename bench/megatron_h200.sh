@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Superseded by bench/h200_bench.sh (the worker now runs the Megatron-LM checkout, not the megatron-core wheel).
 # Benchmark on the lent H200s (device tool, kind nvidia-h200-x2): the DeepSeek-V4 proxy with megatron-core,
 # 20 steps per layout on the same rows and seed, in one call. Each layout writes a run directory (run
 # directories: metrics.jsonl, record.json with the probe of every rank, logs), packed into $OUT/runs.tgz (the

@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Prepare, on this machine, what a run of launcher=local-megatron on the lent H200 carries (the device tool
+# moves at most 64 MiB per call and the machine reaches no registry): every wheel hash-checked against the
+# lock, TransformerEngine's 245 MB core wheel split in parts, the locked Megatron-LM and miles commits as
+# `git archive` tarballs, the fixed rows. Nothing here is committed (bench/.scratch/ is ignored).
+#
+# Usage: bash bench/h200_carry.sh MEGATRON_LM_GIT_DIR MILES_GIT_DIR
+#   (bare git directories or clones holding the commits that lockfiles/stack.json pins)
+# Then carry, one device call each and back to back (a machine idle 30 s is given back, losing /tmp):
+#   bench/.scratch/carry/c1 .. c7, each call starting with `bash bench/h200_setup.sh stash DIR` (DIR = the
+#   carried folder, as the call's working tree holds it);
+#   the last call runs `bash bench/h200_setup.sh install`, which joins and checks the TE wheel, installs
+#   everything into /tmp/site and compiles transformer-engine-torch there (about 100 s).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+megatron_git=${1:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
+miles_git=${2:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
+python=$(bin/python-env)
+dl=bench/.scratch/dl
+carry=bench/.scratch/carry
+mkdir -p "$dl"
+rm -rf "$carry" && mkdir -p "$carry"/c{1,2,3,4,5,6,7}
+
+# 1. Wheels and the TE torch sdist, by URL and sha256 from lockfiles/full.lock.json (pip checks the hash).
+"$python" - > "$dl/urls.txt" <<'EOF'
+import json
+lock = json.load(open("lockfiles/full.lock.json"))
+names = {"transformer-engine-cu13", "transformer-engine", "transformer-engine-torch", "pydantic", "pydantic-core",
+         "annotated-types", "typing-inspection", "nvdlfw-inspect", "tilelang", "apache-tvm-ffi",
+         "torch-c-dlpack-ext", "z3-solver"}
+found = [f for group in ("wheels", "sdists") for f in lock[group] if f["name"] in names]
+assert {f["name"] for f in found} == names, sorted(names - {f["name"] for f in found})
+for f in found:
+    print(f"{f['url']}#sha256={f['sha256']} {f['filename']} {f['sha256']}")
+EOF
+# TileKernels (deepseek-ai) is not in the lock: miles 78527b91 docker/Dockerfile installs
+# `pip install --no-deps tile_kernels==1.0.0`; its hash pinned here as PyPI served it on 2026-12-01.
+echo "https://files.pythonhosted.org/packages/py3/t/tile_kernels/tile_kernels-1.0.0-py3-none-any.whl#sha256=9f1e09c1bccde32f3189d1ff32ba9725f86fc04ac1d0ac93284e16fcab1a5666 tile_kernels-1.0.0-py3-none-any.whl 9f1e09c1bccde32f3189d1ff32ba9725f86fc04ac1d0ac93284e16fcab1a5666" >> "$dl/urls.txt"
+while read -r url file sha; do
+  if [ ! -f "$dl/$file" ] || [ "$(sha256sum "$dl/$file" | cut -d' ' -f1)" != "$sha" ]; then
+    case "$file" in
+      tile_kernels-*) python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$dl" tile_kernels==1.0.0 ;;
+      *.tar.gz) curl -fsSL -o "$dl/$file.part" "${url%%#*}" && mv "$dl/$file.part" "$dl/$file" ;;
+      *) python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+           --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \
+           --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d "$dl" "$url" ;;
+    esac
+  fi
+  echo "$sha  $dl/$file" | sha256sum -c --quiet - || { echo "$file: sha256 differs from the lock" >&2; exit 1; }
+done < "$dl/urls.txt"
+cut -d' ' -f2,3 "$dl/urls.txt" | awk '{print $2"  "$1}' > "$carry/c1/SHA256SUMS"
+# the bundle's own needs there (the machine has yaml, pyarrow, rich): hydra-core, omegaconf, antlr4 (an sdist),
+# hash-pinned by lockfiles/launcher.lock
+for name in antlr4-python3-runtime hydra-core omegaconf; do
+  awk -v n="$name" '$0 ~ "^"n"==" {on=1; print; next} on && /^ +--hash/ {print; next} {on=0}' lockfiles/launcher.lock
+done > "$dl/launcher-reqs.txt"
+python3 -m pip download -q --no-deps --require-hashes -d "$dl" -r "$dl/launcher-reqs.txt"
+
+# 2. TransformerEngine's core wheel in 5 parts of at most 50 MiB, one per call (the working tree travels too).
+te=transformer_engine_cu13-2.17.0-py3-none-manylinux_2_28_x86_64.whl
+split -b 50M -d -a 1 "$dl/$te" "$carry/te.part."
+for i in 0 1 2 3 4; do mv "$carry/te.part.$i" "$carry/c$((i + 1))/"; done
+
+# 3. The small wheels with the last TE part; tilelang with the rows; z3 with the sources.
+for f in transformer_engine-2.17.0-py3-none-any.whl transformer_engine_torch-2.17.0.tar.gz pydantic-2.14.4-py3-none-any.whl \
+         pydantic_core-2.50.5-*.whl annotated_types-*.whl typing_inspection-*.whl nvdlfw_inspect-*.whl apache_tvm_ffi-*.whl \
+         torch_c_dlpack_ext-*.whl tile_kernels-1.0.0-py3-none-any.whl; do cp "$dl"/$f "$carry/c5/"; done
+cp "$dl"/tilelang-0.1.15-*.whl "$carry/c6/"
+# transformer-engine-torch built there by an earlier `h200_setup.sh install` (its $OUT/te-torch-build.tgz),
+# if kept in bench/.scratch/: the install then skips the 100-s compile
+if [ -f bench/.scratch/te-torch-build.tgz ]; then cp bench/.scratch/te-torch-build.tgz "$carry/c5/"; fi
+cp "$dl"/z3_solver-4.15.4.0-*.whl "$dl"/hydra_core-1.3.8-py3-none-any.whl "$dl"/omegaconf-2.3.1-py3-none-any.whl \
+   "$dl"/antlr4-python3-runtime-4.9.3.tar.gz "$carry/c7/"
+
+# 4. The locked sources (git archive of the pinned commits; the worker checks their git trees again there).
+read -r megatron_commit miles_commit < <("$python" -c "
+import json; c = json.load(open('lockfiles/stack.json'))['components']; print(c['megatron_lm']['commit'], c['miles']['commit'])")
+git --git-dir="$megatron_git" archive --format=tar.gz --prefix=Megatron-LM/ "$megatron_commit" > "$carry/c7/Megatron-LM.tar.gz"
+git --git-dir="$miles_git" archive --format=tar.gz --prefix=miles/ "$miles_commit" > "$carry/c7/miles.tar.gz"
+
+# 5. The fixed rows: 4,096-token (proxy) and 8,192-token (dsv4-tiny) builds of the same generated conversations.
+if [ ! -f bench/.scratch/rows-8192/manifest.json ]; then
+  "$python" -m trainer data example --out bench/.scratch/conv-2400.jsonl --conversations 2400 --seed 1
+  "$python" -m trainer data build --input bench/.scratch/conv-2400.jsonl --out bench/.scratch/rows-4096 --row-tokens 4096 --data synthetic-4096
+  "$python" -m trainer data build --input bench/.scratch/conv-2400.jsonl --out bench/.scratch/rows-8192 --row-tokens 8192 --data synthetic-8192
+fi
+tar -C bench/.scratch -cf "$carry/c6/rows.tar" rows-4096 rows-8192
+du -sh "$carry"/c*

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# On the lent H200 (device tool): gather what bench/h200_carry.sh prepared, then install it.
+#   bash bench/h200_setup.sh stash DIR  copy the carried folder DIR (bench/.scratch/carry/cN) into /tmp/carry
+#                                       (/tmp is kept while the machine stays warm)
+#   bash bench/h200_setup.sh install    join TE's core wheel, check every file's sha256, install the wheels into
+#                                       /tmp/site, compile transformer-engine-torch against the machine's torch
+#                                       (NVTE_CUDA_ARCHS=90), unpack sources into /tmp/src and rows into /tmp/rows;
+#                                       the built extension is also packed into $OUT/te-torch-build.tgz
+# Afterwards: export PYTHONPATH=/tmp/site MEGATRON_LM_PATH=/tmp/src/Megatron-LM MILES_PATH=/tmp/src/miles
+set -euo pipefail
+carry=/tmp/carry
+here=$(cd "$(dirname "$0")" && pwd)
+case "${1:-}" in
+  stash)
+    mkdir -p "$carry" && cp -r "${2:?which carried folder}/." "$carry/"
+    ls "$carry" | wc -l
+    ;;
+  install)
+    cd "$carry"
+    te=transformer_engine_cu13-2.17.0-py3-none-manylinux_2_28_x86_64.whl
+    [ -f "$te" ] || { cat te.part.? > "$te.tmp" && mv "$te.tmp" "$te" && rm te.part.?; }
+    sha256sum -c --quiet SHA256SUMS
+    site=/tmp/site
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" ./*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
+      antlr4-python3-runtime-4.9.3.tar.gz
+    start=$(date +%s)
+    rm -rf /tmp/te-torch-src /tmp/te-torch && mkdir -p /tmp/te-torch-src /tmp/te-torch
+    if [ -f te-torch-build.tgz ]; then
+      # an extension this script built earlier on such a machine (carried back from its $OUT)
+      tar -xzf te-torch-build.tgz -C /tmp/te-torch
+      echo "transformer-engine-torch: prebuilt $(sha256sum te-torch-build.tgz | cut -c1-16)"
+    else
+      tar -xzf transformer_engine_torch-2.17.0.tar.gz -C /tmp/te-torch-src --strip-components=1
+      (cd /tmp/te-torch-src && PYTHONPATH=$site NVTE_CUDA_ARCHS=90 MAX_JOBS=16 NVTE_FRAMEWORK=pytorch \
+        python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/te-torch . )
+      echo "transformer-engine-torch compiled in $(( $(date +%s) - start )) s"
+      if [ -n "${OUT:-}" ]; then tar -C /tmp/te-torch -czf "$OUT/te-torch-build.tgz" .; fi
+    fi
+    # the extension's .so must sit in the core wheel's transformer_engine/ tree
+    cp -r /tmp/te-torch/. "$site/"
+    mkdir -p /tmp/src /tmp/rows
+    tar -xzf Megatron-LM.tar.gz -C /tmp/src && tar -xzf miles.tar.gz -C /tmp/src && tar -xf rows.tar -C /tmp/rows
+    LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):$LD_LIBRARY_PATH PYTHONPATH=$site python3 -c "
+import torch, transformer_engine.pytorch, tilelang
+from importlib.metadata import version
+print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE', version('transformer-engine'), 'tilelang', tilelang.__version__)"
+    ;;
+  cudnn-dir)
+    # the directory of the pip cuDNN that torch was built against (the lock's nvidia-cudnn-cu13). The machine
+    # also has an apt libcudnn9-cuda-13 (9.14) in the loader's cache, which otherwise shadows it (miles'
+    # docker/Dockerfile removes the apt copy for that reason: "the loader interleaves the two").
+    python3 -c "import pathlib, torch; sp = pathlib.Path(torch.__file__).parents[1]; print(sorted(sp.glob('nvidia/**/libcudnn.so.9'))[0].parent)"
+    ;;
+  *) echo "usage: $0 stash DIR | install | cudnn-dir" >&2; exit 2 ;;
+esac
