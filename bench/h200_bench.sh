@@ -9,7 +9,12 @@ OUT=${OUT:-/tmp/out}
 export PYTHONPATH="/tmp/site:$PWD" MEGATRON_LM_PATH=/tmp/src/Megatron-LM MILES_PATH=/tmp/src/miles
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # the lock's pip cuDNN first: the machine's apt cuDNN 9.14 would otherwise shadow it (bench/h200_setup.sh cudnn-dir)
-export LD_LIBRARY_PATH="$(bash bench/h200_setup.sh cudnn-dir):${LD_LIBRARY_PATH:-}"
+cudnn=$(bash bench/h200_setup.sh cudnn-dir)
+export LD_LIBRARY_PATH="$cudnn:${LD_LIBRARY_PATH:-}"
+# TE 2.17.0 loads cuDNN itself, searching $CUDNN_HOME, $CUDNN_PATH, $CUDA_HOME, /usr/local/cuda before the python
+# packages (transformer_engine/common/__init__.py, _load_cuda_library_from_system): on 2026-12-01, without this,
+# it mapped the apt 9.14 next to torch's 9.19
+export CUDNN_HOME="$(dirname "$cudnn")"
 export XDG_CACHE_HOME=/tmp/cache  # JIT kernel caches (tilelang, triton) stay warm between runs of one machine
 runs=/tmp/runs
 mkdir -p "$runs"
