@@ -76,12 +76,31 @@ def test_verify_checkouts_refuses_another_tree_with_one_line(checkouts):
     assert f"stack.json pins {pins['miles']['tree']}" in text and text.endswith("refused") and "\n" not in text
 
 
-def test_verify_checkouts_needs_a_path(checkouts, monkeypatch):
-    launcher, lock, _ = checkouts
-    monkeypatch.delenv("MILES_PATH", raising=False)
-    launcher.miles_path = None
-    with pytest.raises(CheckError, match=r"launcher.miles_path \(or \$MILES_PATH\) is not set"):
-        verify_checkouts(launcher, lock)
+def test_checkouts_come_from_the_cache_when_no_path_is_given(checkouts, tmp_path, monkeypatch):
+    from trainer.errors import UserError
+    from trainer.image.cas import Cache
+    from trainer.image.sources import add_git, pins_for
+
+    launcher, lock, pins = checkouts
+    for var in ("MEGATRON_LM_PATH", "MILES_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    cache = Cache(tmp_path / "cache")
+    megatron_root, miles_root = launcher.megatron_lm_path, launcher.miles_path
+    launcher.megatron_lm_path = launcher.miles_path = None
+    with pytest.raises(UserError, match=r"missing input source megatron_lm@[0-9a-f]{12} .*trainer cache add-git CLONE --commit"):
+        verify_checkouts(launcher, lock, cache)
+    for repo, name in ((megatron_root, "megatron_lm"), (miles_root, "miles")):
+        add_git(cache, Path(repo), pins[name]["commit"], pins_for([lock]))
+    out = verify_checkouts(launcher, lock, cache)
+    for name in ("megatron_lm", "miles"):
+        assert out[name]["path"] == str(cache.root / "checkouts" / pins[name]["tree"])
+        assert out[name]["commit"] == pins[name]["commit"]
+    assert (Path(out["megatron_lm"]["path"]) / "run.sh").stat().st_mode & 0o111
+    assert (Path(out["miles"]["path"]) / "link").is_symlink()
+    # a cached checkout someone edited is refused like a given one
+    (Path(out["miles"]["path"]) / "miles" / "__init__.py").write_text("changed = True\n")
+    with pytest.raises(CheckError, match=r"cached miles checkout .*: files hash to git tree .* refused"):
+        verify_checkouts(launcher, lock, cache)
 
 
 def test_megatron_argv_of_the_proxy_on_the_local_spec():
