@@ -1,7 +1,8 @@
 """Summarise the run directories of bench/h200_bench.sh (runs.tgz unpacked): per run its status (the error line
 of a failed one), and for a complete one the speed (``trainer report``), ``trainer verify`` against the stack
 lock, the plan's memory estimate next to the measured peak, and which implementation, attention backend and
-cuDNN libraries ran; the bare Megatron-LM baseline (``bare-mla.jsonl``) over the same step window.
+cuDNN libraries ran; the bare Megatron-LM baseline (``bare-mla.jsonl``) over the same step window; ``trainer
+converge`` of the dsv4-tiny pair (2 vs 4 microbatches) and of the changed learning rate, where those ran.
 
 Usage: python bench/h200_report.py RUNS_DIR OUT_DIR
 Writes OUT_DIR/<run>/{summary,verify,probe,megatron,record}.json + metrics.jsonl (the record cut to status,
@@ -82,6 +83,14 @@ def main() -> int:
         shutil.copyfile(bare, out / "bare-mla.jsonl")
         print(f"\nbare Megatron-LM script, same model (proxy-te-mla's argv), steps {first}..{last}: {base:,.0f} tokens/s; "
               f"the bundle's worker {worker:,.0f} = {worker / base:.3f} of it")
+    # convergence on the V4 code: 2 vs 4 microbatches must pass, a changed learning rate must fail
+    for candidate, reference in (("tiny-mb2", "tiny-mb4"), ("tiny-mb4-lr", "tiny-mb4")):
+        if all((runs / r / "metrics.jsonl").is_file() for r in (candidate, reference)):
+            rc, conv = trainer("converge", str(runs / candidate), str(runs / reference), "--json")
+            conv["candidate"], conv["reference"] = candidate, reference
+            (out / f"converge-{candidate}-vs-{reference}.json").write_text(json.dumps(conv, indent=2, sort_keys=True) + "\n")
+            checks = ", ".join(f"{c['name']} {c['value']:.4g}" for c in conv["checks"] if isinstance(c.get("value"), float))
+            print(f"\ntrainer converge {candidate} against {reference}: {'pass' if rc == 0 else 'FAIL'} ({checks})")
     if failed:
         print("\n| run | status | where it stopped (rank 0) |\n|---|---|---|")
         print("\n".join(failed))
