@@ -140,15 +140,56 @@ def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str])
     return rows
 
 
+def lock_of(record: Dict[str, Any], lock: Optional[Path] = None) -> Path:
+    """The lock a run is verified against: ``lock`` when given, else the one its record names."""
+    return lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
+
+
+def verdict(record: Dict[str, Any], lock: Optional[Path] = None) -> Dict[str, Any]:
+    """The verify verdict of a run ``record`` (with ``probe``) against its lock (or ``lock``) and the
+    recipe's stack as composed: ``{"lock", "ok", "rows"}`` (``ok``: nothing locked drifted or is absent)."""
+    lock_path = lock_of(record, lock)
+    rows = verify(record, read_lock(lock_path), {k: str(v) for k, v in (record.get("stack") or {}).items()})
+    try:
+        label = lock_path.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        label = str(lock_path)
+    return {"lock": label, "ok": not [r for r in rows if r["verdict"] in ("drift", "absent")], "rows": rows}
+
+
+def check_signed(path: Path, key: Path) -> None:
+    """``--key``: verify the signed attestation of a run directory, or the signed provenance of an image
+    (an OCI layout or oci-archive), with the public key; print one line. Raises on failure (exit 1)."""
+    from trainer import attest
+
+    public = attest.load_public_key(key)
+    if (path / "record.json").is_file() or (path / attest.ATTESTATION).is_file():
+        statement = attest.check_run(path, public)
+        print(f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; "
+              f"{len(statement['subject'])} subjects match ({', '.join(s['name'] for s in statement['subject'])})")
+    else:
+        statement = attest.check_image(path, public)
+        print(f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}")
+
+
 def main(argv: List[str]) -> int:
-    """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json]``; exit 0 when nothing locked drifted."""
+    """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json] [--key PUB]``; exit 0 when nothing locked
+    drifted (and, with ``--key``, the attestation verifies); ``trainer verify IMAGE --key PUB`` checks an
+    image's signed provenance only."""
     parser = argparse.ArgumentParser(prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, help="run directory (or, with --key, an image: OCI layout or oci-archive)")
     parser.add_argument("--lock", type=Path, help="lock to verify against (default: the run's own)")
     parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--key", type=Path, help="public key (KEY.pub from `trainer keygen`): first verify the run's "
+                        "signed attestation.json (signature and every subject's sha256) or an image's signed provenance")
     args = parser.parse_args(argv)
     from trainer.rundir import load_record
+
+    if args.key is not None:
+        check_signed(args.run_dir, args.key)
+        if not (args.run_dir / "record.json").is_file():
+            return 0
 
     record_path = args.run_dir / "record.json"
     record = load_record(args.run_dir)
@@ -156,7 +197,7 @@ def main(argv: List[str]) -> int:
         raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")
     if not record.get("probe"):
         raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
-    lock_path = args.lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
+    lock_path = lock_of(record, args.lock)
     lock = read_lock(lock_path)
     if args.recipe:
         try:
