@@ -128,5 +128,24 @@ def test_an_unsigned_attestation_and_an_image_subject(run, tmp_path):
     one_line(trainer("verify", work, "--key", run["pub"]), 1, "unsigned statement")
 
 
+
+def test_trainer_attest_writes_the_attestation_of_an_ended_run_once(run, tmp_path):
+    work = tmp_path / "run"
+    shutil.copytree(run["dir"], work)
+    (work / "attestation.json").unlink()
+    key = run["root"] / "key"
+    r = trainer("attest", work, "--sign-key", key)
+    assert r.returncode == 0, r.stderr
+    assert trainer("verify", work, "--key", run["pub"]).returncode == 0
+    assert json.loads((work / "record.json").read_text())["attestation"]["sha256"] == sha(work / "attestation.json")
+    before = (work / "attestation.json").read_bytes()
+    one_line(trainer("attest", work, "--sign-key", key), 2, "exists")
+    assert (work / "attestation.json").read_bytes() == before
+    record = json.loads((work / "record.json").read_text())
+    (work / "attestation.json").unlink()
+    (work / "record.json").write_text(json.dumps({**record, "status": "submitted"}))
+    one_line(trainer("attest", work), 2, "status 'submitted'")
+    assert not (work / "attestation.json").exists()
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

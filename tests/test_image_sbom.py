@@ -8,6 +8,7 @@ index, an sdist, a github.com git source); the README's smoke lock is built too 
 import helpers
 
 import base64
+import gzip
 import hashlib
 import io
 import json
@@ -39,12 +40,12 @@ def make_world(root: Path, beta: str = "2.0"):
     archive, commit, tree = make_git_source(root / "git", "demo", {"README.md": b"demo\n"}, EPOCH)
     sdist = root / "gamma-0.1.tar.gz"
     buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+    with tarfile.open(fileobj=buf, mode="w") as tar:
         info = tarfile.TarInfo("gamma-0.1/PKG-INFO")
         data = b"Metadata-Version: 2.1\nName: gamma\nVersion: 0.1\n"
         info.size, info.mtime = len(data), EPOCH
         tar.addfile(info, io.BytesIO(data))
-    sdist.write_bytes(buf.getvalue())
+    sdist.write_bytes(gzip.compress(buf.getvalue(), mtime=0))  # the same bytes whenever it is made
     source = {"name": "demo", "url": "https://github.com/example/demo.git", "commit": commit, "tree": tree,
               "dest": "/opt/src/demo", "archive": {"filename": archive.name, "sha256": sha(archive)}}
     lock = small_lock("sbom-test", EPOCH, [(alpha, "alpha", "1.0", "rest"), (beta_w, "beta", beta, "torch")], [source])

@@ -24,7 +24,8 @@ an in-toto Statement v1 whose subjects are the files that say what the run did a
                 "verify": {"lock": the lock verified against, "ok": bool, "rows": [trainer verify's rows]}}
 
 With a signing key (``train ... --sign-key KEY``) the file is the DSSE envelope of that statement; without
-one, the bare statement. ``trainer verify RUN_DIR --key KEY.pub`` checks the signature with the public key
+one, the bare statement (``trainer attest RUN_DIR [--sign-key KEY]`` writes it for a run that ended outside
+``train``, a Slurm job). ``trainer verify RUN_DIR --key KEY.pub`` checks the signature with the public key
 and every file subject's sha256; ``trainer verify IMAGE --key KEY.pub`` checks an image's signed provenance
 (subject = the image's manifest digest) and that its SBOM referrers are the byproducts it names.
 """
@@ -353,19 +354,28 @@ def check_image(image_path: Path, key) -> Dict[str, Any]:
     return statement
 
 
-def keygen_main(argv: List[str]) -> int:
-    """``trainer keygen --out KEY [--type ed25519|ecdsa]``: write a key pair, print both paths and the key id."""
+def main(argv: List[str]) -> int:
+    """``trainer attest RUN_DIR [--sign-key KEY]``: write the attestation of a run that ended outside ``train``
+    (a Slurm job: after ``trainer status --wait``); refuses a run that has not ended or already has one."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="trainer keygen", description="make an offline signing key pair: KEY "
-                                     "(PKCS#8 PEM, 0600) and KEY.pub (SubjectPublicKeyInfo PEM)")
-    parser.add_argument("--out", required=True, type=Path, help="private key path; the public key is OUT.pub")
-    parser.add_argument("--type", default="ed25519", choices=KEY_TYPES,
-                        help="ed25519 (default, deterministic signatures) or ecdsa (P-256, SHA-256)")
+    from trainer.record import effective_status, write_json
+    from trainer.rundir import load_record
+
+    parser = argparse.ArgumentParser(prog="trainer attest", description=main.__doc__)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--sign-key", type=Path, help="private key (`trainer keygen`): write a signed DSSE envelope")
     args = parser.parse_args(argv)
-    private, public, keyid = keygen(args.out, args.type)
-    print(f"private key {private} (keep it secret)\npublic key  {public}\nkey id      {keyid}")
+    signer = load_signer(args.sign_key) if args.sign_key else None
+    record = load_record(args.run_dir)
+    if record is None:
+        raise UserError(f"{args.run_dir / 'record.json'}: no run record (is {args.run_dir} a run directory?)")
+    status = effective_status(record)
+    if status not in ("complete", "failed", "interrupted"):
+        raise UserError(f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)")
+    if (args.run_dir / ATTESTATION).exists():
+        raise UserError(f"{args.run_dir / ATTESTATION}: exists (an attestation is written once)")
+    record["attestation"] = write_run_attestation(args.run_dir, record, signer)
+    write_json(args.run_dir / "record.json", record)
+    print(f"{args.run_dir / ATTESTATION}: " + (f"signed by {signer.public_key.keyid}" if signer else "unsigned"))
     return 0
-
-
-main = keygen_main

@@ -281,20 +281,16 @@ def validate_spdx(data: bytes, where: str) -> None:
     """Parse ``data`` with spdx-tools' JSON parser and run its full SPDX 2.3 validation.
 
     Raises :class:`UserError` naming ``where`` and the first problem."""
-    import tempfile
-
     from spdx_tools.spdx.parser.error import SPDXParsingError
-    from spdx_tools.spdx.parser.json.json_parser import parse_from_file
+    from spdx_tools.spdx.parser.jsonlikedict.json_like_dict_parser import JsonLikeDictParser
     from spdx_tools.spdx.validation.document_validator import validate_full_spdx_document
 
-    with tempfile.NamedTemporaryFile(suffix=".spdx.json") as handle:
-        handle.write(data)
-        handle.flush()
-        try:
-            document = parse_from_file(handle.name)
-        except (SPDXParsingError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError) as ex:
-            message = "; ".join(ex.get_messages()) if isinstance(ex, SPDXParsingError) else str(ex)
-            raise UserError(f"{where}: not a valid SPDX 2.3 JSON document ({' '.join(message.split())[:300]})") from None
+    try:
+        document = JsonLikeDictParser().parse(json.loads(data))
+    except (SPDXParsingError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
+            AttributeError) as ex:
+        message = "; ".join(ex.get_messages()) if isinstance(ex, SPDXParsingError) else str(ex)
+        raise UserError(f"{where}: not a valid SPDX 2.3 JSON document ({' '.join(message.split())[:300]})") from None
     problems = validate_full_spdx_document(document, "SPDX-2.3")
     if problems:
         raise UserError(f"{where}: SPDX validation: {problems[0].validation_message}")
