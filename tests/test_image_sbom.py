@@ -187,6 +187,8 @@ def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
         sbom.validate_cyclonedx(cdx, name)
         purls = {c["purl"] for c in json.loads(cdx)["components"]}
         assert "pkg:github/radixark/miles@78527b9102b3a5f15891128cbec3ac6c2dc4089e" in purls
+        miles = [c for c in json.loads(cdx)["components"] if c["name"] == "miles"][0]
+        assert miles["hashes"] == [{"alg": "SHA-1", "content": "6d202c7215156941afe3e53e2d72babe49fb2875"}]  # its tree
         assert "pkg:generic/deepep@1.2.1" in purls
         if name == "full":
             assert ("pkg:oci/sglang@sha256:7b6a35df9839fd593a94a1eaee82d7777f472225d9f3ad1f8a2e0cb2bd1785d0"

@@ -11,7 +11,9 @@ package URL (purl spec, github.com/package-url/purl-spec):
     build   pkg:generic/NAME@VERSION (a native build's output, sha256 of the built artifact)
     base    pkg:oci/NAME@sha256:...?repository_url=REGISTRY/REPO&tag=TAG
 
-and the image itself, ``pkg:oci/LOCK_NAME@sha256:<manifest digest>``, which CONTAINS every package (SPDX
+Git sources also carry their git tree id as a SHA-1 checksum (git's content hash of the files, which the
+builder recomputes from the files it unpacks), so a source pinned by commit and tree alone has one too.
+And the image itself, ``pkg:oci/LOCK_NAME@sha256:<manifest digest>``, which CONTAINS every package (SPDX
 relationships; CycloneDX ``metadata.component`` and ``dependencies``). Lock sections are read generically
 (:data:`SECTIONS`): a section a lock lacks contributes nothing, and a new kind is one entry there.
 
@@ -186,6 +188,15 @@ def _spdx_id(kind: str, name: str, seen: Dict[str, int]) -> str:
     return base if seen[base] == 1 else f"{base}-{seen[base]}"
 
 
+def _spdx_checksums(item: Item, Checksum, ChecksumAlgorithm) -> list:
+    """SHA256 of the artifact; for a git source also SHA1 = its git tree id (git's hash of the files, which the
+    builder recomputes from what it unpacked), so a source pinned by commit and tree alone has a checksum."""
+    out = [Checksum(ChecksumAlgorithm.SHA256, item.sha256)] if item.sha256 else []
+    if item.tree:
+        out.append(Checksum(ChecksumAlgorithm.SHA1, item.tree))
+    return out
+
+
 def spdx_json(lock: Dict[str, Any], manifest_digest: str) -> bytes:
     """The SPDX 2.3 JSON SBOM of the image ``manifest_digest`` built from ``lock`` (written by spdx-tools,
     which validates the document before it writes it). Raises :class:`UserError` if it does not validate."""
@@ -227,7 +238,7 @@ def spdx_json(lock: Dict[str, Any], manifest_digest: str) -> bytes:
         packages.append(Package(
             spdx_id=spdx_id, name=item.name, version=item.version, file_name=item.filename,
             download_location=download or no(), files_analyzed=False,
-            checksums=[Checksum(ChecksumAlgorithm.SHA256, item.sha256)] if item.sha256 else [],
+            checksums=_spdx_checksums(item, Checksum, ChecksumAlgorithm),
             external_references=[purl_ref(item.purl)], source_info=source_info, comment=f"{PROJECT} lock: {item.kind}",
             license_concluded=no(), license_declared=no(), copyright_text=no(), supplier=no(),
             primary_package_purpose=purposes.get(item.kind, PackagePurpose.LIBRARY)))
@@ -251,8 +262,9 @@ def cyclonedx_json(lock: Dict[str, Any], manifest_digest: str) -> bytes:
     from cyclonedx.output.json import JsonV1Dot6
     from packageurl import PackageURL
 
-    def hashes(hex_: Optional[str]) -> List[HashType]:
-        return [HashType(alg=HashAlgorithm.SHA_256, content=hex_)] if hex_ else []
+    def hashes(hex_: Optional[str], tree: Optional[str] = None) -> List[HashType]:
+        out = [HashType(alg=HashAlgorithm.SHA_256, content=hex_)] if hex_ else []
+        return out + ([HashType(alg=HashAlgorithm.SHA_1, content=tree)] if tree else [])  # a git tree id
 
     image = Component(name=lock["name"], version=manifest_digest, type=ComponentType.CONTAINER, bom_ref="image",
                       purl=PackageURL.from_string(image_purl(lock, manifest_digest)),
@@ -267,7 +279,7 @@ def cyclonedx_json(lock: Dict[str, Any], manifest_digest: str) -> bytes:
         elif item.url and re.match(r"^[a-z]+://", item.url) and not item.url.startswith("docker://"):
             refs.append(ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(item.url)))
         components.append(Component(name=item.name, version=item.version, type=kinds.get(item.kind, ComponentType.LIBRARY),
-                                    bom_ref=item.ref, purl=PackageURL.from_string(item.purl), hashes=hashes(item.sha256),
+                                    bom_ref=item.ref, purl=PackageURL.from_string(item.purl), hashes=hashes(item.sha256, item.tree),
                                     external_references=refs))
     tools = ToolRepository(components=[Component(name=PROJECT, version=__version__, type=ComponentType.APPLICATION)])
     bom = Bom(components=components, serial_number=_serial(manifest_digest, "cyclonedx"),
