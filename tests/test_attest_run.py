@@ -71,6 +71,8 @@ def test_verify_with_the_public_key_and_in_toto_agree(run):
     r = trainer("verify", run["dir"], "--key", run["pub"])
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0].startswith(f"attestation ok: {run['dir'] / 'attestation.json'} signed by ")
+    assert json.loads(trainer("verify", run["dir"], "--key", run["pub"], "--json").stdout)["signature"] == \
+        r.stdout.splitlines()[0]
     metadata = Metadata.load(str(run["dir"] / "attestation.json"))
     metadata.verify_signature(load_public_key_from_file(str(run["pub"])))
     with pytest.raises(SignatureVerificationError):
@@ -146,6 +148,16 @@ def test_trainer_attest_writes_the_attestation_of_an_ended_run_once(run, tmp_pat
     (work / "record.json").write_text(json.dumps({**record, "status": "submitted"}))
     one_line(trainer("attest", work), 2, "status 'submitted'")
     assert not (work / "attestation.json").exists()
+
+
+def test_a_run_with_a_bad_signing_key_is_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "notakey").write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    for key in (tmp_path / "missing", tmp_path / "notakey"):
+        proc = run_train(["experiment=smoke", f"hydra.run.dir={tmp_path / 'run'}", "--sign-key", str(key)], tmp_path)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--sign-key" in proc.stderr, proc.stderr
+        assert not (tmp_path / "run").exists()
+    proc = run_train(["experiment=smoke", "--sign-key"], tmp_path)
+    assert proc.returncode == 2 and "expected the path of a private key" in proc.stderr
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -12,6 +12,10 @@ Exit code 0 only when no locked component drifted or is absent; 1 otherwise; 2 o
 The lock is the run's own (``record.json`` names it) unless ``--lock`` gives another: a requirements-style
 lock with ``name==version`` lines (``lockfiles/launcher.lock``) or a JSON stack lock (``lockfiles/stack.json``).
 ``--recipe`` compares against a recipe YAML's ``stack`` block instead of the composed one.
+
+``--key KEY.pub`` first checks the run's signed ``attestation.json`` (:mod:`trainer.attest`: the signature, then
+every subject file's sha256), or, given an image instead of a run directory, the image's signed provenance;
+a failed check is one line on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -157,19 +161,19 @@ def verdict(record: Dict[str, Any], lock: Optional[Path] = None) -> Dict[str, An
     return {"lock": label, "ok": not [r for r in rows if r["verdict"] in ("drift", "absent")], "rows": rows}
 
 
-def check_signed(path: Path, key: Path) -> None:
+def check_signed(path: Path, key: Path) -> str:
     """``--key``: verify the signed attestation of a run directory, or the signed provenance of an image
-    (an OCI layout or oci-archive), with the public key; print one line. Raises on failure (exit 1)."""
+    (an OCI layout or oci-archive), with the public key; return the one-line verdict. Raises
+    :class:`trainer.attest.VerificationFailed` (exit 1) or :class:`UserError` on failure."""
     from trainer import attest
 
     public = attest.load_public_key(key)
     if (path / "record.json").is_file() or (path / attest.ATTESTATION).is_file():
         statement = attest.check_run(path, public)
-        print(f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; "
-              f"{len(statement['subject'])} subjects match ({', '.join(s['name'] for s in statement['subject'])})")
-    else:
-        statement = attest.check_image(path, public)
-        print(f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}")
+        return (f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; "
+                f"{len(statement['subject'])} subjects match ({', '.join(s['name'] for s in statement['subject'])})")
+    statement = attest.check_image(path, public)
+    return f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}"
 
 
 def main(argv: List[str]) -> int:
@@ -186,10 +190,13 @@ def main(argv: List[str]) -> int:
     args = parser.parse_args(argv)
     from trainer.rundir import load_record
 
-    if args.key is not None:
-        check_signed(args.run_dir, args.key)
-        if not (args.run_dir / "record.json").is_file():
-            return 0
+    signed = check_signed(args.run_dir, args.key) if args.key is not None else None
+    if signed and not args.json:
+        print(signed)
+    if signed and not (args.run_dir / "record.json").is_file():
+        if args.json:
+            print(json.dumps({"signature": signed}, indent=2))
+        return 0
 
     record_path = args.run_dir / "record.json"
     record = load_record(args.run_dir)
@@ -210,7 +217,8 @@ def main(argv: List[str]) -> int:
     rows = verify(record, lock, recipe)
     bad = [r for r in rows if r["verdict"] in ("drift", "absent")]
     if args.json:
-        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad}, indent=2))
+        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad,
+                          **({"signature": signed} if signed else {})}, indent=2))
     else:
         from rich.console import Console
         from rich.table import Table
