@@ -6,7 +6,8 @@ the python block and each input's name, version and sha256) → reuse the cached
 blob re-hashed) or build it: fetch each input into the content-addressed cache (:mod:`trainer.image.cas`,
 re-hashed on every use), install wheels (:mod:`trainer.image.wheels`), unpack and tree-check git sources
 (:mod:`trainer.image.sources`), write the tar (:mod:`trainer.image.layer`) into the cache → write config,
-manifest and layout (:mod:`trainer.image.oci`). A one-pin change therefore rebuilds only its layer (and the
+manifest and layout (:mod:`trainer.image.oci`), with the image's SBOMs and provenance as OCI 1.1
+referrers (:mod:`trainer.image.referrers`). A one-pin change therefore rebuilds only its layer (and the
 small bundle layer, which holds the lock).
 
 Bases: ``scratch`` (nothing below the Python layers), ``debian-rootfs`` (one layer unpacked from the

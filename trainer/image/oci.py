@@ -3,8 +3,10 @@
 Written (OCI image-spec v1.1: image-layout.md, manifest.md, config.md)::
 
     DIR/oci-layout            {"imageLayoutVersion": "1.0.0"}
-    DIR/index.json            one manifest, annotated org.opencontainers.image.ref.name = "latest"
-    DIR/blobs/sha256/<hex>    the manifest, the config and every layer (uncompressed tar: digest = diff_id)
+    DIR/index.json            the image manifest, annotated org.opencontainers.image.ref.name = "latest", then
+                              its OCI 1.1 referrers (SBOMs, provenance) with their artifactType, unnamed
+    DIR/blobs/sha256/<hex>    the manifest, the config and every layer (uncompressed tar: digest = diff_id),
+                              the referrers' manifests and documents
 
 JSON blobs are compact with sorted keys, so equal content gives equal digests. The layout is written into a
 temporary sibling directory and renamed onto ``DIR`` (the old ``DIR`` is moved aside first and removed
