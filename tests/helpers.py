@@ -87,6 +87,13 @@ def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
+def run_trainer(*args, cwd: Path = REPO_ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Run ``python -m trainer ARGS`` (each argument str()-ed) with this checkout on PYTHONPATH; capture output."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 
 def main(test_file: str) -> int:
     """Run pytest on one test module (the py_test entry point); JUnit XML goes where Bazel asks for it."""

@@ -162,7 +162,7 @@ def test_skopeo_and_umoci_see_the_base_files_and_ours(world, tmp_path):
     for tool in ("skopeo", "umoci"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} not installed (bin/setup installs it)")
-    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{world['layout']}"], capture_output=True, text=True,
+    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{world['layout']}:latest"], capture_output=True, text=True,
                                         check=True).stdout)
     assert inspect["Digest"] == world["result"]["manifest_digest"]
     assert inspect["Layers"] == [base_layer(world)["digest"]] + [l["diff_id"] for l in world["result"]["layers"]]

@@ -171,11 +171,11 @@ def test_skopeo_and_umoci_accept_the_layout(built, tmp_path):
     for tool in ("skopeo", "umoci"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} not installed (bin/setup installs it)")
-    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{built['layout']}"], capture_output=True, text=True,
+    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{built['layout']}:latest"], capture_output=True, text=True,
                                         check=True).stdout)
     assert inspect["Digest"] == built["result"]["manifest_digest"]
     assert inspect["Layers"] == [l["diff_id"] for l in built["result"]["layers"]]
-    subprocess.run(["skopeo", "copy", "-q", f"oci:{built['layout']}", f"docker-archive:{tmp_path / 'd.tar'}:smoke:latest"],
+    subprocess.run(["skopeo", "copy", "-q", f"oci:{built['layout']}:latest", f"docker-archive:{tmp_path / 'd.tar'}:smoke:latest"],
                    check=True, capture_output=True)
     # the docker-archive skopeo wrote is the same image
     r = trainer("image", "diff", built["layout"], tmp_path / "d.tar")

@@ -16,7 +16,9 @@ from trainer.errors import UserError
 # subcommand -> (module, one-line help)
 COMMANDS: Dict[str, Tuple[str, str]] = {
     "data": ("trainer.data.cli", "build, verify and generate the fixed-length SFT rows (deepseek_v4 loss mask)"),
-    "verify": ("trainer.verify", "compare what a run observed (its probe) with its lock and the recipe"),
+    "verify": ("trainer.verify", "compare what a run observed (its probe) with its lock and the recipe; --key: signatures"),
+    "keygen": ("trainer.keygen", "make an offline key pair for signing image provenance and run attestations"),
+    "attest": ("trainer.attest", "write the (signed) attestation of a run that ended outside `train`, e.g. a Slurm job"),
     "train": ("trainer.train", "compose, check and plan a run (Hydra overrides follow; same as `train`)"),
     "image": ("trainer.image.cli", "build an OCI image from a lock, print its digest, diff two images"),
     "lock": ("trainer.image.lockcli", "verify an image lock offline; resolve one from PyPI (network)"),

@@ -9,8 +9,9 @@ Usage (Hydra overrides)::
 
 The story of a run: compose every job of the command line and check it (nothing is written if any job
 fails), then for each job under ``@hydra.main``: check → render the launch → compare numerics with the
-reference layout → plan → write the run directory → print a summary, or execute the run (``launcher=local-cpu``). Exit codes: 0 ok, 2 refused input
-(one line on stderr naming the field or override), 1 an executed run that did not complete.
+reference layout → plan → write the run directory → print a summary, or execute the run (``launcher=local-cpu``)
+and attest it (``attestation.json``, signed with ``--sign-key KEY``: :mod:`trainer.attest`). Exit codes: 0 ok,
+2 refused input (one line on stderr naming the field or override), 1 an executed run that did not complete.
 """
 
 from __future__ import annotations
@@ -68,6 +69,43 @@ def reference_config(task_overrides: List[str], reference_layout: str) -> DictCo
 
 # Statuses of a run that now belongs to a scheduler (rendered for it, or accepted by it): not a failure.
 HANDED_OFF = ("rendered", "submitted")
+# The signer of run attestations (``--sign-key KEY``, taken off the command line by :func:`main`), or None.
+SIGNER = None
+
+
+def attest_run(run_dir: Path, record: dict) -> None:
+    """Write the run's ``attestation.json`` (:func:`trainer.attest.write_run_attestation`, signed when
+    ``--sign-key`` was given) and name it in ``record``; a failure to attest is recorded, never fatal."""
+    from trainer.attest import write_run_attestation
+
+    try:
+        record["attestation"] = write_run_attestation(run_dir, record, SIGNER)
+    except (UserError, OSError, ValueError) as err:
+        record["attestation"] = {"error": " ".join(str(err).split())}
+
+
+def take_sign_key(argv: List[str]) -> List[str]:
+    """``argv`` without ``--sign-key KEY`` / ``--sign-key=KEY`` (not a Hydra override); sets :data:`SIGNER`
+    from the key. Raises :class:`UserError` for a missing value or a key that cannot sign."""
+    global SIGNER
+    out, key, i = [], None, 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--sign-key":
+            if i + 1 >= len(argv):
+                raise UserError("--sign-key: expected the path of a private key (`trainer keygen --out KEY`)")
+            key, i = argv[i + 1], i + 2
+            continue
+        if word.startswith("--sign-key="):
+            key = word.split("=", 1)[1]
+        else:
+            out.append(word)
+        i += 1
+    if key is not None:
+        from trainer.attest import load_signer
+
+        SIGNER = load_signer(Path(key))
+    return out
 
 
 @hydra.main(config_path="../conf", config_name="train", version_base="1.3")
@@ -117,17 +155,20 @@ def run(cfg: DictConfig) -> None:
         record = launch.execute(typed, par, run_dir, record)
     except UserError as err:
         record.update(status="failed", reason=str(err))
+        attest_run(run_dir, record)
         write_json(run_dir / "record.json", record)
         print(f"train: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         record.update(status="interrupted", reason="interrupted by a signal")
+        attest_run(run_dir, record)
         write_json(run_dir / "record.json", record)
         print(f"train: interrupted ({run_dir})", file=sys.stderr)
         sys.exit(130)
     except Exception as err:  # noqa: BLE001 - the record must say how the run ended, whatever ended it
         reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
         record.update(status="failed", reason=f"launcher {typed.launcher.name} raised {reason}")
+        attest_run(run_dir, record)
         write_json(run_dir / "record.json", record)
         print(f"train: error: launcher {typed.launcher.name} failed: {reason} ({run_dir})", file=sys.stderr)
         sys.exit(1)
@@ -151,6 +192,8 @@ def run(cfg: DictConfig) -> None:
     else:
         record["finished_utc"] = now
     record.setdefault("files_sha256", {}).update(hashes)
+    if not handed_off:
+        attest_run(run_dir, record)
     write_json(run_dir / "record.json", record)
     print(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})")
     if not handed_off and record["status"] != "complete":
@@ -161,6 +204,7 @@ def main() -> None:
     """Console entry point: preflight every job, then run Hydra. Exit 2 with one line on bad input."""
     schema.register()
     try:
+        sys.argv[1:] = take_sign_key(sys.argv[1:])
         preflight(sys.argv[1:])
     except UserError as err:
         print(f"train: error: {err}", file=sys.stderr)

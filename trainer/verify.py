@@ -12,6 +12,10 @@ Exit code 0 only when no locked component drifted or is absent; 1 otherwise; 2 o
 The lock is the run's own (``record.json`` names it) unless ``--lock`` gives another: a requirements-style
 lock with ``name==version`` lines (``lockfiles/launcher.lock``) or a JSON stack lock (``lockfiles/stack.json``).
 ``--recipe`` compares against a recipe YAML's ``stack`` block instead of the composed one.
+
+``--key KEY.pub`` first checks the run's signed ``attestation.json`` (:mod:`trainer.attest`: the signature, then
+every subject file's sha256), or, given an image instead of a run directory, the image's signed provenance;
+a failed check is one line on stderr and exit 1.
 """
 
 from __future__ import annotations
@@ -140,15 +144,59 @@ def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str])
     return rows
 
 
+def lock_of(record: Dict[str, Any], lock: Optional[Path] = None) -> Path:
+    """The lock a run is verified against: ``lock`` when given, else the one its record names."""
+    return lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
+
+
+def verdict(record: Dict[str, Any], lock: Optional[Path] = None) -> Dict[str, Any]:
+    """The verify verdict of a run ``record`` (with ``probe``) against its lock (or ``lock``) and the
+    recipe's stack as composed: ``{"lock", "ok", "rows"}`` (``ok``: nothing locked drifted or is absent)."""
+    lock_path = lock_of(record, lock)
+    rows = verify(record, read_lock(lock_path), {k: str(v) for k, v in (record.get("stack") or {}).items()})
+    try:
+        label = lock_path.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        label = str(lock_path)
+    return {"lock": label, "ok": not [r for r in rows if r["verdict"] in ("drift", "absent")], "rows": rows}
+
+
+def check_signed(path: Path, key: Path) -> str:
+    """``--key``: verify the signed attestation of a run directory, or the signed provenance of an image
+    (an OCI layout or oci-archive), with the public key; return the one-line verdict. Raises
+    :class:`trainer.attest.VerificationFailed` (exit 1) or :class:`UserError` on failure."""
+    from trainer import attest
+
+    public = attest.load_public_key(key)
+    if (path / "record.json").is_file() or (path / attest.ATTESTATION).is_file():
+        statement = attest.check_run(path, public)
+        return (f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; "
+                f"{len(statement['subject'])} subjects match ({', '.join(s['name'] for s in statement['subject'])})")
+    statement = attest.check_image(path, public)
+    return f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}"
+
+
 def main(argv: List[str]) -> int:
-    """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json]``; exit 0 when nothing locked drifted."""
+    """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json] [--key PUB]``; exit 0 when nothing locked
+    drifted (and, with ``--key``, the attestation verifies); ``trainer verify IMAGE --key PUB`` checks an
+    image's signed provenance only."""
     parser = argparse.ArgumentParser(prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("run_dir", type=Path, help="run directory (or, with --key, an image: OCI layout or oci-archive)")
     parser.add_argument("--lock", type=Path, help="lock to verify against (default: the run's own)")
     parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument("--key", type=Path, help="public key (KEY.pub from `trainer keygen`): first verify the run's "
+                        "signed attestation.json (signature and every subject's sha256) or an image's signed provenance")
     args = parser.parse_args(argv)
     from trainer.rundir import load_record
+
+    signed = check_signed(args.run_dir, args.key) if args.key is not None else None
+    if signed and not args.json:
+        print(signed)
+    if signed and not (args.run_dir / "record.json").is_file():
+        if args.json:
+            print(json.dumps({"signature": signed}, indent=2))
+        return 0
 
     record_path = args.run_dir / "record.json"
     record = load_record(args.run_dir)
@@ -156,7 +204,7 @@ def main(argv: List[str]) -> int:
         raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")
     if not record.get("probe"):
         raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
-    lock_path = args.lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
+    lock_path = lock_of(record, args.lock)
     lock = read_lock(lock_path)
     if args.recipe:
         try:
@@ -169,7 +217,8 @@ def main(argv: List[str]) -> int:
     rows = verify(record, lock, recipe)
     bad = [r for r in rows if r["verdict"] in ("drift", "absent")]
     if args.json:
-        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad}, indent=2))
+        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad,
+                          **({"signature": signed} if signed else {})}, indent=2))
     else:
         from rich.console import Console
         from rich.table import Table

@@ -6,7 +6,8 @@ the python block and each input's name, version and sha256) → reuse the cached
 blob re-hashed) or build it: fetch each input into the content-addressed cache (:mod:`trainer.image.cas`,
 re-hashed on every use), install wheels (:mod:`trainer.image.wheels`), unpack and tree-check git sources
 (:mod:`trainer.image.sources`), write the tar (:mod:`trainer.image.layer`) into the cache → write config,
-manifest and layout (:mod:`trainer.image.oci`). A one-pin change therefore rebuilds only its layer (and the
+manifest and layout (:mod:`trainer.image.oci`), with the image's SBOMs and provenance as OCI 1.1
+referrers (:mod:`trainer.image.referrers`). A one-pin change therefore rebuilds only its layer (and the
 small bundle layer, which holds the lock).
 
 Bases: ``scratch`` (nothing below the Python layers), ``debian-rootfs`` (one layer unpacked from the
@@ -66,6 +67,7 @@ class BuildResult:
     config_digest: str
     layers: List[Tuple[str, str, int, str]] = field(default_factory=list)
     archive_digest: Optional[str] = None
+    referrers: List[Tuple[str, str]] = field(default_factory=list)  # (artifactType, manifest digest) attached
 
 
 def layer_key(lock: Dict[str, Any], plan: LayerPlan) -> str:
@@ -271,16 +273,23 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
 
 def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, archive: Optional[Path] = None,
                 revision: str = "unknown", offline: bool = False, console=None,
-                verify_cache: bool = False) -> BuildResult:
+                verify_cache: bool = False, sign_key: Optional[Path] = None) -> BuildResult:
     """Build the image of the lock at ``lock_path`` into the OCI layout ``out`` (and ``archive``).
 
     ``bundle_root``: the directory whose ``conf/`` (``bundle.include``) goes into the bundle layer;
     ``revision``: the ``org.opencontainers.image.revision`` label; ``offline``: never download;
-    ``verify_cache``: re-hash cached layers in full even when their stamp matches (see :mod:`trainer.image.cas`).
+    ``verify_cache``: re-hash cached layers in full even when their stamp matches (see :mod:`trainer.image.cas`);
+    ``sign_key``: a private key (``trainer keygen``) that signs the provenance (a DSSE envelope). The SBOMs and
+    the provenance are attached as OCI 1.1 referrers (:mod:`trainer.image.referrers`).
     Raises :class:`UserError` for a bad lock, a missing or tampered input, or a refused wheel or archive;
     nothing is written to ``out`` then.
     """
     lock = lockfile.load_lock(lock_path)
+    signer = None
+    if sign_key is not None:
+        from trainer.attest import load_signer
+
+        signer = load_signer(sign_key)  # a bad key is refused before anything is built
     base_image = None
     layers: List[Layer] = []
     if lock["base"]["type"] == "oci":
@@ -331,14 +340,27 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
 
     config = make_config(lock, layers, revision, base_image, base_count)
     checked = {layer.digest[7:]: cache.blob_path(layer.digest[7:]).stat() for layer in layers}
-    digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest))
+    from trainer.image import referrers
+
+    attached: List[Tuple[str, str]] = []
+
+    def attach(subject: Dict[str, Any]):
+        ours = [(name, diff_id) for name, diff_id, _, _ in result_layers]
+        documents = referrers.documents(lock, subject["digest"], revision, ours, bundle_root, signer)
+        made = [referrers.referrer(doc, subject, lock["epoch"]) for doc in documents]
+        attached.extend((descriptor["artifactType"], descriptor["digest"]) for descriptor, _, _ in made)
+        return made
+
+    digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest),
+                          attach)
     for hexdigest, before in checked.items():
         # linking into (and removing the old) layout moved ctime; re-stamp only if the bytes' size and mtime are
         # those just checked (a write in between would change mtime; ctime alone moves on link/unlink)
         now = cache.blob_path(hexdigest).stat()
         if (now.st_size, now.st_mtime_ns, now.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino):
             cache.stamp(hexdigest)
-    result = BuildResult(digest, "sha256:" + hashlib.sha256(canonical(config)).hexdigest(), result_layers)
+    result = BuildResult(digest, "sha256:" + hashlib.sha256(canonical(config)).hexdigest(), result_layers,
+                         referrers=attached)
     if archive is not None:
         result.archive_digest = write_archive(out, archive, lock["epoch"])
     return result

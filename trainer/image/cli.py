@@ -1,5 +1,6 @@
-"""``trainer image build|digest|diff|check``: build an OCI image from a lock, print its digest, compare two
-images, check an image against the expected digest recorded for its lock.
+"""``trainer image build|digest|diff|check|sbom|provenance``: build an OCI image from a lock, print its digest,
+compare two images, check an image against the expected digest recorded for its lock, print the SBOM or
+provenance attached to it.
 
 Exit codes: 0 success (``diff``: identical; ``check``: the expected digest), 1 ``diff``: the images differ /
 ``check``: not the expected image, 2 refused input (one line).
@@ -9,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import List
+
+from trainer.errors import UserError
 
 from trainer import REPO_ROOT
 from trainer.image.cas import Cache
@@ -23,6 +27,8 @@ EPILOG = """examples:
   trainer image diff build/smoke.oci lockfiles/smoke.lock.json
   trainer image diff build/smoke.oci runs/RUN/record.json   # the image a run record names
   trainer image check --lock lockfiles/debian-full.lock.json build/debian-full.oci
+  trainer image sbom build/smoke.oci [--format cyclonedx]   # the SBOM attached to the image
+  trainer image provenance build/smoke.oci [--statement]    # its SLSA provenance (a DSSE envelope when signed)
 """
 
 EXPECTED = REPO_ROOT / "lockfiles" / "expected-digests.json"
@@ -51,10 +57,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     console = Console(stderr=True, highlight=False)
     result = build_image(Path(args.lock), Path(args.out), Cache(args.cache), Path(args.bundle_root),
                          Path(args.archive) if args.archive else None, _revision(args.revision), args.offline,
-                         None if args.quiet else console, args.verify_cache)
+                         None if args.quiet else console, args.verify_cache,
+                         Path(args.sign_key) if args.sign_key else None)
     if args.json:
         print(json.dumps({"manifest_digest": result.manifest_digest, "config_digest": result.config_digest,
                           "archive_sha256": result.archive_digest, "out": args.out,
+                          "referrers": [{"artifactType": t, "digest": d} for t, d in result.referrers],
                           "layers": [{"name": n, "diff_id": d, "size": s, "status": st} for n, d, s, st in result.layers]},
                          indent=2))
     else:
@@ -92,6 +100,43 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from trainer.image.diff import diff_main
 
     return diff_main(Path(args.a), Path(args.b), args.json)
+
+
+def cmd_sbom(args: argparse.Namespace) -> int:
+    """``trainer image sbom IMAGE [--format spdx|cyclonedx]``: print the SBOM attached to the image (its bytes as
+    attached, digest-checked, its subject this image). Returns 0; raises :class:`UserError` otherwise."""
+    from trainer.image import referrers, sbom
+    from trainer.image.oci import open_image
+
+    image = open_image(Path(args.image))
+    media = sbom.SPDX_MEDIA_TYPE if args.format == "spdx" else sbom.CYCLONEDX_MEDIA_TYPE
+    _, data = referrers.find(image, (media,))
+    if args.validate:
+        (sbom.validate_spdx if args.format == "spdx" else sbom.validate_cyclonedx)(data, f"{args.image} {args.format} SBOM")
+    sys.stdout.buffer.write(data)
+    return 0
+
+
+def cmd_provenance(args: argparse.Namespace) -> int:
+    """``trainer image provenance IMAGE [--statement]``: print the attached SLSA provenance (the statement, or
+    its DSSE envelope when the build was signed; ``--statement`` prints the statement inside an envelope)."""
+    from trainer import attest
+    from trainer.image import provenance, referrers
+    from trainer.image.oci import open_image
+
+    image = open_image(Path(args.image))
+    kind, data = referrers.find(image, (referrers.MT_DSSE, provenance.INTOTO_MEDIA_TYPE), provenance.SLSA_PROVENANCE)
+    if args.statement and kind == referrers.MT_DSSE:
+        import base64
+
+        try:
+            data = base64.b64decode(json.loads(data)["payload"], validate=True)
+        except (ValueError, KeyError, TypeError):
+            raise UserError(f"{args.image}: the provenance envelope has no base64 payload") from None
+    if args.statement or kind != referrers.MT_DSSE:
+        attest.parse_statement(data, f"{args.image} provenance")
+    sys.stdout.buffer.write(data)
+    return 0
 
 
 def _layer_names(image) -> List[str]:
@@ -180,6 +225,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--verify-cache", action="store_true",
                    help="re-hash every cached layer in full (default: trust a layer blob whose stat matches the stamp "
                         "recorded when its hash was last checked; inputs are always re-hashed when read)")
+    b.add_argument("--sign-key", help="private key (`trainer keygen`): attach the provenance as a signed DSSE envelope")
     b.add_argument("--json", action="store_true", help="print digests and layers as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no per-layer lines or progress bars")
     b.set_defaults(func=cmd_build)
@@ -192,6 +238,15 @@ def parser() -> argparse.ArgumentParser:
     f.add_argument("b", help="image, or an image lock (*.lock.json) / run record (record.json)")
     f.add_argument("--json", action="store_true", help="the differences as JSON")
     f.set_defaults(func=cmd_diff)
+    s = sub.add_parser("sbom", help="print the SBOM attached to an image (OCI 1.1 referrer)")
+    s.add_argument("image", help="OCI layout directory or oci-archive")
+    s.add_argument("--format", choices=("spdx", "cyclonedx"), default="spdx", help="SPDX 2.3 (default) or CycloneDX 1.6 JSON")
+    s.add_argument("--validate", action="store_true", help="validate it first (spdx-tools / the CycloneDX JSON schema)")
+    s.set_defaults(func=cmd_sbom)
+    v = sub.add_parser("provenance", help="print the SLSA provenance attached to an image (OCI 1.1 referrer)")
+    v.add_argument("image", help="OCI layout directory or oci-archive")
+    v.add_argument("--statement", action="store_true", help="the in-toto statement even when it is signed (the DSSE payload)")
+    v.set_defaults(func=cmd_provenance)
     c = sub.add_parser("check", help="compare an image with the expected digest recorded for its lock (exit 0 match, 1 not)")
     c.add_argument("image", help="OCI layout directory or oci-archive")
     c.add_argument("--lock", required=True, help="the lock the image was built from")

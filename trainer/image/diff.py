@@ -8,7 +8,8 @@ per-layer file changes (added/removed/changed, with size and sha256), Python dis
 (from ``*.dist-info/METADATA`` under any ``site-packages/`` or ``dist-packages/`` directory, where CPython
 and Debian's Python find them, in the merged filesystem), Debian packages that differ (from the dpkg
 database, ``var/lib/dpkg/status``) and git sources whose commit or tree differs (from the stamped
-``/etc/recipe-bundle/lock.json``).
+``/etc/recipe-bundle/lock.json``) and, when both images carry SPDX SBOMs (OCI 1.1 referrers),
+every package whose version or sha256 differs between them (by purl; .debs, wheels, sdists, sources, builds).
 
 Image vs run record: the record's ``image`` field (``{"digest", "lock"}``, written when a run happens inside
 a bundle image; or ``probe.ranks[0].image``) against the image's manifest digest and stamped lock sha256.
@@ -164,6 +165,28 @@ def _versions(a: Dict[str, str], b: Dict[str, str]) -> List[Dict[str, Optional[s
     return [{"name": n, "old": a.get(n), "new": b.get(n)} for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)]
 
 
+def sbom_changes(a: ImageRef, b: ImageRef) -> Optional[List[Dict[str, Any]]]:
+    """Packages whose version or sha256 differs between the SPDX SBOMs attached to ``a`` and ``b``:
+    [{"package": purl without version, "old", "new", "old_sha256", "new_sha256"}]; None when either image
+    has no SBOM (a docker-archive, or an image built before SBOMs). Raises :class:`UserError` for an SBOM
+    that fails its digest or subject check."""
+    from trainer.image import referrers, sbom
+
+    if not (referrers.listed(a) and referrers.listed(b)):
+        return None
+    try:
+        docs = [referrers.find(image, (sbom.SPDX_MEDIA_TYPE,))[1] for image in (a, b)]
+    except UserError as err:
+        if "no referrer" in str(err):
+            return None
+        raise
+    pa, pb = (sbom.packages_of_spdx(d) for d in docs)
+    none: Dict[str, Any] = {}
+    return [{"package": key, "old": pa.get(key, none).get("version"), "new": pb.get(key, none).get("version"),
+             "old_sha256": pa.get(key, none).get("sha256"), "new_sha256": pb.get(key, none).get("sha256")}
+            for key in sorted(set(pa) | set(pb)) if pa.get(key) != pb.get(key)]
+
+
 def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
     """The differences between images ``a`` and ``b`` as a JSON-able dict with ``identical`` (bool)."""
     same_layers = [l.diff_id for l in a.layers] == [l.diff_id for l in b.layers]
@@ -184,7 +207,8 @@ def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
     return {"identical": False, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest,
             "config": config_changes(a.config, b.config), "layers": layers,
             "distributions": _versions(dists_a, dists_b), "debs": _versions(debs_a, debs_b),
-            "sources": _versions(_source_pins(sa.get("sources")), _source_pins(sb.get("sources")))}
+            "sources": _versions(_source_pins(sa.get("sources")), _source_pins(sb.get("sources"))),
+            "sbom": sbom_changes(a, b)}
 
 
 def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
@@ -279,6 +303,10 @@ def render(result: Dict[str, Any]) -> str:
         lines.append(f"deb {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
     for s in result.get("sources", []):
         lines.append(f"source {s['name']}: {s['old'] or '(absent)'} -> {s['new'] or '(absent)'}")
+    for p in result.get("sbom") or []:
+        same = p["old"] == p["new"]
+        lines.append(f"sbom {p['package']}: {p['old'] or '(absent)'} -> {p['new'] or '(absent)'}"
+                     + (f" (sha256 {str(p['old_sha256'])[:12]} -> {str(p['new_sha256'])[:12]})" if same else ""))
     return "\n".join(lines)
 
 

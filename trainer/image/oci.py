@@ -3,8 +3,10 @@
 Written (OCI image-spec v1.1: image-layout.md, manifest.md, config.md)::
 
     DIR/oci-layout            {"imageLayoutVersion": "1.0.0"}
-    DIR/index.json            one manifest, annotated org.opencontainers.image.ref.name = "latest"
-    DIR/blobs/sha256/<hex>    the manifest, the config and every layer (uncompressed tar: digest = diff_id)
+    DIR/index.json            the image manifest, annotated org.opencontainers.image.ref.name = "latest", then
+                              its OCI 1.1 referrers (SBOMs, provenance) with their artifactType, unnamed
+    DIR/blobs/sha256/<hex>    the manifest, the config and every layer (uncompressed tar: digest = diff_id),
+                              the referrers' manifests and documents
 
 JSON blobs are compact with sorted keys, so equal content gives equal digests. The layout is written into a
 temporary sibling directory and renamed onto ``DIR`` (the old ``DIR`` is moved aside first and removed
@@ -22,13 +24,14 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import tarfile
 import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, Entry, write_layer
@@ -172,19 +175,24 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotations: Dict[str, str],
-                 place_blob: Callable[[Layer, Path], None]) -> str:
+                 place_blob: Callable[[Layer, Path], None],
+                 referrers: Callable[[Dict[str, Any]], List[Tuple[Dict[str, Any], bytes, List[bytes]]]] = None) -> str:
     """Write the OCI layout of ``config`` and ``layers`` to ``out`` atomically; return the manifest digest.
 
     ``place_blob(layer, dest)`` puts the layer's bytes at ``dest`` (a hard link or copy from the cache).
+    ``referrers(image_descriptor)`` returns the OCI 1.1 referrers to add (:func:`trainer.image.referrers.referrer`:
+    index descriptor, manifest bytes, blobs); they are listed in index.json after the image.
     """
     config_bytes = canonical(config)
     manifest_bytes = canonical(image_manifest(config_bytes, layers, annotations))
     manifest_digest = digest_of(manifest_bytes)
+    image_descriptor = {"mediaType": MT_MANIFEST, "digest": manifest_digest, "size": len(manifest_bytes),
+                        "annotations": {REF_NAME: "latest"}}
+    attached = referrers(image_descriptor) if referrers is not None else []
     index = {
         "schemaVersion": 2,
         "mediaType": MT_INDEX,
-        "manifests": [{"mediaType": MT_MANIFEST, "digest": manifest_digest, "size": len(manifest_bytes),
-                       "annotations": {REF_NAME: "latest"}}],
+        "manifests": [image_descriptor] + [descriptor for descriptor, _, _ in attached],
     }
     out = Path(os.path.abspath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +200,7 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
     try:
         blobs = tmp / "blobs" / "sha256"
         blobs.mkdir(parents=True)
-        for data in (config_bytes, manifest_bytes):
+        for data in (config_bytes, manifest_bytes, *(b for _, m, extra in attached for b in (m, *extra))):
             (blobs / digest_of(data)[7:]).write_bytes(data)
         for layer in layers:
             dest = blobs / layer.digest[7:]
@@ -283,6 +291,8 @@ class ImageRef:
     config_digest: str
     config: Dict[str, Any]
     layers: List[LayerRef]
+    index: Optional[Dict[str, Any]] = None  # an OCI layout's index.json (it also lists referrers)
+    blob: Callable[[str], bytes] = field(default=None, repr=False)  # digest -> bytes, sha256-checked (OCI only)
 
     def files(self, layer: LayerRef) -> Dict[str, Dict[str, Any]]:
         """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
@@ -409,7 +419,8 @@ def _from_oci(path: Path, kind: str, reader, opener) -> ImageRef:
     manifests = index.get("manifests") or []
     if not manifests:
         raise UserError(f"{path}: index.json lists no manifests")
-    desc = manifests[0]
+    images = [d for d in manifests if isinstance(d, dict) and not d.get("artifactType")]  # referrers come after
+    desc = (images or manifests)[0]
     digest = desc["digest"]
     manifest = _json(_checked_blob(reader, f"blobs/sha256/{digest[7:]}", digest, path), f"{path}: manifest")
     cdigest = manifest["config"]["digest"]
@@ -423,7 +434,12 @@ def _from_oci(path: Path, kind: str, reader, opener) -> ImageRef:
                  history[i] if i < len(history) else "", opener(f"blobs/sha256/{d['digest'][7:]}"))
         for i, d in enumerate(manifest.get("layers", []))
     ]
-    return ImageRef(path, kind, digest, cdigest, config, layers)
+    def blob(d: str) -> bytes:
+        if not re.fullmatch(r"sha256:[0-9a-f]{64}", str(d)):
+            raise UserError(f"{path}: {d!r} is not a sha256 digest")
+        return _checked_blob(reader, f"blobs/sha256/{d[7:]}", d, path)
+
+    return ImageRef(path, kind, digest, cdigest, config, layers, index, blob)
 
 
 def _from_docker(path: Path, reader, opener) -> ImageRef:

@@ -1,0 +1,412 @@
+"""SBOMs and provenance of images: deterministic, valid by the formats' own validators, attached as OCI 1.1
+referrers that skopeo and umoci leave alone, signed offline, and refused when altered or misattached.
+
+The image is built offline from fixtures (two .debs for a debian-rootfs base, wheels on PyPI and on another
+index, an sdist, a github.com git source); the README's smoke lock is built too when PyPI can be reached.
+"""
+
+import helpers
+
+import base64
+import gzip
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO_ROOT, run_trainer as trainer
+from trainer.image import sbom
+from trainer.image.testing import debian_base, make_deb, make_git_source, make_wheel, small_lock
+
+EPOCH = 1767225600
+
+
+def make_world(root: Path, beta: str = "2.0"):
+    """A lock of every kind of input the builder takes, its files, and a bundle root."""
+    root.mkdir(parents=True, exist_ok=True)
+    passwd = make_deb(root, "base-passwd", "3.6.1", {
+        "/usr/share/base-passwd/passwd.master": (b"root:*:0:0:root:/root:/bin/sh\n", 0o644),
+        "/usr/share/base-passwd/group.master": (b"root:*:0:\n", 0o644)})
+    tiny = make_deb(root, "tinybin", "1.0-1", {"/usr/bin/hello": (b"#!/bin/sh\necho hello\n", 0o755)})
+    alpha = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
+    beta_w = make_wheel(root, "beta", beta, {"beta/__init__.py": f"V = {beta!r}\n".encode()})
+    archive, commit, tree = make_git_source(root / "git", "demo", {"README.md": b"demo\n"}, EPOCH)
+    sdist = root / "gamma-0.1.tar.gz"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("gamma-0.1/PKG-INFO")
+        data = b"Metadata-Version: 2.1\nName: gamma\nVersion: 0.1\n"
+        info.size, info.mtime = len(data), EPOCH
+        tar.addfile(info, io.BytesIO(data))
+    sdist.write_bytes(gzip.compress(buf.getvalue(), mtime=0))  # the same bytes whenever it is made
+    source = {"name": "demo", "url": "https://github.com/example/demo.git", "commit": commit, "tree": tree,
+              "dest": "/opt/src/demo", "archive": {"filename": archive.name, "sha256": sha(archive)}}
+    lock = small_lock("sbom-test", EPOCH, [(alpha, "alpha", "1.0", "rest"), (beta_w, "beta", beta, "torch")], [source])
+    lock["wheels"][1]["url"] = f"https://download.pytorch.org/whl/cpu/{beta_w.name}"
+    lock["sdists"] = [{"name": "gamma", "version": "0.1", "filename": sdist.name, "group": "rest", "sha256": sha(sdist),
+                       "url": f"https://files.pythonhosted.org/packages/test/{sdist.name}"}]
+    lock["base"] = debian_base([(passwd, "base-passwd", "3.6.1"), (tiny, "tinybin", "1.0-1")])
+    lock["python"].update(version="3.11", site_packages="/usr/local/lib/python3.11/dist-packages",
+                          interpreter="/usr/bin/python3.11")
+    lock_path = root / f"sbom-test-{beta}.lock.json"
+    lock_path.write_text(json.dumps(lock, indent=1))
+    bundle = root / "bundle"
+    (bundle / "conf").mkdir(parents=True, exist_ok=True)
+    (bundle / "conf" / "x.yaml").write_text("a: 1\n")
+    return lock_path, [passwd, tiny, alpha, beta_w, archive, sdist], bundle
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def build(lock, out, cache, bundle, *extra):
+    r = trainer("image", "build", "--lock", lock, "--out", out, "--cache", cache, "--offline", "--bundle-root", bundle,
+                "--revision", "test", "--json", "-q", *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sbom")
+    lock, files, bundle = make_world(root / "in")
+    lock2, files2, _ = make_world(root / "in2", beta="2.1")
+    cache = root / "cas"
+    for f in files + files2:
+        assert trainer("cache", "--cache", cache, "add", f).returncode == 0
+    r = trainer("keygen", "--out", root / "key")
+    assert r.returncode == 0, r.stderr
+    assert trainer("keygen", "--out", root / "other", "--type", "ecdsa").returncode == 0
+    a = build(lock, root / "a.oci", cache, bundle, "--sign-key", root / "key")
+    b = build(lock, root / "b.oci", cache, bundle, "--sign-key", root / "key", "--archive", root / "b.tar")
+    plain = build(lock, root / "plain.oci", cache, bundle)
+    v2 = build(lock2, root / "v2.oci", cache, bundle)
+    return {"root": root, "lock": lock, "cache": cache, "bundle": bundle, "a": a, "b": b, "plain": plain, "v2": v2,
+            "key": root / "key", "pub": root / "key.pub", "other_pub": root / "other.pub"}
+
+
+def index(layout: Path):
+    return json.loads((layout / "index.json").read_text())
+
+
+def referrer_blob(layout: Path, artifact_type: str) -> bytes:
+    for d in index(layout)["manifests"]:
+        if d.get("artifactType") == artifact_type:
+            manifest = json.loads((layout / "blobs/sha256" / d["digest"][7:]).read_bytes())
+            return (layout / "blobs/sha256" / manifest["layers"][0]["digest"][7:]).read_bytes()
+    raise AssertionError(f"no {artifact_type} referrer")
+
+
+def statement_of(envelope: bytes):
+    return json.loads(base64.b64decode(json.loads(envelope)["payload"]))
+
+
+def test_built_twice_the_documents_are_byte_identical_and_the_image_digest_is_the_image(world):
+    root = world["root"]
+    assert world["a"]["manifest_digest"] == world["b"]["manifest_digest"] == world["plain"]["manifest_digest"]
+    for kind in ("application/spdx+json", "application/vnd.cyclonedx+json", "application/vnd.dsse.envelope.v1+json"):
+        assert referrer_blob(root / "a.oci", kind) == referrer_blob(root / "b.oci", kind)
+    assert index(root / "a.oci") == index(root / "b.oci")
+    # the image comes first, named "latest"; three referrers follow, none named
+    listed = index(root / "a.oci")["manifests"]
+    assert listed[0]["digest"] == world["a"]["manifest_digest"] and listed[0]["annotations"] == {
+        "org.opencontainers.image.ref.name": "latest"}
+    assert [d["artifactType"] for d in listed[1:]] == [
+        "application/spdx+json", "application/vnd.cyclonedx+json", "application/vnd.dsse.envelope.v1+json"]
+    assert [r["artifactType"] for r in world["a"]["referrers"]] == [d["artifactType"] for d in listed[1:]]
+    for d in listed[1:]:
+        manifest = json.loads((root / "a.oci/blobs/sha256" / d["digest"][7:]).read_bytes())
+        assert manifest["subject"]["digest"] == world["a"]["manifest_digest"]
+        assert manifest["config"] == {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
+                                      "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"}
+    r = trainer("image", "digest", root / "a.oci")
+    assert r.stdout.strip() == world["a"]["manifest_digest"]
+    assert trainer("image", "digest", root / "b.tar").stdout.strip() == world["a"]["manifest_digest"]
+
+
+def test_validators_accept_the_sboms_and_they_list_every_input(world):
+    layout = world["root"] / "a.oci"
+    spdx = trainer("image", "sbom", layout, "--validate")
+    assert spdx.returncode == 0, spdx.stderr
+    sbom.validate_spdx(spdx.stdout.encode(), "spdx")
+    cdx = trainer("image", "sbom", world["root"] / "b.tar", "--format", "cyclonedx", "--validate")
+    assert cdx.returncode == 0, cdx.stderr
+    sbom.validate_cyclonedx(cdx.stdout.encode(), "cyclonedx")
+    lock = json.loads(world["lock"].read_text())
+    packages = {p["SPDXID"]: p for p in json.loads(spdx.stdout)["packages"]}
+    purls = {p["externalRefs"][0]["referenceLocator"]: p for p in packages.values()}
+    image = packages["SPDXRef-image"]
+    assert image["checksums"] == [{"algorithm": "SHA256", "checksumValue": world["a"]["manifest_digest"][7:]}]
+    assert image["externalRefs"][0]["referenceLocator"] == f"pkg:oci/sbom-test@{world['a']['manifest_digest']}?arch=amd64"
+    deb = purls["pkg:deb/debian/tinybin@1.0-1?arch=amd64&distro=bookworm"]
+    assert deb["checksums"][0]["checksumValue"] == lock["base"]["debs"][1]["sha256"]
+    alpha = purls["pkg:pypi/alpha@1.0?file_name=alpha-1.0-py3-none-any.whl"]
+    assert alpha["checksums"][0]["checksumValue"] == lock["wheels"][0]["sha256"]
+    beta = [p for u, p in purls.items() if u.startswith("pkg:pypi/beta@2.0?")][0]
+    assert "repository_url=https://download.pytorch.org/whl/cpu" in beta["externalRefs"][0]["referenceLocator"]
+    assert "pkg:pypi/gamma@0.1?file_name=gamma-0.1.tar.gz" in purls
+    commit = lock["sources"][0]["commit"]
+    demo = purls[f"pkg:github/example/demo@{commit}"]
+    assert demo["checksums"][0]["checksumValue"] == lock["sources"][0]["archive"]["sha256"]
+    assert demo["downloadLocation"] == f"git+https://github.com/example/demo.git@{commit}"
+    assert len(packages) == 1 + 2 + 2 + 1 + 1
+    contains = {r["relatedSpdxElement"] for r in json.loads(spdx.stdout)["relationships"]
+                if r["relationshipType"] == "CONTAINS"}
+    assert contains == set(packages) - {"SPDXRef-image"}
+    doc = json.loads(cdx.stdout)
+    assert doc["specVersion"] == "1.6" and doc["metadata"]["timestamp"] == "2026-01-01T00:00:00+00:00"
+    assert doc["metadata"]["component"]["purl"] == image["externalRefs"][0]["referenceLocator"]
+    assert sorted(c["purl"] for c in doc["components"]) == sorted(set(purls) - {image["externalRefs"][0]["referenceLocator"]})
+
+
+def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
+    """debian-full (debs) and full (an oci base) as locked, cut to a few inputs per section, plus a native build."""
+    from trainer.image.lockfile import load_lock
+
+    for name in ("debian-full", "full"):
+        lock = load_lock(REPO_ROOT / "lockfiles" / f"{name}.lock.json")
+        if lock["base"]["type"] == "debian-rootfs":
+            lock["base"]["debs"] = lock["base"]["debs"][:4]
+        lock["wheels"], lock["sdists"] = lock["wheels"][:4], lock["sdists"][:2]
+        lock["sources"] = [{"name": "miles", "url": "https://github.com/radixark/miles.git",
+                            "commit": "78527b9102b3a5f15891128cbec3ac6c2dc4089e",
+                            "tree": "6d202c7215156941afe3e53e2d72babe49fb2875", "dest": "/root/miles"}]  # no archive
+        lock["builds"] = [{"name": "deepep", "version": "1.2.1", "sha256": "ab" * 32}]
+        digest = "sha256:" + "cd" * 32
+        spdx, cdx = sbom.spdx_json(lock, digest), sbom.cyclonedx_json(lock, digest)
+        assert spdx == sbom.spdx_json(lock, digest) and cdx == sbom.cyclonedx_json(lock, digest)
+        sbom.validate_spdx(spdx, name)
+        sbom.validate_cyclonedx(cdx, name)
+        purls = {c["purl"] for c in json.loads(cdx)["components"]}
+        assert "pkg:github/radixark/miles@78527b9102b3a5f15891128cbec3ac6c2dc4089e" in purls
+        miles = [c for c in json.loads(cdx)["components"] if c["name"] == "miles"][0]
+        assert miles["hashes"] == [{"alg": "SHA-1", "content": "6d202c7215156941afe3e53e2d72babe49fb2875"}]  # its tree
+        assert "pkg:generic/deepep@1.2.1" in purls
+        if name == "full":
+            assert ("pkg:oci/sglang@sha256:7b6a35df9839fd593a94a1eaee82d7777f472225d9f3ad1f8a2e0cb2bd1785d0"
+                    "?repository_url=docker.io/lmsysorg/sglang&tag=v0.5.16") in purls
+        else:
+            assert f"pkg:deb/debian/{lock['base']['debs'][0]['name']}@{lock['base']['debs'][0]['version']}" \
+                   f"?arch=amd64&distro=bookworm" in {p.replace("%2B", "+") for p in purls}
+
+
+def test_provenance_names_the_image_the_lock_and_every_input(world):
+    r = trainer("image", "provenance", world["root"] / "a.oci", "--statement")
+    assert r.returncode == 0, r.stderr
+    statement = json.loads(r.stdout)
+    unsigned = trainer("image", "provenance", world["root"] / "plain.oci")
+    assert json.loads(unsigned.stdout) == statement  # the signed one carries the same statement
+    assert statement["_type"] == "https://in-toto.io/Statement/v1"
+    assert statement["predicateType"] == "https://slsa.dev/provenance/v1"
+    assert statement["subject"] == [{"name": "sbom-test", "digest": {"sha256": world["a"]["manifest_digest"][7:]}}]
+    definition = statement["predicate"]["buildDefinition"]
+    assert definition["externalParameters"] == {"lock": {"path": world["lock"].name, "sha256": sha(world["lock"])},
+                                                "revision": "test"}
+    lock = json.loads(world["lock"].read_text())
+    digests = [d["digest"].get("sha256") for d in definition["resolvedDependencies"]]
+    for item in lock["base"]["debs"] + lock["wheels"] + lock["sdists"]:
+        assert item["sha256"] in digests
+    assert {"gitCommit": lock["sources"][0]["commit"], "sha256": lock["sources"][0]["archive"]["sha256"]} in [
+        d["digest"] for d in definition["resolvedDependencies"]]
+    bundle = [l for l in world["a"]["layers"] if l["name"] == "bundle"][0]
+    assert {"sha256": bundle["diff_id"][7:]} in [d["digest"] for d in definition["resolvedDependencies"]]
+    details = statement["predicate"]["runDetails"]
+    assert details["builder"]["id"].endswith("/image-build@0.1.0") and details["metadata"] == {}
+    byproducts = {b["mediaType"]: b["digest"]["sha256"] for b in details["byproducts"] if "name" in b}
+    assert byproducts["application/spdx+json"] == sha_bytes(referrer_blob(world["root"] / "a.oci", "application/spdx+json"))
+
+
+def sha_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_skopeo_and_umoci_still_read_the_image(world, tmp_path):
+    for tool in ("skopeo", "umoci"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} not installed (bin/setup installs it)")
+    layout = world["root"] / "a.oci"
+    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{layout}:latest"], capture_output=True, text=True,
+                                        check=True).stdout)
+    assert inspect["Digest"] == world["a"]["manifest_digest"]
+    assert inspect["Layers"] == [l["diff_id"] for l in world["a"]["layers"]]
+    subprocess.run(["skopeo", "copy", "-q", f"oci:{layout}:latest", f"oci:{tmp_path / 'copy'}:latest"], check=True,
+                   capture_output=True)
+    # skopeo re-serializes the manifest (another digest) but copies the same config and layers
+    same = trainer("image", "diff", layout, tmp_path / "copy")
+    assert (same.returncode, same.stdout.strip()) == (0, "identical")
+    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{layout}:latest", str(tmp_path / "u")], check=True,
+                   capture_output=True)
+    assert (tmp_path / "u/rootfs/usr/bin/hello").read_bytes() == b"#!/bin/sh\necho hello\n"
+
+
+def test_signed_provenance_verifies_with_the_public_key_and_with_in_toto(world, tmp_path):
+    from in_toto.models._signer import load_public_key_from_file
+    from in_toto.models.metadata import Metadata
+    from in_toto.exceptions import SignatureVerificationError
+
+    layout = world["root"] / "a.oci"
+    r = trainer("verify", layout, "--key", world["pub"])
+    assert (r.returncode, r.stderr) == (0, "")
+    assert r.stdout.startswith(f"provenance ok: {layout} signed by ")
+    wrong = trainer("verify", layout, "--key", world["other_pub"])
+    assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1 and "not by the given key" in wrong.stderr
+    unsigned = trainer("verify", world["root"] / "plain.oci", "--key", world["pub"])
+    assert unsigned.returncode == 1 and "unsigned statement" in unsigned.stderr
+    # in-toto's own DSSE verification accepts the envelope with the same public key file, refuses another key
+    envelope = tmp_path / "provenance.dsse.json"
+    envelope.write_bytes(trainer("image", "provenance", layout).stdout.encode())
+    metadata = Metadata.load(str(envelope))
+    metadata.verify_signature(load_public_key_from_file(str(world["pub"])))
+    with pytest.raises(SignatureVerificationError):
+        metadata.verify_signature(load_public_key_from_file(str(world["other_pub"])))
+
+
+def test_ecdsa_p256_keys_sign_and_verify_and_in_toto_agrees(tmp_path):
+    from in_toto.models._signer import load_public_key_from_file
+    from in_toto.models.metadata import Envelope
+
+    from trainer import attest
+
+    _, pub, keyid = attest.keygen(tmp_path / "ec", "ecdsa")
+    statement = {"_type": attest.STATEMENT_TYPE, "subject": [{"name": "x", "digest": {"sha256": "ab" * 32}}],
+                 "predicateType": "https://example.invalid/p", "predicate": {}}
+    data = attest.sign(json.dumps(statement).encode(), attest.load_signer(tmp_path / "ec"))
+    assert attest.open_envelope(data, attest.load_public_key(pub), "e") == statement
+    assert json.loads(data)["signatures"][0]["keyid"] == keyid
+    Envelope.from_dict(json.loads(data)).verify_signature(load_public_key_from_file(str(pub)))
+
+
+def rewrite_referrer(src: Path, dst: Path, artifact_type: str, document=None, subject=None):
+    """A copy of layout ``src`` whose ``artifact_type`` referrer has ``document`` bytes and/or ``subject`` digest,
+    with every digest made consistent again (so only the change itself can be caught)."""
+    shutil.copytree(src, dst)
+    blobs = dst / "blobs" / "sha256"
+    idx = index(dst)
+    for d in idx["manifests"]:
+        if d.get("artifactType") != artifact_type:
+            continue
+        manifest = json.loads((blobs / d["digest"][7:]).read_bytes())
+        if document is not None:
+            (blobs / sha_bytes(document)).write_bytes(document)
+            manifest["layers"][0].update(digest="sha256:" + sha_bytes(document), size=len(document))
+        if subject is not None:
+            manifest["subject"]["digest"] = subject
+        data = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
+        (blobs / sha_bytes(data)).write_bytes(data)
+        d.update(digest="sha256:" + sha_bytes(data), size=len(data))
+    (dst / "index.json").write_text(json.dumps(idx))
+    return dst
+
+
+def one_line(r, code, *words):
+    assert r.returncode == code, (r.returncode, r.stdout, r.stderr)
+    assert r.stdout == "" and r.stderr.count("\n") == 1, r.stderr
+    for word in words:
+        assert word in r.stderr, r.stderr
+
+
+def test_bad_referrers_are_refused_with_one_line(world, tmp_path):
+    layout = world["root"] / "a.oci"
+    spdx = referrer_blob(layout, "application/spdx+json")
+    # a truncated SBOM blob: its digest no longer matches
+    cut = tmp_path / "cut.oci"
+    shutil.copytree(layout, cut)
+    (cut / "blobs/sha256" / sha_bytes(spdx)).write_bytes(spdx[:-20])
+    before = sorted(p.name for p in tmp_path.iterdir())
+    one_line(trainer("image", "sbom", cut), 2, "corrupt")
+    # an SBOM altered and re-hashed consistently: the signed provenance names the original
+    altered = rewrite_referrer(layout, tmp_path / "altered.oci", "application/spdx+json",
+                               document=spdx.replace(b'"1.0"', b'"1.1"'))
+    assert trainer("image", "sbom", altered).returncode == 0  # digests consistent, so only the signature can tell
+    one_line(trainer("verify", altered, "--key", world["pub"]), 1, "application/spdx+json", "signed provenance names")
+    # ... and a truncated one fails its validation
+    truncated = rewrite_referrer(layout, tmp_path / "truncated.oci", "application/spdx+json", document=spdx[:200])
+    one_line(trainer("image", "sbom", truncated, "--validate"), 2, "SPDX")
+    cdx = referrer_blob(layout, "application/vnd.cyclonedx+json")
+    bad_cdx = rewrite_referrer(layout, tmp_path / "badcdx.oci", "application/vnd.cyclonedx+json",
+                               document=cdx.replace(b'"specVersion": "1.6"', b'"specVersion": 1.6'))
+    one_line(trainer("image", "sbom", bad_cdx, "--format", "cyclonedx", "--validate"), 2, "CycloneDX")
+    # a referrer whose subject is another image
+    other = rewrite_referrer(layout, tmp_path / "other.oci", "application/spdx+json", subject=world["v2"]["manifest_digest"])
+    one_line(trainer("image", "sbom", other), 2, "has subject", world["v2"]["manifest_digest"], "not this image's manifest")
+    # an altered provenance: payload changed, signature kept
+    envelope = json.loads(referrer_blob(layout, "application/vnd.dsse.envelope.v1+json"))
+    statement = statement_of(json.dumps(envelope).encode())
+    statement["predicate"]["buildDefinition"]["externalParameters"]["revision"] = "forged"
+    envelope["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
+    forged = rewrite_referrer(layout, tmp_path / "forged.oci", "application/vnd.dsse.envelope.v1+json",
+                              document=json.dumps(envelope).encode())
+    one_line(trainer("verify", forged, "--key", world["pub"]), 1, "does not verify")
+    # a truncated envelope
+    short = rewrite_referrer(layout, tmp_path / "short.oci", "application/vnd.dsse.envelope.v1+json",
+                             document=json.dumps(envelope).encode()[:100])
+    one_line(trainer("verify", short, "--key", world["pub"]), 1, "not valid JSON")
+    # a provenance signed for another image, attached to this one
+    v2_statement = {**statement, "subject": [{"name": "x", "digest": {"sha256": world["v2"]["manifest_digest"][7:]}}]}
+    from trainer import attest
+
+    resigned = attest.sign(json.dumps(v2_statement).encode(), attest.load_signer(world["key"]))
+    moved = rewrite_referrer(layout, tmp_path / "moved.oci", "application/vnd.dsse.envelope.v1+json", document=resigned)
+    one_line(trainer("verify", moved, "--key", world["pub"]), 1, "is not this image's manifest")
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["altered.oci", "truncated.oci", "badcdx.oci",
+                                                                         "other.oci", "forged.oci", "short.oci", "moved.oci"])
+
+
+def test_bad_keys_are_refused_and_nothing_is_written(world, tmp_path):
+    pub_before = world["pub"].read_bytes()
+    one_line(trainer("keygen", "--out", world["key"]), 2, "exists")
+    assert world["pub"].read_bytes() == pub_before
+    (tmp_path / "notakey").write_text("hello\n")
+    r = trainer("image", "build", "--lock", world["lock"], "--out", tmp_path / "o.oci", "--cache", world["cache"],
+                "--offline", "--bundle-root", world["bundle"], "-q", "--sign-key", tmp_path / "notakey")
+    one_line(r, 2, "--sign-key", "PKCS#8")
+    assert not (tmp_path / "o.oci").exists()
+    one_line(trainer("verify", world["root"] / "a.oci", "--key", tmp_path / "notakey"), 2, "not a PEM public key")
+
+
+def test_image_diff_reads_the_sboms(world):
+    r = trainer("image", "diff", world["root"] / "a.oci", world["root"] / "v2.oci")
+    assert r.returncode == 1
+    assert "sbom pkg:pypi/beta: 2.0 -> 2.1" in r.stdout.splitlines()
+    data = json.loads(trainer("image", "diff", "--json", world["root"] / "a.oci", world["root"] / "v2.oci").stdout)
+    assert [p["package"] for p in data["sbom"]] == ["pkg:pypi/beta"]
+    same = trainer("image", "diff", world["root"] / "a.oci", world["root"] / "b.tar")
+    assert (same.returncode, same.stdout.strip()) == (0, "identical")
+
+
+def test_the_readme_smoke_image_built_twice_carries_identical_documents(tmp_path):
+    """lockfiles/smoke.lock.json as the README builds it (its two wheels from PyPI, its generated git source)."""
+    cache = tmp_path / "cas"
+    src = json.loads(subprocess.run([sys.executable, "-m", "trainer.image.testing", "smoke-source", tmp_path / "src"],
+                                    capture_output=True, text=True, check=True, env={**os.environ,
+                                    "PYTHONPATH": str(REPO_ROOT)}).stdout.splitlines()[0])
+    assert trainer("cache", "--cache", cache, "add", src["archive"], "--sha256", src["sha256"]).returncode == 0
+    fetched = trainer("cache", "--cache", cache, "fetch", "--lock", REPO_ROOT / "lockfiles/smoke.lock.json")
+    if fetched.returncode != 0:
+        pytest.skip(f"PyPI not reachable for the smoke lock's wheels: {fetched.stderr.strip()[-200:]}")
+    key = tmp_path / "key"
+    assert trainer("keygen", "--out", key).returncode == 0
+    out = []
+    for name in ("one", "two"):
+        r = trainer("image", "build", "--lock", REPO_ROOT / "lockfiles/smoke.lock.json", "--out", tmp_path / f"{name}.oci",
+                    "--cache", cache, "--offline", "--revision", "0.1.0", "--sign-key", key, "--json", "-q")
+        assert r.returncode == 0, r.stderr
+        out.append(json.loads(r.stdout))
+    assert out[0]["manifest_digest"] == out[1]["manifest_digest"]
+    for kind in ("application/spdx+json", "application/vnd.cyclonedx+json", "application/vnd.dsse.envelope.v1+json"):
+        assert referrer_blob(tmp_path / "one.oci", kind) == referrer_blob(tmp_path / "two.oci", kind)
+    assert trainer("image", "sbom", tmp_path / "one.oci", "--validate").returncode == 0
+    assert trainer("image", "sbom", tmp_path / "one.oci", "--format", "cyclonedx", "--validate").returncode == 0
+    assert trainer("verify", tmp_path / "two.oci", "--key", f"{key}.pub").returncode == 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

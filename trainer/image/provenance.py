@@ -1,0 +1,111 @@
+"""Build provenance of an image: an in-toto Statement v1 with a SLSA Provenance v1 predicate, deterministic.
+
+Formats: in-toto Attestation Framework, Statement v1 (github.com/in-toto/attestation, spec/v1/statement.md)
+and SLSA Provenance v1 (slsa.dev/spec/v1.0/provenance). Layout of what this bundle writes::
+
+    {"_type": "https://in-toto.io/Statement/v1",
+     "subject": [{"name": LOCK_NAME, "digest": {"sha256": <image manifest digest, hex>}}],
+     "predicateType": "https://slsa.dev/provenance/v1",
+     "predicate": {
+       "buildDefinition": {
+         "buildType": PROJECT_URL + "/image-build/v1",
+         "externalParameters": {"lock": {"path", "sha256"}, "revision": <the bundle's revision label>},
+         "internalParameters": {"epoch", "layer_format", "platform"},
+         "resolvedDependencies": [{"name", "uri"?, "digest": {"sha256"} | {"gitCommit"}, "annotations"?}, ...]},
+       "runDetails": {
+         "builder": {"id": PROJECT_URL + "/image-build@" + VERSION, "version": {PROJECT: VERSION}},
+         "metadata": {},                         # no invocationId, no startedOn/finishedOn: same inputs, same bytes
+         "byproducts": [{"name", "digest", "mediaType"}, ...]}}}   # the SBOMs and the layers built
+
+``resolvedDependencies`` holds every input of the lock (:func:`trainer.image.sbom.inventory`: .debs, the
+base image, wheels, sdists, git sources by commit and archive sha256, native builds) and the bundle layer
+(``conf/``, the lock and the stamp, by diff_id). The lock's ``path`` is relative to the bundle root when the
+lock lies under it, else its file name, so the statement does not depend on where the checkout lives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from trainer import PROJECT, PROJECT_URL, __version__
+from trainer.image import sbom
+
+STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
+SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
+BUILD_TYPE = f"{PROJECT_URL}/image-build/v1"
+BUILDER_ID = f"{PROJECT_URL}/image-build@{__version__}"
+INTOTO_MEDIA_TYPE = "application/vnd.in-toto+json"
+
+
+def lock_path_label(lock: Dict[str, Any], bundle_root: Optional[Path]) -> str:
+    """The lock's path relative to ``bundle_root`` when under it, else its file name."""
+    path = Path(lock["_path"]).absolute()
+    if bundle_root is not None:
+        try:
+            return path.relative_to(Path(bundle_root).absolute()).as_posix()
+        except ValueError:
+            pass
+    return path.name
+
+
+def resolved_dependencies(lock: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """One SLSA ResourceDescriptor per input of ``lock``: ``name`` = its purl, ``uri`` = where it comes from,
+    ``digest`` = its sha256 (and ``gitCommit`` for git sources)."""
+    out = []
+    for item in sbom.inventory(lock):
+        digest: Dict[str, str] = {}
+        if item.sha256:
+            digest["sha256"] = item.sha256
+        if item.commit:
+            digest["gitCommit"] = item.commit
+        entry: Dict[str, Any] = {"name": item.purl, "digest": digest}
+        if item.url:
+            entry["uri"] = f"git+{item.url}@{item.commit}" if item.kind == "source" else item.url
+        if item.tree:
+            entry["annotations"] = {"gitTree": item.tree}
+        out.append(entry)
+    return out
+
+
+def statement(lock: Dict[str, Any], manifest_digest: str, revision: str, layers: List[Tuple[str, str]],
+              byproducts: List[Dict[str, Any]], bundle_root: Optional[Path] = None) -> Dict[str, Any]:
+    """The provenance statement of image ``manifest_digest`` (``sha256:<hex>``) built from ``lock`` at
+    ``revision``; ``layers`` (name, diff_id) as built, ``byproducts`` SLSA ResourceDescriptors of the SBOMs."""
+    bundle_layers = [{"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
+                      "annotations": {"contents": "conf/, the lock and its stamp"}}
+                     for name, diff_id in layers if name == "bundle"]
+    built = [{"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
+              "mediaType": "application/vnd.oci.image.layer.v1.tar"} for name, diff_id in layers]
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": [{"name": lock["name"], "digest": {"sha256": manifest_digest.split(":", 1)[1]}}],
+        "predicateType": SLSA_PROVENANCE,
+        "predicate": {
+            "buildDefinition": {
+                "buildType": BUILD_TYPE,
+                "externalParameters": {"lock": {"path": lock_path_label(lock, bundle_root), "sha256": lock["_sha256"]},
+                                       "revision": revision},
+                "internalParameters": {"epoch": lock["epoch"], "platform": lock.get("platform", {}),
+                                       "layer_format": _layer_format()},
+                "resolvedDependencies": resolved_dependencies(lock) + bundle_layers,
+            },
+            "runDetails": {
+                "builder": {"id": BUILDER_ID, "version": {PROJECT: __version__}},
+                "metadata": {},
+                "byproducts": list(byproducts) + built,
+            },
+        },
+    }
+
+
+def _layer_format() -> int:
+    from trainer.image.build import LAYER_FORMAT
+
+    return LAYER_FORMAT
+
+
+def to_bytes(obj: Dict[str, Any]) -> bytes:
+    """A statement's bytes: JSON, sorted keys, two-space indent, final newline (stable for hashing)."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()

@@ -1,0 +1,139 @@
+"""SBOMs and provenance attached to an OCI layout as OCI 1.1 referrers; finding and reading them back.
+
+A referrer (OCI image-spec v1.1, manifest.md "Guidelines for Artifact Usage" and image-layout.md) is an
+image manifest with ``artifactType``, the empty config (``application/vnd.oci.empty.v1+json``, ``{}``),
+one layer holding the document and ``subject`` = the image manifest's descriptor. ``index.json`` lists the
+image first (annotated ``org.opencontainers.image.ref.name`` = ``latest``) and then each referrer with its
+``artifactType`` and no ref name, so the image's manifest digest (``trainer image digest``) is unchanged and
+``skopeo``/``umoci`` read the image by its name (``oci:DIR:latest``, ``umoci unpack --image DIR:latest``).
+
+Attached by ``trainer image build`` (:func:`documents`):
+
+===============================  =========================================  ==========================
+artifactType                     document                                   written by
+===============================  =========================================  ==========================
+application/spdx+json            SPDX 2.3 JSON SBOM                         :mod:`trainer.image.sbom`
+application/vnd.cyclonedx+json   CycloneDX 1.6 JSON SBOM                    :mod:`trainer.image.sbom`
+application/vnd.in-toto+json     SLSA v1 provenance statement (unsigned)    :mod:`trainer.image.provenance`
+application/vnd.dsse.envelope…   the same in a DSSE envelope (``--sign-key``)  :mod:`trainer.attest`
+===============================  =========================================  ==========================
+
+Provenance referrers carry the annotation ``in-toto.io/predicate-type`` (the statement's predicateType).
+Reading checks every blob's sha256 and that a referrer's ``subject`` is this image's manifest.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+from trainer.errors import UserError
+from trainer.image.oci import MT_MANIFEST, ImageRef, canonical, digest_of, rfc3339
+
+MT_EMPTY = "application/vnd.oci.empty.v1+json"
+EMPTY = b"{}"
+MT_DSSE = "application/vnd.dsse.envelope.v1+json"
+PREDICATE_ANNOTATION = "in-toto.io/predicate-type"
+CREATED = "org.opencontainers.image.created"
+TITLE = "org.opencontainers.image.title"
+
+
+@dataclass
+class Document:
+    """A document to attach: its ``artifact_type`` (= the layer's media type), ``data`` bytes, ``title`` (a
+    file name for tools that save it) and ``annotations`` for the referrer manifest."""
+
+    artifact_type: str
+    data: bytes
+    title: str
+    annotations: Dict[str, str] = field(default_factory=dict)
+
+
+def referrer(doc: Document, subject: Dict[str, Any], epoch: int) -> Tuple[Dict[str, Any], bytes, List[bytes]]:
+    """The artifact manifest of ``doc`` for ``subject`` (the image manifest's descriptor): (its index
+    descriptor, the manifest bytes, the blobs it needs: the empty config and the document)."""
+    annotations = {CREATED: rfc3339(epoch), **doc.annotations}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": MT_MANIFEST,
+        "artifactType": doc.artifact_type,
+        "config": {"mediaType": MT_EMPTY, "digest": digest_of(EMPTY), "size": len(EMPTY)},
+        "layers": [{"mediaType": doc.artifact_type, "digest": digest_of(doc.data), "size": len(doc.data),
+                    "annotations": {TITLE: doc.title}}],
+        "subject": {"mediaType": subject["mediaType"], "digest": subject["digest"], "size": subject["size"]},
+        "annotations": dict(sorted(annotations.items())),
+    }
+    data = canonical(manifest)
+    descriptor = {"mediaType": MT_MANIFEST, "digest": digest_of(data), "size": len(data),
+                  "artifactType": doc.artifact_type, "annotations": dict(sorted(annotations.items()))}
+    return descriptor, data, [EMPTY, doc.data]
+
+
+def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers: List[Tuple[str, str]],
+              bundle_root: Optional[Path], signer=None) -> List[Document]:
+    """The SBOMs and provenance of the image ``manifest_digest`` built from ``lock`` (in index order:
+    SPDX, CycloneDX, provenance); the provenance is a DSSE envelope signed by ``signer`` when given (see
+    :func:`trainer.attest.load_signer`), else the bare statement."""
+    from trainer.image import provenance, sbom
+
+    spdx = sbom.spdx_json(lock, manifest_digest)
+    cdx = sbom.cyclonedx_json(lock, manifest_digest)
+    name = lock["name"]
+    docs = [Document(sbom.SPDX_MEDIA_TYPE, spdx, f"{name}.spdx.json"),
+            Document(sbom.CYCLONEDX_MEDIA_TYPE, cdx, f"{name}.cdx.json")]
+    byproducts = [{"name": d.title, "mediaType": d.artifact_type, "digest": {"sha256": digest_of(d.data)[7:]}} for d in docs]
+    statement = provenance.statement(lock, manifest_digest, revision, layers, byproducts, bundle_root)
+    data = provenance.to_bytes(statement)
+    annotations = {PREDICATE_ANNOTATION: statement["predicateType"]}
+    if signer is None:
+        docs.append(Document(provenance.INTOTO_MEDIA_TYPE, data, f"{name}.provenance.json", annotations))
+    else:
+        from trainer.attest import sign
+
+        docs.append(Document(MT_DSSE, sign(data, signer), f"{name}.provenance.dsse.json", annotations))
+    return docs
+
+
+def listed(image: ImageRef) -> List[Dict[str, Any]]:
+    """The index descriptors of ``image``'s layout that are referrers (they have an ``artifactType``)."""
+    return [d for d in (image.index or {}).get("manifests") or [] if d.get("artifactType")]
+
+
+def read(image: ImageRef, descriptor: Dict[str, Any]) -> Tuple[Dict[str, Any], bytes]:
+    """The manifest and document bytes of the referrer ``descriptor``; checks every digest and that its
+    subject is ``image``'s manifest. Raises :class:`UserError` (one line) otherwise."""
+    where = image.path
+    manifest_bytes = image.blob(descriptor["digest"])
+    try:
+        manifest = json.loads(manifest_bytes)
+        subject = manifest.get("subject") or {}
+        layer = manifest["layers"][0]
+    except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+        raise UserError(f"{where}: referrer {descriptor['digest']} is not an artifact manifest with one layer") from None
+    if subject.get("digest") != image.manifest_digest:
+        raise UserError(f"{where}: referrer {descriptor['digest']} ({descriptor.get('artifactType')}) has subject "
+                        f"{subject.get('digest')}, not this image's manifest {image.manifest_digest}")
+    if manifest.get("artifactType") != descriptor.get("artifactType"):
+        raise UserError(f"{where}: referrer {descriptor['digest']}: artifactType {manifest.get('artifactType')!r} in the "
+                        f"manifest, {descriptor.get('artifactType')!r} in index.json")
+    return manifest, image.blob(layer["digest"])
+
+
+def find(image: ImageRef, artifact_types: Tuple[str, ...], predicate_type: Optional[str] = None) -> Tuple[str, bytes]:
+    """(artifactType, document bytes) of the first referrer of ``image`` whose artifactType is one of
+    ``artifact_types`` (and, when given, whose ``in-toto.io/predicate-type`` is ``predicate_type``).
+
+    Raises :class:`UserError` when there is none (an image built before SBOMs were attached, or a
+    docker-archive, which cannot hold referrers) or when it fails :func:`read`'s checks."""
+    for descriptor in listed(image):
+        if descriptor["artifactType"] not in artifact_types:
+            continue
+        if predicate_type and (descriptor.get("annotations") or {}).get(PREDICATE_ANNOTATION) != predicate_type:
+            continue
+        _, data = read(image, descriptor)
+        return descriptor["artifactType"], data
+    what = " or ".join(artifact_types)
+    raise UserError(f"{image.path}: no referrer of type {what} for {image.manifest_digest or image.config_digest} "
+                    "(rebuild the image with this version of `trainer image build`)")
