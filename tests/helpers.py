@@ -52,6 +52,23 @@ def seed_command() -> Tuple[List[str], Dict[str, str]]:
     return argv, env
 
 
+def pids_running(*argv: str) -> List[int]:
+    """PIDs of this machine's processes whose command line contains ``argv`` as consecutive arguments (read from
+    ``/proc/PID/cmdline``, so nothing outside the standard library is needed)."""
+    want = [a.encode() for a in argv]
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # exited meanwhile
+            continue
+        if any(args[i:i + len(want)] == want for i in range(len(args))):
+            pids.append(int(entry.name))
+    return pids
+
+
 def run_train(args: Sequence[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python -m trainer.train ARGS`` in ``cwd`` with the current interpreter; capture output."""
     env = dict(os.environ)

@@ -8,34 +8,52 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 import helpers
 from helpers import REPO_ROOT, run_train
+from conftest import TEST_ROOT
 from trainer.launch.cpu_worker import megatron_lr
+from trainer.launch.processes import default_kernel_cache
 from trainer.record import effective_status, redact_env
 
 STEPS = 6
 
 
-def smoke(tmp_path_factory, name, *extra):
+def smoke(tmp_path_factory, name, *extra, read_only_home=False):
+    """A smoke run of STEPS steps in a fresh directory (run shared by the cases of this module that read it).
+
+    ``read_only_home``: the run sees HOME on a read-only directory and no XDG_CACHE_HOME (bubblewrap binds it
+    read-only: root could write into a mode-0555 directory), as in a build sandbox."""
     cwd = tmp_path_factory.mktemp(name)
     run_dir = cwd / "run"
     env_secret = {"HF_TOKEN": "hf-secret-value-123", "MY_API_KEY": "key-value-456"}
+    args = ["experiment=smoke", f"launcher.steps={STEPS}", f"hydra.run.dir={run_dir}", *extra]
     os.environ.update(env_secret)
     try:
-        proc = run_train(["experiment=smoke", f"launcher.steps={STEPS}", f"hydra.run.dir={run_dir}", *extra], cwd, timeout=600)
+        if read_only_home:
+            home = cwd / "home"
+            home.mkdir()
+            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160", "HOME": str(home)}
+            env.pop("XDG_CACHE_HOME")
+            proc = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(home), str(home),
+                                   sys.executable, "-m", "trainer.train", *args],
+                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        else:
+            proc = run_train(args, cwd, timeout=600)
     finally:
         for key in env_secret:
             os.environ.pop(key)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (run_dir / "test-output.txt").write_text(proc.stdout + proc.stderr)
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def dp1(tmp_path_factory):
-    return smoke(tmp_path_factory, "dp1")
+    return smoke(tmp_path_factory, "dp1", read_only_home=True)
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +88,36 @@ def test_loss_falls_and_metrics_have_the_schema(dp1):
     assert [r["lr"] for r in rows] == [pytest.approx(megatron_lr(i, STEPS, 3e-3, 3e-4, 0.1)) for i in range(STEPS)]
     assert 3e-4 < rows[-1]["lr"] < rows[1]["lr"] < 3e-3
     assert all(r["max_memory_bytes"] > 1e8 and r["step_time_s"] > 0 for r in rows)
+
+
+def test_a_run_with_a_read_only_home_completes(dp1):
+    # dp1 ran with HOME read-only and no XDG_CACHE_HOME: the default kernel cache could not be made there, so the
+    # run used one in its own directory, said so, and wrote nothing into HOME
+    home = dp1.parent / "home"
+    assert json.loads((dp1 / "record.json").read_text())["status"] == "complete"
+    env = json.loads((dp1 / "env.json").read_text())
+    assert env["HOME"] == str(home) and "XDG_CACHE_HOME" not in env
+    assert env["KERNEL_CACHE"] == str(dp1 / "kernels") and env["TORCHINDUCTOR_CACHE_DIR"] == str(dp1 / "kernels/inductor")
+    expected = f"kernel cache {home}/.cache/recipe-bundle/kernels not writable (Read-only file system); using {dp1}/kernels"
+    assert expected in (dp1 / "test-output.txt").read_text()
+    assert (dp1 / "kernels").is_dir() and list(home.iterdir()) == []
+
+
+def test_the_kernel_cache_is_the_users_outside_tests(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert default_kernel_cache(tmp_path / "run") == str(tmp_path / "home/.cache/recipe-bundle/kernels")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_kernel_cache(tmp_path / "run") == str(tmp_path / "xdg/recipe-bundle/kernels")
+    assert (tmp_path / "xdg/recipe-bundle/kernels").is_dir() and not (tmp_path / "run").exists()
+
+
+def test_tests_write_under_their_own_temporary_directory():
+    # conftest.py points HOME and the XDG directories at this test's temporary directory (Bazel's TEST_TMPDIR)
+    base = Path(os.environ.get("TEST_TMPDIR") or TEST_ROOT).absolute()
+    for name in ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TMPDIR"):
+        assert Path(os.environ[name]).is_relative_to(base), name
+    assert "KERNEL_CACHE" not in os.environ
 
 
 def test_record_says_what_ran(dp1):
@@ -166,29 +214,41 @@ def test_model_parallel_layouts_are_refused_on_cpu(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("sig,expected", [(signal.SIGTERM, "interrupted"), (signal.SIGKILL, "running")])
-def test_a_run_stopped_midway_leaves_a_record_that_says_so(tmp_path, sig, expected):
-    run_dir = tmp_path / "run"
+def test_a_run_stopped_midway_leaves_a_record_that_says_so(tmp_path):
+    # two runs at once (each needs only its record): one stopped by SIGTERM, one killed by SIGKILL after step 1
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "trainer.train", "experiment=smoke", "launcher.steps=50", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    deadline = time.time() + 300
-    while time.time() < deadline and not (run_dir / "metrics.jsonl").is_file():
-        time.sleep(0.5)
-    assert (run_dir / "metrics.jsonl").is_file()
-    proc.send_signal(sig)
-    proc.wait(timeout=120)
-    record = json.loads((run_dir / "record.json").read_text())
-    assert record["status"] == expected
-    assert effective_status(record) == "interrupted"
-    deadline = time.time() + 60
-    workers = ["?"]
-    while workers and time.time() < deadline:  # workers die with their launcher (SIGTERM from the kernel)
-        workers = subprocess.run(["pgrep", "-f", f"cpu_worker {run_dir}"], capture_output=True, text=True).stdout.split()
-        time.sleep(0.2)
-    assert workers == []
+    runs = {}
+    for sig, expected in ((signal.SIGTERM, "interrupted"), (signal.SIGKILL, "running")):
+        run_dir = tmp_path / sig.name / "run"
+        run_dir.parent.mkdir()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trainer.train", "experiment=smoke", "launcher.steps=50", f"hydra.run.dir={run_dir}"],
+            cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        runs[sig] = (proc, run_dir, expected)
+    try:
+        for sig, (proc, run_dir, expected) in runs.items():
+            deadline = time.time() + 300
+            while time.time() < deadline and not (run_dir / "metrics.jsonl").is_file():
+                time.sleep(0.5)
+            assert (run_dir / "metrics.jsonl").is_file(), sig.name
+            assert helpers.pids_running("trainer.launch.cpu_worker", str(run_dir))  # the worker is seen while it runs
+            proc.send_signal(sig)
+            proc.wait(timeout=120)
+            record = json.loads((run_dir / "record.json").read_text())
+            assert record["status"] == expected, sig.name
+            assert effective_status(record) == "interrupted", sig.name
+            deadline = time.time() + 60
+            workers = ["?"]
+            while workers and time.time() < deadline:  # workers die with their launcher (SIGTERM from the kernel)
+                workers = helpers.pids_running("trainer.launch.cpu_worker", str(run_dir))
+                time.sleep(0.2)
+            assert workers == [], sig.name
+    finally:
+        for proc, _, _ in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_redact_env():

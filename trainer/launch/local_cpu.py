@@ -99,6 +99,7 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
             "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world)),
             "PYTHONUNBUFFERED": "1",
         },
+        run_dir,
     )
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}

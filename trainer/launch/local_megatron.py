@@ -100,6 +100,7 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
                                           + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
             "PYTHONDONTWRITEBYTECODE": "1",
         },
+        run_dir,
     )
     command = [
         sys.executable, "-m", "torch.distributed.run",

@@ -21,17 +21,35 @@ from trainer import REPO_ROOT
 from trainer.errors import UserError
 
 
-def worker_env(recipe_env: Mapping[str, str], extra: Mapping[str, str]) -> Dict[str, str]:
+def default_kernel_cache(run_dir: Path) -> str:
+    """``$XDG_CACHE_HOME/recipe-bundle/kernels`` (``~/.cache`` without XDG_CACHE_HOME), created if missing, so the
+    JIT kernel caches persist across runs; ``RUN_DIR/kernels`` when that cannot be created or written (a read-only
+    home, as in a build sandbox), with one line on stderr saying so."""
+    cache_root = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    cache = Path(cache_root) / "recipe-bundle" / "kernels"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        if not os.access(cache, os.W_OK):
+            raise PermissionError(f"[Errno 13] Permission denied: '{cache}'")
+    except OSError as err:
+        fallback = Path(run_dir).absolute() / "kernels"
+        print(f"kernel cache {cache} not writable ({err.strerror or err}); using {fallback} for this run",
+              file=sys.stderr)
+        return str(fallback)
+    return str(cache)
+
+
+def worker_env(recipe_env: Mapping[str, str], extra: Mapping[str, str], run_dir: Path) -> Dict[str, str]:
     """The environment of a local run's processes: this process's, the recipe's ``env`` block, then ``extra``.
 
     The recipe's values may refer to variables (``$KERNEL_CACHE/triton``); here they are expanded as the
-    recipe's shell would. ``KERNEL_CACHE`` defaults to ``$XDG_CACHE_HOME/recipe-bundle/kernels`` (the JIT
-    kernel caches persist across runs). ``PYTHONPATH`` starts with the bundle's source tree.
+    recipe's shell would. ``KERNEL_CACHE``, unless set, is :func:`default_kernel_cache`. ``PYTHONPATH`` starts
+    with the bundle's source tree.
     Raises :class:`UserError` naming the variable when a value still refers to an unset variable.
     """
     env = dict(os.environ)
-    cache_root = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    env.setdefault("KERNEL_CACHE", str(Path(cache_root) / "recipe-bundle" / "kernels"))
+    if not env.get("KERNEL_CACHE"):
+        env["KERNEL_CACHE"] = default_kernel_cache(run_dir)
     for name, value in recipe_env.items():
         expanded = string.Template(str(value)).safe_substitute(env)
         if "$" in expanded:

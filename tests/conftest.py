@@ -1,0 +1,37 @@
+"""Tests write only under their own temporary directory.
+
+Under Bazel that is ``TEST_TMPDIR``; under plain pytest a fresh directory removed at exit. ``HOME``, the XDG
+base directories (so ``$XDG_CACHE_HOME/recipe-bundle/{kernels,cas}`` and every cache a run or a tool creates)
+and ``TMPDIR`` point there before any test runs, and ``KERNEL_CACHE`` is unset so runs take their default
+under it. ``TRAINER_ENV_ROOT`` names where the running launcher environment lives, so that ``bin/python-env``
+called from a test finds it instead of building another one under the new ``HOME``.
+"""
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+SUBDIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data",
+           "XDG_STATE_HOME": "state", "TMPDIR": "tmp"}
+
+
+def _confine() -> Path:
+    base = os.environ.get("TEST_TMPDIR")
+    if not base:
+        base = tempfile.mkdtemp(prefix="recipe-bundle-tests-")
+        atexit.register(shutil.rmtree, base, True)
+    base = Path(base).absolute()
+    if (Path(sys.prefix) / ".complete").is_file():  # a launcher environment made by bin/python-env
+        os.environ["TRAINER_ENV_ROOT"] = str(Path(sys.prefix).parent)
+    for name, sub in SUBDIRS.items():
+        (base / sub).mkdir(parents=True, exist_ok=True)
+        os.environ[name] = str(base / sub)
+    os.environ.pop("KERNEL_CACHE", None)
+    tempfile.tempdir = None  # re-read TMPDIR
+    return base
+
+
+TEST_ROOT = _confine()
