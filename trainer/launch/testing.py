@@ -4,8 +4,9 @@ Everything binds to 127.0.0.1 only, lives in a directory the caller gives (confi
 is bounded in time (``timeout``) and is stopped by the PIDs this module started, never by name:
 
 * :class:`LocalSlurm`: a private ``munged`` (its own key and socket), ``slurmctld`` and ``slurmd -N localhost``
-  from a private ``slurm.conf`` (``SlurmctldHost=localhost``, ``CommunicationParameters=NoInAddrAny,
-  NoCtldInAddrAny`` so that nothing listens on other interfaces), with ``gpus`` GPUs simulated by character
+  from a private ``slurm.conf`` (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``: addresses, not
+  names to look up, so no ``/etc/hosts`` is needed; ``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny`` so
+  that nothing listens on other interfaces), with ``gpus`` GPUs simulated by character
   devices (``mknod``, major 195 as NVIDIA's) for scheduling only. ``env()`` gives the ``SLURM_CONF`` for
   ``sbatch``/``squeue``.
 * :class:`LocalRay`: ``ray start --head --block`` on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
@@ -23,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -122,6 +124,12 @@ class LocalSlurm:
         self.gpus, self.cpus, self.memory_mb, self.lifetime_s = gpus, cpus, memory_mb, lifetime_s
         self.procs: List[subprocess.Popen] = []
         self.conf = self.root / "slurm.conf"
+        # munged's socket and slurmd's spool (slurmstepd sockets) need paths under the 108-byte limit of a unix
+        # socket address; a deep ``root`` (Bazel's TEST_TMPDIR is ~125 bytes) gets a short directory of their own
+        self.short: Optional[Path] = None
+        self.sockets = self.root
+        if len(str(self.root.absolute())) > 48:
+            self.short = self.sockets = Path(tempfile.mkdtemp(prefix="rb-slurm-", dir="/tmp"))
 
     def env(self) -> Dict[str, str]:
         """The environment for Slurm commands against this cluster."""
@@ -129,10 +137,12 @@ class LocalSlurm:
 
     def _write_config(self) -> None:
         r = self.root
-        for sub in ("state", "spool", "dev", "munge"):
+        for sub in ("state", "dev"):
             (r / sub).mkdir(parents=True, exist_ok=True)
-        os.chmod(r / "munge", 0o700)
-        key = r / "munge" / "munge.key"
+        for sub in ("spool", "munge"):
+            (self.sockets / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.sockets / "munge", 0o700)
+        key = self.sockets / "munge" / "munge.key"
         key.write_bytes(os.urandom(1024))
         os.chmod(key, 0o600)
         for i in range(self.gpus):
@@ -143,16 +153,16 @@ class LocalSlurm:
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
         self.conf.write_text(f"""\
 ClusterName=recipebundle
-SlurmctldHost=localhost
+SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
 CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={r}/munge/munge.sock
+AuthInfo=socket={self.sockets}/munge/munge.sock
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool
+SlurmdSpoolDir={self.sockets}/spool
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.pid
 SlurmctldLogFile={r}/slurmctld.log
@@ -168,7 +178,7 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=600
 GresTypes=gpu
-NodeName=localhost CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """)
         if self.gpus:
@@ -194,7 +204,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
     def _start(self) -> "LocalSlurm":
         """Write the config, start the daemons, wait until the node is idle (about 2 s)."""
         self._write_config()
-        m = self.root / "munge"
+        m = self.sockets / "munge"
         self._spawn(["munged", "-F", "-f", f"--key-file={m}/munge.key", f"--socket={m}/munge.sock",
                      f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
                     "munged.out")
@@ -218,6 +228,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         for proc in reversed(self.procs):
             _stop(proc)
         self.procs = []
+        if self.short is not None:
+            shutil.rmtree(self.short, ignore_errors=True)
 
     def __enter__(self) -> "LocalSlurm":
         return self.start()
