@@ -8,11 +8,13 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from helpers import REPO_ROOT, run_train
 from trainer.image.testing import make_wheel, small_lock
+from trainer.launch.local_image import HOST_MOUNT, elf_interpreter
 
 pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("bwrap") is None,
                                 reason="umoci and bubblewrap (Debian umoci, bubblewrap) are not installed")
@@ -54,6 +56,11 @@ def test_probe_inside_the_image_and_verify_against_its_stamp(tmp_path, image):
     assert record["status"] == "complete"
     assert record["image"]["digest"] == image["digest"] and record["image"]["tag"] == "latest"
     assert record["image"]["interpreter"]["from"] == "host"
+    # bound under its own mount point, whatever its prefix (Debian's /usr/bin/python3 too), run by its own loader
+    host_python = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    inside = record["image"]["interpreter"]["inside"]
+    assert inside[-1] == f"{HOST_MOUNT}{host_python}" and record["image"]["interpreter"]["path"] == str(host_python)
+    assert inside[0] == f"{HOST_MOUNT}{Path(elf_interpreter(host_python)).resolve()}"
     probe = record["probe"]["ranks"][0]
     stamp = (run_dir / "image" / "lock.json").read_bytes()
     assert probe["image"]["digest"] == image["digest"]
@@ -86,6 +93,13 @@ def test_a_digest_not_in_the_layout_is_refused(tmp_path, image):
     assert result.returncode == 2
     assert result.stderr.strip() == f"train: error: launcher.image {other}: no such manifest blob in {image['layout']}"
     assert json.loads((run_dir / "record.json").read_text())["status"] == "failed"
+
+
+def test_the_dynamic_loader_is_read_from_the_elf_header(tmp_path):
+    loader = elf_interpreter(Path(sys.executable).resolve())
+    assert loader.startswith("/") and Path(loader).name.startswith("ld-") and Path(loader).is_file()
+    (tmp_path / "script").write_text("#!/bin/sh\n")
+    assert elf_interpreter(tmp_path / "script") is None
 
 
 if __name__ == "__main__":

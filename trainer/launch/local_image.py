@@ -14,10 +14,11 @@
 
 The interpreter: an image whose entrypoint interpreter exists in its root file system runs its own. An image
 without one (the smoke image is ``scratch``: site-packages, sources and the bundle layer, no Python) runs
-**this machine's Python, bound read-only** into the sandbox at its own path (with the host's ``/usr/lib`` and
-``/lib64`` where the image has none), started with ``-S`` so that only the image's site-packages (from the
-stamp) and this bundle's ``trainer`` package (bound read-only at ``/opt/recipe-bundle-launcher``) are on
-``sys.path``. The record says so (``image.interpreter.from = "host"``), and ``trainer verify`` then shows the
+**this machine's Python, bound read-only** into the sandbox under ``/opt/recipe-bundle-host`` (its prefix and
+library directories at their host paths below that, started through its own dynamic loader: see
+:func:`host_interpreter`; so a system Python in ``/usr`` does not hide the image's ``/usr``), with ``-S`` so that
+only the image's site-packages (from the stamp) and this bundle's ``trainer`` package (bound read-only at
+``/opt/recipe-bundle-launcher``) are on ``sys.path``. The record says so (``image.interpreter.from = "host"``), and ``trainer verify`` then shows the
 host's Python version against the image's locked one.
 """
 
@@ -27,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -40,6 +42,7 @@ from trainer.record import atomic_write, write_json
 from trainer.schema import TrainConfig
 
 LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"
+HOST_MOUNT = "/opt/recipe-bundle-host"
 STAMP = "etc/recipe-bundle/lock.json"
 REF_NAME = "org.opencontainers.image.ref.name"
 
@@ -100,33 +103,75 @@ def _image_interpreter(bundle: Path) -> Optional[str]:
     return args[0] if os.path.lexists(candidate) and os.path.exists(candidate) else None
 
 
-def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], str]:
-    """(bwrap argv prefix, interpreter path inside) for running in ``rootfs``; see the module docstring."""
+def elf_interpreter(path: Path) -> Optional[str]:
+    """The program interpreter (``PT_INTERP``: the dynamic loader's path) of the 64-bit little-endian ELF file
+    ``path``, or None for a static executable or another format. Layout from the System V gABI: ``e_phoff`` at
+    byte 32 (8 bytes), ``e_phentsize`` at 54 and ``e_phnum`` at 56 (2 bytes each); in each program header
+    ``p_type`` at 0 (``PT_INTERP`` = 3), ``p_offset`` at 8, ``p_filesz`` at 32."""
+    with path.open("rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return None
+        phoff, = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+        for i in range(phnum):
+            p_type, = struct.unpack_from("<I", table, i * phentsize)
+            if p_type == 3:
+                offset, = struct.unpack_from("<Q", table, i * phentsize + 8)
+                size, = struct.unpack_from("<Q", table, i * phentsize + 32)
+                f.seek(offset)
+                return f.read(size).rstrip(b"\0").decode()
+    return None
+
+
+def host_interpreter() -> Tuple[List[str], List[str]]:
+    """(directories to bind read-only under ``HOST_MOUNT``, the command that starts this machine's Python there).
+
+    The interpreter runs through its own dynamic loader with ``--library-path`` set to its library directories
+    (all under ``HOST_MOUNT``), so neither the loader nor the libraries nor the standard library need to be at
+    their host paths inside the image: a Python in ``/usr`` (Debian's ``/usr/bin/python3``) works as well as
+    one installed elsewhere, and the image's own ``/usr`` stays visible. Python finds its standard library
+    relative to the executable's path (``HOST_MOUNT/usr/lib/python3.11`` for ``HOST_MOUNT/usr/bin/python3.11``).
+    """
+    executable = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    prefix = Path(sys.base_prefix).resolve()
+    loader = elf_interpreter(executable)
+    multiarch = getattr(sys.implementation, "_multiarch", "")
+    libdirs = [prefix / "lib"]
+    if loader:
+        libdirs.append(Path(loader).resolve().parent)
+    for base in ("/lib", "/usr/lib", "/lib64", "/usr/lib64"):
+        libdirs += [Path(base) / multiarch, Path(base)] if multiarch else [Path(base)]
+    libdirs = list(dict.fromkeys(d.resolve() for d in libdirs if d.is_dir()))
+    binds: List[str] = []
+    for path in sorted({prefix, executable.parent, *libdirs}, key=lambda p: len(p.parts)):
+        if not any(path == Path(b) or Path(b) in path.parents for b in binds):
+            binds.append(str(path))
+    command = [f"{HOST_MOUNT}{executable}"]
+    if loader:
+        command = [f"{HOST_MOUNT}{Path(loader).resolve()}", "--library-path",
+                   ":".join(f"{HOST_MOUNT}{d}" for d in libdirs)] + command
+    return binds, command
+
+
+def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], List[str]]:
+    """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``; see the module docstring.
+
+    Raises :class:`UserError` when the image itself uses ``HOST_MOUNT`` (binding there would hide it)."""
     args = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
             "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv",
             "--ro-bind", str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer"]
     python_path = [LAUNCHER_MOUNT] + ([site_packages] if site_packages else [])
+    interpreter: List[str] = []
     if host_python:
-        executable = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
-        prefix = Path(sys.base_prefix).resolve()
-        if prefix in (Path("/"), Path("/usr"), Path("/usr/local")) or os.path.lexists(rootfs / str(prefix).lstrip("/")):
-            raise UserError(
-                f"the host's Python lives in {prefix}, which the image also has: binding it would hide the image's "
-                f"{prefix}; use an image with its own Python, or a launcher environment built from a Python installed "
-                "elsewhere (TRAINER_PYTHON=/opt/python3.11/bin/python3.11 bin/python-env)"
-            )
-        args += ["--ro-bind", str(prefix), str(prefix)]
-        for lib in ("/usr/lib", "/usr/lib64", "/lib", "/lib64"):
-            host = Path(lib)
-            if os.path.lexists(rootfs / lib.lstrip("/")) or not os.path.lexists(host):
-                continue
-            if host.is_symlink():  # merged /usr: the same link in the (private, unpacked) root file system
-                os.symlink(os.readlink(host), rootfs / lib.lstrip("/"))
-            else:
-                args += ["--ro-bind", lib, lib]
-        interpreter = str(executable)
-    else:
-        interpreter = ""
+        if os.path.lexists(rootfs / HOST_MOUNT.lstrip("/")):
+            raise UserError(f"the image has {HOST_MOUNT}, where this machine's Python would be bound; "
+                            "use an image with its own Python")
+        binds, interpreter = host_interpreter()
+        for path in binds:
+            args += ["--ro-bind", path, f"{HOST_MOUNT}{path}"]
     args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "PYTHONPATH", ":".join(python_path), "--setenv", cluster.DIGEST_ENV, digest,
              "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
@@ -163,19 +208,20 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     site_packages = (stamp.get("python") or {}).get("site_packages")
     own = _image_interpreter(bundle)
     prefix, interpreter = sandbox(rootfs, digest, site_packages, host_python=own is None)
-    python = own or interpreter
+    python = [own] if own else interpreter
+    host_executable = str(Path(getattr(sys, "_base_executable", sys.executable)).resolve())
     record["image"]["interpreter"] = (
         {"from": "image", "path": own} if own else
-        {"from": "host", "path": interpreter, "version": sys.version.split()[0],
-         "note": "the image has no Python interpreter; this machine's is bound read-only into the sandbox"}
+        {"from": "host", "path": host_executable, "inside": interpreter, "version": sys.version.split()[0],
+         "note": f"the image has no Python interpreter; this machine's is bound read-only under {HOST_MOUNT}"}
     )
     if own is None:
-        print(f"local-image: {digest} has no Python interpreter; running this machine's ({interpreter}, "
-              f"Python {sys.version.split()[0]}) read-only inside it, with the image's site-packages")
+        print(f"local-image: {digest} has no Python interpreter; running this machine's ({host_executable}, "
+              f"Python {sys.version.split()[0]}) read-only inside it under {HOST_MOUNT}, with the image's site-packages")
     # the image's own Python starts as in the container (its site.py reads the .pth files that put git
     # sources on the path); a host Python starts with -S so that none of the host's site-packages leak in
     flags = [] if own else ["-S"]
-    command = prefix + [python, *flags, "-m", "trainer.probe", "--distributions", "--node", "image"]
+    command = prefix + python + [*flags, "-m", "trainer.probe", "--distributions", "--node", "image"]
     (run_dir / "sandbox.json").write_text(json.dumps(command, indent=2) + "\n")
     probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
     atomic_write(logs / "probe.log", probe.stderr.encode())
@@ -187,7 +233,9 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
     write_json(run_dir / "probes" / "image.json", info)
     record["probe"] = {"ranks": [info], "nodes": ["image"]}
     if cfg.launcher.job:
-        argv = [python if token in ("python", "python3") else str(token) for token in cfg.launcher.job]
+        argv: List[str] = []
+        for token in cfg.launcher.job:
+            argv += python if token in ("python", "python3") else [str(token)]
         write_json(run_dir / "argv.json", argv)
         with (logs / "job.log").open("wb") as log:
             job = subprocess.run(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
