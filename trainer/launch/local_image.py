@@ -5,8 +5,8 @@
    ``index.json`` (``org.opencontainers.image.ref.name``); ``umoci unpack`` then unpacks it into
    ``RUN_DIR/image/bundle`` and checks every layer blob against its digest.
 2. The probe (``python -m trainer.probe --distributions``) runs inside the unpacked root file system with
-   bubblewrap: ``bwrap --bind ROOTFS / --proc /proc --dev /dev --tmpfs /tmp --unshare-all --cap-drop ALL
-   --clearenv``, no network, ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if
+   bubblewrap: ``bwrap --bind ROOTFS / --proc /proc --dev /dev --tmpfs /tmp`` with new PID, IPC, network, UTS
+   and cgroup namespaces (and a user namespace when not root), ``--cap-drop ALL --clearenv``, no network, ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if
    given, runs the same way (its log is ``logs/job.log``).
 3. The record carries the image (digest, layout, tag, the stamped ``/etc/recipe-bundle/lock.json`` copied to
    ``image/lock.json``) and the probe; its ``lock`` is that stamp, so ``trainer verify RUN_DIR`` compares what
@@ -160,8 +160,14 @@ def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python
     """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``; see the module docstring.
 
     Raises :class:`UserError` when the image itself uses ``HOST_MOUNT`` (binding there would hide it)."""
+    # every namespace but, for root, the user namespace (--unshare-all tries one): a new procfs may not be mounted
+    # in a user namespace where /proc has parts covered (inside another sandbox: bwrap, a container); root's
+    # process keeps no capability anyway (--cap-drop ALL)
+    unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() != 0:
+        unshare.append("--unshare-user-try")
     args = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--unshare-all", "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv",
+            *unshare, "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv",
             "--ro-bind", str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer"]
     python_path = [LAUNCHER_MOUNT] + ([site_packages] if site_packages else [])
     interpreter: List[str] = []
