@@ -5,8 +5,9 @@ is bounded in time (``timeout``) and is stopped by the PIDs this module started,
 
 * :class:`LocalSlurm`: a private ``munged`` (its own key and socket), ``slurmctld`` and ``slurmd -N localhost``
   from a private ``slurm.conf`` (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``: addresses, not
-  names to look up, so no ``/etc/hosts`` is needed; ``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny`` so
-  that nothing listens on other interfaces), with ``gpus`` GPUs simulated by character
+  names to look up, so no ``/etc/hosts`` is needed; ``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny`` and
+  daemons whose host name is ``127.0.0.1`` in their own UTS namespace, so that nothing listens on other
+  interfaces), with ``gpus`` GPUs simulated by character
   devices (``mknod``, major 195 as NVIDIA's) for scheduling only. ``env()`` gives the ``SLURM_CONF`` for
   ``sbatch``/``squeue``.
 * :class:`LocalRay`: ``ray start --head --block`` on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
@@ -112,6 +113,20 @@ def _wait_for(predicate, timeout_s: float, what: str, log: Optional[Path] = None
     raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s\n{tail}")
 
 
+def _loopback_hostname() -> None:
+    """In a child before exec: a UTS namespace of its own whose host name is ``127.0.0.1``.
+
+    With ``NoInAddrAny``/``NoCtldInAddrAny`` the Slurm daemons bind to the address of ``gethostname()`` (Slurm
+    22.05 ``slurm_setup_addr``), which would need the machine's name to resolve (``/etc/hosts``) and could be a
+    public address; an address as the name resolves without any lookup, to loopback. Needs root (CAP_SYS_ADMIN).
+    """
+    import ctypes
+
+    if ctypes.CDLL("libc.so.6", use_errno=True).unshare(0x04000000) != 0:  # CLONE_NEWUTS, <sched.h>
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
+    socket.sethostname("127.0.0.1")
+
+
 class LocalSlurm:
     """munged + slurmctld + slurmd on localhost under ``root`` (a fresh directory). Use as a context manager.
 
@@ -189,7 +204,7 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         out = open(self.root / log, "wb")
         program = shutil.which(argv[0], path=_search_path()) or argv[0]
         proc = subprocess.Popen(["timeout", str(self.lifetime_s), program, *argv[1:]], stdout=out, stderr=subprocess.STDOUT,
-                                env=self.env(), start_new_session=True)
+                                env=self.env(), start_new_session=True, preexec_fn=_loopback_hostname)
         self.procs.append(proc)
         return proc
 
