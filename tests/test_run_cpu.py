@@ -22,48 +22,56 @@ from trainer.record import effective_status, redact_env
 STEPS = 6
 
 
-def smoke(tmp_path_factory, name, *extra, read_only_home=False):
-    """A smoke run of STEPS steps in a fresh directory (run shared by the cases of this module that read it).
+SECRETS = {"HF_TOKEN": "hf-secret-value-123", "MY_API_KEY": "key-value-456"}
+# The smoke runs the cases share: name -> (overrides, HOME read-only). dp1 sees HOME on a read-only directory and
+# no XDG_CACHE_HOME (bubblewrap binds it read-only: root could write into a mode-0555 one), as in a build sandbox.
+SMOKE_RUNS = {"dp1": ((), True), "dp2": (("layout=gpu2-tp1pp1ep1",), False), "lr10": (("optim.lr=3e-2",), False)}
 
-    ``read_only_home``: the run sees HOME on a read-only directory and no XDG_CACHE_HOME (bubblewrap binds it
-    read-only: root could write into a mode-0555 directory), as in a build sandbox."""
-    cwd = tmp_path_factory.mktemp(name)
-    run_dir = cwd / "run"
-    env_secret = {"HF_TOKEN": "hf-secret-value-123", "MY_API_KEY": "key-value-456"}
-    args = ["experiment=smoke", f"launcher.steps={STEPS}", f"hydra.run.dir={run_dir}", *extra]
-    os.environ.update(env_secret)
-    try:
+
+@pytest.fixture(scope="module")
+def smoke_runs(tmp_path_factory):
+    """The shared smoke runs of STEPS steps, started together so that their serial start-ups overlap."""
+    runs = {}
+    for name, (extra, read_only_home) in SMOKE_RUNS.items():
+        cwd = tmp_path_factory.mktemp(name)
+        run_dir = cwd / "run"
+        env = {**os.environ, **SECRETS, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160"}
+        argv = [sys.executable, "-m", "trainer.train", "experiment=smoke", f"launcher.steps={STEPS}",
+                f"hydra.run.dir={run_dir}", *extra]
         if read_only_home:
-            home = cwd / "home"
-            home.mkdir()
-            env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160", "HOME": str(home)}
+            (cwd / "home").mkdir()
+            env["HOME"] = str(cwd / "home")
             env.pop("XDG_CACHE_HOME")
-            proc = subprocess.run(["bwrap", "--dev-bind", "/", "/", "--ro-bind", str(home), str(home),
-                                   sys.executable, "-m", "trainer.train", *args],
-                                  cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-        else:
-            proc = run_train(args, cwd, timeout=600)
-    finally:
-        for key in env_secret:
-            os.environ.pop(key)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    (run_dir / "test-output.txt").write_text(proc.stdout + proc.stderr)
+            argv = ["bwrap", "--dev-bind", "/", "/", "--ro-bind", env["HOME"], env["HOME"], *argv]
+        output = (cwd / "train-output.log").open("w")
+        runs[name] = (subprocess.Popen(argv, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT), run_dir)
+    yield runs
+    for proc, _ in runs.values():
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+def finished(runs, name):
+    proc, run_dir = runs[name]
+    proc.wait(timeout=600)
+    assert proc.returncode == 0, (run_dir.parent / "train-output.log").read_text()[-3000:]
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def dp1(tmp_path_factory):
-    return smoke(tmp_path_factory, "dp1", read_only_home=True)
+def dp1(smoke_runs):
+    return finished(smoke_runs, "dp1")
 
 
 @pytest.fixture(scope="module")
-def dp2(tmp_path_factory):
-    return smoke(tmp_path_factory, "dp2", "layout=gpu2-tp1pp1ep1")
+def dp2(smoke_runs):
+    return finished(smoke_runs, "dp2")
 
 
 @pytest.fixture(scope="module")
-def lr10(tmp_path_factory):
-    return smoke(tmp_path_factory, "lr10", "optim.lr=3e-2")
+def lr10(smoke_runs):
+    return finished(smoke_runs, "lr10")
 
 
 def trainer(*args):
@@ -99,7 +107,7 @@ def test_a_run_with_a_read_only_home_completes(dp1):
     assert env["HOME"] == str(home) and "XDG_CACHE_HOME" not in env
     assert env["KERNEL_CACHE"] == str(dp1 / "kernels") and env["TORCHINDUCTOR_CACHE_DIR"] == str(dp1 / "kernels/inductor")
     expected = f"kernel cache {home}/.cache/recipe-bundle/kernels not writable (Read-only file system); using {dp1}/kernels"
-    assert expected in (dp1 / "test-output.txt").read_text()
+    assert expected in (dp1.parent / "train-output.log").read_text()
     assert (dp1 / "kernels").is_dir() and list(home.iterdir()) == []
 
 
@@ -143,7 +151,7 @@ def test_secrets_are_redacted_everywhere(dp1):
     assert env["HF_TOKEN"] == "<redacted>" and env["MY_API_KEY"] == "<redacted>"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the recipe's env reached the workers
     assert env["TRITON_CACHE_DIR"] == env["KERNEL_CACHE"] + "/triton"  # expanded as the recipe's shell would
-    for path in dp1.rglob("*"):
+    for path in dp1.parent.rglob("*"):  # the run directory and the launcher's output
         if path.is_file() and path.suffix in (".json", ".yaml", ".log", ".jsonl"):
             text = path.read_text(errors="replace")
             assert "hf-secret-value-123" not in text and "key-value-456" not in text, path
