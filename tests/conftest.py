@@ -1,9 +1,10 @@
 """Tests write only under their own temporary directory.
 
-Under Bazel that is ``TEST_TMPDIR``; under plain pytest a fresh directory removed at exit. ``HOME``, the XDG
+Under Bazel that is ``TEST_TMPDIR``; under plain pytest a fresh directory removed at exit. ``HOME`` and the XDG
 base directories (so ``$XDG_CACHE_HOME/recipe-bundle/{kernels,cas}`` and every cache a run or a tool creates)
-and ``TMPDIR`` point there before any test runs, and ``KERNEL_CACHE`` is unset so runs take their default
-under it. ``TRAINER_ENV_ROOT`` names where the running launcher environment lives, so that ``bin/python-env``
+point there before any test runs, and ``KERNEL_CACHE`` is unset so runs take their default under it; under
+Bazel pytest's ``tmp_path`` directories are there too (``--basetemp``, helpers.main). ``TMPDIR`` is left alone:
+Bazel's ``TEST_TMPDIR`` is longer than a unix socket's path may be, and Ray puts sockets in the temp directory. ``TRAINER_ENV_ROOT`` names where the running launcher environment lives, so that ``bin/python-env``
 called from a test finds it instead of building another one under the new ``HOME``.
 """
 
@@ -15,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 SUBDIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data",
-           "XDG_STATE_HOME": "state", "TMPDIR": "tmp"}
+           "XDG_STATE_HOME": "state"}
 
 
 def _confine() -> Path:
@@ -30,7 +31,6 @@ def _confine() -> Path:
         (base / sub).mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(base / sub)
     os.environ.pop("KERNEL_CACHE", None)
-    tempfile.tempdir = None  # re-read TMPDIR
     return base
 
 

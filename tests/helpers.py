@@ -117,6 +117,8 @@ def main(test_file: str) -> int:
     import pytest
 
     args = [test_file, "-q", "-p", "no:cacheprovider"]
+    if os.environ.get("TEST_TMPDIR"):  # pytest's tmp_path directories inside the test's own (see conftest.py)
+        args.append(f"--basetemp={os.environ['TEST_TMPDIR']}/pytest")
     if os.environ.get("XML_OUTPUT_FILE"):
         args.append(f"--junitxml={os.environ['XML_OUTPUT_FILE']}")
     return pytest.main(args)

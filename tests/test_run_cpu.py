@@ -20,8 +20,6 @@ from trainer.launch.processes import default_kernel_cache
 from trainer.record import effective_status, redact_env
 
 STEPS = 6
-
-
 SECRETS = {"HF_TOKEN": "hf-secret-value-123", "MY_API_KEY": "key-value-456"}
 # The smoke runs the cases share: name -> (overrides, HOME read-only). dp1 sees HOME on a read-only directory and
 # no XDG_CACHE_HOME (bubblewrap binds it read-only: root could write into a mode-0555 one), as in a build sandbox.
@@ -120,12 +118,14 @@ def test_the_kernel_cache_is_the_users_outside_tests(tmp_path, monkeypatch):
     assert (tmp_path / "xdg/recipe-bundle/kernels").is_dir() and not (tmp_path / "run").exists()
 
 
-def test_tests_write_under_their_own_temporary_directory():
+def test_tests_write_under_their_own_temporary_directory(tmp_path):
     # conftest.py points HOME and the XDG directories at this test's temporary directory (Bazel's TEST_TMPDIR)
     base = Path(os.environ.get("TEST_TMPDIR") or TEST_ROOT).absolute()
-    for name in ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "TMPDIR"):
+    for name in ("HOME", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME"):
         assert Path(os.environ[name]).is_relative_to(base), name
     assert "KERNEL_CACHE" not in os.environ
+    if os.environ.get("TEST_TMPDIR"):
+        assert tmp_path.is_relative_to(base)
 
 
 def test_record_says_what_ran(dp1):
