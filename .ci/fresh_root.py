@@ -6,14 +6,19 @@
    the local wheel folders and indexes that configuration names; and a clone of this repository (HEAD) in
    ``/root/recipe-bundle``.
 3. Each command of the README's "Two commands" block runs there in its own ``bwrap --bind ROOT / --proc /proc
-   --dev /dev`` (private PID, IPC and UTS namespaces, the host's network), as a user would type them one after
+   --dev /dev --ro-bind /sys /sys`` (private PID, IPC and UTS namespaces, the host's network; sysfs as on any
+   machine: slurmd wants the cgroup file system), as a user would type them one after
    the other: first ``bin/setup && nix run .#train -- layout=tp2pp4ep8``, then ``bin/setup && bazel test
    //tests/...`` (the second finds the first's set-up done: its ``bin/setup`` is the warm one).
 4. The JUnit XML of the tests is copied to ``--testlogs DIR`` (for .ci/summary.py), the root removed.
 
-Left out in the root, because only a whole machine runs them: none of the modules; see ``EXCLUDED`` for what is
-skipped inside one and why. Exit code: 0 when both commands exit 0; else the first failing command's code.
-Needs root (mmdebstrap and bwrap bind mounts), mmdebstrap and bubblewrap (bin/setup installs both).
+Nothing is left out: every test module runs in the root as well. What such a root lacks that a whole machine has,
+and how the bundle does without it: no ``/etc/hosts`` (the test Slurm cluster uses addresses, and its daemons run
+with host name 127.0.0.1 in a UTS namespace of their own); no init system (the tests start their own daemons);
+Bazel's linux-sandbox does not start inside bubblewrap, so Bazel uses its processwrapper sandbox (a writable
+HOME: test_run_cpu's read-only-HOME run checks that case by itself); bubblewrap sandboxes nest (local-image
+asks for no user namespace as root). Exit code: 0 when both commands exit 0, else the failing command's code.
+Needs root (mmdebstrap and bind mounts), mmdebstrap and bubblewrap (bin/setup installs both).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -103,7 +109,7 @@ def provision(root: Path, python: str) -> Tuple[List[str], Dict[str, str]]:
 
 def enter(root: Path, binds: List[str], env: Dict[str, str], command: str) -> int:
     """Run ``command`` with bash in ``root`` under bubblewrap, as root, in the clone."""
-    argv = ["bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev",
+    argv = ["bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
             "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "fresh-debian12", "--die-with-parent",
             "--cap-add", "ALL"]
     for path in binds:
@@ -112,8 +118,9 @@ def enter(root: Path, binds: List[str], env: Dict[str, str], command: str) -> in
              "--setenv", "LANG", "C.UTF-8"]
     for key, value in env.items():
         argv += ["--setenv", key, value]
-    # bash -x marks when each command of the line starts (PS4 with the time), for the timings printed after it
-    argv += ["--setenv", "PS4", "+ [$EPOCHREALTIME] ", "--chdir", INSIDE, "bash", "-xc", command]
+    # xtrace marks when each command of the line starts (PS4 with the time; bash run as root ignores an inherited
+    # PS4), for the timings printed after it
+    argv += ["--chdir", INSIDE, "bash", "-c", "PS4='+ [$EPOCHREALTIME] '; set -x; " + command]
     print("+ " + " ".join(shlex.quote(a) for a in argv), flush=True)
     start = time.time()
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
@@ -133,9 +140,13 @@ def enter(root: Path, binds: List[str], env: Dict[str, str], command: str) -> in
 
 
 def main() -> int:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the root is removed when CI stops this
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--testlogs", help="copy the tests' JUnit XML (test.xml files) here")
     parser.add_argument("--keep", action="store_true", help="keep the root (its path is printed)")
+    parser.add_argument("--second-after", metavar="FILE",
+                        help="start the second command only once FILE exists (CI: the host's tests have finished, "
+                             "so that two test suites do not share the cores)")
     args = parser.parse_args()
     commands = readme_commands()
     python = subprocess.run([str(REPO / "bin" / "python-env")], capture_output=True, text=True, check=True).stdout.strip()
@@ -147,7 +158,12 @@ def main() -> int:
         build_root(root)
         print(f"fresh-root: Debian 12 minbase root built in {time.monotonic() - start:.0f} s ({root})", flush=True)
         binds, env = provision(root, python)
-        for command in commands:
+        for i, command in enumerate(commands):
+            if i == 1 and args.second_after:
+                waited = time.monotonic()
+                while not os.path.exists(args.second_after):
+                    time.sleep(2)
+                print(f"fresh-root: waited {time.monotonic() - waited:.0f} s for {args.second_after}", flush=True)
             rc = enter(root, binds, env, command)
             if rc != 0:
                 break
