@@ -140,7 +140,11 @@ def enter(root: Path, binds: List[str], env: Dict[str, str], command: str) -> in
 
 
 def main() -> int:
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the root is removed when CI stops this
+    def stop(*_):  # so that the root is removed when CI stops this; a second SIGTERM must not stop the removal
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        sys.exit(143)
+
+    signal.signal(signal.SIGTERM, stop)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--testlogs", help="copy the tests' JUnit XML (test.xml files) here")
     parser.add_argument("--keep", action="store_true", help="keep the root (its path is printed)")
