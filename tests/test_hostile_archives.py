@@ -11,7 +11,8 @@ import pytest
 
 import helpers
 from trainer.errors import UserError
-from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tar, plan_entries, resolve_in_tree, write_layer
+from trainer.image.gittree import resolve_in_tree
+from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tar, plan_entries, write_layer
 from trainer.image.sources import source_entries
 
 
@@ -42,32 +43,64 @@ def sparse_header(name, size):
     return info.tobuf(tarfile.GNU_FORMAT) + b"\0" * 1024
 
 
+# case: (archive bytes, the source reader's line, the layer reader's line)
 CASES = {
     "symlink chain escaping": (tar_of([sym("top/a/b/up", "../../.."), sym("top/a/b/esc", "up/../../../../etc/shadow")]),
+                               "symlink a/b/esc -> up/../../../../etc/shadow resolves outside the source tree",
                                "'top/a/b/esc': symlink target 'up/../../../../etc/shadow' escapes the image root"),
     "symlink chain through two links": (tar_of([sym("top/x", "y/.."), sym("top/y", ".."), sym("top/z", "x/../etc")]),
-                                        "escapes the image root"),
-    "symlink loop": (tar_of([sym("top/a", "b"), sym("top/b", "a")]), "more than 40 symlinks in a chain"),
+                                        "resolves outside the source tree", "escapes the image root"),
+    "symlink loop": (tar_of([sym("top/a", "b"), sym("top/b", "a")]), "more than 40 links (a loop)",
+                     "more than 40 symlinks in a chain"),
     "file under a symlink": (tar_of([sym("top/link", "real"), reg("top/link/file")]),
+                             "link/file lies under the symlink link",
                              "'top/link/file': parent 'top/link' is a symlink, not a directory"),
-    "non-UTF-8 member name": (tar_of([reg("top/caf\xe9")], encoding="latin-1"),
-                              "archive member b'top/caf\\xe9': name is not UTF-8"),
-    "sparse 30 GB member": (sparse_header("top/huge", 30 << 30), "'top/huge': 32,212,254,720 bytes"),
-    "truncated archive": (tar_of([reg("top/a", b"y" * 5000)])[:1500], "archive: corrupt or truncated"),
+    "sparse 30 GB member": (sparse_header("top/huge", 30 << 30), "archive unpacks to more than 2,147,483,648 bytes",
+                            "'top/huge': 32,212,254,720 bytes"),
+    "truncated archive": (tar_of([reg("top/a", b"y" * 5000)])[:1500], "", "archive: corrupt or truncated"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_hostile_source_archive_is_one_line(tmp_path, case):
-    """Promise: a source tar is accepted only when every member is plain UTF-8, bounded in size, and every symlink
-    resolves inside the tree through all the others; else one UserError line, before a layer byte is written."""
-    data, expected = CASES[case]
+    """Promise: a source tar is accepted only when it is bounded in size, readable, and every symlink resolves
+    inside the tree through all the others; else one UserError line, before a layer byte is written."""
+    data, expected, _ = CASES[case]
     archive = tmp_path / "src.tar"
     archive.write_bytes(data)
-    source = {"name": "demo", "archive": {"filename": "src.tar"}, "dest": "/opt/src/demo", "tree": "0" * 40}
+    source = {"name": "demo", "commit": "1" * 40, "archive": {"filename": "src.tar"}, "dest": "/opt/src/demo",
+              "tree": "0" * 40}
     with pytest.raises(UserError) as err:
         source_entries(archive, source)
+    assert str(err.value).startswith("source demo@111111111111: ") and expected in str(err.value), str(err.value)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_hostile_archive_is_refused_by_the_layer_reader(case):
+    """Promise: the same archives read into any layer (:func:`entries_from_tar`, then the writer's whole-tree
+    check) give one UserError line naming the member."""
+    data, _, expected = CASES[case]
+    with pytest.raises(UserError) as err:
+        plan_entries(entries_from_tar(io.BytesIO(data), ""))
     assert expected in str(err.value) and "\n" not in str(err.value), str(err.value)
+
+
+def test_a_non_utf8_member_name_is_kept_as_bytes_not_a_traceback(tmp_path):
+    """Promise: a member name with a byte that is not UTF-8 (git allows any bytes) travels as those bytes: the
+    layer holds the same name, and a source archive is judged by its git tree like any other (one line)."""
+    data = tar_of([reg("top/caf\xe9", b"x")], encoding="latin-1")
+    buf = io.BytesIO()
+    write_layer(entries_from_tar(io.BytesIO(data), ""), buf, 0)
+    names = [m.name for m in tarfile.open(fileobj=io.BytesIO(buf.getvalue()), encoding="utf-8", errors="surrogateescape")]
+    assert [n.encode("utf-8", "surrogateescape") for n in names] == [b"top", b"top/caf\xe9"]
+    archive = tmp_path / "src.tar"
+    archive.write_bytes(data)
+    source = {"name": "demo", "commit": "1" * 40, "archive": {"filename": "src.tar"}, "dest": "/opt/src/demo",
+              "tree": "0" * 40}
+    with pytest.raises(UserError, match=r"^source demo@111111111111: archive files hash to git tree [0-9a-f]{40}, "
+                                        r"lock says 0{40} \(refused\)$"):
+        source_entries(archive, source)
 
 
 def test_a_chain_is_refused_by_the_layer_writer_whatever_read_it(tmp_path):

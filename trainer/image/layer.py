@@ -120,10 +120,6 @@ def normalize_path(path: str) -> str:
     """
     if "\0" in path:
         raise UserError(f"layer entry {path!r}: NUL byte in path")
-    try:
-        path.encode("utf-8")
-    except UnicodeEncodeError:
-        raise UserError(f"layer entry {path.encode('utf-8', 'surrogateescape')!r}: path is not UTF-8") from None
     parts = [p for p in path.split("/") if p not in ("", ".")]
     if not parts:
         raise UserError(f"layer entry {path!r}: empty path (the root itself is not an entry)")
@@ -426,8 +422,6 @@ def _members(tar: tarfile.TarFile):
     while True:
         try:
             member = tar.next()
-        except UnicodeDecodeError as ex:
-            raise UserError(f"archive member name is not UTF-8 ({ex.object[:60]!r}; refused)") from None
         except (tarfile.TarError, EOFError, zlib.error, OSError) as ex:
             raise UserError(f"archive: corrupt or truncated ({ex})") from None
         if member is None:
@@ -453,12 +447,6 @@ def entries_from_tar(
         raise UserError(f"archive: not a tar archive this reader accepts ({ex})") from None
     with tar:
         for member in _members(tar):
-            try:
-                member.name.encode("utf-8")
-                member.linkname.encode("utf-8")
-            except UnicodeEncodeError:
-                raise UserError(f"archive member {member.name.encode('utf-8', 'surrogateescape')!r}: name is not "
-                                "UTF-8 (refused)") from None
             if member.isreg():
                 total += member.size
                 if member.size > MAX_MEMBER_BYTES or total > MAX_ARCHIVE_BYTES:
