@@ -6,6 +6,8 @@ Usage (Hydra overrides)::
     python -m trainer.train layout=tp8pp8ep8 optim.lr=2e-5   # another layout, one field changed
     python -m trainer.train -m layout=tp2pp4ep8,tp8pp8ep8    # multirun: one plan per layout
     python -m trainer.train --cfg job                        # print the composed config
+    python -m trainer.train hydra.run.dir=DIR --resume       # write into DIR although it holds a run (--overwrite:
+                                                             # replace that run); without either DIR is refused
 
 The story of a run: compose every job of the command line and check it (nothing is written if any job
 fails), then for each job under ``@hydra.main``: check → render the launch → compare numerics with the
