@@ -155,7 +155,7 @@ def parse_row(obj: Any, where: str) -> Step:
     for key in COUNT_KEYS:
         count = obj.get(key)
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-            raise UserError(f"{where}: {key} is {str(count)[:40]!r}, expected an integer >= 0 or null")
+            raise UserError(f"{where}: {key} is {repr(count)[:40]}, expected an integer >= 0 or null")
         values[key] = count
     return Step(step=step, lm_loss=_number(obj["lm_loss"], where, "lm_loss", allow_null=False), **values)
 
