@@ -35,7 +35,7 @@ from trainer.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
 from trainer.plan import build_plan
 from trainer.record import atomic_write, launcher_record, write_json
-from trainer.redact import Redactor, guard, redact_argv, redact_env, sweep
+from trainer.redact import Redactor, guard, redact_argv, redact_env, redactor_for, sweep
 from trainer.rundir import HYDRA_FILES, claim_run_dir
 from trainer.render import render
 from trainer.summary import print_plan_summary
@@ -81,10 +81,20 @@ HANDED_OFF = ("rendered", "submitted")
 SIGNER = None
 
 
+def redact_files(run_dir: Path) -> None:
+    """Pass the files others wrote into ``run_dir`` (Hydra's, the workers') through the run's redactor now, so that
+    hashes taken next are those of the files as they stay."""
+    redactor = redactor_for(run_dir)
+    if redactor is not None:
+        sweep(run_dir, redactor)
+
+
 def attest_run(run_dir: Path, record: dict) -> None:
     """Write the run's ``attestation.json`` (:func:`trainer.attest.write_run_attestation`, signed when
     ``--sign-key`` was given) and name it in ``record``; a failure to attest is recorded, never fatal."""
     from trainer.attest import write_run_attestation
+
+    redact_files(run_dir)  # the attestation hashes the files as they stay: redacted first
 
     try:
         record["attestation"] = write_run_attestation(run_dir, record, SIGNER)
@@ -194,6 +204,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: List[str]) -> None:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     handed_off = record["status"] in HANDED_OFF
     message = record.pop("message", None)
+    redact_files(run_dir)
     for name in ("argv.json", "env.json", "metrics.jsonl", "sbatch.sh"):
         if (run_dir / name).is_file():
             hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
