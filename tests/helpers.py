@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shlex
@@ -80,6 +81,19 @@ def run_train(args: Sequence[str], cwd: Path, timeout: float = 120) -> subproces
     )
 
 
+def tree_hash(path: Path) -> str:
+    """sha256 over every path, mode and content under ``path`` (or of its absence)."""
+    digest = hashlib.sha256()
+    if not os.path.lexists(path):
+        return "absent"
+    for item in sorted([path, *path.rglob("*")]) if path.is_dir() else [path]:
+        st = item.lstat()
+        digest.update(f"{item.relative_to(path.parent)}\0{st.st_mode}\0".encode())
+        if item.is_file() and not item.is_symlink():
+            digest.update(item.read_bytes())
+    return digest.hexdigest()
+
+
 # The recipe's run (seed YAML): 20 steps of 128 rows x 8,192 tokens on 64 GPUs, 808.22 tokens/s/GPU in steps 5..19.
 ROW_TOKENS, GLOBAL_BATCH, GPUS = 8192, 128, 64
 RECIPE_TPS = 808.22
@@ -110,6 +124,15 @@ def run_trainer(*args, cwd: Path = REPO_ROOT, timeout: float = 180) -> subproces
     return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
+
+def planned_run(tmp: Path) -> Path:
+    """A plan run written by `train` under ``tmp``, with the recipe's 20 steps of metrics beside it (as a run that
+    executed would have): ``tmp/run``."""
+    run_dir = tmp / "run"
+    result = run_train([f"hydra.run.dir={run_dir}"], cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    write_rows(run_dir / "metrics.jsonl", recipe_rows())
+    return run_dir
 
 
 def main(test_file: str) -> int:

@@ -8,6 +8,7 @@ import helpers
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -227,6 +228,11 @@ def test_noop_rebuild_trusts_stamps_and_a_modified_layer_is_rebuilt(world, tmp_p
         # modify a cached layer's bytes keeping size and mtime: ctime moved, so it is re-hashed, found corrupt
         # and rebuilt from the (re-hashed) inputs
         base = cache.blob_path(result.layers[0][1][7:])
+        # the blob is hard-linked into the module's layout, which later tests read (and `image check` re-hashes):
+        # give the cache its own copy first, so only the cache's bytes are modified
+        copy = base.with_name(base.name + ".copy")
+        shutil.copy2(base, copy)
+        os.replace(copy, base)
         st = base.stat()
         os.chmod(base, 0o644)
         data = bytearray(base.read_bytes())

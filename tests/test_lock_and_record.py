@@ -87,7 +87,7 @@ def test_write_json_is_canonical(tmp_path):
 
 
 def test_redaction_of_argv_and_url_credentials():
-    from trainer.record import redact_argv, redact_env
+    from trainer.redact import redact_argv, redact_env
 
     assert redact_argv(["train", "+env.HF_TOKEN=hf_abc", "optim.lr=1e-5", "paths.prompt_data=s3://u:pw@bucket/rows"]) == [
         "train", "+env.HF_TOKEN=<redacted>", "optim.lr=1e-5", "paths.prompt_data=s3://<redacted>@bucket/rows"]

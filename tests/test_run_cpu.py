@@ -17,7 +17,8 @@ from helpers import REPO_ROOT, run_train
 from conftest import TEST_ROOT
 from trainer.launch.cpu_worker import megatron_lr
 from trainer.launch.processes import default_kernel_cache
-from trainer.record import effective_status, redact_env
+from trainer.record import effective_status
+from trainer.redact import redact_env
 
 STEPS = 6
 SECRETS = {"HF_TOKEN": "hf-secret-value-123", "MY_API_KEY": "key-value-456"}
@@ -260,10 +261,10 @@ def test_a_run_stopped_midway_leaves_a_record_that_says_so(tmp_path):
 
 
 def test_redact_env():
-    env = {"HF_TOKEN": "a", "aws_secret_access_key": "b", "DB_PASSWORD": "c", "GCP_CREDENTIALS": "d", "PATH": "/bin", "KEYBOARD": "x"}
+    env = {"HF_TOKEN": "a", "aws_secret_access_key": "b", "DB_PASSWORD": "c", "GCP_CREDENTIALS": "d", "PATH": "/bin", "KEYBOARD": "x", "GITHUB_PAT": "e"}
     out = redact_env(env)
     assert out == {"DB_PASSWORD": "<redacted>", "GCP_CREDENTIALS": "<redacted>", "HF_TOKEN": "<redacted>",
-                   "KEYBOARD": "<redacted>", "PATH": "/bin", "aws_secret_access_key": "<redacted>"}
+                   "GITHUB_PAT": "<redacted>", "KEYBOARD": "x", "PATH": "/bin", "aws_secret_access_key": "<redacted>"}
 
 
 def test_megatron_learning_rate_schedule():

@@ -18,8 +18,11 @@ Each check that fails gives one line naming the field(s) and the arithmetic, e.g
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 from trainer.errors import CheckError
 from trainer.schema import TrainConfig
@@ -83,11 +86,53 @@ def stage_split(num_layers: int, pp: int, first: Optional[int], last: Optional[i
     return head + [rest // middle_stages] * middle_stages + tail
 
 
+# Fields that must be > 0 (a size, a rate, a capacity); every other number must be finite and >= 0.
+POSITIVE = (
+    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads", "model.vocab_size",
+    "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim", "model.v_head_dim",
+    "model.moe_ffn_hidden_size", "model.norm_epsilon", "cluster.gpu_memory_gb", "cluster.gpu_peak_bf16_flops",
+    "optim.lr", "optim.global_batch_size", "optim.num_rollout", "optim.rollout_batch_size", "data.seq_length",
+)
+SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _numbers(node: Any, prefix: str) -> Iterator[Tuple[str, float]]:
+    """(dotted key, value) of every int/float leaf of a typed config (lists included, bools not)."""
+    if dataclasses.is_dataclass(node):
+        for f in dataclasses.fields(node):
+            yield from _numbers(getattr(node, f.name), f"{prefix}{f.name}.")
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            yield from _numbers(value, f"{prefix}{key}.")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _numbers(value, f"{prefix[:-1]}[{i}].")
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield prefix[:-1], node
+
+
+def check_values(cfg: TrainConfig) -> None:
+    """Every number of the config finite and >= 0, those of :data:`POSITIVE` > 0; every ``env`` name a shell name.
+
+    Raises :class:`CheckError` naming the first bad field (NaN or infinite learning rate, a negative model size,
+    NaN GPU memory, a negative price, zero peak FLOP/s, ``env.1BAD``).
+    """
+    for key, value in _numbers(cfg, ""):
+        if not math.isfinite(value):
+            raise CheckError(f"{key} must be a finite number (got {value})")
+        if value < 0 or (value == 0 and key in POSITIVE):
+            raise CheckError(f"{key} must be {'> 0' if key in POSITIVE else '>= 0'} (got {value})")
+    for name in (cfg.env or {}):
+        if not SHELL_NAME.fullmatch(str(name)):
+            raise CheckError(f"env.{name}: not a shell variable name (letters, digits and _, not starting with a digit)")
+
+
 def check(cfg: TrainConfig) -> Parallelism:
     """Run every pre-launch check on a typed config; return the derived :class:`Parallelism`.
 
     Raises :class:`CheckError` (one line: the field and the arithmetic) at the first failure.
     """
+    check_values(cfg)
     lay, model, cluster, optim, data = cfg.layout, cfg.model, cfg.cluster, cfg.optim, cfg.data
     for key in (
         "tensor_model_parallel_size",

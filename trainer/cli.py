@@ -8,6 +8,8 @@ subcommand runs, so ``trainer data ...`` does not pay for ``trainer image``'s im
 from __future__ import annotations
 
 import importlib
+import os
+import signal
 import sys
 from typing import Dict, List, Optional, Tuple
 
@@ -40,6 +42,14 @@ def usage() -> str:
     return "\n".join(lines)
 
 
+class Terminated(KeyboardInterrupt):
+    """Raised in the main thread by SIGTERM, so that ``finally`` blocks and ``except BaseException`` clean-ups run."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a subcommand; return its exit code.
 
@@ -61,6 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         train.main()
         return 0
     module = importlib.import_module(COMMANDS[name][0])
+    signal.signal(signal.SIGTERM, _terminate)  # SIGTERM unwinds like Ctrl-C: temporary files are removed
     try:
         return int(module.main(rest) or 0)
     except UserError as err:
@@ -70,9 +81,23 @@ def main(argv: Optional[List[str]] = None) -> int:
         where = f"{err.filename}: " if err.filename else ""
         print(f"trainer {name}: error: {where}{err.strerror or err}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"trainer {name}: terminated (temporary files removed)", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print(f"trainer {name}: interrupted", file=sys.stderr)
         return 130
+    except RecursionError:  # a reader missed a nesting bound: still one line
+        print(f"trainer {name}: error: input nested too deeply", file=sys.stderr)
+        return 2
+    except (TypeError, AttributeError, KeyError, IndexError, ValueError) as err:
+        # an input of a shape no reader checked (a record field of the wrong type deep inside): one line, not a
+        # traceback; TRAINER_DEBUG=1 shows the traceback
+        if os.environ.get("TRAINER_DEBUG"):
+            raise
+        print(f"trainer {name}: error: an input has an unexpected shape ({type(err).__name__}: "
+              f"{' '.join(str(err).split())[:200]}); TRAINER_DEBUG=1 shows where", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer import REPO_ROOT, schema
 from trainer.errors import UserError
+from trainer.redact import redact_argv
 
 CONF_DIR = REPO_ROOT / "conf"
 CONFIG_NAME = "train"
@@ -83,8 +84,14 @@ def expand_sweep(overrides: Sequence[str]) -> List[List[str]]:
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
+    parser = OverridesParser.create()
+    for override in overrides:  # one at a time first, so that an error names the override that caused it
+        try:
+            parser.parse_overrides([override])
+        except HydraException as ex:
+            raise UserError(f"override {redact_argv([override])[0]!r}: {describe_error(ex)}") from None
     try:
-        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        parsed = parser.parse_overrides(list(overrides))
         batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     except HydraException as ex:
         raise UserError(describe_error(ex)) from None

@@ -44,6 +44,7 @@ from trainer.metrics import Step
 
 CONF_DIR = REPO_ROOT / "conf" / "convergence"
 DEFAULT_THRESHOLDS = "megatron-bridge-pipeline"
+MAX_POINTS = 20_000  # per-step points in a result; longer runs keep only failed or unmatched steps (points_omitted)
 
 
 @dataclass
@@ -185,8 +186,10 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
         ))
 
     points: List[Dict[str, Any]] = []
+    omitted = 0
     failures = 0
     kept_set = set(kept)
+    skipped_set = set(usable[:skip])
     for step in all_steps:
         cv = cand[step].lm_loss if step in cand else None
         gv = ref[step].lm_loss if step in ref else None
@@ -196,9 +199,13 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
             rel = abs(cv - gv) / abs(gv) if gv != 0 else abs(cv)
         failed = step in kept_set and rel is not None and rel > tol
         failures += failed
+        # a long run keeps the points that explain a failure, up to MAX_POINTS: the result stays bounded
+        if len(points) >= MAX_POINTS or (len(all_steps) > MAX_POINTS and not failed and rel is not None):
+            omitted += 1
+            continue
         points.append({
             "step": step, "candidate": cv, "reference": gv, "tolerance": tol, "relative_difference": rel,
-            "skipped": step in usable[:skip], "failed": bool(failed),
+            "skipped": step in skipped_set, "failed": bool(failed),
         })
     ratio = failures / n if n else float("nan")
     if n:
@@ -239,6 +246,7 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
             "outliers": outliers,
         },
         "points": points,
+        "points_omitted": omitted,
         "thresholds": dataclasses.asdict(th),
         "method": "Megatron-Bridge validate_convergence (scripts/performance/utils/evaluate.py) with steps aligned "
         "by number; missing steps and NaN/Inf loss or grad norm fail",

@@ -6,12 +6,12 @@ truth. :func:`verify_stack` refuses a composition whose pins differ from the loc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Dict
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
+from trainer.inputs import read_json
 from trainer.schema import StackConfig
 
 
@@ -36,11 +36,11 @@ def load_stack_lock(path: Path) -> Dict[str, Any]:
     Raises :class:`UserError` naming the file when it is missing, not JSON, or lacks ``components``.
     """
     try:
-        data = json.loads(path.read_text())
+        data = read_json(path, "stack lockfile")
     except FileNotFoundError:
         raise UserError(f"{path}: stack lockfile not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
-        raise UserError(f"{path}: not valid JSON ({ex})") from None
+    except OSError as ex:
+        raise UserError(f"{path}: not readable ({ex.strerror})") from None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
         raise UserError(f"{path}: expected an object with a 'components' object")
     return data

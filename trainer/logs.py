@@ -181,6 +181,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("log", type=Path, help="training log (stdout of the training job)")
     p.add_argument("-o", "--output", type=Path, required=True, help="metrics.jsonl to write (or a directory)")
+    p.add_argument("--force", action="store_true", help="replace an existing metrics.jsonl")
     p.add_argument("--seq-length", type=int, metavar="TOKENS", help="tokens per row; with the logged global batch size gives tokens per step")
     return p
 
@@ -194,6 +195,9 @@ def main(argv: List[str]) -> int:
         raise UserError(f"--seq-length {args.seq_length}: expected a positive number of tokens")
     steps = parse_log(args.log.read_text(encoding="utf-8", errors="replace"), str(args.log), args.seq_length)
     out = args.output / "metrics.jsonl" if args.output.is_dir() else args.output
+    if out.exists() and not args.force:
+        whose = " (a run's own metrics)" if (out.parent / "record.json").is_file() else ""
+        raise UserError(f"{out}: exists{whose}; pass --force to replace it, or write to another file")
     write_metrics(out, steps)
     timed = sum(s.step_time_s is not None for s in steps)
     lossless = [s.step for s in steps if not math.isfinite(s.lm_loss)]

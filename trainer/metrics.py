@@ -54,6 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from trainer.errors import UserError
+from trainer.inputs import lines, parse_json
 from trainer.params import CSA_RATIO, count_params
 from trainer.schema import ModelConfig
 
@@ -62,11 +63,13 @@ KEYS = ("step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "st
 OPTIONAL_KEYS = KEYS[2:8]
 COUNT_KEYS = KEYS[8:]  # integer counts (or null); absent from rows that do not know them
 NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+MAX_STEP = 2**63 - 1  # a step number is a signed 64-bit integer (Megatron's iteration counter)
+MAX_STEPS = 2_000_000  # steps of one metrics.jsonl a report reads (memory ~100 bytes each)
 DEFAULT_FIRST_STEP = 5  # the recipe's window starts at step 5 (steps 1-4: warm-up, JIT, allocator growth)
 PEAK_SOURCE = "cluster.gpu_peak_bf16_flops (dense bf16 FLOP/s per GPU; 989e12 for H200 SXM as torchtitan uses)"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Step:
     """One row of ``metrics.jsonl`` (units in the module docstring); absent optional keys are None."""
 
@@ -124,8 +127,11 @@ def _number(value: Any, where: str, key: str, allow_null: bool) -> Optional[floa
     if isinstance(value, str) and value in NONFINITE_STRINGS:
         return NONFINITE_STRINGS[value]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{where}: {key} is {value!r}, expected a number" + (" or null" if allow_null else ""))
-    return float(value)
+        raise UserError(f"{where}: {key} is {str(value)[:40]!r}, expected a number" + (" or null" if allow_null else ""))
+    try:
+        return float(value)
+    except OverflowError:
+        raise UserError(f"{where}: {key} is an integer of {len(str(value)):,} digits, too large for a number") from None
 
 
 def parse_row(obj: Any, where: str) -> Step:
@@ -143,13 +149,13 @@ def parse_row(obj: Any, where: str) -> Step:
         if key not in obj:
             raise UserError(f"{where}: missing key {key!r}")
     step = obj["step"]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise UserError(f"{where}: step is {step!r}, expected an integer >= 1 (steps are 1-based)")
+    if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
+        raise UserError(f"{where}: step is {str(step)[:40]!r}, expected an integer in 1..{MAX_STEP:,} (steps are 1-based)")
     values: Dict[str, Any] = {key: _number(obj.get(key), where, key, allow_null=True) for key in OPTIONAL_KEYS}
     for key in COUNT_KEYS:
         count = obj.get(key)
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-            raise UserError(f"{where}: {key} is {count!r}, expected an integer >= 0 or null")
+            raise UserError(f"{where}: {key} is {repr(count)[:40]}, expected an integer >= 0 or null")
         values[key] = count
     return Step(step=step, lm_loss=_number(obj["lm_loss"], where, "lm_loss", allow_null=False), **values)
 
@@ -162,27 +168,31 @@ def read_metrics(path: Path) -> List[Step]:
     and steps that do not strictly increase.
     """
     target = metrics_path(path)
-    text = target.read_text(encoding="utf-8", errors="replace")
-    if not text.strip():
-        raise UserError(f"{target}: empty (no steps)")
     steps: List[Step] = []
-    lines = text.split("\n")
-    for number, line in enumerate(lines, start=1):
+    pending: Optional[Tuple[int, str]] = None  # a line that is not JSON: an error unless it is the last one
+    for number, line in lines(target, "metrics.jsonl"):
         if not line.strip():
             continue
+        if pending is not None:
+            raise UserError(pending[1])
         where = f"{target} line {number}"
         try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as ex:
-            last = number == len(lines) or all(not rest.strip() for rest in lines[number:])
-            hint = " (truncated last line: the run may still be writing or was killed)" if last else ""
-            raise UserError(f"{where}: not a JSON object: {ex.msg} at column {ex.colno}{hint}") from None
+            obj = parse_json(line, where, walk=False)
+        except UserError as ex:
+            pending = (number, f"{ex}")
+            continue
         row = parse_row(obj, where)
         if steps and row.step <= steps[-1].step:
             raise UserError(
                 f"{where}: step {row.step} after step {steps[-1].step}: steps must strictly increase"
             )
         steps.append(row)
+        if len(steps) > MAX_STEPS:
+            raise UserError(f"{target}: more than {MAX_STEPS:,} steps (the most a report reads)")
+    if pending is not None:
+        raise UserError(f"{pending[1]} (truncated last line: the run may still be writing or was killed)")
+    if not steps:
+        raise UserError(f"{target}: empty (no steps)")
     return steps
 
 
@@ -230,11 +240,17 @@ def select_window(steps: Sequence[Step], window: Tuple[int, int], source: str = 
         raise UserError(
             f"window [{first}, {last}] does not match {source}: it has steps {steps[0].step}..{steps[-1].step}"
         )
-    by_step = {s.step: s for s in steps}
-    missing = [n for n in range(first, last + 1) if n not in by_step]
-    if missing:
-        raise UserError(f"window [{first}, {last}]: {source} lacks step {missing[0]} ({len(missing)} missing)")
-    chosen = [by_step[n] for n in range(first, last + 1)]
+    # steps strictly increase, so the window is complete when it holds last - first + 1 of them (linear in the
+    # steps the file has, never in the step numbers it claims)
+    chosen = [s for s in steps if first <= s.step <= last]
+    if len(chosen) != last - first + 1:
+        expected = first
+        for s in chosen:
+            if s.step != expected:
+                break
+            expected += 1
+        missing = last - first + 1 - len(chosen)
+        raise UserError(f"window [{first}, {last}]: {source} lacks step {expected} ({missing:,} missing)")
     for s in chosen:
         for key in ("tokens", "step_time_s"):
             value = getattr(s, key)

@@ -29,6 +29,7 @@ import yaml
 
 from trainer import REPO_ROOT, checks, numerics
 from trainer.errors import UserError
+from trainer.inputs import read_yaml
 from trainer.record import atomic_write
 from trainer.rundir import Run, load_run
 
@@ -363,9 +364,9 @@ def _validate_files(files: List[Path], as_json: bool) -> int:
     report = {}
     for path in files:
         try:
-            data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as ex:
-            raise UserError(f"{path}: not readable YAML ({str(ex).splitlines()[0]})") from None
+            data = read_yaml(path, "recipe file")
+        except OSError as ex:
+            raise UserError(f"{path}: not readable ({ex.strerror})") from None
         report[str(path)] = validation_errors(data, schema)
     if as_json:
         print(json.dumps({"valid": not any(report.values()), "errors": report}, indent=2))

@@ -12,7 +12,6 @@ import hashlib
 import json
 import os
 import platform
-import re
 import socket
 import subprocess
 import sys
@@ -20,9 +19,10 @@ import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, Optional
 
 from trainer import REPO_ROOT, __version__
+from trainer.redact import redact_argv, redactor_for
 
 LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
 
@@ -40,16 +40,23 @@ def _umask() -> int:
     return mask
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o666) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``.
+def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True) -> str:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``; return the
+    sha256 of the bytes written.
 
-    ``mode`` is applied less the process umask (as ``open()`` would); a failure leaves no file behind.
+    ``mode`` is applied less the process umask (as ``open()`` would) unless ``umask`` is false; a failure leaves no
+    file behind. Under a run directory guarded by :func:`trainer.redact.guard` the bytes are scrubbed of secrets
+    first (the hash is of what was written).
     """
+    path = Path(path)
+    redactor = redactor_for(path)
+    if redactor is not None:
+        data = redactor.scrub_bytes(data)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = _umask()
+    mask = _umask() if umask else 0
     try:
-        os.fchmod(fd, mode & ~umask)
+        os.fchmod(fd, mode & ~mask)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
@@ -58,6 +65,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o666) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return hashlib.sha256(data).hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -67,9 +75,7 @@ def canonical_json(obj: Any) -> bytes:
 
 def write_json(path: Path, obj: Any) -> str:
     """Write ``obj`` as canonical JSON atomically; return the sha256 of the bytes written."""
-    data = canonical_json(obj)
-    atomic_write(path, data)
-    return hashlib.sha256(data).hexdigest()
+    return atomic_write(path, canonical_json(obj))
 
 
 def sha256_file(path: Path) -> Optional[str]:
@@ -137,38 +143,6 @@ def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
     }
     record.update(fields)
     return record
-
-
-SECRET_MARKERS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL", "CREDS", "AUTH", "PRIVATE", "COOKIE")
-REDACTED = "<redacted>"
-_URL_USERINFO = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
-
-
-def is_secret_name(name: str) -> bool:
-    """True when a variable's name contains TOKEN, KEY, SECRET, PASSWORD, PASSWD, CREDENTIAL, CREDS, AUTH,
-    PRIVATE or COOKIE (case-insensitive): its value is never recorded."""
-    return any(marker in name.upper() for marker in SECRET_MARKERS)
-
-
-def redact_value(value: str) -> str:
-    """``value`` with the user:password part of any URL in it replaced (``https://<redacted>@host/...``)."""
-    return _URL_USERINFO.sub(lambda m: f"{m.group('scheme')}{REDACTED}@", value)
-
-
-def redact_env(env: Dict[str, str]) -> Dict[str, str]:
-    """A copy of ``env`` (sorted by name): values of secret-named variables (:func:`is_secret_name`) become
-    ``<redacted>``, and credentials inside URLs in the other values are removed (:func:`redact_value`)."""
-    return {name: (REDACTED if is_secret_name(name) else redact_value(value)) for name, value in sorted(env.items())}
-
-
-def redact_argv(argv: List[str]) -> List[str]:
-    """A command line with ``NAME=VALUE`` words of secret-named keys (Hydra overrides such as
-    ``+env.HF_TOKEN=...``) and URL credentials redacted."""
-    out = []
-    for word in argv:
-        key, sep, _ = word.partition("=")
-        out.append(f"{key}={REDACTED}" if sep and is_secret_name(key) else redact_value(word))
-    return out
 
 
 def effective_status(record: Dict[str, Any]) -> str:

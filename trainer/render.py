@@ -28,6 +28,8 @@ from typing import Any, Dict, List, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.redact import is_secret_name
+
 Row = Tuple[str, str, str]  # (flag, dotted config key, kind)
 
 LAUNCHER_ARGS: Tuple[Row, ...] = (
@@ -235,7 +237,9 @@ class Launch:
         ``$VAR`` references stay expandable (double quotes); everything else is quoted with ``shlex``.
         """
         lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
-        lines += [f"export {k}={_shell_word(v)}" for k, v in self.env.items()]
+        # a secret-named variable is taken from the caller's environment: its value is never written out
+        lines += [f'export {k}="${{{k}:?{k} is a secret: set it in the environment}}"' if is_secret_name(k)
+                  else f"export {k}={_shell_word(v)}" for k, v in self.env.items()]
         lines.append("")
         words: List[List[str]] = []
         for token in self.argv:

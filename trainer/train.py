@@ -6,6 +6,8 @@ Usage (Hydra overrides)::
     python -m trainer.train layout=tp8pp8ep8 optim.lr=2e-5   # another layout, one field changed
     python -m trainer.train -m layout=tp2pp4ep8,tp8pp8ep8    # multirun: one plan per layout
     python -m trainer.train --cfg job                        # print the composed config
+    python -m trainer.train hydra.run.dir=DIR --resume       # write into DIR although it holds a run (--overwrite:
+                                                             # replace that run); without either DIR is refused
 
 The story of a run: compose every job of the command line and check it (nothing is written if any job
 fails), then for each job under ``@hydra.main``: check → render the launch → compare numerics with the
@@ -32,7 +34,9 @@ from trainer.lock import verify_stack
 from trainer.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
 from trainer.plan import build_plan
-from trainer.record import atomic_write, launcher_record, redact_argv, write_json
+from trainer.record import atomic_write, launcher_record, write_json
+from trainer.redact import Redactor, guard, redact_argv, redact_env, redactor_for, sweep
+from trainer.rundir import HYDRA_FILES, claim_run_dir
 from trainer.render import render
 from trainer.summary import print_plan_summary
 
@@ -45,7 +49,7 @@ def preflight(argv: List[str]) -> None:
     from hydra._internal.utils import get_args_parser
 
     args = get_args_parser().parse_args(argv)
-    if args.help or args.hydra_help or args.info or args.shell_completion:
+    if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
         return
     jobs = expand_sweep(args.overrides)
     if len(jobs) > 1 and not args.multirun:
@@ -59,6 +63,10 @@ def preflight(argv: List[str]) -> None:
             launch.check(typed, par)
         except UserError as err:
             raise UserError(f"{' '.join(job) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)) from None
+    field = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
+    given = [o.partition("=")[2] for o in args.overrides if o.lstrip("+").startswith(f"{field}=")]
+    if given:
+        claim_run_dir(given[-1], RUN_DIR_MODE, field)
 
 
 def reference_config(task_overrides: List[str], reference_layout: str) -> DictConfig:
@@ -73,10 +81,20 @@ HANDED_OFF = ("rendered", "submitted")
 SIGNER = None
 
 
+def redact_files(run_dir: Path) -> None:
+    """Pass the files others wrote into ``run_dir`` (Hydra's, the workers') through the run's redactor now, so that
+    hashes taken next are those of the files as they stay."""
+    redactor = redactor_for(run_dir)
+    if redactor is not None:
+        sweep(run_dir, redactor)
+
+
 def attest_run(run_dir: Path, record: dict) -> None:
     """Write the run's ``attestation.json`` (:func:`trainer.attest.write_run_attestation`, signed when
     ``--sign-key`` was given) and name it in ``record``; a failure to attest is recorded, never fatal."""
     from trainer.attest import write_run_attestation
+
+    redact_files(run_dir)  # the attestation hashes the files as they stay: redacted first
 
     try:
         record["attestation"] = write_run_attestation(run_dir, record, SIGNER)
@@ -113,24 +131,35 @@ def run(cfg: DictConfig) -> None:
     """One job: check, render, compare with the reference layout, plan, write the run directory, and
     execute it when the launcher is not ``plan``. Exits 1 when an executed run did not complete."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    left = sorted(p.name for p in run_dir.iterdir() if p.name not in HYDRA_FILES)
+    if left and RUN_DIR_MODE == "new":  # a directory Hydra chose that another run took in the meantime
+        print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
+              file=sys.stderr)
+        sys.exit(2)
+    overrides = list(HydraConfig.get().overrides.task)
+    redactor = Redactor().learn_overrides(overrides).learn_env(OmegaConf.to_container(cfg.env, resolve=True) or {})
+    guard(run_dir, redactor)
+    try:
+        _run(cfg, run_dir, overrides)
+    finally:  # Hydra's own files (.hydra/, train.log) and whatever the launch wrote pass the same redaction
+        sweep(run_dir, redactor)
+
+
+def _run(cfg: DictConfig, run_dir: Path, overrides: List[str]) -> None:
+    """The body of :func:`run`, writing under a guarded run directory."""
     typed = validate(cfg)
     par = checks.check(typed)
     verify_stack(typed.stack)
     launch.check(typed, par)
     launch_plan = render(cfg)
-    overrides = list(HydraConfig.get().overrides.task)
     reference = reference_config(overrides, typed.launcher.reference_layout)
     verdict = numerics.compare(cfg, reference)
     numerics_report = {"reference_layout": typed.launcher.reference_layout, **verdict.as_dict()}
     plan = build_plan(typed, par, numerics_report)
 
-    resolved = OmegaConf.to_yaml(cfg, resolve=True).encode()
-    atomic_write(run_dir / "config.yaml", resolved)
-    script = launch_plan.shell_script().encode()
-    atomic_write(run_dir / "command.sh", script, mode=0o777)
     hashes = {
-        "config.yaml": hashlib.sha256(resolved).hexdigest(),
-        "command.sh": hashlib.sha256(script).hexdigest(),
+        "config.yaml": atomic_write(run_dir / "config.yaml", OmegaConf.to_yaml(cfg, resolve=True).encode()),
+        "command.sh": atomic_write(run_dir / "command.sh", launch_plan.shell_script().encode(), mode=0o777),
         "plan.json": write_json(run_dir / "plan.json", plan),
     }
     common = dict(
@@ -143,7 +172,7 @@ def run(cfg: DictConfig) -> None:
     )
     if typed.launcher.name == "plan":
         hashes["argv.json"] = write_json(run_dir / "argv.json", launch_plan.argv)
-        hashes["env.json"] = write_json(run_dir / "env.json", launch_plan.env)
+        hashes["env.json"] = write_json(run_dir / "env.json", redact_env(launch_plan.env))
         write_json(run_dir / "record.json", launcher_record("planned", files_sha256=hashes, **common))
         print_plan_summary(plan, run_dir)
         return
@@ -175,6 +204,7 @@ def run(cfg: DictConfig) -> None:
     now = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     handed_off = record["status"] in HANDED_OFF
     message = record.pop("message", None)
+    redact_files(run_dir)
     for name in ("argv.json", "env.json", "metrics.jsonl", "sbatch.sh"):
         if (run_dir / name).is_file():
             hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
@@ -200,9 +230,25 @@ def run(cfg: DictConfig) -> None:
         sys.exit(1)
 
 
+# How `train` treats a run directory that already holds a run (--resume, --overwrite; see rundir.claim_run_dir).
+RUN_DIR_MODE = "new"
+
+
 def main() -> None:
-    """Console entry point: preflight every job, then run Hydra. Exit 2 with one line on bad input."""
+    """Console entry point: preflight every job, then run Hydra. Exit 2 with one line on bad input.
+
+    ``--resume`` writes into a run directory that holds a run, ``--overwrite`` replaces that run; without either
+    such a directory is refused (:func:`trainer.rundir.claim_run_dir`).
+    """
+    global RUN_DIR_MODE
     schema.register()
+    flags = {"--resume": "resume", "--overwrite": "overwrite"}
+    modes = [flags[a] for a in sys.argv[1:] if a in flags]
+    sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in flags)]
+    if len(set(modes)) > 1:
+        print("train: error: --resume and --overwrite exclude each other", file=sys.stderr)
+        sys.exit(2)
+    RUN_DIR_MODE = modes[0] if modes else "new"
     try:
         sys.argv[1:] = take_sign_key(sys.argv[1:])
         preflight(sys.argv[1:])

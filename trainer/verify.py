@@ -26,10 +26,10 @@ import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-import yaml
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
+from trainer.inputs import parse_json, read_text, read_yaml
 
 # component -> (observed path in the probe, requirements name in a pip lock, stack.json component, recipe stack key)
 COMPONENTS = {
@@ -62,15 +62,14 @@ def _dig(data: Any, path) -> Optional[str]:
 def read_lock(path: Path) -> Dict[str, str]:
     """Pins of a lock as ``component -> version``; raises :class:`UserError` for a missing or unreadable lock."""
     try:
-        text = path.read_text()
+        text = read_text(path, "lock")
     except FileNotFoundError:
         raise UserError(f"{path}: lock not found") from None
+    except OSError as ex:
+        raise UserError(f"{path}: not readable ({ex.strerror})") from None
     pins: Dict[str, str] = {}
     if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as ex:
-            raise UserError(f"{path}: not valid JSON ({ex.msg})") from None
+        data = parse_json(text, str(path))
         if isinstance(data, dict) and "distributions" in data and "lock" in data:
             # the lock an image was built from, as stamped into it (/etc/recipe-bundle/lock.json)
             pins["python"] = str((data.get("python") or {}).get("version"))
@@ -208,9 +207,12 @@ def main(argv: List[str]) -> int:
     lock = read_lock(lock_path)
     if args.recipe:
         try:
-            stack = (yaml.safe_load(args.recipe.read_text()) or {}).get("stack", {})
-        except (OSError, yaml.YAMLError) as ex:
-            raise UserError(f"{args.recipe}: cannot read the recipe ({ex})") from None
+            data = read_yaml(args.recipe, "recipe file") or {}
+        except OSError as ex:
+            raise UserError(f"{args.recipe}: cannot read the recipe ({ex.strerror})") from None
+        stack = data.get("stack") if isinstance(data, dict) else None
+        if not isinstance(stack, dict):
+            raise UserError(f"{args.recipe}: expected a mapping with a 'stack' mapping (a recipe file)")
         recipe = {k: str(v) for k, v in stack.items()}
     else:
         recipe = {k: str(v) for k, v in (record.get("stack") or {}).items()}

@@ -48,7 +48,6 @@ from __future__ import annotations
 import glob
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -63,6 +62,7 @@ import numpy as np
 from trainer import __version__
 from trainer.data import MANIFEST_FILE, ROWS_FILE, chat
 from trainer.errors import UserError
+from trainer.inputs import parse_json
 from trainer.record import canonical_json
 
 FORMAT = "recipe-bundle/fixed-rows/1"  # manifest "format"; bump when the meaning of the files changes
@@ -189,10 +189,17 @@ class InputFile:
             return list(zip(part.column("id").to_pylist(), part.column("messages").to_pylist()))
         out = []
         for row in rows:
+            line = self._lines[row][1]
             try:
-                obj = json.loads(self._lines[row][1])
-            except ValueError as err:
-                out.append(ValueError(f"not valid JSON ({err.args[0] if err.args else err})"))
+                # bounded: nesting and number length; strings are walked for lone surrogates only when the line
+                # holds a \uD8xx-style escape (the only way JSON text makes one)
+                obj = parse_json(line.decode("utf-8") if isinstance(line, bytes) else line, "line",
+                                 walk=b"\\ud" in line.lower() if isinstance(line, bytes) else "\\ud" in line.lower())
+            except UserError as err:
+                out.append(ValueError(str(err).removeprefix("line: ")))
+                continue
+            except UnicodeDecodeError as err:
+                out.append(ValueError(f"not valid JSON (not UTF-8: byte 0x{line[err.start]:02x} at offset {err.start})"))
                 continue
             if not isinstance(obj, dict):
                 out.append(ValueError(f"expected a JSON object with id and messages, got {type(obj).__name__}"))

@@ -13,7 +13,8 @@ bundle), then stored by tree id (see :mod:`trainer.image.sources`).
 ``fetch --lock L`` downloads every input of a lock that is not cached yet (PyPI and Debian URLs, each
 checked against its locked sha256 before it enters the cache; git sources from GitHub's archive of the
 commit, checked by tree) and names those a user must add.
-``verify`` re-hashes every blob and removes those whose bytes do not match their name (exit 1 if any).
+``verify`` re-hashes every blob and removes those whose bytes do not match their name, and lists the debris of
+killed builds (exit 1 if either); ``gc`` removes that debris (what no live build can still use).
 Exit codes: 0 ok, 1 ``verify`` found corrupt entries or ``fetch`` left inputs missing, 2 refused input.
 """
 
@@ -68,7 +69,10 @@ def main(argv: List[str]) -> int:
     f.add_argument("--allow-host", action="append", default=[], metavar="URL_PREFIX",
                    help="also download git source archives from URLs starting with this (default: GitHub only)")
     f.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
-    v = sub.add_parser("verify", help="re-hash every blob; remove and list corrupt ones")
+    c = sub.add_parser("gc", help="remove what killed builds left (partial blobs, spools) that no live build uses")
+    c.add_argument("--json", action="store_true")
+    c.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+    v = sub.add_parser("verify", help="re-hash every blob; remove and list corrupt ones; list debris")
     v.add_argument("--json", action="store_true")
     v.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -89,6 +93,10 @@ def main(argv: List[str]) -> int:
         return _add_git(cache, args)
     if args.command == "add-image":
         return _add_image(cache, args)
+    if args.command == "gc":
+        removed = [str(p.relative_to(cache.root)) for p in cache.gc()]
+        print(json.dumps({"removed": removed}, indent=2) if args.json else f"{len(removed)} debris entries removed")
+        return 0
     blobs = sorted((cache.root / "sha256").glob("*")) if (cache.root / "sha256").is_dir() else []
     bad = []
     for blob in blobs:
@@ -96,13 +104,16 @@ def main(argv: List[str]) -> int:
             cache.get(blob.name, blob.name)
         except UserError as err:
             bad.append(str(err))
+    debris = [str(p.relative_to(cache.root)) for p in cache.debris()]
     if args.json:
-        print(json.dumps({"blobs": len(blobs), "corrupt": bad}, indent=2))
+        print(json.dumps({"blobs": len(blobs), "corrupt": bad, "debris": debris}, indent=2))
     else:
         for line in bad:
             print(line)
-        print(f"{len(blobs)} blobs, {len(bad)} corrupt")
-    return 1 if bad else 0
+        for name in debris:
+            print(f"debris {name} (left by a killed build; `trainer cache gc` removes it)")
+        print(f"{len(blobs)} blobs, {len(bad)} corrupt, {len(debris)} debris")
+    return 1 if bad or debris else 0
 
 
 def _add_image(cache: Cache, args: argparse.Namespace) -> int:

@@ -85,12 +85,32 @@ def _progress(total: int, description: str):
     return progress, progress.add_task(description, total=total)
 
 
+def open_regular(path: Path):
+    """``open(path, "rb")`` refusing anything but a regular file (a FIFO, device or socket would block or never
+    end): opened without blocking and checked with ``fstat``. Raises :class:`UserError`."""
+    import stat
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as ex:
+        if ex.errno == 40:  # ELOOP: a symlink
+            raise UserError(f"{path}: a symlink where a regular file is expected (refused)") from None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"{path}: not a regular file (a FIFO, device or socket is refused)")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def hash_file(path: Path, description: str = "") -> str:
-    """sha256 hex of the file at ``path`` (streamed; a progress bar for large files)."""
+    """sha256 hex of the regular file at ``path`` (streamed; a progress bar for large files).
+    Raises :class:`UserError` for a FIFO, device or socket (:func:`open_regular`)."""
     digest = hashlib.sha256()
-    size = path.stat().st_size
+    handle = open_regular(path)
+    size = os.fstat(handle.fileno()).st_size
     bar = _progress(size, description or f"hashing {path.name}")
-    with open(path, "rb") as handle:
+    with handle:
         if bar:
             bar[0].start()
         try:
@@ -104,6 +124,49 @@ def hash_file(path: Path, description: str = "") -> str:
     return digest.hexdigest()
 
 
+_PROCESS_KEY: Optional[bytes] = None
+
+
+def stamp_key_path() -> Path:
+    """This user's stamp key: ``$XDG_CONFIG_HOME/recipe-bundle/cache-stamp.key`` (``~/.config`` without it)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return Path(base) / "recipe-bundle" / "cache-stamp.key"
+
+
+def stamp_key() -> bytes:
+    """The secret key of stamps and layer records (32 random bytes, created once, mode 0600, outside the cache so
+    that whoever can write the cache cannot also vouch for it). Where it cannot be kept, a key of this process only:
+    stamps are then never trusted across runs and every blob is re-hashed."""
+    global _PROCESS_KEY
+    if _PROCESS_KEY is not None:
+        return _PROCESS_KEY
+    path = stamp_key_path()
+    try:
+        key = path.read_bytes()
+    except OSError:
+        key = b""
+    if len(key) != 32:
+        key = os.urandom(32)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(key)
+        except FileExistsError:
+            key = path.read_bytes() if len(path.read_bytes()) == 32 else key
+        except OSError:
+            pass
+    _PROCESS_KEY = key
+    return key
+
+
+# A live process holds an exclusive flock on its marker ROOT/tmp/live-<pid>-*; debris older than the oldest live
+# marker belongs to no live build and is removed by `trainer cache gc` (and when a build starts).
+LIVE_PREFIX = "live-"
+DEBRIS_PREFIXES = ("part-", "spool-", LIVE_PREFIX)
+_LIVE: dict = {}
+
+
 class Cache:
     """The cache at ``root`` (created on first write). All methods raise :class:`UserError` for bad input."""
 
@@ -115,10 +178,87 @@ class Cache:
         return self.root / "sha256" / hexdigest
 
     def tmp_dir(self) -> Path:
-        """``ROOT/tmp`` (created if missing), the directory for partial downloads and layers being written."""
+        """``ROOT/tmp`` (created if missing), the directory for partial downloads and layers being written.
+
+        The first call of a process marks the process live (:data:`LIVE_PREFIX`) and removes the debris of dead
+        ones (:meth:`gc`)."""
         path = self.root / "tmp"
         path.mkdir(parents=True, exist_ok=True)
+        if str(path) not in _LIVE:
+            self._mark_live(path)
+            self.gc()
         return path
+
+    def _mark_live(self, tmp: Path) -> None:
+        import atexit
+        import fcntl
+
+        fd, marker = tempfile.mkstemp(prefix=f"{LIVE_PREFIX}{os.getpid()}-", dir=tmp)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        _LIVE[str(tmp)] = (fd, marker)
+
+        def release() -> None:
+            Path(marker).unlink(missing_ok=True)
+            os.close(fd)
+
+        atexit.register(release)
+
+    def _oldest_live(self, tmp: Path) -> Optional[float]:
+        """The start time (marker mtime) of the oldest live process using this cache, or None."""
+        import fcntl
+
+        own = _LIVE.get(str(tmp), (None, None))[1]
+        oldest = None
+        for marker in tmp.glob(f"{LIVE_PREFIX}*"):
+            if str(marker) == own:
+                continue
+            try:
+                fd = os.open(marker, os.O_RDONLY)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)  # nobody holds it: a dead process's marker (debris)
+            except OSError:
+                started = os.fstat(fd).st_mtime
+                oldest = started if oldest is None else min(oldest, started)
+            finally:
+                os.close(fd)
+        return oldest
+
+    def debris(self) -> list:
+        """What killed builds left (partial blobs ``tmp/part-*``, spools ``tmp/spool-*``, dead markers, half-written
+        stamps and layer records ``.*``) and no live build can still be using: older than the oldest live process
+        of this cache (all of it when none is live). Sorted paths."""
+        tmp = self.root / "tmp"
+        oldest = self._oldest_live(tmp) if tmp.is_dir() else None
+        own = _LIVE.get(str(tmp), (None, None))[1]
+        found = []
+        candidates = [p for p in tmp.iterdir() if p.name.startswith(DEBRIS_PREFIXES)] if tmp.is_dir() else []
+        for sub in ("stamps", "layers"):
+            if (self.root / sub).is_dir():
+                candidates += [p for p in (self.root / sub).iterdir() if p.name.startswith(".")]
+        for path in candidates:
+            if str(path) == own:
+                continue
+            try:
+                mtime = path.lstat().st_mtime
+            except OSError:
+                continue
+            if oldest is None or mtime < oldest:
+                found.append(path)
+        return sorted(found)
+
+    def gc(self) -> list:
+        """Remove :meth:`debris`; return what was removed (paths)."""
+        removed = []
+        for path in self.debris():
+            try:
+                shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+        return removed
 
     def has(self, hexdigest: str) -> bool:
         """Whether blob ``hexdigest`` is present as a file (its content is not re-hashed; use :meth:`get`)."""
@@ -133,7 +273,7 @@ class Cache:
             st = path.stat()
         except FileNotFoundError:
             return None
-        if trust_stamp and self._stamp_matches(st, self._read_stamp(hexdigest)):
+        if trust_stamp and self._stamp_matches(hexdigest, st, self._read_stamp(hexdigest)):
             return path
         actual = hash_file(path, f"verifying {name}")
         if actual != hexdigest:
@@ -152,26 +292,48 @@ class Cache:
     @staticmethod
     def _stamp_of(st: os.stat_result) -> dict:
         return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-                "nlink": st.st_nlink}
+                "nlink": st.st_nlink, "dev": st.st_dev}
 
-    @classmethod
-    def _stamp_matches(cls, st: os.stat_result, stamp: Optional[dict]) -> bool:
-        """Whether ``st`` is the stat the blob had when its hash was checked. A moved ctime is explained, and
-        accepted, only by a changed link count with size, mtime and inode unchanged: an output layout that
-        hard-links the blob was made or removed (``rm -rf`` of an old ``--out``); any write moves mtime."""
+    def _signed_stamp(self, hexdigest: str, st: os.stat_result) -> dict:
+        """The stamp of blob ``hexdigest`` with stat ``st``: the stat and a MAC binding it to the digest."""
+        stamp = self._stamp_of(st)
+        return {**stamp, "mac": self.mac("stamp", hexdigest, stamp)}
+
+    def _stamp_matches(self, hexdigest: str, st: os.stat_result, stamp: Optional[dict]) -> bool:
+        """Whether ``st`` is the stat blob ``hexdigest`` had when its hash was checked, as its stamp says.
+
+        The stamp must carry a MAC under this user's key (:meth:`mac`) over the stat it records and the digest:
+        a stamp rewritten after the blob changed, or copied from another blob, is refused. A moved ctime is
+        explained, and accepted, only by a changed link count with size, mtime, inode and device unchanged: an
+        output layout that hard-links the blob was made or removed (``rm -rf`` of an old ``--out``); any write
+        moves mtime."""
+        import hmac
+
         if not isinstance(stamp, dict):
             return False
-        now = cls._stamp_of(st)
-        if now == stamp:
+        recorded = {k: v for k, v in stamp.items() if k != "mac"}
+        if not hmac.compare_digest(str(stamp.get("mac", "")), self.mac("stamp", hexdigest, recorded)):
+            return False
+        now = self._stamp_of(st)
+        if now == recorded:
             return True
-        same_bytes = all(now[k] == stamp.get(k) for k in ("size", "mtime_ns", "ino"))
-        return same_bytes and "nlink" in stamp and now["nlink"] != stamp["nlink"]
+        same_bytes = all(now[k] == recorded.get(k) for k in ("size", "mtime_ns", "ino", "dev"))
+        return same_bytes and "nlink" in recorded and now["nlink"] != recorded["nlink"]
 
     def _read_stamp(self, hexdigest: str) -> Optional[dict]:
         try:
-            return json.loads(self._stamp_path(hexdigest).read_text())
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            stamp = json.loads(self._stamp_path(hexdigest).read_text())
+        except (OSError, ValueError):
             return None
+        return stamp if isinstance(stamp, dict) else None
+
+    def mac(self, kind: str, *fields: object) -> str:
+        """HMAC-SHA256 (hex) of ``kind`` and ``fields`` (canonical JSON) under :func:`stamp_key`: what makes a stamp
+        or a layer record this user's own statement rather than a file anyone could write into the cache."""
+        import hmac
+
+        message = json.dumps([kind, *fields], sort_keys=True, separators=(",", ":")).encode()
+        return hmac.new(stamp_key(), message, hashlib.sha256).hexdigest()
 
     def stamp(self, hexdigest: str, st: Optional[os.stat_result] = None) -> None:
         """Record the blob's current stat (``st``: taken before its hash was checked) as trusted."""
@@ -181,7 +343,7 @@ class Cache:
         now = path.stat()
         if st is not None and self._stamp_of(st) != self._stamp_of(now):
             return  # changed while it was hashed: leave it untrusted
-        atomic_write(self._stamp_path(hexdigest), json.dumps(self._stamp_of(now), sort_keys=True).encode())
+        atomic_write(self._stamp_path(hexdigest), json.dumps(self._signed_stamp(hexdigest, now), sort_keys=True).encode())
 
     def new_temp(self) -> Path:
         """A fresh, empty temporary file in the cache (same filesystem as the blobs, for atomic renames)."""
@@ -204,11 +366,11 @@ class Cache:
         name = name or str(source)
         if not source.is_file():
             raise UserError(f"{source}: not a file")
-        want = parse_sha256(expected, "--sha256") if expected else None
+        want = parse_sha256(expected, "--sha256") if expected is not None else None
         tmp = self.new_temp()
         try:
             digest = hashlib.sha256()
-            with open(source, "rb") as src, open(tmp, "wb") as dst:
+            with open_regular(source) as src, open(tmp, "wb") as dst:
                 while chunk := src.read(CHUNK):
                     digest.update(chunk)
                     dst.write(chunk)
@@ -289,12 +451,27 @@ class Cache:
         None when it is absent, not valid JSON, not an object, or has no valid ``diff_id``. ``key``: the sha256 of the
         layer's inputs. The blob itself is not checked here.
         """
+        import hmac
+
         path = self.root / "layers" / f"{key}.json"
         try:
             record = json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+        except (OSError, ValueError):
             return None
         if not isinstance(record, dict) or not HEX.match(str(record.get("diff_id", ""))[7:]):
+            return None
+        size = record.get("size")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return None
+        # the record must be this user's statement about these inputs: a record pointed at another blob, or
+        # copied from another key, fails its MAC and the layer is rebuilt
+        want = self.mac("layer", key, record["diff_id"], size)
+        if not hmac.compare_digest(str(record.get("mac", "")), want):
+            return None
+        try:
+            if self.blob_path(record["diff_id"][7:]).stat().st_size != size:
+                return None
+        except OSError:
             return None
         return record
 
@@ -304,6 +481,7 @@ class Cache:
         """
         from trainer.record import atomic_write
 
+        record = {**record, "key": key, "mac": self.mac("layer", key, record["diff_id"], int(record["size"]))}
         atomic_write(self.root / "layers" / f"{key}.json", (json.dumps(record, sort_keys=True) + "\n").encode())
 
     # git trees: which blob holds a tree's files (the blob is re-hashed and its files' tree id recomputed

@@ -141,6 +141,10 @@ def _dpkg_deb(path: Path, option: str, label: str) -> subprocess.Popen:
     return subprocess.Popen(["dpkg-deb", option, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
+MAX_CONTROL_BYTES = 16 << 20  # one file of a .deb's control archive (control, md5sums, scripts)
+MAX_MEMBER_BYTES = 8 << 30  # one file of a .deb's data archive (the largest CUDA library is ~1 GB)
+
+
 def _read_control(path: Path, label: str) -> Dict[str, bytes]:
     proc = _dpkg_deb(path, "--ctrl-tarfile", label)
     files: Dict[str, bytes] = {}
@@ -149,6 +153,9 @@ def _read_control(path: Path, label: str) -> Dict[str, bytes]:
             for member in tar:
                 name = member.name.lstrip("./")
                 if member.isreg() and name and "/" not in name:
+                    if member.size > MAX_CONTROL_BYTES:
+                        raise UserError(f"{label}: control member {name!r} is {member.size:,} bytes (at most "
+                                        f"{MAX_CONTROL_BYTES:,}; refused)")
                     files[name] = tar.extractfile(member).read()
     except tarfile.TarError as ex:
         raise UserError(f"{label}: control archive unreadable ({ex})") from None
@@ -192,6 +199,9 @@ def _data_entries(path: Path, label: str, spool: Path, counter: List[int]) -> Tu
                         raise UserError(f"{label}: hard link {member.name!r} to unknown {member.linkname!r}")
                     entry = Entry(image_path, FILE, data=by_path[key].data, source=by_path[key].source, mode_bits=mode)
                 elif member.isreg():
+                    if member.size > MAX_MEMBER_BYTES:  # checked from the header: a sparse 30 GB member is refused
+                        raise UserError(f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
+                                        f"{MAX_MEMBER_BYTES:,} per file; refused)")
                     handle = tar.extractfile(member)
                     if member.size > SPOOL_BYTES:
                         counter[0] += 1

@@ -112,6 +112,55 @@ def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".g
     return tree_id_of_blobs(blobs)
 
 
+class SymlinkError(UserError):
+    """A symlink that does not stay inside its tree; ``kind``: ``outside``, ``absolute`` or ``loop``; ``through``:
+    the link of the chain that made it so (the link itself, or one it resolves through)."""
+
+    def __init__(self, kind: str, path: str, target: str, through: str = "") -> None:
+        self.kind, self.path, self.target, self.through = kind, path, target, through
+        super().__init__(f"symlink {path} -> {target}: {kind}")
+
+
+def resolve_in_tree(path: str, links: Dict[str, str], allow_absolute: bool = False) -> str:
+    """Resolve the symlink at ``path`` through the whole tree, hop by hop as the kernel would after extraction:
+    every component of its target that is itself a symlink of ``links`` (normalized relative path -> target) is
+    followed. Returns the resolved path, relative to the root (components absent from the tree kept lexically).
+
+    Raises :class:`SymlinkError` when a step climbs above the root (``top/up -> ../../..`` with
+    ``top/esc -> up/../../../../etc/shadow``), for an absolute target without ``allow_absolute`` (with it, an
+    absolute target restarts at the root), and after more than :data:`MAX_LINK_HOPS` links (a loop).
+    """
+    hops = 0
+    target = links[path]
+    if target.startswith("/") and not allow_absolute:
+        raise SymlinkError("absolute", path, target)
+    resolved = [] if target.startswith("/") else [p for p in posixpath.dirname(path).split("/") if p]
+    pending = target.split("/")
+    while pending:
+        part = pending.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            if not resolved:
+                raise SymlinkError("outside", path, target)
+            resolved.pop()
+            continue
+        candidate = "/".join(resolved + [part])
+        if candidate in links:
+            hops += 1
+            if hops > MAX_LINK_HOPS:
+                raise SymlinkError("loop", path, target)
+            inner = links[candidate]
+            if inner.startswith("/"):
+                if not allow_absolute:
+                    raise SymlinkError("absolute", path, target, candidate)
+                resolved = []
+            pending = inner.split("/") + pending
+            continue
+        resolved.append(part)
+    return "/".join(resolved)
+
+
 def check_links_stay_inside(links: Dict[str, str], label: str) -> None:
     """Refuse any symlink of a source tree that resolves outside the tree, following chains through the
     whole tree (``a -> ../..`` used by ``b -> a/x`` is resolved as the kernel would, hop by hop).
@@ -119,35 +168,15 @@ def check_links_stay_inside(links: Dict[str, str], label: str) -> None:
     ``links``: relative path -> target, for every symlink of the tree. Raises :class:`UserError` naming
     ``label`` and the link for an absolute target, a target above the tree's root, or a loop."""
     for path in sorted(links):
-        _resolve(path, links, label)
-
-
-def _resolve(path: str, links: Dict[str, str], label: str) -> None:
-    hops = 0
-    target = links[path]
-    if target.startswith("/"):
-        raise UserError(f"{label}: symlink {path} -> {target}: absolute target refused")
-    # components still to walk, and the resolved directory so far (a list of names below the root)
-    pending = [p for p in posixpath.join(posixpath.dirname(path), target).split("/")]
-    resolved: list = []
-    while pending:
-        part = pending.pop(0)
-        if part in ("", "."):
-            continue
-        if part == "..":
-            if not resolved:
-                raise UserError(f"{label}: symlink {path} -> {target} resolves outside the source tree (refused)")
-            resolved.pop()
-            continue
-        candidate = "/".join(resolved + [part])
-        if candidate in links:
-            hops += 1
-            if hops > MAX_LINK_HOPS:
-                raise UserError(f"{label}: symlink {path} -> {target}: more than {MAX_LINK_HOPS} links (a loop)")
-            inner = links[candidate]
-            if inner.startswith("/"):
-                raise UserError(f"{label}: symlink {path} -> {target} goes through {candidate} -> {inner}, "
-                                "an absolute target (refused)")
-            pending = inner.split("/") + pending
-            continue
-        resolved.append(part)
+        try:
+            resolve_in_tree(path, links)
+        except SymlinkError as err:
+            head = f"{label}: symlink {path} -> {err.target}"
+            if err.kind == "outside":
+                raise UserError(f"{head} resolves outside the source tree (refused)") from None
+            if err.kind == "loop":
+                raise UserError(f"{head}: more than {MAX_LINK_HOPS} links (a loop)") from None
+            if err.through:
+                raise UserError(f"{head} goes through {err.through} -> {links[err.through]}, an absolute target "
+                                "(refused)") from None
+            raise UserError(f"{head}: absolute target refused") from None

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple
 
 from trainer.errors import UserError
+from trainer.image.gittree import MAX_LINK_HOPS, SymlinkError, resolve_in_tree
 
 FILE, DIR, SYMLINK = "file", "dir", "symlink"
 TYPES = (FILE, DIR, SYMLINK)
@@ -147,6 +148,21 @@ def check_symlink(path: str, target: str, allow_absolute: bool = False) -> None:
             depth += 1
 
 
+def check_tree_symlinks(links: Dict[str, str], allow_absolute: bool = False) -> None:
+    """Resolve every symlink of a layer through all the others (:func:`trainer.image.gittree.resolve_in_tree`)
+    before any is accepted. Raises :class:`UserError` naming the link for a chain that climbs above the root
+    (``top/up -> ../../..`` plus ``top/esc -> up/../../../../etc/shadow``), an absolute target where the layer
+    allows none, or a loop."""
+    for path in sorted(links):
+        try:
+            resolve_in_tree(path, links, allow_absolute)
+        except SymlinkError as err:
+            what = {"outside": "escapes the image root (resolved through the tree's other links)",
+                    "absolute": f"resolves through {err.through or path!r}, an absolute symlink",
+                    "loop": f"more than {MAX_LINK_HOPS} symlinks in a chain (a loop?)"}[err.kind]
+            raise UserError(f"layer entry {path!r}: symlink target {err.target!r} {what}") from None
+
+
 def _sort_key(path: str) -> Tuple[bytes, ...]:
     return tuple(p.encode("utf-8", "surrogateescape") for p in path.split("/"))
 
@@ -182,6 +198,9 @@ def plan_entries(entries: Iterable[Entry], allow_absolute_symlinks: bool = False
             else:
                 break
             parent = posixpath.dirname(parent)
+    # each link was checked alone above; now every link is resolved through all the others before any is accepted
+    check_tree_symlinks({p: e.target for p, e in by_path.items() if e.type == SYMLINK and e.target is not None},
+                        allow_absolute_symlinks)
     return [by_path[p] for p in sorted(by_path, key=_sort_key)]
 
 
@@ -394,6 +413,22 @@ def entries_from_tree(root: Path, prefix: str, allow_absolute_symlinks: bool = F
     return out
 
 
+MAX_MEMBER_BYTES = 1 << 30  # one file of a source archive (read into memory: the largest source file is ~10 MB)
+MAX_ARCHIVE_BYTES = 4 << 30  # all files of one source archive, uncompressed
+
+
+def _members(tar: tarfile.TarFile):
+    """The members of ``tar`` in order; a broken archive or an undecodable name is one :class:`UserError`."""
+    while True:
+        try:
+            member = tar.next()
+        except (tarfile.TarError, EOFError, zlib.error, OSError) as ex:
+            raise UserError(f"archive: corrupt or truncated ({ex})") from None
+        if member is None:
+            return
+        yield member
+
+
 def entries_from_tar(
     stream: BinaryIO, prefix: str, strip_components: int = 0, allow_absolute_symlinks: bool = False
 ) -> List[Entry]:
@@ -405,8 +440,18 @@ def entries_from_tar(
     """
     out: List[Entry] = []
     contents: Dict[str, bytes] = {}
-    with tarfile.open(fileobj=stream, mode="r:*") as tar:
-        for member in tar:
+    total = 0
+    try:
+        tar = tarfile.open(fileobj=stream, mode="r:*", encoding="utf-8", errors="surrogateescape")
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as ex:
+        raise UserError(f"archive: not a tar archive this reader accepts ({ex})") from None
+    with tar:
+        for member in _members(tar):
+            if member.isreg():
+                total += member.size
+                if member.size > MAX_MEMBER_BYTES or total > MAX_ARCHIVE_BYTES:
+                    raise UserError(f"archive member {member.name!r}: {member.size:,} bytes ({total:,} so far), more than "
+                                    f"{MAX_MEMBER_BYTES:,} per file or {MAX_ARCHIVE_BYTES:,} per source archive")
             parts = [p for p in member.name.split("/") if p not in ("", ".")]
             if ".." in parts:
                 raise UserError(f"archive member {member.name!r}: '..' in path")
@@ -425,7 +470,10 @@ def entries_from_tar(
                     raise UserError(f"archive member {member.name!r}: hard link to unknown {member.linkname!r}")
                 out.append(Entry(path, FILE, data=contents[key], executable=bool(member.mode & 0o111)))
             elif member.isreg():
-                data = tar.extractfile(member).read()
+                try:
+                    data = tar.extractfile(member).read()
+                except (tarfile.TarError, EOFError, OSError, zlib.error) as ex:
+                    raise UserError(f"archive: corrupt or truncated in member {member.name!r} ({ex})") from None
                 contents["/".join(parts)] = data
                 out.append(Entry(path, FILE, data=data, executable=bool(member.mode & 0o111)))
             else:

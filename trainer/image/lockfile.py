@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 from trainer.errors import UserError
+from trainer.inputs import decode, parse_json
 
 SCHEMA_VERSION = 1
 KIND = "recipe-bundle.image-lock"
@@ -71,10 +72,7 @@ def load_lock(path: Path) -> Dict[str, Any]:
         raise UserError(f"{path}: lock not found") from None
     except IsADirectoryError:
         raise UserError(f"{path}: is a directory, expected a lock file") from None
-    try:
-        lock = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
-        raise UserError(f"{path}: not valid JSON ({ex})") from None
+    lock = parse_json(decode(raw, str(path), "lock"), str(path))
     validate_lock(lock, str(path))
     lock["_sha256"] = hashlib.sha256(raw).hexdigest()
     lock["_path"] = path

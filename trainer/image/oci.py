@@ -196,7 +196,8 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
     }
     out = Path(os.path.abspath(out))
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_stale_siblings(out)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-{os.getpid()}-", dir=out.parent))
     try:
         blobs = tmp / "blobs" / "sha256"
         blobs.mkdir(parents=True)
@@ -219,6 +220,36 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
     return manifest_digest
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stale_siblings(out: Path) -> List[Path]:
+    """Temporary siblings of ``out`` (``.OUT.tmp-<pid>-*``, ``.OUT.old-<pid>-*``) whose writing process is gone:
+    what a killed ``image build`` left next to its output."""
+    found = []
+    for sibling in out.parent.glob(f".{out.name}.*"):
+        kind, _, rest = sibling.name[len(out.name) + 2:].partition("-")
+        pid = rest.partition("-")[0]
+        if kind in ("tmp", "old") and pid.isdigit() and not _pid_alive(int(pid)):
+            found.append(sibling)
+    return sorted(found)
+
+
+def remove_stale_siblings(out: Path) -> List[Path]:
+    """Remove :func:`stale_siblings` of ``out``; return them."""
+    removed = stale_siblings(out)
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+    return removed
+
+
 def _swap_into_place(tmp: Path, out: Path) -> None:
     """Rename the complete ``tmp`` onto ``out``; an existing ``out`` is moved aside, then removed."""
     old = None
@@ -227,7 +258,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
     if out.exists():
         if not (out / "oci-layout").exists() and any(out.iterdir()):
             raise UserError(f"{out}: a non-empty directory that is not an OCI layout (refusing to replace it)")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
         os.rmdir(old)
         os.rename(out, old)
     os.rename(tmp, out)
@@ -249,7 +280,8 @@ def write_archive(layout: Path, archive: Path, epoch: int) -> str:
             entries.append(Entry(rel, FILE, source=Path(dirpath) / name))
     archive = Path(os.path.abspath(archive))
     archive.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.", dir=archive.parent)
+    remove_stale_siblings(archive)
+    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.tmp-{os.getpid()}-", dir=archive.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
             info = write_layer(entries, handle, epoch)
@@ -356,10 +388,16 @@ def _history(config: Dict[str, Any]) -> List[str]:
 def open_image(path: Path) -> ImageRef:
     """Read the image at ``path`` (layout directory, oci-archive or docker-archive).
 
-    Blobs named by digest are checked against their sha256 when read. Raises :class:`UserError` naming
-    the file for anything else.
+    Every blob is checked against its digest (manifest and config when read, every layer streamed once by
+    :func:`verify_layers`), so ``image digest``/``diff``/``check`` never vouch for bytes they did not hash.
+    Raises :class:`UserError` naming the file for anything else.
     """
-    path = Path(path)
+    image = _open_image(Path(path))
+    verify_layers(image)
+    return image
+
+
+def _open_image(path: Path) -> ImageRef:
     if path.is_dir():
         if not (path / "oci-layout").is_file():
             raise UserError(f"{path}: not an OCI image layout (no oci-layout file)")
@@ -389,10 +427,9 @@ def open_image(path: Path) -> ImageRef:
     def opener(name: str) -> Callable[[], BinaryIO]:
         def open_member() -> BinaryIO:
             member = names[name]
-            with open(path, "rb") as handle:
-                handle.seek(member.offset_data)
-                # layers may be large: a bounded view of the archive file would be better; members are read once
-                return io.BytesIO(handle.read(member.size))
+            handle = open(path, "rb")
+            handle.seek(member.offset_data)
+            return _Slice(handle, member.size)  # a bounded view: a layer is streamed, never held in memory
         return open_member
 
     if "oci-layout" in names:
@@ -400,6 +437,57 @@ def open_image(path: Path) -> ImageRef:
     if "manifest.json" in names:
         return _from_docker(path, reader, opener)
     raise UserError(f"{path}: a tar without oci-layout or manifest.json (not an oci-archive or docker-archive)")
+
+
+class _Slice(io.RawIOBase):
+    """``size`` bytes of ``handle`` from its current offset, as a seekable read-only file (closes ``handle``)."""
+
+    def __init__(self, handle: BinaryIO, size: int) -> None:
+        self.handle, self.start, self.size, self.pos = handle, handle.tell(), size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, min(self.size, offset if whence == 0 else (self.pos + offset if whence == 1 else self.size + offset)))
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        want = min(len(buffer), self.size - self.pos)
+        if want <= 0:
+            return 0
+        self.handle.seek(self.start + self.pos)
+        data = self.handle.read(want)
+        buffer[:len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self.handle.close()
+        super().close()
+
+
+def verify_layers(image: "ImageRef") -> None:
+    """Re-hash every layer blob of ``image`` (streamed) against its descriptor: digest and size for an OCI image,
+    the config's diff_id for a docker-archive's uncompressed layers. Raises :class:`UserError` naming the layer."""
+    for i, layer in enumerate(image.layers):
+        want = layer.digest or layer.diff_id
+        digest, size = hashlib.sha256(), 0
+        with layer.open() as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+        actual = f"sha256:{digest.hexdigest()}"
+        if actual != want:
+            raise UserError(f"{image.path}: layer {i} blob has {actual}, its descriptor says {want} (corrupt)")
+        if layer.digest and size != layer.size:
+            raise UserError(f"{image.path}: layer {i} blob is {size:,} bytes, its descriptor says {layer.size:,}")
 
 
 def _checked_blob(reader, name: str, digest: str, where: Path) -> bytes:
@@ -455,7 +543,11 @@ def _from_docker(path: Path, reader, opener) -> ImageRef:
     history = _history(config)
     layers = []
     for i, name in enumerate(entry.get("Layers", [])):
-        data_size = len(reader(name) or b"")
+        try:
+            with opener(name)() as handle:
+                data_size = handle.seek(0, 2)
+        except KeyError:
+            raise UserError(f"{path}: layer {name} missing") from None
         layers.append(LayerRef(diff_ids[i] if i < len(diff_ids) else "", "", data_size, MT_LAYER,
                                history[i] if i < len(history) else "", opener(name)))
     return ImageRef(path, "docker-archive", None, digest_of(config_bytes), config, layers)

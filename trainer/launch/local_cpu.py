@@ -21,7 +21,8 @@ from typing import Any, Dict, List
 from trainer.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.processes import collect_probes, supervise, worker_env
-from trainer.record import redact_env, write_json
+from trainer.record import write_json
+from trainer.redact import redact_env
 from trainer.schema import TrainConfig
 
 

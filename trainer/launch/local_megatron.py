@@ -21,7 +21,8 @@ from trainer.launch.checkout import verify_checkouts
 from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.launch.local_cpu import prepare_rows
 from trainer.launch.processes import collect_probes, supervise, worker_env
-from trainer.record import redact_env, write_json
+from trainer.record import write_json
+from trainer.redact import redact_env
 from trainer.schema import TrainConfig
 
 

@@ -1,0 +1,226 @@
+"""Hostile input to `train` and its run directory: no secret in any file, no run overwritten, bad values refused.
+
+Every refusal is checked the same way (:func:`assert_refused`): exit code 2, one line on stderr naming the field,
+no traceback, and the directory byte for byte as before (nothing written, nothing removed).
+"""
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+import helpers
+from helpers import planned_run, run_train, tree_hash
+from trainer.redact import Redactor, is_secret_name, redact_value
+
+# ------------------------------------------------------------------------------------------ the rule
+
+
+@pytest.mark.parametrize("name,secret", [
+    ("HF_TOKEN", True), ("GITHUB_PAT", True), ("GH_PAT", True), ("aws_secret_access_key", True), ("DB_PASSWORD", True),
+    ("PGPASSWORD", True), ("GCP_CREDENTIALS", True), ("hfToken", True), ("X-Amz-Signature", True), ("sig", True),
+    ("WANDB_API_KEY", True), ("OPENAI_APIKEY", True), ("NPM_AUTH", True), ("SSH_PRIVATE", True), ("SESSION_COOKIE", True),
+    ("PATH", False), ("KEYBOARD", False), ("TOKENIZER", False), ("row_tokens", False), ("PATTERN", False),
+    ("CUDA_DEVICE_MAX_CONNECTIONS", False), ("TRITON_CACHE_DIR", False), ("PYTORCH_CUDA_ALLOC_CONF", False),
+])
+def test_secret_names_follow_one_rule(name, secret):
+    """Promise: a name is secret when one of its words is a secret word (TOKEN, PAT, KEY, PASSWORD, ...)."""
+    assert is_secret_name(name) is secret
+
+
+@pytest.mark.parametrize("value,secret,kept", [
+    ("https://user:pa/ss@host/x", "pa/ss", "host/x"),
+    ("https://user:p@ss@host/x", "p@ss", "host/x"),
+    ("https://ghp_abcdef123@github.com/o/r.git", "ghp_abcdef123", "github.com/o/r.git"),
+    ("s3://u:pw@bucket/rows", "pw", "bucket/rows"),
+    ("https://host/file?token=abc123&x=1", "abc123", "x=1"),
+    ("https://host/file?X-Amz-Signature=deadbeef#frag", "deadbeef", "#frag"),
+    ("export HF_TOKEN=hf_abc; echo", "hf_abc", "echo"),
+])
+def test_secret_values_are_redacted(value, secret, kept):
+    """Promise: credentials in URLs (passwords holding / or @ included), secret query values and NAME=VALUE secrets
+    never survive redaction; the rest of the text does."""
+    out = redact_value(value)
+    assert secret not in out and "<redacted>" in out and kept in out, out
+
+
+def test_a_learnt_secret_is_redacted_everywhere():
+    """Promise: a value learnt from the overrides is replaced in any later text, whatever surrounds it."""
+    redactor = Redactor().learn_overrides(["+env.HF_TOKEN=hf_secret_value_1"])
+    assert redactor.scrub('{"x": "prefix hf_secret_value_1 suffix"}') == '{"x": "prefix <redacted> suffix"}'
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+class Result:
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def refused_train(monkeypatch, capsys):
+    """``train ARGS`` in this process for a command line that must be refused before Hydra runs (fast)."""
+    import sys
+
+    from trainer import train
+
+    def call(args, cwd):
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["train", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            train.main()
+        out = capsys.readouterr()
+        return Result(exit_info.value.code, out.out, out.err)
+
+    return call
+
+
+def assert_refused(result, expected: str, watched: Path, before: str):
+    assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
+    assert "Traceback" not in result.stderr + result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train: error: "), result.stderr
+    assert expected in lines[0], lines[0]
+    assert tree_hash(watched) == before
+
+
+# ------------------------------------------------------------------------------------------ secrets
+
+SECRETS = {
+    "env token": ("+env.HF_TOKEN=hf_live_0123456789", "hf_live_0123456789"),
+    "personal access token": ("+env.GITHUB_PAT=ghp_abcdefghijklmnop", "ghp_abcdefghijklmnop"),
+    "url password with / and @": ("+env.MIRROR_URL='https://me:pa/ss@w0rd@mirror.example/simple'", "pa/ss@w0rd"),
+    "query token": ("+env.DATA_URL='https://data.example/rows.parquet?token=qtok_987654321'", "qtok_987654321"),
+    "url password in a path field": ("paths.prompt_data='s3://reader:s3cr3t_pw_42@bucket/rows'", "s3cr3t_pw_42"),
+}
+
+
+@pytest.fixture(scope="module")
+def secret_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("secrets")
+    run_dir = tmp / "run"
+    result = run_train([f"hydra.run.dir={run_dir}", *(o for o, _ in SECRETS.values())], cwd=tmp)
+    assert result.returncode == 0, result.stderr
+    return run_dir, result
+
+
+@pytest.mark.parametrize("case", sorted(SECRETS))
+def test_no_secret_reaches_any_file_of_a_run_directory(secret_run, case):
+    """Promise: a secret given on the command line appears in no file of the run directory (env.json, config.yaml,
+    command.sh, .hydra/*, record.json, ...), nor in what train prints."""
+    run_dir, result = secret_run
+    secret = SECRETS[case][1]
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {"env.json", "config.yaml", "command.sh", "record.json", "plan.json", "argv.json"} <= {p.name for p in files}
+    assert {".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml"} <= {str(p.relative_to(run_dir)) for p in files}
+    leaks = [str(p.relative_to(run_dir)) for p in files if secret.encode() in p.read_bytes()]
+    assert leaks == [], f"{secret} in {leaks}"
+    assert secret not in result.stdout + result.stderr
+
+
+def test_the_redacted_run_stays_consistent(secret_run):
+    """Promise: redaction keeps the run usable: command.sh takes secrets from the caller's environment and
+    record.json's hashes are those of the files as written."""
+    import json
+    import subprocess
+
+    run_dir, _ = secret_run
+    script = (run_dir / "command.sh").read_text()
+    assert 'export HF_TOKEN="${HF_TOKEN:?HF_TOKEN is a secret: set it in the environment}"' in script
+    assert subprocess.run(["bash", "-n", str(run_dir / "command.sh")]).returncode == 0
+    record = json.loads((run_dir / "record.json").read_text())
+    for name, digest in record["files_sha256"].items():
+        assert hashlib.sha256((run_dir / name).read_bytes()).hexdigest() == digest, name
+    assert json.loads((run_dir / "env.json").read_text())["HF_TOKEN"] == "<redacted>"
+
+
+def test_a_parse_error_names_the_override_without_its_secret(tmp_path, refused_train):
+    """Promise: an override Hydra cannot parse is named in the one-line error, with its secret redacted."""
+    result = refused_train(["optim.lr=1e-5", "data.path=https://u:hunter2pw@h/x?token=zzz=1"], cwd=tmp_path)
+    assert_refused(result, "override 'data.path=https://<redacted>@h/x?token=<redacted>", tmp_path / "outputs", "absent")
+    assert "hunter2pw" not in result.stderr
+
+
+# ------------------------------------------------------------------------------------------ the run directory's owner
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    return planned_run(tmp_path_factory.mktemp("owner"))
+
+
+def _user_dir(tmp: Path) -> Path:
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "notes.txt").write_text("my own file\n")
+    return tmp / "mine"
+
+
+def _a_file(tmp: Path) -> Path:
+    (tmp / "file").write_text("x")
+    return tmp / "file"
+
+
+OWNER_CASES = {
+    # name: (value builder (tmp, planned) -> (hydra.run.dir value, watched path), expected message)
+    "another run": (lambda tmp, run: (str(run), run), "holds another run (status planned); pass --resume"),
+    "user files": (lambda tmp, run: (str(_user_dir(tmp)), tmp / "mine"), "holds files that no run wrote (notes.txt)"),
+    "empty value": (lambda tmp, run: ("", tmp), "hydra.run.dir: empty"),
+    "filesystem root": (lambda tmp, run: ("/", tmp), "the filesystem root cannot be a run directory"),
+    "current directory": (lambda tmp, run: (".", tmp), "the current directory"),
+    "a file": (lambda tmp, run: (str(_a_file(tmp)), tmp / "file"), "exists and is not a directory"),
+    "read-only place": (lambda tmp, run: ("/proc/self/run", tmp), "cannot write in /proc"),
+    "under a file": (lambda tmp, run: (str(_a_file(tmp) / "run"), tmp / "file"), "is not a directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OWNER_CASES))
+def test_a_run_directory_is_refused_unless_it_is_free(planned, tmp_path, case, refused_train):
+    """Promise: train writes only into a new or empty directory it may write; anything else is one line, exit 2,
+    and the place is left exactly as it was (a finished run keeps its record and metrics)."""
+    build, expected = OWNER_CASES[case]
+    value, watched = build(tmp_path, planned)
+    before = tree_hash(watched)
+    result = refused_train([f"hydra.run.dir={value}"], cwd=tmp_path)
+    assert_refused(result, expected, watched, before)
+
+
+def test_resume_and_overwrite_are_asked_for(planned, tmp_path, refused_train):
+    """Promise: --resume writes into an existing run (its other files stay); --overwrite replaces the run."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(planned, run_dir)
+    assert run_train([f"hydra.run.dir={run_dir}", "--resume"], cwd=tmp_path).returncode == 0
+    assert (run_dir / "metrics.jsonl").is_file()
+    assert run_train([f"hydra.run.dir={run_dir}", "--overwrite"], cwd=tmp_path).returncode == 0
+    assert not (run_dir / "metrics.jsonl").exists() and (run_dir / "record.json").is_file()
+    both = refused_train([f"hydra.run.dir={run_dir}", "--overwrite", "--resume"], cwd=tmp_path)
+    assert both.returncode == 2 and both.stderr == "train: error: --resume and --overwrite exclude each other\n"
+
+
+# ------------------------------------------------------------------------------------------ bad values
+
+BAD_VALUES = {
+    "NaN learning rate": ("optim.lr=nan", "optim.lr must be a finite number (got nan)"),
+    "infinite learning rate": ("optim.lr=inf", "optim.lr must be a finite number (got inf)"),
+    "negative model size": ("model.hidden_size=-5", "model.hidden_size must be > 0 (got -5)"),
+    "negative vocab": ("model.vocab_size=-1", "model.vocab_size must be > 0 (got -1)"),
+    "NaN GPU memory": ("cluster.gpu_memory_gb=nan", "cluster.gpu_memory_gb must be a finite number (got nan)"),
+    "negative price": ("cluster.usd_per_node_hour=-2.5", "cluster.usd_per_node_hour must be >= 0 (got -2.5)"),
+    "zero peak FLOP/s": ("cluster.gpu_peak_bf16_flops=0", "cluster.gpu_peak_bf16_flops must be > 0 (got 0.0)"),
+    "env name not a shell name": ("+env.A-B=1", "env.A-B: not a shell variable name"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_VALUES))
+def test_bad_values_are_refused_before_anything_is_written(tmp_path, case, refused_train):
+    """Promise: a value no run can have (NaN, infinite, negative, zero where a rate is needed, an env name a shell
+    cannot export) is refused with one line naming the field; no run directory appears."""
+    override, expected = BAD_VALUES[case]
+    result = refused_train([f"hydra.run.dir={tmp_path / 'run'}", override], cwd=tmp_path)
+    assert_refused(result, expected, tmp_path / "run", "absent")
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
