@@ -81,9 +81,11 @@ def _wheel_label(w: Dict[str, Any]) -> str:
     return f"wheel {w['filename']}"
 
 
-def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: bool) -> List[LayerPlan]:
-    """The layers of ``lock`` in order (empty groups left out). Raises :class:`UserError` for a base type this
-    builder cannot produce."""
+def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: bool, jobs: int = 1,
+                console=None) -> List[LayerPlan]:
+    """The layers of ``lock`` in order (empty groups left out; build steps after ``sources``, see
+    :mod:`trainer.image.native`, run with ``jobs`` parallel jobs). Raises :class:`UserError` for a base type this
+    builder cannot produce or an sdist without a build step."""
     base = lock["base"]
     plans: List[LayerPlan] = []
     if base["type"] == "debian-rootfs":
@@ -118,8 +120,14 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
         names = ", ".join(f"{w['name']}=={w['version']}" for w in wheels)
         plans.append(LayerPlan(group, inputs, f"{len(wheels)} wheels: {names}"[:1000], make))
     sources = sorted(lock.get("sources", []), key=lambda s: s["name"])
-    sdists = sorted(lock.get("sdists", []), key=lambda s: lockfile.canonical_name(s["name"]))
-    if sources or sdists:
+    # sdists are built by build steps (layers build-<name>, below), never shipped unbuilt
+    from trainer.image import native
+
+    unbuilt = native.unbuilt_sdists(lock)
+    if unbuilt:
+        raise UserError(f"{lock['_path']}: sdists {', '.join(unbuilt)} have no builds[] step "
+                        "(an sdist is built in the build root into a wheel, then installed; see lockfiles/README.md)")
+    if sources:
         def make_sources(spool: Path, handles: List[Any]) -> List[Entry]:
             entries: List[Entry] = []
             for src in sources:
@@ -127,21 +135,16 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
             pth = pth_entry(sources, lock["python"]["site_packages"])
             if pth is not None:
                 entries.append(pth)
-            for sd in sdists:
-                path = cache.ensure(sd["sha256"], f"sdist {sd['filename']}", sd["url"], offline)
-                entries.append(Entry(f"{lock['bundle']['dest']}/sdists/{sd['filename']}", FILE, source=path))
             return entries
 
         # a source's layer bytes follow from its tree (verified on unpacking), not from the archive it came in
         inputs = {"sources": [[s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))]
-                              for s in sources],
-                  "sdists": [[s["filename"], s["sha256"], lock["bundle"]["dest"]] for s in sdists]}
+                              for s in sources], "sdists": []}
         if any(s.get("python_path") for s in sources):
             inputs["pth"] = lock["python"]["site_packages"]
         comment = "git sources: " + ", ".join(f"{s['name']}@{s['commit'][:12]}" for s in sources)
-        if sdists:
-            comment += "; sdists (not compiled): " + ", ".join(s["filename"] for s in sdists)
         plans.append(LayerPlan("sources", inputs, comment, make_sources))
+    plans += native.build_plans(lock, cache, offline, jobs, console)
     plans.append(LayerPlan("bundle", None, f"conf/, the lock {lock['_path'].name} and {lock['bundle']['stamp']}",
                            lambda spool, handles: [], cacheable=False))
     return plans
@@ -269,11 +272,32 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
     config_bytes = canonical(make_config(lock, layers, recorded.get("revision", "unknown")))
     manifest = canonical(image_manifest(config_bytes, layers, {}))
     return {"bundle": info.diff_id, "config_digest": digest_of(config_bytes), "manifest_digest": digest_of(manifest)}
+def realize_layer(lock: Dict[str, Any], plan: LayerPlan, cache: Cache, spool: Path, console=None,
+                  verify_cache: bool = False) -> Tuple[str, int, str]:
+    """The layer of ``plan``: the cached one under its key (:func:`layer_key`) when intact, else made, written
+    into the cache and recorded. Returns (diff_id, size in bytes, "cached" or "built"); ``spool`` is emptied
+    after a build. Raises :class:`UserError` from ``plan.make`` (nothing is recorded then)."""
+    key = layer_key(lock, plan)
+    record = cache.layer_record(key) if plan.cacheable else None
+    if record is not None and _cached_layer_ok(cache, record, plan.name, verify_cache, console):
+        return record["diff_id"], int(record["size"]), "cached"
+    handles: List[Any] = []
+    try:
+        entries = plan.make(spool, handles)
+        diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console,
+                                            plan.allow_absolute_symlinks)
+    finally:
+        for handle in handles:
+            handle.close()
+    cache.put_layer_record(key, {"diff_id": diff_id, "size": size, "layer": plan.name})
+    for child in spool.iterdir():
+        child.unlink()
+    return diff_id, size, "built"
 
 
 def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, archive: Optional[Path] = None,
                 revision: str = "unknown", offline: bool = False, console=None,
-                verify_cache: bool = False, sign_key: Optional[Path] = None) -> BuildResult:
+                verify_cache: bool = False, sign_key: Optional[Path] = None, jobs: int = 1) -> BuildResult:
     """Build the image of the lock at ``lock_path`` into the OCI layout ``out`` (and ``archive``).
 
     ``bundle_root``: the directory whose ``conf/`` (``bundle.include``) goes into the bundle layer;
@@ -281,8 +305,9 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
     ``verify_cache``: re-hash cached layers in full even when their stamp matches (see :mod:`trainer.image.cas`);
     ``sign_key``: a private key (``trainer keygen``) that signs the provenance (a DSSE envelope). The SBOMs and
     the provenance are attached as OCI 1.1 referrers (:mod:`trainer.image.referrers`).
-    Raises :class:`UserError` for a bad lock, a missing or tampered input, or a refused wheel or archive;
-    nothing is written to ``out`` then.
+    ``jobs``: parallel jobs of build steps (``BUILD_JOBS``; not part of any key).
+    Raises :class:`UserError` for a bad lock, a missing or tampered input, a refused wheel or archive, or a
+    failing build step; nothing is written to ``out`` then.
     """
     lock = lockfile.load_lock(lock_path)
     signer = None
@@ -302,7 +327,7 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
             console.print(f"base  {lock['base']['reference']}  manifest {base_image.manifest_digest}: "
                           f"{len(layers)} layers, {sum(l.size for l in layers):,} bytes, verified", soft_wrap=True)
     base_count = len(layers)
-    plans = plan_layers(lock, cache, bundle_root, offline)
+    plans = plan_layers(lock, cache, bundle_root, offline, jobs, console)
     result_layers: List[Tuple[str, str, int, str]] = []
     built: List[Tuple[str, str]] = []
     spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
@@ -313,23 +338,7 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
                 diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console)
                 status = "built"
             else:
-                key = layer_key(lock, plan)
-                record = cache.layer_record(key) if plan.cacheable else None
-                if record is not None and _cached_layer_ok(cache, record, plan.name, verify_cache, console):
-                    diff_id, size, status = record["diff_id"], int(record["size"]), "cached"
-                else:
-                    handles: List[Any] = []
-                    try:
-                        entries = plan.make(spool, handles)
-                        diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console,
-                                                            plan.allow_absolute_symlinks)
-                    finally:
-                        for handle in handles:
-                            handle.close()
-                    cache.put_layer_record(key, {"diff_id": diff_id, "size": size, "layer": plan.name})
-                    status = "built"
-                    for child in spool.iterdir():
-                        child.unlink()
+                diff_id, size, status = realize_layer(lock, plan, cache, spool, console, verify_cache)
                 built.append((plan.name, diff_id))
             if console is not None:
                 console.print(f"layer {plan.name:<12} {diff_id}  {size:>12,} bytes  {status}", soft_wrap=True)

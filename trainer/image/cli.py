@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import List
@@ -58,7 +59,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     result = build_image(Path(args.lock), Path(args.out), Cache(args.cache), Path(args.bundle_root),
                          Path(args.archive) if args.archive else None, _revision(args.revision), args.offline,
                          None if args.quiet else console, args.verify_cache,
-                         Path(args.sign_key) if args.sign_key else None)
+                         Path(args.sign_key) if args.sign_key else None, args.jobs)
     if args.json:
         print(json.dumps({"manifest_digest": result.manifest_digest, "config_digest": result.config_digest,
                           "archive_sha256": result.archive_digest, "out": args.out,
@@ -164,15 +165,24 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.record:
         if labels.get(LOCK_LABEL) != lock["_sha256"]:
             raise UserError(f"{args.image}: built from lock sha256 {labels.get(LOCK_LABEL)}, not {args.lock} ({lock['_sha256']})")
+        builds = (table.get(lock["name"]) or {}).get("builds")
         table[lock["name"]] = {"lock": Path(args.lock).name, "lock_sha256": lock["_sha256"],
                                "manifest_digest": image.manifest_digest, "config_digest": image.config_digest,
-                               "revision": labels.get("org.opencontainers.image.revision"), "layers": layers}
+                               "revision": labels.get("org.opencontainers.image.revision"), "layers": layers,
+                               **({"builds": builds} if builds else {})}
         atomic_write(expected_path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode(), 0o644)
         print(f"recorded {image.manifest_digest} for {lock['name']} in {expected_path}")
         return 0
     entry = table.get(lock["name"])
     if entry is None:
         raise UserError(f"{expected_path}: no expected digest for lock {lock['name']!r} (record one with --record)")
+    from trainer.image.native import check_builds
+
+    build_lines, builds_ok = check_builds(lock, layers, entry.get("builds", {}))
+    if "manifest_digest" not in entry:  # only the build steps' outputs are recorded (bench/native_builds.py)
+        for line in build_lines:
+            print(line)
+        return 0 if builds_ok else 1
     if entry.get("lock_sha256") != lock["_sha256"]:
         raise UserError(f"{expected_path}: the expected digest of {lock['name']!r} was recorded for lock sha256 "
                         f"{entry.get('lock_sha256')}, but {args.lock} is {lock['_sha256']} (re-record after a re-lock)")
@@ -190,7 +200,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     for name in want:
         if name not in {l["name"] for l in layers}:
             lines.append(f"layer {name}: missing, expected {want[name]}")
-    ok = image.manifest_digest == entry.get("manifest_digest")
+    lines += build_lines
+    ok = image.manifest_digest == entry.get("manifest_digest") and builds_ok
     if args.json:
         print(json.dumps({"ok": ok, "manifest_digest": image.manifest_digest, "expected": entry.get("manifest_digest"),
                           "details": lines}, indent=2))
@@ -226,6 +237,8 @@ def parser() -> argparse.ArgumentParser:
                    help="re-hash every cached layer in full (default: trust a layer blob whose stat matches the stamp "
                         "recorded when its hash was last checked; inputs are always re-hashed when read)")
     b.add_argument("--sign-key", help="private key (`trainer keygen`): attach the provenance as a signed DSSE envelope")
+    b.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                   help="parallel jobs of build steps (BUILD_JOBS inside; not part of any cache key; default: the cores)")
     b.add_argument("--json", action="store_true", help="print digests and layers as JSON")
     b.add_argument("-q", "--quiet", action="store_true", help="no per-layer lines or progress bars")
     b.set_defaults(func=cmd_build)

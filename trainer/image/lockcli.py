@@ -9,8 +9,9 @@ x86_64-manylinux_2_28`` (or the template's Python version and ``--python-platfor
 (PEP 691, ``https://pypi.org/simple/NAME/``) for the URL of the file with each locked hash (uv prints
 hashes, not URLs), keeping the one wheel that fits the platform, and writes a lock (``--template`` gives
 every field that is not the Python closure). A ``debian-rootfs`` base in the template also gets its
-``debs`` resolved (apt on a private state directory; :func:`trainer.image.debian.resolve_debs`).
-Resolution never runs during a build.
+``debs`` resolved (apt on a private state directory; :func:`trainer.image.debian.resolve_debs`), and a
+``build_root`` its .debs and build-only wheels (:func:`trainer.image.buildroot.resolve_build_root`);
+``resolve-build-root LOCK`` does only the latter, in place. Resolution never runs during a build.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_6
         from trainer.image.debian import resolve_debs
 
         lock["base"] = {**lock["base"], "debs": resolve_debs(lock["base"])}
+    if "build_root" in lock:
+        from trainer.image.buildroot import resolve_build_root
+
+        lock["build_root"] = resolve_build_root(lock["build_root"])
     return lock
 
 
@@ -170,7 +175,25 @@ def main(argv: List[str]) -> int:
                    help="uv's target platform (x86_64-manylinux_2_39 for Ubuntu 24.04 bases: glibc 2.39, "
                         "x86_64-manylinux_2_36 for Debian 12)")
     r.add_argument("--python-version", help="target CPython minor, e.g. 3.11 (default: the template's python.version)")
+    b = sub.add_parser("resolve-build-root", help="network: resolve only the lock's build_root (.debs by apt, "
+                                                  "build-only wheels by exact pin) and rewrite the lock in place")
+    b.add_argument("lock")
     args = p.parse_args(argv)
+    if args.command == "resolve-build-root":
+        from trainer.image.buildroot import resolve_build_root
+        from trainer.record import atomic_write
+
+        try:
+            lock = json.loads(Path(args.lock).read_text())  # not validated yet: its build_root is unresolved
+        except (OSError, json.JSONDecodeError) as ex:
+            raise UserError(f"{args.lock}: not a readable JSON lock ({ex})") from None
+        if not isinstance(lock, dict) or not isinstance(lock.get("build_root"), dict):
+            raise UserError(f"{args.lock}: no build_root block to resolve")
+        lock["build_root"] = resolve_build_root(lock["build_root"])
+        lockfile.validate_lock(lock, args.lock)
+        atomic_write(Path(args.lock), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+        print(f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, {len(lock['build_root']['wheels'])} wheels")
+        return 0
     if args.command == "verify":
         lock = verify(Path(args.lock), Path(args.stack))
         summary = {"lock": args.lock, "sha256": lock["_sha256"], "wheels": len(lock.get("wheels", [])),

@@ -20,10 +20,11 @@ writes it, ``trainer lock verify`` checks it offline. Format (``schema_version``
             | {"type": "debian-rootfs", "suite": "bookworm", "variant": "essential",
                "debs": [{"name", "version", "architecture", "url", "sha256"}, ...]},        # buildable variant
       "wheels": [{"name", "version", "filename", "url", "sha256", "group"}, ...],
-      "sdists": [{"name", "version", "filename", "url", "sha256", "group"}, ...],   # shipped, not compiled
+      "sdists": [{"name", "version", "filename", "url", "sha256", "group"}, ...],   # each built by a builds[] step
       "sources": [{"name", "url", "commit", "tree", "dest",            # git sources by commit + git tree id
                    "python_path"?: true,                              # dest goes on the image Python's path
                    "archive"?: {"filename", "sha256", "url"?}}, ...],  # optional: pin one archive's bytes too
+      "build_root"?: {...}, "builds"?: [...],  # build steps: trainer.image.buildroot, trainer.image.native
       "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
       "image": {"env": {...}, "entrypoint": [...], "cmd"?: [...], "working_dir": "...",
                 "labels": {"org.opencontainers.image.source": "...", ...}},
@@ -223,6 +224,9 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
     labels = _need(image, "labels", dict, f"{where}.image")
     if not all(isinstance(v, str) for v in labels.values()):
         raise UserError(f"{where}.image.labels: expected string values")
+    from trainer.image.native import validate_builds
+
+    validate_builds(lock, where)  # build_root and builds (trainer.image.buildroot, trainer.image.native)
 
 
 def public(lock: Dict[str, Any]) -> Dict[str, Any]:
@@ -262,7 +266,8 @@ def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[
 def inputs_of(lock: Dict[str, Any], sources: bool = True) -> List[Dict[str, Any]]:
     """Every artifact a build of ``lock`` reads, as [{"label", "sha256", "url", "size"}] (url None for
     artifacts no build downloads, e.g. git archives; size None when the lock does not record it): the base's
-    .debs, wheels, sdists and (with ``sources``) the git source archives the lock pins by sha256, in that order."""
+    .debs, wheels, sdists and (with ``sources``) the git source archives the lock pins by sha256,
+    then the build root's .debs and wheels, in that order."""
     out: List[Dict[str, Any]] = []
     for deb in lock.get("base", {}).get("debs", []) if lock.get("base", {}).get("type") == "debian-rootfs" else []:
         out.append({"label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']}", "sha256": deb["sha256"],
@@ -275,4 +280,10 @@ def inputs_of(lock: Dict[str, Any], sources: bool = True) -> List[Dict[str, Any]
         if "archive" in src:  # a source pinned by its tree only is seeded by tree id (trainer.image.sources)
             out.append({"label": f"source {src['name']} ({src['archive']['filename']})",
                         "sha256": src["archive"]["sha256"], "url": src["archive"].get("url"), "size": None})
+    root = lock.get("build_root", {})
+    for deb in root.get("debs", []):
+        out.append({"label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']} (build root)",
+                    "sha256": deb["sha256"], "url": deb["url"], "size": deb.get("size")})
+    for w in root.get("wheels", []):
+        out.append({"label": f"wheel {w['filename']} (build root)", "sha256": w["sha256"], "url": w["url"], "size": None})
     return out

@@ -1,0 +1,286 @@
+"""The build root: a Debian root file system and Python wheels from the lock, unpacked for bubblewrap.
+
+A build step (:mod:`trainer.image.native`) never sees the host's ``/usr``. It runs in a root made from pinned
+inputs only: the lock's ``build_root`` block::
+
+    "build_root": {
+      "suite": "bookworm", "variant": "essential",
+      "include": ["gcc-12", "g++-12", "make", "libc6-dev", ...],     # + the suite's Essential: yes packages
+      "debs": [{"name", "version", "architecture", "url", "sha256", "size"}, ...],   # resolved by apt
+      "links": {"usr/bin/aclocal": "aclocal-1.16", ...},   # what update-alternatives would make (no
+                                                          # maintainer script runs)
+      "python": {"version": "3.11", "prefix": "/usr/local",            # the root's Python (Debian's python3)
+                 "site_packages": "/usr/local/lib/python3.11/dist-packages", "interpreter": "/usr/bin/python3.11",
+                 "platform": "x86_64-manylinux_2_36"},
+      "requirements": ["pip==25.3", "nvidia-cuda-nvcc==13.0.88", ...],  # build-only wheels, exact pins
+      "wheels": [{"name", "version", "filename", "url", "sha256"}, ...]   # resolved from PyPI
+    }
+
+Two trees are cached under the content-addressed cache (``ROOT/roots/``), each named by the hash of what
+went into it and made read-only:
+
+- ``roots/debs-<key>``: the ``.debs`` unpacked exactly as the ``debian-rootfs`` image base is
+  (:func:`trainer.image.debian.rootfs_entries`: merged /usr, dpkg database, no maintainer scripts), plus the
+  empty mount points ``/build/input``, ``/build/src``, ``/build/out`` and the Python prefix;
+- ``roots/wheels-<key>``: one step's wheels (from ``build_root.wheels`` or the image's ``wheels``) installed by
+  :func:`trainer.image.wheels.install_wheels` for ``build_root.python``; it is bound at the prefix
+  (``/usr/local``), so the root's Python finds them.
+
+Every ``.deb`` and wheel is hash-checked when a tree is made (:meth:`trainer.image.cas.Cache.ensure`); a tree
+is written into ``roots/tmp-*`` and renamed into place only when complete, so an interrupted unpack is never
+used. A finished tree is trusted by its name (it is derived data; delete ``roots/`` to rebuild it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+from trainer.errors import UserError
+from trainer.image.cas import Cache
+from trainer.image.layer import DIR, FILE, SYMLINK, Entry, plan_entries
+from trainer.image.oci import canonical
+
+FORMAT = 1  # bump when the unpacked trees for the same inputs would change
+MOUNTS = ("build/input", "build/src", "build/out")
+PYTHON_KEYS = ("version", "prefix", "site_packages", "interpreter")
+
+
+def validate_build_root(block: Any, where: str) -> None:
+    """Check a ``build_root`` block (see the module docstring). Raises :class:`UserError` naming the field."""
+    from trainer.image.lockfile import _need, _sha
+
+    if not isinstance(block, dict):
+        raise UserError(f"{where}: expected an object")
+    _need(block, "suite", str, where)
+    debs = _need(block, "debs", list, where)
+    for i, deb in enumerate(debs):
+        for key in ("name", "version", "architecture", "url"):
+            _need(deb, key, str, f"{where}.debs[{i}]")
+        _sha(deb, "sha256", f"{where}.debs[{i}]")
+    links = block.get("links", {})
+    if not isinstance(links, dict) or not all(isinstance(k, str) and isinstance(v, str) and not k.startswith("/")
+                                              and ".." not in k.split("/") for k, v in links.items()):
+        raise UserError(f"{where}.links: expected {{relative path: symlink target}} (what update-alternatives would make)")
+    python = _need(block, "python", dict, where)
+    for key in PYTHON_KEYS:
+        if not _need(python, key, str, f"{where}.python").strip():
+            raise UserError(f"{where}.python.{key}: expected a non-empty string")
+    if not python["site_packages"].startswith(python["prefix"].rstrip("/") + "/"):
+        raise UserError(f"{where}.python.site_packages: expected a directory under python.prefix {python['prefix']!r}")
+    seen = set()
+    for i, wheel in enumerate(block.get("wheels", [])):
+        w = f"{where}.wheels[{i}]"
+        for key in ("name", "version", "filename", "url"):
+            _need(wheel, key, str, w)
+        _sha(wheel, "sha256", w)
+        if not wheel["filename"].endswith(".whl"):
+            raise UserError(f"{w}.filename: {wheel['filename']!r} is not a wheel file name")
+        if wheel["name"] in seen:
+            raise UserError(f"{w}.name: {wheel['name']!r} is listed twice")
+        seen.add(wheel["name"])
+
+
+def deb_key(block: Dict[str, Any]) -> str:
+    """sha256 hex naming the unpacked Debian tree of ``block``: the formats and every .deb's name, version,
+    architecture and sha256 (the same inputs as the image's ``debian-rootfs`` base layer)."""
+    from trainer.image.debian import deb_inputs
+
+    return hashlib.sha256(canonical({"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block),
+                                     "links": block.get("links", {})})).hexdigest()
+
+
+def mounts(block: Dict[str, Any]) -> List[str]:
+    """The empty directories the Debian tree gets as mount points: ``build/input``, ``build/src``, ``build/out`` and the Python
+    prefix where the step's wheels are bound (``usr/local``, which only base-files' postinst would create)."""
+    return sorted({*MOUNTS, block["python"]["prefix"].strip("/")})
+
+
+def wheel_items(lock: Dict[str, Any], names: Sequence[str], where: str) -> List[Dict[str, Any]]:
+    """The wheel lock items of ``names``, each looked up in ``build_root.wheels`` first, then in the image's
+    ``wheels``; sorted by canonical name. Raises :class:`UserError` for a name in neither."""
+    from trainer.image.lockfile import canonical_name
+
+    pool: Dict[str, Dict[str, Any]] = {}
+    for w in lock.get("wheels", []) + lock.get("build_root", {}).get("wheels", []):
+        pool[canonical_name(w["name"])] = w
+    items = []
+    for name in names:
+        item = pool.get(canonical_name(name))
+        if item is None:
+            raise UserError(f"{where}: wheel {name!r} is neither in build_root.wheels nor in wheels")
+        items.append(item)
+    return sorted(items, key=lambda w: canonical_name(w["name"]))
+
+
+def wheels_key(block: Dict[str, Any], items: List[Dict[str, Any]]) -> str:
+    """sha256 hex naming the tree of ``items`` installed for ``block['python']``."""
+    basis = {"format": FORMAT, "python": {k: block["python"][k] for k in PYTHON_KEYS},
+             "wheels": [[w["name"], w["version"], w["filename"], w["sha256"]] for w in items]}
+    return hashlib.sha256(canonical(basis)).hexdigest()
+
+
+def materialize(entries: List[Entry], dest: Path, allow_absolute_symlinks: bool = False) -> None:
+    """Write ``entries`` (planned: validated, parents first) as files under the directory ``dest``.
+
+    Files get mode 0755 or 0644 (or their ``mode_bits`` without setuid/setgid), streamed contents are checked
+    against their ``sha256`` when one is given; symlinks are created as they are (absolute targets resolve
+    inside the sandbox, where ``dest`` is ``/``). Raises :class:`UserError` for a refused entry or a content
+    mismatch.
+    """
+    for entry in plan_entries(entries, allow_absolute_symlinks):
+        path = dest / entry.path
+        if entry.type == DIR:
+            path.mkdir(exist_ok=True)
+            continue
+        if entry.type == SYMLINK:
+            os.symlink(entry.target, path)
+            continue
+        mode = entry.mode & 0o1777
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            if entry.data is not None:
+                out.write(entry.data)
+            elif entry.source is not None:
+                with open(entry.source, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+            else:
+                digest = hashlib.sha256()
+                with entry.opener() as src:
+                    while chunk := src.read(1 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+                if entry.sha256 is not None and digest.hexdigest() != entry.sha256:
+                    raise UserError(f"{entry.label or 'build root'}: {entry.path} has sha256 {digest.hexdigest()}, "
+                                    f"expected {entry.sha256} (refused)")
+        os.chmod(path, mode)
+
+
+def _make_tree(cache: Cache, name: str, fill) -> Path:
+    """``ROOT/roots/<name>``, made by ``fill(tmp_dir)`` into a temporary directory and renamed in when done."""
+    final = cache.root / "roots" / name
+    if final.is_dir():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="tmp-", dir=final.parent))
+    try:
+        fill(tmp)
+        os.chmod(tmp, 0o755)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not final.is_dir():
+                raise
+    finally:
+        if tmp.exists():
+            remove_tree(tmp)
+    return final
+
+
+def remove_tree(path: Path) -> None:
+    """Remove ``path`` and everything under it, read-only directories included (nothing when it is absent)."""
+    if not path.exists():
+        return
+    for dirpath, dirnames, _ in os.walk(path):
+        for d in dirnames:
+            full = os.path.join(dirpath, d)
+            if not os.path.islink(full):
+                os.chmod(full, 0o755)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def debian_tree(cache: Cache, block: Dict[str, Any], offline: bool, console=None) -> Path:
+    """The unpacked Debian tree of ``block`` (made on first use; every .deb hash-checked)."""
+    from trainer.image.debian import rootfs_entries
+
+    def fill(tmp: Path) -> None:
+        spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
+        try:
+            debs = [(cache.ensure(d["sha256"], f"deb {d['name']}_{d['version']}_{d['architecture']}", d["url"], offline), d)
+                    for d in block["debs"]]
+            entries = rootfs_entries(debs, spool)
+            entries += [Entry(m, DIR) for m in mounts(block)]
+            entries += [Entry(path, SYMLINK, target=target) for path, target in sorted(block.get("links", {}).items())]
+            materialize(entries, tmp, allow_absolute_symlinks=True)
+        finally:
+            shutil.rmtree(spool, ignore_errors=True)
+
+    key = deb_key(block)
+    if console is not None and not (cache.root / "roots" / f"debs-{key}").is_dir():
+        console.print(f"build root: unpacking {len(block['debs'])} .debs", soft_wrap=True)
+    return _make_tree(cache, f"debs-{key}", fill)
+
+
+def wheel_tree(cache: Cache, block: Dict[str, Any], items: List[Dict[str, Any]], offline: bool,
+               console=None) -> Optional[Path]:
+    """The tree of ``items`` installed under ``block['python']['prefix']`` (paths relative to the prefix), or
+    None when ``items`` is empty. Every wheel is hash-checked and its contents checked against RECORD."""
+    from trainer.image.wheels import install_wheels
+
+    if not items:
+        return None
+    python = block["python"]
+    prefix = python["prefix"].strip("/")
+
+    def fill(tmp: Path) -> None:
+        spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
+        handles: List[Any] = []
+        try:
+            wheels = [(cache.ensure(w["sha256"], f"wheel {w['filename']}", w["url"], offline), w["filename"],
+                       f"wheel {w['filename']}") for w in items]
+            entries = install_wheels(wheels, python, spool, handles)
+            local = []
+            for e in entries:
+                path = e.path.strip("/")
+                if not path.startswith(prefix + "/"):
+                    raise UserError(f"build root: {e.path} is outside python.prefix /{prefix}")
+                local.append(Entry(path[len(prefix) + 1:], e.type, data=e.data, source=e.source, opener=e.opener,
+                                   length=e.length, sha256=e.sha256, label=e.label, executable=e.executable,
+                                   target=e.target))
+            materialize(local, tmp)
+        finally:
+            for h in handles:
+                h.close()
+            shutil.rmtree(spool, ignore_errors=True)
+
+    key = wheels_key(block, items)
+    if console is not None and not (cache.root / "roots" / f"wheels-{key}").is_dir():
+        console.print(f"build root: installing {len(items)} wheels", soft_wrap=True)
+    return _make_tree(cache, f"wheels-{key}", fill)
+
+
+def resolve_build_root(block: Dict[str, Any]) -> Dict[str, Any]:
+    """``block`` with ``debs`` (apt, :func:`trainer.image.debian.resolve_debs`) and ``wheels`` (each exact pin
+    of ``requirements``: the best fitting wheel for ``python`` from PyPI) resolved. Network. Raises
+    :class:`UserError` for a requirement that is not ``name==version`` or has no fitting wheel."""
+    import re
+
+    from trainer.image.debian import resolve_debs
+    from trainer.image.lockcli import pypi_files, wheel_fits
+
+    python = block["python"]
+    cp = "cp" + "".join(python["version"].split(".")[:2])
+    target = re.match(r"^x86_64-manylinux_(\d+)_(\d+)$", python.get("platform", ""))
+    glibc = (int(target.group(1)), int(target.group(2))) if target else (9, 99)
+    wheels = []
+    for spec in block.get("requirements", []):
+        name, sep, version = spec.partition("==")
+        if not sep or not name or not version:
+            raise UserError(f"build_root.requirements: {spec!r} is not an exact pin name==version")
+        from packaging.utils import parse_wheel_filename
+
+        fitting = [f for f in pypi_files(name, version) if f["packagetype"] == "bdist_wheel" and f["sha256"]
+                   and str(parse_wheel_filename(f["filename"])[1]) == version and wheel_fits(f["filename"], cp, glibc=glibc)]
+        if not fitting:
+            raise UserError(f"build_root.requirements: {spec}: no wheel on PyPI fits {cp} x86_64 glibc {glibc}")
+        best = sorted(fitting, key=lambda f: f["filename"])[-1]
+        wheels.append({"name": name, "version": version, "filename": best["filename"], "url": best["url"],
+                       "sha256": best["sha256"]})
+    base = {"suite": block["suite"], "variant": block.get("variant", "essential"), "include": block.get("include", [])}
+    if block.get("sources"):
+        base["sources"] = block["sources"]
+    return {**block, "debs": resolve_debs(base), "wheels": wheels}
