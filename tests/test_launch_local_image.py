@@ -3,6 +3,7 @@ bubblewrap; `trainer verify` checks the image's stamped lock against what the pr
 
 import helpers
 
+import hashlib
 import json
 import os
 import shutil
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT, run_train
-from trainer.image.testing import make_wheel, small_lock
+from trainer.image.testing import make_git_source, make_wheel, small_lock
 from trainer.launch.local_image import HOST_MOUNT, elf_interpreter
 
 pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("bwrap") is None,
@@ -30,15 +31,26 @@ def trainer(*args):
 def image(tmp_path_factory):
     root = tmp_path_factory.mktemp("image")
     wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
-    lock = small_lock("local-image-test", 1767225600, [(wheel, "alpha", "1.0", "rest")], [])
+    # stand-ins for the recipe's git sources, installed as the recipe's locks install miles and Megatron-LM
+    sources, archives = [], []
+    for name, files in (("miles", {"miles/__init__.py": b"NAME = 'miles'\n"}),
+                        ("megatron_lm", {"megatron/core/package_info.py": b"MAJOR = 0\nMINOR = 16\nPATCH = 0\n"
+                                                                            b"PRE_RELEASE = 'rc0'\n"})):
+        archive, commit, tree = make_git_source(root / "git", name, files, 1767225600)
+        archives.append(archive)
+        sources.append({"name": name, "url": f"https://example.invalid/{name}", "commit": commit, "tree": tree,
+                        "dest": f"/root/{name}", "python_path": True,
+                        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()}})
+    lock = small_lock("local-image-test", 1767225600, [(wheel, "alpha", "1.0", "rest")], sources)
     (root / "lock.json").write_text(json.dumps(lock))
     (root / "bundle" / "conf").mkdir(parents=True)
     (root / "bundle" / "conf" / "x.yaml").write_text("a: 1\n")
-    assert trainer("cache", "--cache", root / "cas", "add", wheel).returncode == 0
+    for path in [wheel, *archives]:
+        assert trainer("cache", "--cache", root / "cas", "add", path).returncode == 0
     out = trainer("image", "build", "--lock", root / "lock.json", "--out", root / "oci", "--cache", root / "cas",
                   "--offline", "--bundle-root", root / "bundle", "--revision", "test", "--json")
     assert out.returncode == 0, out.stderr
-    return {"layout": root / "oci", "digest": json.loads(out.stdout)["manifest_digest"]}
+    return {"layout": root / "oci", "digest": json.loads(out.stdout)["manifest_digest"], "sources": sources}
 
 
 def launch(tmp_path, image, digest=None, *extra):
@@ -46,6 +58,21 @@ def launch(tmp_path, image, digest=None, *extra):
     result = run_train(["experiment=smoke", "launcher=local-image", f"launcher.image={digest or image['digest']}",
                         f"launcher.image_layout={image['layout']}", f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
     return result, run_dir
+
+
+def test_git_sources_in_the_image_are_probed_from_their_files(tmp_path, image):
+    """miles and Megatron-LM stand-ins installed with python_path: the probe inside the image imports them,
+    hashes their trees, and `trainer verify` says ok for both commits and trees against the image's stamp."""
+    result, run_dir = launch(tmp_path, image)
+    assert result.returncode == 0, result.stdout + result.stderr
+    probe = json.loads((run_dir / "record.json").read_text())["probe"]["ranks"][0]
+    pins = {s["name"]: s for s in image["sources"]}
+    assert probe["sources"]["miles"] == {"commit": pins["miles"]["commit"], "tree": pins["miles"]["tree"],
+                                         "path": "/root/miles"}
+    assert probe["megatron_lm_tree"] == pins["megatron_lm"]["tree"]
+    assert probe["components"]["megatron_core"] == "0.16.0rc0"
+    rows = {r["component"]: r["verdict"] for r in json.loads(trainer("verify", run_dir, "--json").stdout)["rows"]}
+    assert [rows[k] for k in ("megatron_lm_commit", "megatron_lm_tree", "miles_commit", "miles_tree")] == ["ok"] * 4
 
 
 def test_probe_inside_the_image_and_verify_against_its_stamp(tmp_path, image):

@@ -17,8 +17,9 @@ without one (the smoke image is ``scratch``: site-packages, sources and the bund
 **this machine's Python, bound read-only** into the sandbox under ``/opt/recipe-bundle-host`` (its prefix and
 library directories at their host paths below that, started through its own dynamic loader: see
 :func:`host_interpreter`; so a system Python in ``/usr`` does not hide the image's ``/usr``), with ``-S`` so that
-only the image's site-packages (from the stamp) and this bundle's ``trainer`` package (bound read-only at
-``/opt/recipe-bundle-launcher``) are on ``sys.path``. The record says so (``image.interpreter.from = "host"``), and ``trainer verify`` then shows the
+only the image's site-packages (from the stamp), the directories its ``.pth`` files name (git sources such
+as miles) and this bundle's ``trainer`` package (bound read-only at ``/opt/recipe-bundle-launcher``) are on
+``sys.path``. The record says so (``image.interpreter.from = "host"``), and ``trainer verify`` then shows the
 host's Python version against the image's locked one.
 """
 
@@ -156,6 +157,25 @@ def host_interpreter() -> Tuple[List[str], List[str]]:
     return binds, command
 
 
+def pth_directories(rootfs: Path, site_packages: Optional[str]) -> List[str]:
+    """The directories the image's ``.pth`` files in ``site_packages`` add to ``sys.path`` (what site.py would
+    do; a host Python started with ``-S`` does not read them): plain absolute path lines that exist in
+    ``rootfs``, in file-name order. Lines that site.py would execute (``import ...``) are not followed."""
+    if not site_packages:
+        return []
+    out: List[str] = []
+    for pth in sorted((rootfs / site_packages.lstrip("/")).glob("*.pth")):
+        try:
+            lines = pth.read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            line = line.strip()
+            if line.startswith("/") and (rootfs / line.lstrip("/")).is_dir() and line not in out:
+                out.append(line)
+    return out
+
+
 def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], List[str]]:
     """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``; see the module docstring.
 
@@ -178,6 +198,7 @@ def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python
         binds, interpreter = host_interpreter()
         for path in binds:
             args += ["--ro-bind", path, f"{HOST_MOUNT}{path}"]
+        python_path += pth_directories(rootfs, site_packages)
     args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "PYTHONPATH", ":".join(python_path), "--setenv", cluster.DIGEST_ENV, digest,
              "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
