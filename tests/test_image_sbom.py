@@ -10,15 +10,12 @@ repository locks below, and a built sdist's image in tests/test_image_native.py.
 import helpers
 
 import base64
-import gzip
 import hashlib
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
-import tarfile
 from pathlib import Path
 
 import pytest

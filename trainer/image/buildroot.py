@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from trainer.errors import UserError
 from trainer.image.cas import Cache
-from trainer.image.layer import DIR, FILE, SYMLINK, Entry, plan_entries
+from trainer.image.layer import DIR, SYMLINK, Entry, plan_entries
 from trainer.image.oci import canonical
 
 FORMAT = 1  # bump when the unpacked trees for the same inputs would change

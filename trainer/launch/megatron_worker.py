@@ -29,6 +29,7 @@ under ``torch.profiler`` and rank 0 writes ``RUN_DIR/profile-top-kernels.md`` (:
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     from trainer.rundir import load_config
 
     cfg = validate(load_config(run_dir / "config.yaml"))
-    lay, m, optim = cfg.layout, cfg.model, cfg.optim
+    lay, optim = cfg.layout, cfg.optim
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local_rank))
     # NCCL loads its net plugin with the first communicator: probe after one collective, so the probe sees it
