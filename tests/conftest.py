@@ -5,7 +5,8 @@ base directories (so ``$XDG_CACHE_HOME/recipe-bundle/{kernels,cas}`` and every c
 point there before any test runs, and ``KERNEL_CACHE`` is unset so runs take their default under it; under
 Bazel pytest's ``tmp_path`` directories are there too (``--basetemp``, helpers.main). ``TMPDIR`` is left alone:
 Bazel's ``TEST_TMPDIR`` is longer than a unix socket's path may be, and Ray puts sockets in the temp directory. ``TRAINER_ENV_ROOT`` names where the running launcher environment lives, so that ``bin/python-env``
-called from a test finds it instead of building another one under the new ``HOME``.
+called from a test finds it instead of building another one under the new ``HOME``; ``PIP_CONFIG_FILE`` keeps
+the user's pip configuration (package access) when ``HOME`` moves.
 """
 
 import atexit
@@ -19,6 +20,22 @@ SUBDIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config
            "XDG_STATE_HOME": "state"}
 
 
+def _keep_pip_configuration() -> None:
+    """Package access is not something tests write: a user's pip configuration (the indexes and wheel folders
+    it names) stays in force after ``HOME`` moves, through ``PIP_CONFIG_FILE`` (read after pip's other
+    files). Taken from the account's real home (``pwd``), since Bazel may already have replaced ``HOME``."""
+    import pwd
+
+    if os.environ.get("PIP_CONFIG_FILE"):
+        return
+    homes = {os.environ.get("HOME", ""), pwd.getpwuid(os.getuid()).pw_dir}
+    for home in sorted(h for h in homes if h):
+        for rel in (".config/pip/pip.conf", ".pip/pip.conf"):
+            if (Path(home) / rel).is_file():
+                os.environ["PIP_CONFIG_FILE"] = str(Path(home) / rel)
+                return
+
+
 def _confine() -> Path:
     base = os.environ.get("TEST_TMPDIR")
     if not base:
@@ -27,6 +44,7 @@ def _confine() -> Path:
     base = Path(base).absolute()
     if (Path(sys.prefix) / ".complete").is_file():  # a launcher environment made by bin/python-env
         os.environ["TRAINER_ENV_ROOT"] = str(Path(sys.prefix).parent)
+    _keep_pip_configuration()
     for name, sub in SUBDIRS.items():
         (base / sub).mkdir(parents=True, exist_ok=True)
         os.environ[name] = str(base / sub)

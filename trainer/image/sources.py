@@ -387,7 +387,8 @@ def archive_url(source: Dict[str, Any]) -> Optional[str]:
 def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FETCH_HOSTS, timeout: float = 60) -> str:
     """Download ``source``'s archive (:func:`archive_url`, from URLs starting with one of ``hosts``, after
     redirects too; at most :data:`MAX_SOURCE_BYTES`; ``timeout`` in seconds per network operation), check it
-    (its sha256 when the lock pins one, always its git tree) and store the tree in the cache; returns the
+    (its sha256 when the lock pins the file at ``archive.url``, always its git tree) and store the tree in
+    the cache; returns the
     stored blob's sha256. Raises :class:`UserError` for no URL, a refused host, a failed or oversized download
     or a mismatch (nothing stored)."""
     import hashlib
@@ -417,10 +418,16 @@ def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FE
                     out.write(chunk)
         except (urllib.error.URLError, OSError, TimeoutError) as ex:
             raise UserError(f"{label}: download of {url} failed ({getattr(ex, 'reason', ex)})") from None
-        pinned = (source.get("archive") or {}).get("sha256")
+        # the archive's sha256 pins the file archive.url names; GitHub's own archive of the commit is another file
+        archive = source.get("archive") or {}
+        pinned = archive.get("sha256") if archive.get("url") == url else None
         if pinned and digest.hexdigest() != pinned:
             raise UserError(f"{label}: {url} has sha256 {digest.hexdigest()}, the lock pins {pinned} (refused)")
-        files = verified_files(tmp, source)
+        try:
+            files = verified_files(tmp, source)
+        except UserError as err:
+            raise UserError(f"{err}; an archive made by `git archive` leaves out files that .gitattributes marks "
+                            f"export-ignore: seed it with `trainer cache add-git CLONE --commit {source['commit']}`") from None
         if pinned:
             cache.add_file(tmp, pinned, label)
         return cache.put_tree(source["tree"], canonical_entries(files, source["tree"]),
