@@ -137,13 +137,27 @@ def _first_sha256(item: Dict[str, Any]) -> Optional[str]:
     return None
 
 
+def _input_version(lock: Dict[str, Any], spec: Any) -> Optional[str]:
+    """A build step's version from what it builds: its source's commit, or its sdist's version."""
+    if not isinstance(spec, dict):
+        return None
+    if spec.get("source"):
+        return next((s.get("commit") for s in lock.get("sources") or [] if s.get("name") == spec["source"]), None)
+    if spec.get("sdist"):
+        want = re.sub(r"[-_.]+", "-", str(spec["sdist"])).lower()
+        return next((s.get("version") for s in lock.get("sdists") or []
+                     if re.sub(r"[-_.]+", "-", str(s.get("name"))).lower() == want), None)
+    return None
+
+
 def _builds(lock: Dict[str, Any]) -> Iterable[Item]:
     out = []
     for b in lock.get("builds") or []:
         if not isinstance(b, dict) or not b.get("name"):
             continue
         sha = _first_sha256(b)
-        version = str(b.get("version") or b.get("commit") or (f"sha256:{sha}" if sha else "unknown"))
+        version = b.get("version") or b.get("commit") or _input_version(lock, b.get("input"))
+        version = str(version or (f"sha256:{sha}" if sha else "unknown"))
         out.append(Item("build", str(b["name"]), version, _purl("generic", None, str(b["name"]), version),
                         sha, b.get("url"), f"build:{b['name']}", b.get("filename")))
     return out
