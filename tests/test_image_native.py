@@ -217,8 +217,13 @@ def test_debian_smoke_image_imports_hydra_torch_and_trainer(world, tmp_path):
     subprocess.run(["umoci", "unpack", "--image", f"{out}:{ref}", str(bundle)], check=True, capture_output=True,
                    timeout=600)
     assert not list((bundle / "rootfs" / "opt" / "recipe-bundle").glob("sdists"))
+    # every namespace but, as root, the user namespace: inside another sandbox (CI's fresh root) a nested
+    # user namespace may not mount a new /proc (trainer.launch.local_image does the same)
+    unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() != 0:
+        unshare.append("--unshare-user-try")
     proc = subprocess.run(["bwrap", "--bind", str(bundle / "rootfs"), "/", "--dev", "/dev", "--proc", "/proc",
-                           "--tmpfs", "/tmp", "--unshare-all", "--die-with-parent", "--clearenv",
+                           "--tmpfs", "/tmp", *unshare, "--die-with-parent", "--clearenv",
                            "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "PYTHONPATH", "/opt/recipe-bundle",
                            "/usr/bin/python3", "-c",
                            "import hydra, omegaconf, torch, trainer, antlr4; "
