@@ -78,13 +78,9 @@ def _mapped_libraries() -> list:
     return sorted({line.split()[-1] for line in text.splitlines() if ".so" in line.split()[-1]})
 
 
-def _git_commit_of(module_name: str) -> Optional[str]:
-    """The commit of a package installed from its own git checkout, or None.
-
-    A ``GIT_COMMIT`` file stamped in or beside the package wins; otherwise ``git rev-parse HEAD``, accepted only
-    when the package directory sits at the top of that checkout (``<checkout>/<module_name>``), so a package
-    inside another repository (or a namespace package without a file) is never given that repository's commit.
-    """
+def _package_dir(module_name: str) -> Optional[Path]:
+    """The (first) directory of the importable package ``module_name``, resolved, found without importing it;
+    None for a module that is not a package or not importable."""
     import importlib.util
 
     try:
@@ -92,9 +88,19 @@ def _git_commit_of(module_name: str) -> Optional[str]:
     except (ImportError, ValueError):
         return None
     locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
+    return Path(locations[0]).resolve() if locations else None
+
+
+def _git_commit_of(module_name: str) -> Optional[str]:
+    """The commit of a package installed from its own git checkout, or None.
+
+    A ``GIT_COMMIT`` file stamped in or beside the package wins; otherwise ``git rev-parse HEAD``, accepted only
+    when the package directory sits at the top of that checkout (``<checkout>/<module_name>``), so a package
+    inside another repository (or a namespace package without a file) is never given that repository's commit.
+    """
+    root = _package_dir(module_name)
+    if root is None:
         return None
-    root = Path(locations[0]).resolve()
     for candidate in (root / "GIT_COMMIT", root.parent / "GIT_COMMIT"):
         if candidate.is_file():
             return candidate.read_text().strip() or None
@@ -137,19 +143,13 @@ def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None
     the site directory, never hashed). Hash at the start of a run: files a job later writes into the
     checkout change the tree. Returns {"commit", "tree", "path"}, each None when unknown.
     """
-    import importlib.util
-
     from trainer.image.gittree import directory_tree_id
 
     out: Dict[str, Optional[str]] = {"commit": None, "tree": None, "path": None}
-    try:
-        spec = importlib.util.find_spec(module_name)
-    except (ImportError, ValueError):
+    package = _package_dir(module_name)
+    if package is None:
         return out
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    if not locations:
-        return out
-    root = Path(locations[0]).resolve().parent
+    root = package.parent
     out["path"] = str(root)
     if root.name in ("site-packages", "dist-packages") or next(root.glob("*.dist-info"), None) is not None:
         return out  # installed from a wheel into a site directory: no checkout to hash, no commit to name
