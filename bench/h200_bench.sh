@@ -4,8 +4,11 @@
 # from the checkouts in /tmp/src, verified by git tree hash; TE 2.17.0 and tilelang 0.1.15 from /tmp/site),
 # same rows and seed, packed into $OUT/runs.tgz; analyse here with bench/h200_report.py.
 # Usage there: bash bench/h200_bench.sh RUN [RUN ...]   (RUN names below; `bare-mla` is the bare Megatron script)
+# BENCH_SECONDS (default 540): the runs stop by then (a run is cut to the time left, and one with under 60 s
+# left is skipped), so that $OUT/runs.tgz is written inside the device call's limit.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+deadline=$(( $(date +%s) + ${BENCH_SECONDS:-540} ))
 export PYTHONPATH="/tmp/site:$PWD" MEGATRON_LM_PATH=/tmp/src/Megatron-LM MILES_PATH=/tmp/src/miles
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 # the lock's pip cuDNN first: the machine's apt cuDNN 9.14 would otherwise shadow it (bench/h200_setup.sh cudnn-dir)
@@ -41,12 +44,16 @@ overrides() {
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$runs/nvidia-smi.csv"
 for run in "$@"; do
-  echo "=== $run"
   start=$(date +%s)
+  case "$run" in tiny*) limit=300 ;; *) limit=200 ;; esac
+  left=$(( deadline - start ))
+  if [ $left -lt 60 ]; then echo "=== $run skipped: ${left} s left"; continue; fi
+  [ $left -lt $limit ] && limit=$left
+  echo "=== $run (limit ${limit} s)"
   if [ "$run" = proxy-te-mla-fused-mixed ]; then
     # the machine as it is: the loader's cache (apt cuDNN 9.14) ahead of the pip cuDNN 9.19
     ( export LD_LIBRARY_PATH=/usr/local/nvidia/lib64:/usr/local/nvidia/lib
-      timeout 300 python3 -m trainer.train $(overrides "$run") hydra.run.dir="$runs/$run" > "$runs/$run.out" 2>&1 )
+      timeout $limit python3 -m trainer.train $(overrides "$run") hydra.run.dir="$runs/$run" > "$runs/$run.out" 2>&1 )
     rc=$?
   elif [ "$run" = bare-mla ]; then
     # the same model as proxy-te-mla, by a Megatron-LM script that uses nothing of the bundle
@@ -54,12 +61,12 @@ for run in "$@"; do
     # with the environment the worker's processes get (the recipe's env block, OMP threads). On 2026-12-01 the
     # bare script ran without it and 15% faster than the worker; which difference caused that is not established
     CUDA_DEVICE_MAX_CONNECTIONS=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True OMP_NUM_THREADS=4 \
-    PYTHONPATH="/tmp/site:$MEGATRON_LM_PATH:$MILES_PATH" timeout 300 python3 -m torch.distributed.run --nproc-per-node 1 \
+    PYTHONPATH="/tmp/site:$MEGATRON_LM_PATH:$MILES_PATH" timeout $limit python3 -m torch.distributed.run --nproc-per-node 1 \
       --master-addr 127.0.0.1 --master-port 29511 bench/megatron_bare.py --rows /tmp/rows/rows-4096/rows.parquet \
       --out "$runs/bare-mla.jsonl" $argv > "$runs/bare-mla.out" 2>&1
     rc=$?
   else
-    timeout 420 python3 -m trainer.train $(overrides "$run") hydra.run.dir="$runs/$run" > "$runs/$run.out" 2>&1
+    timeout $limit python3 -m trainer.train $(overrides "$run") hydra.run.dir="$runs/$run" > "$runs/$run.out" 2>&1
     rc=$?
   fi
   echo "$run rc=$rc wall=$(( $(date +%s) - start ))s"

@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# Prepare, on this machine, what a run of launcher=local-megatron on the lent H200 carries (the device tool
-# moves at most 64 MiB per call and the machine reaches no registry): every wheel hash-checked against the
-# lock, TransformerEngine's 245 MB core wheel split in parts, the locked Megatron-LM and miles commits as
-# `git archive` tarballs, the fixed rows. Nothing here is committed (bench/.scratch/ is ignored).
+# Prepare, on this machine, what the H200 runs of bench/RESULTS.md carry (the device tool moves at most 64 MiB
+# per call and the machine reaches no registry): every wheel hash-checked against the lock, TransformerEngine's
+# core wheel unpacked and xz-compressed (245 MB -> about 192 MB; checked there file by file against the wheel's
+# RECORD), the image's build outputs with the image's Python (bench/native_h200_kit.py), the locked Megatron-LM
+# and miles commits as `git archive` tarballs, the fixed rows. All of it is cut into parts of 60 MiB
+# (bench/carry_parts.py), the files TE needs first. Nothing here is committed (bench/.scratch/ is ignored).
 #
 # Usage: bash bench/h200_carry.sh MEGATRON_LM_GIT_DIR MILES_GIT_DIR
 #   (bare git directories or clones holding the commits that lockfiles/stack.json pins)
-# Then carry, one device call each and back to back (a machine idle 30 s is given back, losing /tmp):
-#   bench/.scratch/carry/c1 .. c7, each call starting with `bash bench/h200_setup.sh stash DIR` (DIR = the
-#   carried folder, as the call's working tree holds it);
-#   the last call runs `bash bench/h200_setup.sh install`, which joins and checks the TE wheel, installs
-#   everything into /tmp/site and compiles transformer-engine-torch there (about 100 s).
+# Then carry bench/.scratch/carry/cN, one device call each and back to back (a machine idle 30 s is given back,
+# losing /tmp), each call starting with `python3 bench/carry_parts.py stash DIR` (DIR = the carried folder as
+# the call's working tree holds it); once the `te` group is complete, `bash bench/h200_setup.sh te` (TE for the
+# machine's Python, its torch extension compiled there in about 100 s) and `bash bench/h200_setup.sh native`
+# (the image's TE extension, DeepEP and aws-ofi-nccl); once all parts are there, `bash bench/h200_setup.sh install`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 megatron_git=${1:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
@@ -19,7 +21,8 @@ python=$(bin/python-env)
 dl=bench/.scratch/dl
 carry=bench/.scratch/carry
 mkdir -p "$dl"
-rm -rf "$carry" && mkdir -p "$carry"/c{1,2,3,4,5,6,7}
+stage=bench/.scratch/stage
+rm -rf "$carry" "$stage" && mkdir -p "$stage"
 
 # 1. Wheels and the TE torch sdist, by URL and sha256 from lockfiles/full.lock.json (pip checks the hash).
 "$python" - > "$dl/urls.txt" <<'EOF'
@@ -36,7 +39,10 @@ EOF
 # TileKernels (deepseek-ai) is not in the lock: miles 78527b91 docker/Dockerfile installs
 # `pip install --no-deps tile_kernels==1.0.0`; its hash pinned here as PyPI served it on 2026-12-01.
 echo "https://files.pythonhosted.org/packages/py3/t/tile_kernels/tile_kernels-1.0.0-py3-none-any.whl#sha256=9f1e09c1bccde32f3189d1ff32ba9725f86fc04ac1d0ac93284e16fcab1a5666 tile_kernels-1.0.0-py3-none-any.whl 9f1e09c1bccde32f3189d1ff32ba9725f86fc04ac1d0ac93284e16fcab1a5666" >> "$dl/urls.txt"
+cas=$("$python" -c "from trainer.image.cas import default_root; print(default_root())")
 while read -r url file sha; do
+  # the bundle's content-addressed cache may hold it already (`trainer image build` fetched it); checked below
+  if [ ! -f "$dl/$file" ] && [ -f "$cas/sha256/$sha" ]; then cp "$cas/sha256/$sha" "$dl/$file"; fi
   if [ ! -f "$dl/$file" ] || [ "$(sha256sum "$dl/$file" | cut -d' ' -f1)" != "$sha" ]; then
     case "$file" in
       tile_kernels-*) python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d "$dl" tile_kernels==1.0.0 ;;
@@ -48,7 +54,6 @@ while read -r url file sha; do
   fi
   echo "$sha  $dl/$file" | sha256sum -c --quiet - || { echo "$file: sha256 differs from the lock" >&2; exit 1; }
 done < "$dl/urls.txt"
-cut -d' ' -f2,3 "$dl/urls.txt" | awk '{print $2"  "$1}' > "$carry/c1/SHA256SUMS"
 # the bundle's own needs there (the machine has yaml, pyarrow, rich): hydra-core, omegaconf, antlr4 (an sdist),
 # hash-pinned by lockfiles/launcher.lock
 for name in antlr4-python3-runtime hydra-core omegaconf; do
@@ -56,27 +61,25 @@ for name in antlr4-python3-runtime hydra-core omegaconf; do
 done > "$dl/launcher-reqs.txt"
 python3 -m pip download -q --no-deps --require-hashes -d "$dl" -r "$dl/launcher-reqs.txt"
 
-# 2. TransformerEngine's core wheel in 5 parts of at most 50 MiB, one per call (the working tree travels too).
+# 2. TransformerEngine's core wheel (hash-checked above), unpacked and recompressed: xz of the files is 21%
+#    smaller than the wheel's deflate; the wheel's RECORD travels inside and is checked there
 te=transformer_engine_cu13-2.17.0-py3-none-manylinux_2_28_x86_64.whl
-split -b 50M -d -a 1 "$dl/$te" "$carry/te.part."
-for i in 0 1 2 3 4; do mv "$carry/te.part.$i" "$carry/c$((i + 1))/"; done
+if [ ! -f "$dl/te-core.tar.xz" ] || [ "$dl/te-core.tar.xz" -ot "$dl/$te" ]; then
+  rm -rf "$dl/te-core" && mkdir "$dl/te-core" && python3 -m zipfile -e "$dl/$te" "$dl/te-core"
+  python3 bench/carry_parts.py check-record "$dl/te-core"
+  tar -C "$dl/te-core" --sort=name --owner=0 --group=0 --numeric-owner --mtime=@0 -cf - . | xz -6 -T2 > "$dl/te-core.tar.xz.tmp"
+  mv "$dl/te-core.tar.xz.tmp" "$dl/te-core.tar.xz" && rm -rf "$dl/te-core"
+fi
 
-# 3. The small wheels with the last TE part; tilelang with the rows; z3 with the sources.
-for f in transformer_engine-2.17.0-py3-none-any.whl transformer_engine_torch-2.17.0.tar.gz pydantic-2.14.4-py3-none-any.whl \
-         pydantic_core-2.50.5-*.whl annotated_types-*.whl typing_inspection-*.whl nvdlfw_inspect-*.whl apache_tvm_ffi-*.whl \
-         torch_c_dlpack_ext-*.whl tile_kernels-1.0.0-py3-none-any.whl; do cp "$dl"/$f "$carry/c5/"; done
-cp "$dl"/tilelang-0.1.15-*.whl "$carry/c6/"
-# transformer-engine-torch built there by an earlier `h200_setup.sh install` (its $OUT/te-torch-build.tgz),
-# if kept in bench/.scratch/: the install then skips the 100-s compile
-if [ -f bench/.scratch/te-torch-build.tgz ]; then cp bench/.scratch/te-torch-build.tgz "$carry/c5/"; fi
-cp "$dl"/z3_solver-4.15.4.0-*.whl "$dl"/hydra_core-1.3.8-py3-none-any.whl "$dl"/omegaconf-2.3.1-py3-none-any.whl \
-   "$dl"/antlr4-python3-runtime-4.9.3.tar.gz "$carry/c7/"
+# 3. The image's build outputs with the image's Python 3.11 (all from the content-addressed cache)
+"$python" bench/native_h200_kit.py --out "$stage/kit" --no-te-core --parts 1000 > /dev/null
+cat "$stage"/kit/part-00/kit.tar.xz.* > "$stage/kit.tar.xz" && rm -rf "$stage/kit"
 
 # 4. The locked sources (git archive of the pinned commits; the worker checks their git trees again there).
 read -r megatron_commit miles_commit < <("$python" -c "
 import json; c = json.load(open('lockfiles/stack.json'))['components']; print(c['megatron_lm']['commit'], c['miles']['commit'])")
-git --git-dir="$megatron_git" archive --format=tar.gz --prefix=Megatron-LM/ "$megatron_commit" > "$carry/c7/Megatron-LM.tar.gz"
-git --git-dir="$miles_git" archive --format=tar.gz --prefix=miles/ "$miles_commit" > "$carry/c7/miles.tar.gz"
+git --git-dir="$megatron_git" archive --format=tar.gz --prefix=Megatron-LM/ "$megatron_commit" > "$stage/Megatron-LM.tar.gz"
+git --git-dir="$miles_git" archive --format=tar.gz --prefix=miles/ "$miles_commit" > "$stage/miles.tar.gz"
 
 # 5. The fixed rows: 4,096-token (proxy) and 8,192-token (dsv4-tiny) builds of the same generated conversations.
 if [ ! -f bench/.scratch/rows-8192/manifest.json ]; then
@@ -84,5 +87,22 @@ if [ ! -f bench/.scratch/rows-8192/manifest.json ]; then
   "$python" -m trainer data build --input bench/.scratch/conv-2400.jsonl --out bench/.scratch/rows-4096 --row-tokens 4096 --data synthetic-4096
   "$python" -m trainer data build --input bench/.scratch/conv-2400.jsonl --out bench/.scratch/rows-8192 --row-tokens 8192 --data synthetic-8192
 fi
-tar -C bench/.scratch -cf "$carry/c6/rows.tar" rows-4096 rows-8192
+tar -C bench/.scratch -cf "$stage/rows.tar" rows-4096 rows-8192
+
+# 6. The parts: TE's files first (the calls that bring them can already run the TE checks), then the rest
+te_files="$dl/te-core.tar.xz,$stage/kit.tar.xz"
+for f in transformer_engine-2.17.0-py3-none-any.whl transformer_engine_torch-2.17.0.tar.gz pydantic-2.14.4-py3-none-any.whl \
+         pydantic_core-2.50.5-*.whl annotated_types-*.whl typing_inspection-*.whl nvdlfw_inspect-*.whl; do
+  te_files="$te_files,$(ls "$dl"/$f)"
+done
+# transformer-engine-torch built there by an earlier `h200_setup.sh te` (its $OUT/te-torch-build.tgz), if kept in
+# bench/.scratch/: the setup then skips the 100-s compile
+if [ -f bench/.scratch/te-torch-build.tgz ]; then te_files="$te_files,bench/.scratch/te-torch-build.tgz"; fi
+run_files="$stage/Megatron-LM.tar.gz,$stage/miles.tar.gz,$stage/rows.tar"
+for f in tilelang-0.1.15-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-1.0.0-py3-none-any.whl \
+         z3_solver-4.15.4.0-*.whl hydra_core-1.3.8-py3-none-any.whl omegaconf-2.3.1-py3-none-any.whl \
+         antlr4-python3-runtime-4.9.3.tar.gz; do
+  run_files="$run_files,$(ls "$dl"/$f)"
+done
+python3 bench/carry_parts.py pack --out "$carry" --part-mib 60 "te=$te_files" "run=$run_files"
 du -sh "$carry"/c*

@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
 # On the lent H200 (device tool): gather what bench/h200_carry.sh prepared, then install it.
-#   bash bench/h200_setup.sh stash DIR  copy the carried folder DIR (bench/.scratch/carry/cN) into /tmp/carry
+#   bash bench/h200_setup.sh stash DIR  copy the carried part DIR (bench/.scratch/carry/cN) into /tmp/carry
 #                                       (/tmp is kept while the machine stays warm)
-#   bash bench/h200_setup.sh install    join TE's core wheel, check every file's sha256, install the wheels into
-#                                       /tmp/site, compile transformer-engine-torch against the machine's torch
-#                                       (NVTE_CUDA_ARCHS=90), unpack sources into /tmp/src and rows into /tmp/rows;
-#                                       the built extension is also packed into $OUT/te-torch-build.tgz
+#   bash bench/h200_setup.sh te         once the carry's `te` group is complete: join and check its files,
+#                                       unpack TE's core (each file checked against the wheel's RECORD) into
+#                                       /tmp/te-core, install TE for the machine's Python into /tmp/site and
+#                                       compile transformer-engine-torch against the machine's torch
+#                                       (NVTE_CUDA_ARCHS=90; packed into $OUT/te-torch-build.tgz)
+#   bash bench/h200_setup.sh install    once every part is there: the rest of the wheels into /tmp/site,
+#                                       sources into /tmp/src, rows into /tmp/rows, and an import check
 # Afterwards: export PYTHONPATH=/tmp/site MEGATRON_LM_PATH=/tmp/src/Megatron-LM MILES_PATH=/tmp/src/miles
 set -euo pipefail
 carry=/tmp/carry
+joined=/tmp/joined
+site=/tmp/site
 here=$(cd "$(dirname "$0")" && pwd)
+pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$@"; }
 case "${1:-}" in
   stash)
-    mkdir -p "$carry" && cp -r "${2:?which carried folder}/." "$carry/"
-    ls "$carry" | wc -l
+    python3 "$here/carry_parts.py" stash "${2:?which carried part}" --to "$carry"
     ;;
-  install)
-    cd "$carry"
-    te=transformer_engine_cu13-2.17.0-py3-none-manylinux_2_28_x86_64.whl
-    [ -f "$te" ] || { cat te.part.? > "$te.tmp" && mv "$te.tmp" "$te" && rm te.part.?; }
-    sha256sum -c --quiet SHA256SUMS
-    site=/tmp/site
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" ./*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
-      antlr4-python3-runtime-4.9.3.tar.gz
+  te)
+    python3 "$here/carry_parts.py" join te --stash "$carry" --to "$joined"
+    rm -rf /tmp/te-core && mkdir /tmp/te-core && tar -C /tmp/te-core -xJf "$joined/te-core.tar.xz"
+    python3 "$here/carry_parts.py" check-record /tmp/te-core
+    cd "$joined"
+    pip_target transformer_engine-2.17.0-py3-none-any.whl pydantic-*.whl pydantic_core-*.whl annotated_types-*.whl \
+      typing_inspection-*.whl nvdlfw_inspect-*.whl
+    cp -rl --remove-destination /tmp/te-core/. "$site/"  # as unpacking the core wheel over the py3 one
     start=$(date +%s)
     rm -rf /tmp/te-torch-src /tmp/te-torch && mkdir -p /tmp/te-torch-src /tmp/te-torch
     if [ -f te-torch-build.tgz ]; then
@@ -39,10 +43,22 @@ case "${1:-}" in
     fi
     # the extension's .so must sit in the core wheel's transformer_engine/ tree
     cp -r /tmp/te-torch/. "$site/"
-    mkdir -p /tmp/src /tmp/rows
+    LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):${LD_LIBRARY_PATH:-} PYTHONPATH=$site python3 -c "
+import torch, transformer_engine.pytorch
+from importlib.metadata import version
+print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE', version('transformer-engine'))"
+    ;;
+  install)
+    python3 "$here/carry_parts.py" join run --stash "$carry" --to "$joined"
+    cd "$joined"
+    pip_target tilelang-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-*.whl z3_solver-*.whl \
+      hydra_core-*.whl omegaconf-*.whl
+    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
+      antlr4-python3-runtime-4.9.3.tar.gz
+    rm -rf /tmp/src /tmp/rows && mkdir -p /tmp/src /tmp/rows
     tar -xzf Megatron-LM.tar.gz -C /tmp/src && tar -xzf miles.tar.gz -C /tmp/src && tar -xf rows.tar -C /tmp/rows
-    LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):$LD_LIBRARY_PATH PYTHONPATH=$site python3 -c "
-import torch, transformer_engine.pytorch, tilelang
+    LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):${LD_LIBRARY_PATH:-} PYTHONPATH=$site python3 -c "
+import torch, transformer_engine.pytorch, tilelang, hydra
 from importlib.metadata import version
 print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE', version('transformer-engine'), 'tilelang', tilelang.__version__)"
     ;;
@@ -52,5 +68,5 @@ print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE',
     # docker/Dockerfile removes the apt copy for that reason: "the loader interleaves the two").
     python3 -c "import pathlib, torch; sp = pathlib.Path(torch.__file__).parents[1]; print(sorted(sp.glob('nvidia/**/libcudnn.so.9'))[0].parent)"
     ;;
-  *) echo "usage: $0 stash DIR | install | cudnn-dir" >&2; exit 2 ;;
+  *) echo "usage: $0 stash DIR | te | install | cudnn-dir" >&2; exit 2 ;;
 esac

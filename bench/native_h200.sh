@@ -2,24 +2,17 @@
 # The check on the lent H200 (device tool, nvidia-h200) of the debian-full image's build steps, from the kit
 # that bench/native_h200_kit.py packs: the image's Python 3.11 with torch's cp311 ABI files over the machine's
 # torch 2.11.0+cu130, the image's TE torch extension (+ the locked TE core wheel), DeepEP and the aws-ofi-nccl
-# plugin. Each call carries one kit part (kit.tar.xz.NN) and copies it to /tmp/kit-parts; the last call joins them,
-# checks the sha256 and runs:
+# plugin. bench/h200_carry.sh puts the kit and TE's core into the carry's `te` group; after
+# `bash bench/h200_setup.sh te` (which joins and checks them: /tmp/joined/kit.tar.xz, /tmp/te-core) this runs:
 #   1. NCCL 2.28.9 (the machine's) with NCCL_NET_PLUGIN=ofi, NCCL_DEBUG=INFO: does it load libnccl-net-ofi.so?
 #   2. DeepEP: deep_ep.Buffer on 1 GPU (intranode), get_dispatch_layout, dispatch + combine of 1 rank.
-#   3. TE: te.Linear forward/backward in bf16, against torch.nn.functional.linear.
-# Usage there: bash native_h200.sh PART_DIR [--run KIT_SHA256 [TE_CORE_SHA256]]
+#   3. TE: te.Linear forward/backward in bf16, against torch.nn.functional.linear (bench/te_linear_check.py).
+# Usage there: bash bench/native_h200.sh   (output also in $OUT/native.log)
 set -uo pipefail
-part=$1
-mkdir -p /tmp/kit-parts && cp "$part"/* /tmp/kit-parts/ && ls -la /tmp/kit-parts
-[ "${2:-}" = "--run" ] || exit 0
-cat /tmp/kit-parts/kit.tar.xz.* > /tmp/kit.tar.xz
-echo "$3  /tmp/kit.tar.xz" | sha256sum -c - || exit 1
-rm -rf /tmp/kit && mkdir /tmp/kit && tar -C /tmp/kit -xJf /tmp/kit.tar.xz || exit 1
-if [ -n "${4:-}" ]; then
-  cat /tmp/kit-parts/te-core.whl.* > /tmp/te-core.whl
-  echo "$4  /tmp/te-core.whl" | sha256sum -c - || exit 1
-  python3 -m zipfile -e /tmp/te-core.whl /tmp/kit/site/ || exit 1
-fi
+here=$(cd "$(dirname "$0")" && pwd)
+[ -f /tmp/joined/kit.tar.xz ] && [ -d /tmp/te-core ] || { echo "run bench/h200_setup.sh te first" >&2; exit 1; }
+rm -rf /tmp/kit && mkdir /tmp/kit && tar -C /tmp/kit -xJf /tmp/joined/kit.tar.xz || exit 1
+cp -rl --remove-destination /tmp/te-core/. /tmp/kit/site/ || exit 1  # as unpacking the core wheel over the py3 one
 K=/tmp/kit
 dev_site=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 echo "machine torch in $dev_site: $(python3 -c 'import torch; print(torch.__version__, torch.cuda.nccl.version())')"
@@ -69,45 +62,4 @@ print("dispatch+combine 1 rank: max |combine(dispatch(x)) - x| =", (y.float() - 
 dist.destroy_process_group()
 EOF
 echo "=== 3. TE"
-# TE imports triton at `import transformer_engine.pytorch` (its triton kernels: cross entropy, permutation);
-# the locked cp311 triton (libtriton.so alone is 415 MB) does not fit the device budget, and te.Linear uses no
-# triton kernel, so this check (not the image) gives the image's Python an import-only stand-in for triton
-mkdir -p $K/shim/triton
-cat > $K/shim/triton/__init__.py <<'PY'
-"""Import-only stand-in for triton in the H200 check of the image's TE build (no kernel can run)."""
-import sys, types
-__version__ = "3.6.0"
-def _plain(name):
-    if name.startswith("__"):  # __path__, __spec__, ...: the import system must not see a package here
-        raise AttributeError(name)
-class _Any:
-    def __init__(self, *a, **k): pass
-    def __call__(self, *a, **k): return a[0] if len(a) == 1 and callable(a[0]) and not k else _Any()
-    def __getattr__(self, name): _plain(name); return _Any()
-    def __getitem__(self, key): return _Any()
-    def __iter__(self): return iter(())
-def _decorator(*a, **k):
-    return a[0] if len(a) == 1 and callable(a[0]) and not k else (lambda f: f)
-jit = autotune = heuristics = _decorator
-Config = _Any
-class _Mod(types.ModuleType):
-    def __getattr__(self, name): _plain(name); return _Any()
-for name in ("language", "language.core", "runtime", "runtime.jit", "compiler", "compiler.compiler", "backends",
-             "backends.compiler", "testing"):
-    mod = _Mod(f"triton.{name}"); sys.modules[f"triton.{name}"] = mod
-    parent, _, child = f"triton.{name}".rpartition(".")
-    setattr(sys.modules[parent], child, mod)
-PY
-PYPATH=$K/site:$K/shim timeout 180 $py311 - <<'EOF' 2>&1 | tail -15
-import torch
-import transformer_engine, transformer_engine.pytorch as te, sys
-ext = [m.__file__ for n, m in sys.modules.items() if n.startswith("transformer_engine_torch") and getattr(m, "__file__", None)]
-print("te", transformer_engine.__version__, "torch extension loaded from", ext)
-torch.manual_seed(0)
-lin = te.Linear(1024, 1024, bias=True, params_dtype=torch.bfloat16).cuda()
-x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
-y = lin(x); y.float().sum().backward()
-ref = torch.nn.functional.linear(x, lin.weight, lin.bias)
-print("te.Linear fwd max rel err", ((y - ref).abs().max() / ref.abs().max()).item(),
-      "grad x finite", bool(torch.isfinite(x.grad).all()), "grad w norm", lin.weight.grad.float().norm().item())
-EOF
+PYPATH=$K/site timeout 180 $py311 "$here/te_linear_check.py" 2>&1 | tail -15

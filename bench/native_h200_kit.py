@@ -107,7 +107,7 @@ def main(argv) -> int:
     (stage / "built.json").write_text(json.dumps(built, indent=1) + "\n")
     kit = out / "kit.tar"
     subprocess.run(["tar", "-C", str(stage), "--sort=name", "-cf", str(kit), "."], check=True)
-    subprocess.run(["xz", "-3", "-T2", "-f", str(kit)], check=True)
+    subprocess.run(["xz", "-6", "-T2", "-f", str(kit)], check=True)
     kit = out / "kit.tar.xz"
     shutil.rmtree(stage)
     files = [kit]
