@@ -97,9 +97,9 @@ def install_triton_standin() -> bool:
         import torch._inductor.config  # noqa: F401
         from torch.utils._triton import has_triton_package
 
-        assert not has_triton_package()
-    except ImportError:
-        pass
+        has_triton_package()  # cached: False, so torch's compiler never imports the stand-in
+    except Exception as exc:  # the check goes on; the JSON line says what torch's compiler import raised
+        print(json.dumps({"torch_compiler_import": repr(exc)[:200]}))
     sys.meta_path.insert(0, _StandinFinder())
     return True
 
