@@ -12,7 +12,8 @@
 # losing /tmp), each call starting with `python3 bench/carry_parts.py stash DIR` (DIR = the carried folder as
 # the call's working tree holds it); once the `te` group is complete, `bash bench/h200_setup.sh te` (TE for the
 # machine's Python, its torch extension compiled there in about 100 s) and `bash bench/h200_setup.sh native`
-# (the image's TE extension, DeepEP and aws-ofi-nccl); once all parts are there, `bash bench/h200_setup.sh install`.
+# (the image's TE extension, DeepEP and aws-ofi-nccl); once the `run` group is there, `bash bench/h200_setup.sh
+# install run` (enough for the proxy models), and with the `v4` group `bash bench/h200_setup.sh install v4`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 megatron_git=${1:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
@@ -98,11 +99,15 @@ done
 # transformer-engine-torch built there by an earlier `h200_setup.sh te` (its $OUT/te-torch-build.tgz), if kept in
 # bench/.scratch/: the setup then skips the 100-s compile
 if [ -f bench/.scratch/te-torch-build.tgz ]; then te_files="$te_files,bench/.scratch/te-torch-build.tgz"; fi
+# what every run needs (the bundle's own packages, the sources, the rows), then what only the V4 model needs
 run_files="$stage/Megatron-LM.tar.gz,$stage/miles.tar.gz,$stage/rows.tar"
-for f in tilelang-0.1.15-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-1.0.0-py3-none-any.whl \
-         z3_solver-4.15.4.0-*.whl hydra_core-1.3.8-py3-none-any.whl omegaconf-2.3.1-py3-none-any.whl \
-         antlr4-python3-runtime-4.9.3.tar.gz; do
+for f in hydra_core-1.3.8-py3-none-any.whl omegaconf-2.3.1-py3-none-any.whl antlr4-python3-runtime-4.9.3.tar.gz; do
   run_files="$run_files,$(ls "$dl"/$f)"
 done
-python3 bench/carry_parts.py pack --out "$carry" --part-mib 60 "te=$te_files" "run=$run_files"
+v4_files=""
+for f in apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-1.0.0-py3-none-any.whl z3_solver-4.15.4.0-*.whl \
+         tilelang-0.1.15-*.whl; do
+  v4_files="$v4_files${v4_files:+,}$(ls "$dl"/$f)"
+done
+python3 bench/carry_parts.py pack --out "$carry" --part-mib 60 "te=$te_files" "run=$run_files" "v4=$v4_files"
 du -sh "$carry"/c*

@@ -7,8 +7,9 @@
 #                                       /tmp/te-core, install TE for the machine's Python into /tmp/site and
 #                                       compile transformer-engine-torch against the machine's torch
 #                                       (NVTE_CUDA_ARCHS=90; packed into $OUT/te-torch-build.tgz)
-#   bash bench/h200_setup.sh install    once every part is there: the rest of the wheels into /tmp/site,
-#                                       sources into /tmp/src, rows into /tmp/rows, and an import check
+#   bash bench/h200_setup.sh install run   once the `run` group is there: hydra and omegaconf into /tmp/site,
+#                                       sources into /tmp/src, rows into /tmp/rows (enough for the proxy models)
+#   bash bench/h200_setup.sh install v4    once the `v4` group is there: tilelang, TileKernels, z3, tvm-ffi
 # Afterwards: export PYTHONPATH=/tmp/site MEGATRON_LM_PATH=/tmp/src/Megatron-LM MILES_PATH=/tmp/src/miles
 set -euo pipefail
 carry=/tmp/carry
@@ -49,18 +50,21 @@ from importlib.metadata import version
 print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE', version('transformer-engine'))"
     ;;
   install)
-    python3 "$here/carry_parts.py" join run --stash "$carry" --to "$joined"
+    group=${2:-run}
+    python3 "$here/carry_parts.py" join "$group" --stash "$carry" --to "$joined"
     cd "$joined"
-    pip_target tilelang-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-*.whl z3_solver-*.whl \
-      hydra_core-*.whl omegaconf-*.whl
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
-      antlr4-python3-runtime-4.9.3.tar.gz
-    rm -rf /tmp/src /tmp/rows && mkdir -p /tmp/src /tmp/rows
-    tar -xzf Megatron-LM.tar.gz -C /tmp/src && tar -xzf miles.tar.gz -C /tmp/src && tar -xf rows.tar -C /tmp/rows
-    LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):${LD_LIBRARY_PATH:-} PYTHONPATH=$site python3 -c "
-import torch, transformer_engine.pytorch, tilelang, hydra
-from importlib.metadata import version
-print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE', version('transformer-engine'), 'tilelang', tilelang.__version__)"
+    if [ "$group" = run ]; then
+      pip_target hydra_core-*.whl omegaconf-*.whl
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
+        antlr4-python3-runtime-4.9.3.tar.gz
+      rm -rf /tmp/src /tmp/rows && mkdir -p /tmp/src /tmp/rows
+      tar -xzf Megatron-LM.tar.gz -C /tmp/src && tar -xzf miles.tar.gz -C /tmp/src && tar -xf rows.tar -C /tmp/rows
+      check="import hydra, omegaconf"
+    else
+      pip_target tilelang-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-*.whl z3_solver-*.whl
+      check="import tilelang, tile_kernels; print('tilelang', tilelang.__version__)"
+    fi
+    LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):${LD_LIBRARY_PATH:-} PYTHONPATH=$site python3 -c "$check"
     ;;
   cudnn-dir)
     # the directory of the pip cuDNN that torch was built against (the lock's nvidia-cudnn-cu13). The machine
@@ -68,5 +72,5 @@ print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE',
     # docker/Dockerfile removes the apt copy for that reason: "the loader interleaves the two").
     python3 -c "import pathlib, torch; sp = pathlib.Path(torch.__file__).parents[1]; print(sorted(sp.glob('nvidia/**/libcudnn.so.9'))[0].parent)"
     ;;
-  *) echo "usage: $0 stash DIR | te | install | cudnn-dir" >&2; exit 2 ;;
+  *) echo "usage: $0 stash DIR | te | install run|v4 | cudnn-dir" >&2; exit 2 ;;
 esac
