@@ -183,5 +183,69 @@ def test_checkpoint_only_parameters_get_initial_values():
     assert torch.equal(again.router.tid2eid, table) and torch.equal(again.hc_attn_fn, layer.hc_attn_fn)
 
 
+def _sylvester(n):
+    import torch
+
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def test_hadamard_stand_in_is_x_times_the_sylvester_matrix():
+    import torch
+
+    from trainer.models.hadamard import hadamard_transform
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 128, generator=generator, dtype=torch.float64)
+    want = (x @ _sylvester(128)) * 128 ** -0.5
+    got = hadamard_transform(x.to(torch.bfloat16), scale=128 ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (3, 5, 128)
+    assert torch.equal(got, hadamard_transform(x.bfloat16().float(), scale=128 ** -0.5).bfloat16())
+    assert (got.double() - want).abs().max().item() < 0.02 * want.abs().max().item()
+    # exact in float32 for float32 input; orthogonal up to the scale: applying it twice gives x back
+    x32 = x.float()
+    assert torch.allclose(hadamard_transform(x32, 2.0), (x32.double() @ _sylvester(128) * 2.0).float(), atol=1e-4)
+    assert torch.allclose(hadamard_transform(hadamard_transform(x32, 128 ** -0.5), 128 ** -0.5), x32, atol=1e-5)
+    # a width that is not a power of two is zero-padded to the next one and cut back
+    short = x32[..., :100]
+    padded = torch.nn.functional.pad(short, (0, 28))
+    assert torch.allclose(hadamard_transform(short), hadamard_transform(padded)[..., :100], atol=1e-5)
+
+
+def test_hadamard_stand_in_gradient_is_the_same_transform():
+    import torch
+
+    from trainer.models.hadamard import hadamard_transform
+
+    x = torch.randn(4, 64, dtype=torch.float32, requires_grad=True)
+    grad = torch.randn(4, 64)
+    hadamard_transform(x, 0.125).backward(grad)
+    assert torch.allclose(x.grad, (grad.double() @ _sylvester(64) * 0.125).float(), atol=1e-5)
+
+
+def test_hadamard_stand_in_binds_the_package_name_only_when_it_is_missing(monkeypatch):
+    import importlib.util
+    import sys
+
+    from trainer.launch import megatron_worker
+    from trainer.models import hadamard
+
+    monkeypatch.delitem(sys.modules, "fast_hadamard_transform", raising=False)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    lines = megatron_worker.hadamard_stand_in()
+    assert sys.modules["fast_hadamard_transform"] is hadamard
+    assert len(lines) == 1 and lines[0].startswith("fast_hadamard_transform.hadamard_transform: trainer.models.hadamard")
+    from fast_hadamard_transform import hadamard_transform  # the import miles' rotate_activation does
+
+    assert hadamard_transform is hadamard.hadamard_transform
+    assert megatron_worker.hadamard_stand_in() == lines  # called again in the same process: still the stand-in
+    monkeypatch.delitem(sys.modules, "fast_hadamard_transform")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())  # the real package is installed
+    assert megatron_worker.hadamard_stand_in() == []
+    assert "fast_hadamard_transform" not in sys.modules
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -22,7 +22,8 @@ checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.checkout`). The story of the r
    ``get_forward_backward_func()`` (1F1B when PP > 1), ``optimizer.step()``; one ``metrics.jsonl`` line
    written by the first rank of the last pipeline stage.
 
-Rank 0 writes ``RUN_DIR/megatron.json``: the implementation, attention backend, spec and argv that ran (and,
+Rank 0 writes ``RUN_DIR/megatron.json``: the implementation, attention backend, spec, argv and stand-ins
+(:func:`hadamard_stand_in`) that ran (and,
 after step 1, the cuDNN libraries mapped into the process); with ``launcher.profile_step`` N, step N runs
 under ``torch.profiler`` and rank 0 writes ``RUN_DIR/profile-top-kernels.md`` (:func:`top_kernels_table`).
 """
@@ -77,14 +78,17 @@ def main(argv=None) -> int:
     from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
 
     impl = resolve_transformer_impl(cfg.launcher.transformer_impl)
+    stand_ins = []
     if cfg.model.experimental_attention_variant == "dsv4":
         tilelang_compat()
+        stand_ins = hadamard_stand_in()
     steps = cfg.launcher.steps or optim.num_rollout * (optim.rollout_batch_size // optim.global_batch_size)
     args = megatron_args(cfg, megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps), world)
     if rank == 0:
         atomic_write(run_dir / "megatron.json", canonical_json(
             {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend,
-             "spec": args.spec, "argv": megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps)}))
+             "spec": args.spec, "argv": megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps),
+             "stand_ins": stand_ins}))
 
     ps.initialize_model_parallel(
         tensor_model_parallel_size=lay.tensor_model_parallel_size,
@@ -314,6 +318,26 @@ def tilelang_compat() -> None:
         importlib.import_module("tilelang.utils.target")
     except ModuleNotFoundError:
         sys.modules["tilelang.utils.target"] = importlib.import_module("tilelang.backend.target")
+
+
+def hadamard_stand_in() -> list:
+    """Let miles' DeepSeek-V4 indexer and compressor run without the ``fast_hadamard_transform`` CUDA package.
+
+    miles 78527b91's ``rotate_activation`` (``miles_plugins/models/deepseek_v4/ops/utils.py``) asserts that
+    package, which miles' ``docker/Dockerfile`` builds from source and the bundle's lock does not carry; every
+    layer with compress ratio 4 calls it. When the package is not importable, its name is bound to
+    :mod:`trainer.models.hadamard` (the same transform in torch operations) before miles' modules are imported.
+    Returns the stand-ins in use, one line each for the run's record (empty when the package is installed)."""
+    import importlib.util
+
+    from trainer.models import hadamard
+
+    if sys.modules.get("fast_hadamard_transform") is not hadamard:
+        if importlib.util.find_spec("fast_hadamard_transform") is not None:
+            return []
+        sys.modules["fast_hadamard_transform"] = hadamard
+    return ["fast_hadamard_transform.hadamard_transform: trainer.models.hadamard (torch operations, float32 sums; "
+            "the package is not in the lock)"]
 
 
 def megatron_args(cfg, argv, world: int):
