@@ -18,7 +18,7 @@ export LD_LIBRARY_PATH="$cudnn:${LD_LIBRARY_PATH:-}"
 # packages (transformer_engine/common/__init__.py, _load_cuda_library_from_system): on 2026-12-01, without this,
 # it mapped the apt 9.14 next to torch's 9.19
 export CUDNN_HOME="$(dirname "$cudnn")"
-export XDG_CACHE_HOME=/tmp/cache  # JIT kernel caches (tilelang, triton) stay warm between runs of one machine
+export XDG_CACHE_HOME=/tmp/cache  # JIT kernel caches (triton; tilelang keeps ~/.tilelang/cache) stay warm between runs of one machine
 runs=/tmp/runs
 mkdir -p "$runs"
 trap 'tar -C /tmp -czf "$OUT/runs.tgz" runs' EXIT
