@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -34,11 +33,8 @@ BASE_CONFIG = {"Entrypoint": ["/usr/local/bin/python3.12"], "WorkingDir": "/work
                "Labels": {"org.opencontainers.image.source": "https://example.invalid/base", "base.only": "yes"}}
 
 
-def trainer(*args, cwd=None, env=None, timeout=120):
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd or REPO_ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
 
+trainer = helpers.run_trainer
 
 def write_lock(root: Path, name: str, base_digest: str, wheel: Path, version: str, image=None, base_extra=None) -> Path:
     lock = small_lock(name, EPOCH, [(wheel, "alpha", version, "rest")], [],

@@ -28,11 +28,8 @@ from trainer.image.testing import git_env, make_wheel, small_lock
 EPOCH = 1767225600
 
 
-def trainer(*args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
+trainer = helpers.run_trainer
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], env=git_env(EPOCH), check=True, capture_output=True,

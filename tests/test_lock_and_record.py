@@ -11,7 +11,8 @@ from helpers import REPO_ROOT, compose
 from trainer.compose import validate
 from trainer.errors import UserError
 from trainer.lock import load_stack_lock, verify_stack
-from trainer.record import atomic_write, git_revision, write_json
+from trainer.publish import atomic_write
+from trainer.record import git_revision, write_json
 
 
 def locked_requirements():

@@ -92,9 +92,9 @@ def test_shell_script_parses_back_to_the_argv():
     ],
 )
 def test_shell_words_expand_plain_variables_only(token, quoted):
-    from trainer.render import _shell_word
+    from trainer.render import shell_word
 
-    assert _shell_word(token) == quoted
+    assert shell_word(token) == quoted
     # bash agrees: a command substitution is never run
     import subprocess
 

@@ -73,10 +73,8 @@ def lr10(smoke_runs):
     return finished(smoke_runs, "lr10")
 
 
-def trainer(*args):
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
 
+trainer = helpers.run_trainer
 
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -288,7 +288,7 @@ def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
 def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) -> Dict[str, Any]:
     """Write ``run_dir/attestation.json`` (the statement, or its DSSE envelope when ``signer`` is given),
     atomically; return ``{"path", "sha256", "signed_by"}`` for the run record."""
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     data = (json.dumps(run_statement(run_dir, record), indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
     if signer is not None:

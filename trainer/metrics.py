@@ -198,7 +198,7 @@ def read_metrics(path: Path) -> List[Step]:
 
 def write_metrics(path: Path, steps: Sequence[Step]) -> None:
     """Write ``steps`` as ``metrics.jsonl`` atomically (one strict JSON object per line, :func:`dumps_row`)."""
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     data = "".join(dumps_row(s.as_dict()) + "\n" for s in steps)
     atomic_write(Path(path), data.encode())

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from trainer.metrics import Step  # noqa: E402
-from trainer.record import atomic_write  # noqa: E402
+from trainer.publish import atomic_write  # noqa: E402
 
 CANDIDATE = "#1f77b4"
 REFERENCE = "#ff7f0e"

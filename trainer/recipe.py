@@ -30,7 +30,7 @@ import yaml
 from trainer import REPO_ROOT, checks, numerics
 from trainer.errors import UserError
 from trainer.inputs import read_yaml
-from trainer.record import atomic_write
+from trainer.publish import atomic_write
 from trainer.rundir import Run, load_run
 
 SCHEMA_PATH = REPO_ROOT / "schema" / "recipe.schema.yaml"

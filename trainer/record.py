@@ -15,57 +15,16 @@ import platform
 import socket
 import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Dict, Iterable, Optional
 
 from trainer import REPO_ROOT, __version__
-from trainer.redact import redact_argv, redactor_for
+from trainer.publish import atomic_write
+from trainer.redact import redact_argv
 
 LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
-
-
-def _umask() -> int:
-    """The process umask, read without changing it (``/proc/self/status``; other threads may be writing)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("Umask:"):
-                return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0)  # no /proc: the classic read, not thread-safe
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True) -> str:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and ``os.replace``; return the
-    sha256 of the bytes written.
-
-    ``mode`` is applied less the process umask (as ``open()`` would) unless ``umask`` is false; a failure leaves no
-    file behind. Under a run directory guarded by :func:`trainer.redact.guard` the bytes are scrubbed of secrets
-    first (the hash is of what was written).
-    """
-    path = Path(path)
-    redactor = redactor_for(path)
-    if redactor is not None:
-        data = redactor.scrub_bytes(data)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    mask = _umask() if umask else 0
-    try:
-        os.fchmod(fd, mode & ~mask)
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return hashlib.sha256(data).hexdigest()
 
 
 def canonical_json(obj: Any) -> bytes:

@@ -239,21 +239,27 @@ class Launch:
         lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
         # a secret-named variable is taken from the caller's environment: its value is never written out
         lines += [f'export {k}="${{{k}:?{k} is a secret: set it in the environment}}"' if is_secret_name(k)
-                  else f"export {k}={_shell_word(v)}" for k, v in self.env.items()]
+                  else f"export {k}={shell_word(v)}" for k, v in self.env.items()]
         lines.append("")
-        words: List[List[str]] = []
-        for token in self.argv:
-            if not words or token.startswith("--"):
-                words.append([])
-            words[-1].append(_shell_word(token))
-        lines.append(" \\\n  ".join(" ".join(w) for w in words))
+        lines.append(" \\\n  ".join(argv_words(self.argv)))
         return "\n".join(lines) + "\n"
 
 
 _SIMPLE_REFS = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
 
 
-def _shell_word(token: str) -> str:
+def argv_words(argv: List[str]) -> List[str]:
+    """``argv`` quoted for bash (:func:`shell_word`), one flag and its values per item (the recipe's style:
+    ``--tensor-model-parallel-size 2``); a first item without ``--`` is the program."""
+    words: List[List[str]] = []
+    for token in argv:
+        if not words or token.startswith("--"):
+            words.append([])
+        words[-1].append(shell_word(token))
+    return [" ".join(w) for w in words]
+
+
+def shell_word(token: str) -> str:
     """Quote ``token`` for bash. A token whose only specials are plain variable references (``$HF_CKPT``,
     ``${KERNEL_CACHE}/triton``) is double-quoted so the shell expands them; anything else (``$(cmd)``,
     ``${X:=y}``, backticks, quotes) is single-quoted by ``shlex.quote`` and stays literal."""

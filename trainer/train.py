@@ -34,7 +34,8 @@ from trainer.lock import verify_stack
 from trainer.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
 from trainer.plan import build_plan
-from trainer.record import atomic_write, launcher_record, write_json
+from trainer.publish import atomic_write
+from trainer.record import launcher_record, write_json
 from trainer.redact import Redactor, guard, redact_argv, redact_env, redactor_for, sweep
 from trainer.rundir import HYDRA_FILES, claim_run_dir
 from trainer.render import render

@@ -151,7 +151,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     from trainer.image.build import LOCK_LABEL
     from trainer.image.lockfile import load_lock
     from trainer.image.oci import open_image
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     lock = load_lock(Path(args.lock))
     image = open_image(Path(args.image))

@@ -36,10 +36,11 @@ import tarfile
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
+from trainer.image.tarread import member_name, tar_entries
 
 MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SPOOL_BYTES = 1 << 20  # files from a .deb larger than this are spooled to disk while the layer is planned
@@ -151,7 +152,7 @@ def _read_control(path: Path, label: str) -> Dict[str, bytes]:
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             for member in tar:
-                name = member.name.lstrip("./")
+                name = member_name(member.name)
                 if member.isreg() and name and "/" not in name:
                     if member.size > MAX_CONTROL_BYTES:
                         raise UserError(f"{label}: control member {name!r} is {member.size:,} bytes (at most "
@@ -175,46 +176,32 @@ def _data_entries(path: Path, label: str, spool: Path, counter: List[int]) -> Tu
     proc = _dpkg_deb(path, "--fsys-tarfile", label)
     entries: List[Entry] = []
     listed: List[str] = []
-    by_path: Dict[str, Entry] = {}
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            for member in tar:
-                parts = [p for p in member.name.split("/") if p not in ("", ".")]
-                if ".." in parts:
-                    raise UserError(f"{label}: member {member.name!r} has '..' in its path (refused)")
+
+            def path_of(parts: List[str]) -> Optional[str]:
                 if not parts:
-                    continue
+                    return None
                 listed.append("/" + "/".join(parts))
                 if len(parts) == 1 and parts[0] in MERGED:
-                    continue  # the merged-/usr symlink stands for this directory
-                image_path = "/".join(_merged(parts))
-                mode = member.mode & 0o7777
-                if member.isdir():
-                    entry = Entry(image_path, DIR, mode_bits=mode)
-                elif member.issym():
-                    entry = Entry(image_path, SYMLINK, target=member.linkname)
-                elif member.islnk():
-                    key = "/".join(_merged([p for p in member.linkname.split("/") if p not in ("", ".")]))
-                    if key not in by_path:
-                        raise UserError(f"{label}: hard link {member.name!r} to unknown {member.linkname!r}")
-                    entry = Entry(image_path, FILE, data=by_path[key].data, source=by_path[key].source, mode_bits=mode)
-                elif member.isreg():
-                    if member.size > MAX_MEMBER_BYTES:  # checked from the header: a sparse 30 GB member is refused
-                        raise UserError(f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
-                                        f"{MAX_MEMBER_BYTES:,} per file; refused)")
-                    handle = tar.extractfile(member)
-                    if member.size > SPOOL_BYTES:
-                        counter[0] += 1
-                        spooled = spool / f"deb-{counter[0]:08d}"
-                        with open(spooled, "wb") as out:
-                            shutil.copyfileobj(handle, out, 1 << 20)
-                        entry = Entry(image_path, FILE, source=spooled, mode_bits=mode)
-                    else:
-                        entry = Entry(image_path, FILE, data=handle.read(), mode_bits=mode)
-                else:
-                    raise UserError(f"{label}: member {member.name!r} is a device, FIFO or other special file (refused)")
-                by_path[image_path] = entry
-                entries.append(entry)
+                    return None  # the merged-/usr symlink stands for this directory
+                return "/".join(_merged(parts))
+
+            def file_entry(member: tarfile.TarInfo, image_path: str, mode: dict) -> Entry:
+                if member.size > MAX_MEMBER_BYTES:  # checked from the header: a sparse 30 GB member is refused
+                    raise UserError(f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
+                                    f"{MAX_MEMBER_BYTES:,} per file; refused)")
+                handle = tar.extractfile(member)
+                if member.size > SPOOL_BYTES:
+                    counter[0] += 1
+                    spooled = spool / f"deb-{counter[0]:08d}"
+                    with open(spooled, "wb") as out:
+                        shutil.copyfileobj(handle, out, 1 << 20)
+                    return Entry(image_path, FILE, source=spooled, **mode)
+                return Entry(image_path, FILE, data=handle.read(), **mode)
+
+            entries = tar_entries(tar, f"{label}: archive", path_of, file_entry, keep_modes=True,
+                                  key_of=lambda parts: "/".join(_merged(parts)))
     except tarfile.TarError as ex:
         raise UserError(f"{label}: data archive unreadable ({ex})") from None
     finally:

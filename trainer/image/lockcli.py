@@ -181,7 +181,7 @@ def main(argv: List[str]) -> int:
     args = p.parse_args(argv)
     if args.command == "resolve-build-root":
         from trainer.image.buildroot import resolve_build_root
-        from trainer.record import atomic_write
+        from trainer.publish import atomic_write
 
         try:
             lock = json.loads(Path(args.lock).read_text())  # not validated yet: its build_root is unresolved
@@ -208,7 +208,7 @@ def main(argv: List[str]) -> int:
                    args.python_version or template.get("python", {}).get("version", "3.12"))
     lock["python"]["platform"] = args.python_platform
     lockfile.validate_lock(lock, args.out)
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     atomic_write(Path(args.out), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
     print(f"{args.out}: {len(lock['wheels'])} wheels, {len(lock['sdists'])} sdists")

@@ -46,7 +46,8 @@ from typing import Any, Dict, List, Optional
 from trainer.errors import UserError
 from trainer.image import buildroot
 from trainer.image.cas import Cache
-from trainer.image.layer import Entry, entries_from_tar, entries_from_tree
+from trainer.image.layer import Entry, entries_from_tree
+from trainer.image.tarread import entries_from_tar
 
 FORMAT = 1  # bump when the same step would give other bytes (sandbox, fixed env, output handling)
 INPUT, SRC, OUT = "/build/input", "/build/src", "/build/out"

@@ -19,7 +19,6 @@ Read: an OCI layout directory, an oci-archive (tar holding ``oci-layout``) or a 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import io
 import json
@@ -34,7 +33,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
+from trainer.publish import atomic_file, fsync_dir, swap_dir
 from trainer.image.layer import DIR, FILE, Entry, write_layer
+from trainer.image.tarread import member_name, open_layer
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -163,17 +164,6 @@ def image_manifest(config_bytes: bytes, layers: List[Layer], annotations: Dict[s
     return manifest
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotations: Dict[str, str],
                  place_blob: Callable[[Layer, Path], None],
                  referrers: Callable[[Dict[str, Any]], List[Tuple[Dict[str, Any], bytes, List[bytes]]]] = None) -> str:
@@ -211,8 +201,8 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
         (tmp / "index.json").write_bytes(canonical(index))
         for path in (tmp, tmp / "blobs", blobs):
             os.chmod(path, 0o755)
-        _fsync_dir(blobs)
-        _fsync_dir(tmp)
+        fsync_dir(blobs)
+        fsync_dir(tmp)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -251,20 +241,13 @@ def remove_stale_siblings(out: Path) -> List[Path]:
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` onto ``out``; an existing ``out`` is moved aside, then removed."""
-    old = None
+    """Rename the complete ``tmp`` onto ``out`` (:func:`trainer.publish.swap_dir`) unless ``out`` is something
+    other than an image layout."""
     if out.is_symlink() or out.is_file():
         raise UserError(f"{out}: exists and is not a directory (refusing to replace it with an image layout)")
-    if out.exists():
-        if not (out / "oci-layout").exists() and any(out.iterdir()):
-            raise UserError(f"{out}: a non-empty directory that is not an OCI layout (refusing to replace it)")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
-        os.rmdir(old)
-        os.rename(out, old)
-    os.rename(tmp, out)
-    _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if out.exists() and not (out / "oci-layout").exists() and any(out.iterdir()):
+        raise UserError(f"{out}: a non-empty directory that is not an OCI layout (refusing to replace it)")
+    swap_dir(tmp, out)
 
 
 def write_archive(layout: Path, archive: Path, epoch: int) -> str:
@@ -281,17 +264,8 @@ def write_archive(layout: Path, archive: Path, epoch: int) -> str:
     archive = Path(os.path.abspath(archive))
     archive.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_siblings(archive)
-    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.tmp-{os.getpid()}-", dir=archive.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            info = write_layer(entries, handle, epoch)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, archive)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(archive, 0o644, umask_applies=False, prefix=f".{archive.name}.tmp-{os.getpid()}-") as handle:
+        info = write_layer(entries, handle, epoch)
     return info.diff_id
 
 
@@ -330,9 +304,9 @@ class ImageRef:
         """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
         out: Dict[str, Dict[str, Any]] = {}
         with layer.open() as raw:
-            with _layer_tar(raw) as tar:
+            with open_layer(raw) as tar:
                 for member in tar:
-                    name = _member_name(member)
+                    name = member_name(member.name)
                     item: Dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
                     if member.isreg():
                         digest = hashlib.sha256()
@@ -354,24 +328,11 @@ class ImageRef:
         path = path.strip("/")
         for layer in reversed(self.layers):
             with layer.open() as raw:
-                with _layer_tar(raw) as tar:
+                with open_layer(raw) as tar:
                     for member in tar:
-                        if _member_name(member) == path and member.isreg():
+                        if member_name(member.name) == path and member.isreg():
                             return tar.extractfile(member).read()
         return None
-
-
-def _layer_tar(raw: BinaryIO) -> tarfile.TarFile:
-    """A streaming tar reader over a layer blob, gzip-compressed (sniffed by its magic bytes) or plain."""
-    head = raw.read(2)
-    raw.seek(0)
-    stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
-    return tarfile.open(fileobj=stream, mode="r|")
-
-
-def _member_name(member: tarfile.TarInfo) -> str:
-    """A tar member's path normalized the way layers are compared: no leading ``./`` or ``/``, no empty parts."""
-    return "/".join(p for p in member.name.split("/") if p not in ("", "."))
 
 
 def _json(data: bytes, what: str) -> Any:
@@ -416,7 +377,7 @@ def _open_image(path: Path) -> ImageRef:
         raise UserError(f"{path}: no such image (expected an OCI layout directory, an oci-archive or a docker-archive)")
     try:
         tar = tarfile.open(path, mode="r:")
-        names = {"/".join(p for p in m.name.split("/") if p not in ("", ".")): m for m in tar.getmembers()}
+        names = {member_name(m.name): m for m in tar.getmembers()}
     except tarfile.TarError as ex:
         raise UserError(f"{path}: not a tar archive ({ex})") from None
 

@@ -28,7 +28,9 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.record import atomic_write, canonical_json
+from trainer.publish import atomic_write
+
+from trainer.record import canonical_json
 
 
 def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float) -> float:

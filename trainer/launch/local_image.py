@@ -39,7 +39,8 @@ from trainer import REPO_ROOT
 from trainer.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch import cluster
-from trainer.record import atomic_write, write_json
+from trainer.publish import atomic_write
+from trainer.record import write_json
 from trainer.schema import TrainConfig
 
 LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"

@@ -36,7 +36,8 @@ from trainer.checks import Parallelism
 from trainer.errors import CheckError
 from trainer.launch import cluster
 from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
-from trainer.record import atomic_write, write_json
+from trainer.publish import atomic_write
+from trainer.record import write_json
 from trainer.schema import TrainConfig
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")

@@ -39,7 +39,8 @@ from trainer import REPO_ROOT
 from trainer.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch import cluster
-from trainer.record import atomic_write, write_json
+from trainer.publish import atomic_write
+from trainer.record import write_json
 from trainer.schema import TrainConfig
 
 CONTAINERS = ("pyxis", "none")
@@ -96,21 +97,9 @@ def _require_vars(env: Dict[str, str], argv: List[str]) -> List[str]:
     ]
 
 
-def _argv_lines(argv: List[str]) -> List[str]:
-    """The argv as bash array lines, one flag and its values per line; ``$VAR`` words in double quotes."""
-    from trainer.render import _shell_word
-
-    words: List[List[str]] = []
-    for token in argv:
-        if not words or token.startswith("--"):
-            words.append([])
-        words[-1].append(_shell_word(token))
-    return ["  " + " ".join(w) for w in words]
-
-
 def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[str, str]) -> str:
     """The batch script for ``cfg`` writing into ``run_dir`` (absolute); see the module docstring."""
-    from trainer.render import _shell_word
+    from trainer.render import argv_words, shell_word
 
     lau, clu = cfg.launcher, cfg.cluster
     run_dir = run_dir.absolute()
@@ -169,11 +158,11 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
         "",
         *_require_vars(env, argv),
         "# the recipe's environment (env.json; the same lines as command.sh)",
-        *(f"export {k}={_shell_word(v)}" for k, v in env.items()),
+        *(f"export {k}={shell_word(v)}" for k, v in env.items()),
         "",
         "# the job (argv.json; the same command as command.sh)",
         "ARGV=(",
-        *_argv_lines(argv),
+        *("  " + words for words in argv_words(argv)),
         ")",
         "",
     ]
