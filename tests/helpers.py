@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from trainer.compose import compose_run
+from trainer.compose.compose import compose_run
 
 REPO_ROOT = Path(__file__).absolute().parent.parent
 GOLDEN = Path(__file__).absolute().parent / "golden"

@@ -4,8 +4,8 @@ import pytest
 
 import helpers
 from helpers import compose
-from trainer import checks
-from trainer.compose import validate
+from trainer.compose import checks
+from trainer.compose.compose import validate
 from trainer.errors import UserError
 from trainer.train import preflight
 

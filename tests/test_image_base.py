@@ -19,9 +19,9 @@ import pytest
 
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image.lockfile import load_lock, validate_lock
+from trainer.image.imagelock import load_lock, validate_lock
 from trainer.image.oci import write_archive
-from trainer.image.testing import make_base_image, make_wheel, small_lock
+from image_fixtures import make_base_image, make_wheel, small_lock
 
 EPOCH = 1767225600
 BASE_FILES = {

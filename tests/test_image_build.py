@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT
-from trainer.image.testing import make_git_source, make_wheel, small_lock
+from image_fixtures import make_git_source, make_wheel, small_lock
 
 EPOCH = 1767225600
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT
-from trainer.image.testing import debian_base, make_deb, make_wheel, small_lock
+from image_fixtures import debian_base, make_deb, make_wheel, small_lock
 
 EPOCH = 1767225600
 

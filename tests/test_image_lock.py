@@ -13,8 +13,8 @@ import pytest
 
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image.lockcli import group_of, parse_uv_output, verify, wheel_fits
-from trainer.image.lockfile import find_stack_consistency, validate_lock
+from trainer.image.imagelockcli import group_of, parse_uv_output, verify, wheel_fits
+from trainer.image.imagelock import find_stack_consistency, validate_lock
 
 SMOKE = REPO_ROOT / "lockfiles" / "smoke.lock.json"
 STACK = REPO_ROOT / "lockfiles" / "stack.json"
@@ -32,7 +32,7 @@ def test_smoke_lock_verifies_offline():
 
 
 def test_smoke_source_is_reproducible_from_its_generator(tmp_path):
-    from trainer.image.testing import SMOKE_EPOCH, SMOKE_SOURCE_FILES, make_git_source, sha256
+    from image_fixtures import SMOKE_EPOCH, SMOKE_SOURCE_FILES, make_git_source, sha256
 
     archive, commit, tree = make_git_source(tmp_path, "smoke-src", SMOKE_SOURCE_FILES, SMOKE_EPOCH)
     source = smoke()["sources"][0]

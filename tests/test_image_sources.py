@@ -23,7 +23,7 @@ import pytest
 from helpers import REPO_ROOT
 from trainer.errors import UserError
 from trainer.image.gittree import check_links_stay_inside, directory_tree_id, git_tree_id
-from trainer.image.testing import git_env, make_wheel, small_lock
+from image_fixtures import git_env, make_wheel, small_lock
 
 EPOCH = 1767225600
 
@@ -325,7 +325,7 @@ def test_probe_reads_the_commit_from_the_installed_files(repo, tmp_path):
 
 
 def test_verify_compares_the_image_stamps_sources(tmp_path):
-    from trainer.verify import read_lock, verify
+    from trainer.record.verify import read_lock, verify
 
     stack = json.loads((REPO_ROOT / "lockfiles" / "stack.json").read_text())["components"]
     stamp = {"lock": {"name": "x"}, "distributions": {}, "python": {"version": "3.11"},

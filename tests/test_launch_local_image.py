@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import run_train
-from trainer.image.testing import make_git_source, make_wheel, small_lock
-from trainer.launch.local_image import HOST_MOUNT, elf_interpreter
+from image_fixtures import make_git_source, make_wheel, small_lock
+from trainer.launch.host.local_image import HOST_MOUNT, elf_interpreter
 
 pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("bwrap") is None,
                                 reason="umoci and bubblewrap (Debian umoci, bubblewrap) are not installed")

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from helpers import REPO_ROOT, run_train
-from trainer.launch.testing import LocalSlurm, free_port, missing_ray, missing_slurm, ray_port_args
+from launch_fixtures import LocalSlurm, free_port, missing_ray, missing_slurm, ray_port_args
 
 pytestmark = [
     pytest.mark.skipif(bool(missing_slurm()), reason=f"Slurm is not installed (missing: {' '.join(missing_slurm())}; "

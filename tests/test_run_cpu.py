@@ -16,8 +16,8 @@ import helpers
 from helpers import REPO_ROOT, run_train
 from conftest import TEST_ROOT
 from trainer.launch.cpu_worker import megatron_lr
-from trainer.launch.processes import default_kernel_cache
-from trainer.record import effective_status
+from trainer.launch.host.processes import default_kernel_cache
+from trainer.record.record import effective_status
 from trainer.redact import redact_env
 
 STEPS = 6

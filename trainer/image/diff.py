@@ -261,7 +261,7 @@ def diff_image_record(a: ImageRef, record: Dict[str, Any], where: Path) -> Dict[
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
     lock = seen["lock"]
     if lock and not re.match(r"^[0-9a-f]{64}$", str(lock)):
-        from trainer.image.lockfile import load_lock
+        from trainer.image.imagelock import load_lock
 
         lock = load_lock(Path(lock))["_sha256"]
     mine = a.manifest_digest or a.config_digest
@@ -310,7 +310,7 @@ def diff_main(a: Path, b: Path, as_json: bool) -> int:
     """Compare ``a`` (an image) with ``b`` (an image or an image lock); print; 0 identical, 1 different."""
     image_a = open_image(a)
     if b.is_file() and b.suffix == ".json":
-        from trainer.image.lockfile import load_lock
+        from trainer.image.imagelock import load_lock
 
         data = json.loads(b.read_text() or "null") if b.stat().st_size < (64 << 20) else None
         if isinstance(data, dict) and data.get("kind") == "recipe-bundle.image-lock":

@@ -315,9 +315,9 @@ def pins_for(locks: List[Path]) -> List[Dict[str, Any]]:
     tree. Raises :class:`UserError` for an unreadable file."""
     import json
 
-    from trainer.image.lockfile import load_lock
+    from trainer.image.imagelock import load_lock
 
-    from trainer.image.lockfile import KIND
+    from trainer.image.imagelock import KIND
 
     out: List[Dict[str, Any]] = []
     for path in locks:

@@ -1,5 +1,11 @@
 """Launchers: what ``train`` does with a checked, planned run (``launcher=`` in ``conf/launcher/``).
 
+The launchers themselves (the host side, run where ``train`` runs) are in :mod:`trainer.launch.host`; the
+modules of this package next to it run inside the job, and their module paths are part of the commands and
+scripts the launchers write: ``cpu_worker`` (a CPU data-parallel rank), ``megatron_worker`` (a megatron-core
+rank under torchrun), ``ray_entry`` (a Ray job's entrypoint), ``preflight`` (compares the nodes' probes) and
+``jobsteps`` (what ``sbatch.sh`` runs on the head node); ``megatron_args`` is shared by both sides.
+
 ``plan``       write the plan and launch nothing (no module: ``train`` does it);
 ``local-cpu``  train the composed (tiny) model on this machine's CPUs, data parallel over processes;
 ``local-megatron``  train the composed (proxy) model with megatron-core on this machine's GPUs (torchrun).
@@ -21,17 +27,17 @@ import importlib
 from pathlib import Path
 from typing import Any, Dict
 
-from trainer.checks import Parallelism
+from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError
-from trainer.schema import TrainConfig
+from trainer.compose.schema import TrainConfig
 
 LAUNCHERS: Dict[str, str] = {
     "plan": "",
-    "local-cpu": "trainer.launch.local_cpu",
-    "slurm": "trainer.launch.slurm",
-    "ray": "trainer.launch.ray",
-    "local-image": "trainer.launch.local_image",
-    "local-megatron": "trainer.launch.local_megatron",
+    "local-cpu": "trainer.launch.host.local_cpu",
+    "slurm": "trainer.launch.host.slurm",
+    "ray": "trainer.launch.host.ray",
+    "local-image": "trainer.launch.host.local_image",
+    "local-megatron": "trainer.launch.host.local_megatron",
 }
 
 
