@@ -110,7 +110,9 @@ class Composer:
     def compose(self, overrides: Sequence[str] = (), hydra_node: bool = False) -> DictConfig:
         """Compose with ``overrides`` and reject keys the schema lacks. With ``hydra_node`` the result keeps
         Hydra's own ``hydra`` node (run directory, job logging, the overrides and choices), which also takes
-        the ``hydra.*`` overrides; without it those overrides are dropped and the node removed.
+        the ``hydra.*`` overrides, and the caller validates :func:`job_config` of it (as
+        :func:`trainer.compose.prepare.prepare` does); without it those overrides are dropped, the node removed
+        and the composition validated here.
 
         Returns the composition (interpolations unresolved, as Hydra gives it to an app); raises
         :class:`UserError` with one line for any composition error.
@@ -120,7 +122,8 @@ class Composer:
             cfg = compose(CONFIG_NAME, overrides=wanted, return_hydra_config=hydra_node)
         except (HydraException, OmegaConfBaseException) as ex:
             raise UserError(describe_error(ex)) from None
-        validate(job_config(cfg) if hydra_node else cfg)
+        if not hydra_node:  # a composition with its hydra node is validated as the job sees it, by its caller
+            validate(cfg)
         return cfg
 
 

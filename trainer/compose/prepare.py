@@ -30,7 +30,8 @@ from trainer.compose.schema import TrainConfig
 class PreparedRun:
     """One job of a command line, composed once and checked once.
 
-    ``overrides``: the job's Hydra overrides as given (``hydra.*`` ones included); ``cfg``: the composition
+    ``overrides``: the job's overrides as Hydra records them (``hydra.overrides.task``: those of ``hydra.*`` left
+    out); ``cfg``: the composition
     (read-only DictConfig, interpolations unresolved, no ``hydra`` node); ``config``: the same as the typed
     :class:`~trainer.compose.schema.TrainConfig`; ``par``: its :class:`~trainer.compose.checks.Parallelism`;
     ``choices``: the option chosen per config group (``{"layout": "tp2pp4ep8", ...}``, Hydra's own groups
@@ -80,17 +81,18 @@ def prepare(overrides: Sequence[str] = (), composer: Optional[Composer] = None,
     from trainer.compose.stackpins import verify_stack
 
     full = composed if composed is not None else composer.compose(overrides, hydra_node=True)
+    task = tuple(full.hydra.overrides.task)  # Hydra's split: the overrides of the job, not those of hydra.*
     cfg = job_config(full)
     typed = validate(cfg)
     par = checks.check(typed)
     verify_stack(typed.stack)
     launch.check(typed, par)
     reference_layout = typed.launcher.reference_layout
-    reference = composer.compose(reference_overrides(overrides, reference_layout))
+    reference = composer.compose(reference_overrides(task, reference_layout))
     numerics = {"reference_layout": reference_layout, **compare(cfg, reference).as_dict()}
     OmegaConf.set_readonly(cfg, True)
     return PreparedRun(
-        overrides=tuple(overrides),
+        overrides=task,
         cfg=cfg,
         config=typed,
         par=par,

@@ -7,6 +7,13 @@ miles' ``model_args_utils.py`` prints them, then checkpoints, data and loss, the
 and the arguments the recipe restates at the end (Megatron's argparse keeps the last occurrence, and
 both occurrences come from the same field, so they cannot disagree).
 
+These tables are the one map from config fields to launch arguments: miles gets every row; megatron-core
+(``launcher=local-megatron``, :func:`trainer.launch.megatron_args.megatron_argv`) gets the model, layout and
+optimizer rows less the flags only miles reads (``--max-tokens-per-gpu``; the V4-only rows for a model without
+the V4 attention; ``--moe-grouped-gemm`` for the local transformer implementation, whose grouped GEMM would be
+TransformerEngine's); the numerics verdict (:mod:`trainer.compose.numerics`) classes every row. A new field is
+a field of :mod:`trainer.compose.schema`, its default in ``conf/`` and one row here.
+
 Kinds of flag:
 ``value``  ``--flag VALUE``; omitted when the value is null.
 ``int``    ``--flag VALUE`` with a float of integral value written as an integer (``16``, not ``16.0``):

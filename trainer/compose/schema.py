@@ -282,7 +282,13 @@ def register() -> None:
     ``conf/train.yaml`` lists ``train_schema`` first in its defaults, so every group option is merged
     into a typed node: unknown keys and values of the wrong type fail at composition.
     """
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    global _REGISTERED
+    if not _REGISTERED:  # storing converts the dataclass tree to a config: once per process is enough
+        ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+        _REGISTERED = True
+
+
+_REGISTERED = False
 
 
 def to_object(cfg: Any) -> TrainConfig:

@@ -13,10 +13,11 @@ rank under torchrun), ``ray_entry`` (a Ray job's entrypoint), ``preflight`` (com
 A launcher is a module in :data:`LAUNCHERS` with two functions:
 
 ``check(cfg: TrainConfig, par: Parallelism) -> None``
-    launcher-specific pre-launch checks; runs in ``train``'s preflight, before anything is written;
+    launcher-specific pre-launch checks; runs when the job is prepared (:func:`trainer.compose.prepare.prepare`), before anything is written;
     raises :class:`~trainer.errors.CheckError` (one line).
-``execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: dict) -> dict``
-    runs the job; ``record`` is the run record so far (already written with status ``running``); returns it
+``execute(prepared: PreparedRun, run_dir: Path, record: dict) -> dict``
+    runs the job of a :class:`~trainer.compose.prepare.PreparedRun` (its typed config, parallelism and rendered
+    launch; nothing is composed or rendered again); ``record`` is the run record so far (already written with status ``running``); returns it
     updated with ``status`` (``complete`` / ``failed`` / ``interrupted``), ``reason`` and ``probe``. Raises
     :class:`~trainer.errors.UserError` for bad input found late (the caller marks the run failed).
 """
@@ -25,11 +26,14 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError
 from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 LAUNCHERS: Dict[str, str] = {
     "plan": "",
@@ -54,8 +58,8 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         module.check(cfg, par)
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Run the job with the configured launcher (not ``plan``); see the module docstring."""
-    module = _module(cfg.launcher.name)
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the prepared job with its launcher (not ``plan``); see the module docstring."""
+    module = _module(prepared.launcher)
     assert module is not None, "plan launches nothing"
-    return module.execute(cfg, par, run_dir, record)
+    return module.execute(prepared, run_dir, record)

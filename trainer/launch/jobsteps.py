@@ -9,15 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.errors import UserError
-from trainer.record.record import write_json
-
-FINAL = ("complete", "failed", "interrupted")
-
+from trainer.record.rundir import COMPLETE, FAILED, FINAL, RUNNING, RunDir, utc_now
 
 def _job_failure(run_dir: Path, exit_code: Optional[int]) -> str:
     """One line for a Ray job that exited non-zero, from ``logs/job.log``."""
@@ -41,48 +37,45 @@ def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Opt
     """Update ``RUN_DIR/record.json`` from inside the job: status, stage, the probes and the preflight report
     gathered so far, and for a failure the cause in one line. Nothing already in the record is dropped.
     Returns the record written; raises :class:`UserError` when the run directory has no record."""
-    path = run_dir / "record.json"
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as ex:
-        raise UserError(f"{path}: no readable run record ({ex})") from None
-    record.pop("pid", None)  # the run lives in the Slurm job, not in the `train` process that submitted it
-    slurm = record.setdefault("slurm", {})
-    if job_id:
-        slurm["job_id"] = job_id
-    if nodes:
-        slurm["nodes"] = nodes.split(",")
-    if stage:
-        slurm["stage"] = stage
-    if exit_code is not None:
-        slurm.setdefault("exit_codes", {})[stage or "job"] = exit_code
-    record["status"] = status
-    if status == "running":
-        record["started_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")  # the job left the queue
-    probes = {}
-    for node in slurm.get("nodes") or sorted(p.stem for p in (run_dir / "probes").glob("*.json")):
-        probe_path = run_dir / "probes" / f"{node}.json"
-        if probe_path.is_file():
-            probes[node] = json.loads(probe_path.read_text())
-    if probes:
-        record["probe"] = {"ranks": list(probes.values()), "nodes": list(probes)}
-    if (run_dir / "preflight.json").is_file():
-        record["preflight"] = json.loads((run_dir / "preflight.json").read_text())
-    if status in FINAL:
-        record["finished_utc"] = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-        record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "logs").rglob("*") if p.is_file())
-    if status == "failed":
-        if reason is None and stage == "preflight" and record.get("preflight"):
-            reason = record["preflight"].get("reason")
-        if reason is None and stage == "preflight":
-            reason = f"preflight could not compare the nodes (exit code {exit_code}); see logs/probe.log"
-        if reason is None and stage == "job":
-            reason = _job_failure(run_dir, exit_code)
-        record["reason"] = reason or f"failed during {stage} (exit code {exit_code})"
-    elif status == "complete":
-        record["reason"] = None
-    write_json(path, record)
-    return record
+    def change(record: Dict[str, Any]) -> None:
+        record.pop("pid", None)  # the run lives in the Slurm job, not in the `train` process that submitted it
+        slurm = record.setdefault("slurm", {})
+        if job_id:
+            slurm["job_id"] = job_id
+        if nodes:
+            slurm["nodes"] = nodes.split(",")
+        if stage:
+            slurm["stage"] = stage
+        if exit_code is not None:
+            slurm.setdefault("exit_codes", {})[stage or "job"] = exit_code
+        record["status"] = status
+        if status == RUNNING:
+            record["started_utc"] = utc_now()  # the job left the queue
+        probes = {}
+        for node in slurm.get("nodes") or sorted(p.stem for p in (run_dir / "probes").glob("*.json")):
+            probe_path = run_dir / "probes" / f"{node}.json"
+            if probe_path.is_file():
+                probes[node] = json.loads(probe_path.read_text())
+        if probes:
+            record["probe"] = {"ranks": list(probes.values()), "nodes": list(probes)}
+        if (run_dir / "preflight.json").is_file():
+            record["preflight"] = json.loads((run_dir / "preflight.json").read_text())
+        if status in FINAL:
+            record["finished_utc"] = utc_now()
+            record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "logs").rglob("*") if p.is_file())
+        if status == FAILED:
+            why = reason
+            if why is None and stage == "preflight" and record.get("preflight"):
+                why = record["preflight"].get("reason")
+            if why is None and stage == "preflight":
+                why = f"preflight could not compare the nodes (exit code {exit_code}); see logs/probe.log"
+            if why is None and stage == "job":
+                why = _job_failure(run_dir, exit_code)
+            record["reason"] = why or f"failed during {stage} (exit code {exit_code})"
+        elif status == COMPLETE:
+            record["reason"] = None
+
+    return RunDir(run_dir).update(change)
 
 
 def wait_dashboard(address: str, timeout_s: float) -> int:

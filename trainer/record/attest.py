@@ -359,23 +359,24 @@ def main(argv: List[str]) -> int:
     (a Slurm job: after ``trainer status --wait``); refuses a run that has not ended or already has one."""
     import argparse
 
-    from trainer.record.record import effective_status, write_json
-    from trainer.record.rundir import load_record
+    from trainer.record.record import effective_status
+    from trainer.record.rundir import FINAL, RunDir
 
     parser = argparse.ArgumentParser(prog="trainer attest", description=main.__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--sign-key", type=Path, help="private key (`trainer keygen`): write a signed DSSE envelope")
     args = parser.parse_args(argv)
     signer = load_signer(args.sign_key) if args.sign_key else None
-    record = load_record(args.run_dir)
+    rundir = RunDir(args.run_dir)
+    record = rundir.load_record()
     if record is None:
         raise UserError(f"{args.run_dir / 'record.json'}: no run record (is {args.run_dir} a run directory?)")
     status = effective_status(record)
-    if status not in ("complete", "failed", "interrupted"):
+    if status not in FINAL:
         raise UserError(f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)")
     if (args.run_dir / ATTESTATION).exists():
         raise UserError(f"{args.run_dir / ATTESTATION}: exists (an attestation is written once)")
     record["attestation"] = write_run_attestation(args.run_dir, record, signer)
-    write_json(args.run_dir / "record.json", record)
+    rundir.save_record(record)
     print(f"{args.run_dir / ATTESTATION}: " + (f"signed by {signer.public_key.keyid}" if signer else "unsigned"))
     return 0

@@ -1,7 +1,12 @@
-"""Reading a run directory: ``config.yaml`` (typed by the schema), ``record.json`` and ``metrics.jsonl``.
+"""The run directory: its file names, its record's states, how it is written (:class:`RunDir`) and read.
 
 A run directory is what ``train`` writes (``hydra.run.dir=DIR``) plus, once the run has executed,
 ``metrics.jsonl``. Reports accept a directory or, where only the steps matter, a ``metrics.jsonl`` file.
+
+``record.json`` moves through the states ``planned`` (a plan run: nothing launched) or ``running`` -> then
+``rendered`` / ``submitted`` (handed off: the run now belongs to a scheduler, and the job writes its own
+``running`` -> final states, :mod:`trainer.launch.jobsteps`) or a final state, ``complete``, ``failed`` or
+``interrupted`` (:data:`FINAL`). Every write of the record goes through :meth:`RunDir.save_record`.
 """
 
 from __future__ import annotations
@@ -9,7 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -17,7 +22,110 @@ from omegaconf.errors import OmegaConfBaseException
 from trainer.compose import schema
 from trainer.errors import UserError
 from trainer.inputs import read_json, read_yaml
-from trainer.report.metrics import Step, read_metrics
+from trainer.publish import atomic_write
+
+if TYPE_CHECKING:
+    from trainer.report.metrics import Step
+
+# The files of a run directory (the names readers, reports and tests know).
+CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = "config.yaml", "command.sh", "plan.json", "argv.json", "env.json", "record.json"
+METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
+# Files the launch writes (argv.json: the miles argv of a plan or a cluster job, the first worker's command of a
+# local run), hashed into the record once the launch has handed back.
+LAUNCH_FILES = (ARGV, ENV, METRICS, SBATCH)
+
+# The states of record.json.
+PLANNED, RUNNING, COMPLETE, FAILED, INTERRUPTED = "planned", "running", "complete", "failed", "interrupted"
+HANDED_OFF = ("rendered", "submitted")  # the run now belongs to a scheduler (rendered for it, or accepted by it)
+FINAL = (COMPLETE, FAILED, INTERRUPTED)
+
+
+def utc_now() -> str:
+    """The time now as the record writes it (``2026-12-01T12:00:00Z``)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class RunDir:
+    """One run directory being written: every file through :meth:`write` (atomic, its sha256 kept in
+    :attr:`hashes` by file name), the record through :meth:`save_record`.
+
+    ``path``: the directory (it exists: Hydra made it, or the caller did).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.hashes: Dict[str, str] = {}
+
+    def write(self, name: str, data: bytes, mode: int = 0o666) -> str:
+        """Write ``data`` to ``name`` atomically (:func:`trainer.publish.atomic_write`); keep and return its sha256."""
+        self.hashes[name] = atomic_write(self.path / name, data, mode=mode)
+        return self.hashes[name]
+
+    def write_json(self, name: str, obj: Any) -> str:
+        """Write ``obj`` as canonical JSON to ``name`` (:meth:`write`)."""
+        from trainer.record.record import canonical_json
+
+        return self.write(name, canonical_json(obj))
+
+    def hash_written(self, names=LAUNCH_FILES) -> Dict[str, str]:
+        """The sha256 of those of ``names`` that others (the launch, the workers) wrote, as they now stay; kept in
+        :attr:`hashes` too."""
+        import hashlib
+
+        found = {name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+                 for name in names if (self.path / name).is_file()}
+        self.hashes.update(found)
+        return found
+
+    def load_record(self) -> Optional[Dict[str, Any]]:
+        """``record.json`` as it is on disk (:func:`load_record`), or None."""
+        return load_record(self.path)
+
+    def save_record(self, record: Dict[str, Any]) -> None:
+        """Write ``record.json`` (canonical JSON, atomically): the one way the record is written."""
+        from trainer.record.record import write_json
+
+        write_json(self.path / RECORD, record)
+
+    def end(self, record: Dict[str, Any], status: str, reason: Optional[str] = None) -> Dict[str, Any]:
+        """``record`` moved to the final state ``status`` (with ``reason``), unsaved."""
+        assert status in FINAL, status
+        record.update(status=status, reason=reason)
+        return record
+
+    def hand_back(self, record: Dict[str, Any]) -> Dict[str, Any]:
+        """The record once the launcher handed back: handed off (``rendered``/``submitted``: no pid, the time in
+        ``handed_off_utc``; a submitted job that already wrote its own state keeps what it wrote) or ended
+        (``finished_utc``); the hashes of the launch's files added. Unsaved."""
+        now = utc_now()
+        handed_off = record["status"] in HANDED_OFF
+        if record["status"] == "submitted":
+            # the job may already have started and written its own status (it drops our pid): keep what it wrote
+            on_disk = self.load_record() or {}
+            if on_disk and "pid" not in on_disk:
+                on_disk.setdefault("slurm", {}).update({k: v for k, v in (record.get("slurm") or {}).items() if v is not None})
+                record = on_disk
+        if handed_off:
+            record.pop("pid", None)  # the run no longer lives in this process
+            record["handed_off_utc"] = now
+        else:
+            record["finished_utc"] = now
+        record.setdefault("files_sha256", {}).update(self.hashes)
+        return record
+
+    def update(self, change) -> Dict[str, Any]:
+        """Read the record, apply ``change(record)`` (which edits it in place) and save it; return it. Raises
+        :class:`UserError` when the directory has no readable record."""
+        path = self.path / RECORD
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as ex:
+            raise UserError(f"{path}: no readable run record ({ex})") from None
+        change(record)
+        self.save_record(record)
+        return record
 
 
 @dataclass
@@ -25,7 +133,7 @@ class Run:
     """A run as the reports see it. ``config``/``cfg`` are None when only a metrics file was given."""
 
     path: Path  # the directory, or the metrics file
-    steps: List[Step]
+    steps: List["Step"]
     cfg: Optional[DictConfig] = None  # the resolved composition, typed
     config: Optional[schema.TrainConfig] = None
     record: Optional[Dict[str, Any]] = None
@@ -133,12 +241,14 @@ def check_record_types(record: Dict[str, Any], where: str) -> None:
             check(rank.get(sub), dict, f"probe.ranks[{i}].{sub}")
 
 
-def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -> Run:
+def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -> "Run":
     """Load a run directory (or a ``metrics.jsonl`` file when ``need_config`` is false).
 
     Raises :class:`UserError` when ``path`` is missing, when a config is needed but absent, or on any
     bad file inside.
     """
+    from trainer.report.metrics import read_metrics
+
     path = Path(path)
     if not path.exists():
         raise UserError(f"{path}: no such run directory or file")

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.errors import UserError
-from trainer.record.record import effective_status, write_json
-from trainer.record.rundir import load_record
+from trainer.record.record import effective_status
+from trainer.record.rundir import FAILED, RunDir, load_record
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE")
@@ -68,10 +68,11 @@ def refresh(run_dir: Path) -> Dict[str, Any]:
                 if out.is_file():
                     lines = [line for line in out.read_text(errors="replace").splitlines() if line.strip()]
                     tail = f"; last line of {out.name}: {lines[-1].strip()}" if lines else ""
-                record.update(status="failed", reason=f"Slurm job {slurm['job_id']} ended {state or '(unknown to Slurm)'} "
-                                                      f"before its script recorded a result{tail}")
+                rundir = RunDir(run_dir)
+                rundir.end(record, FAILED, f"Slurm job {slurm['job_id']} ended {state or '(unknown to Slurm)'} "
+                                           f"before its script recorded a result{tail}")
                 record.setdefault("slurm", {})["state"] = state
-                write_json(run_dir / "record.json", record)
+                rundir.save_record(record)
     else:
         record["status"] = status
     return record

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from trainer.errors import CheckError
-from trainer.record.record import write_json
-from trainer.compose.schema import TrainConfig
+from trainer.record.rundir import ARGV, ENV, RunDir
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 REFERENCE_RE = re.compile(r"^(?P<name>[^@\s]+)@(?P<digest>sha256:[0-9a-f]{64})$")
@@ -32,23 +33,23 @@ def parse_image(reference: str, field: str = "launcher.image") -> Tuple[str, str
     return match.group("name"), match.group("digest")
 
 
-def job(cfg: TrainConfig) -> Tuple[List[str], Dict[str, str]]:
-    """The job's (argv, env): ``launcher.job`` or the plan's miles launch, and the recipe's environment.
+def job(prepared: "PreparedRun") -> Tuple[List[str], Dict[str, str]]:
+    """The job's (argv, env): ``launcher.job`` or the prepared run's miles launch, and the recipe's environment.
 
     Both are exactly what ``command.sh`` runs (values keep their ``$VAR`` references).
     """
-    from omegaconf import OmegaConf
-
-    from trainer.compose.render import render
-
-    launch = render(OmegaConf.structured(cfg))
-    argv = [str(t) for t in cfg.launcher.job] if cfg.launcher.job else list(launch.argv)
+    launch = prepared.launch
+    job_argv = prepared.config.launcher.job
+    argv = [str(t) for t in job_argv] if job_argv else list(launch.argv)
     return argv, dict(launch.env)
 
 
 def write_job(run_dir: Path, argv: List[str], env: Dict[str, str]) -> Dict[str, str]:
     """Write ``argv.json`` and ``env.json`` (the job as submitted); return their sha256 by file name."""
-    return {"argv.json": write_json(run_dir / "argv.json", argv), "env.json": write_json(run_dir / "env.json", env)}
+    rundir = RunDir(run_dir)
+    rundir.write_json(ARGV, argv)
+    rundir.write_json(ENV, env)
+    return rundir.hashes
 
 
 def last_line(text: str) -> str:

@@ -16,14 +16,17 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.record import write_json
+from trainer.record.rundir import ARGV, ENV, RunDir
 from trainer.redact import redact_env
 from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 
 def check(cfg: TrainConfig, par: Parallelism) -> None:
@@ -86,12 +89,13 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     return path
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """Run the job; return ``record`` updated with ``status``, ``reason``, ``returncodes`` and ``probe``.
 
     ``record`` is the run record so far (written by the caller as ``running``); this function writes
     ``argv.json`` (rank 0's command) and ``env.json`` (redacted) first.
     """
+    cfg, par = prepared.config, prepared.par
     world = par.world_size
     env = worker_env(
         cfg.env,
@@ -108,8 +112,9 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
         [sys.executable, "-m", "trainer.launch.cpu_worker", str(run_dir), str(rank), str(world), str(rows_dir)]
         for rank in range(world)
     ]
-    write_json(run_dir / "argv.json", commands[0])
-    write_json(run_dir / "env.json", redact_env(env))
+    rundir = RunDir(run_dir)
+    rundir.write_json(ARGV, commands[0])
+    rundir.write_json(ENV, redact_env(env))
     outcome = supervise(commands, env, run_dir / "logs")
     (run_dir / ".rendezvous").unlink(missing_ok=True)
     record.update(outcome)

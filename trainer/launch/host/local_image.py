@@ -33,7 +33,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
@@ -41,7 +41,11 @@ from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
 from trainer.publish import atomic_write
 from trainer.record.record import write_json
+from trainer.record.rundir import ARGV, RunDir
 from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"
 HOST_MOUNT = "/opt/recipe-bundle-host"
@@ -206,8 +210,9 @@ def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python
     return args, interpreter
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """Unpack, probe inside, run ``launcher.job`` inside if given; returns the record (see the module docstring)."""
+    cfg = prepared.config
     run_dir = run_dir.absolute()
     digest = _digest(cfg)
     layout = Path(cfg.launcher.image_layout).absolute()
@@ -264,7 +269,7 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
         argv: List[str] = []
         for token in cfg.launcher.job:
             argv += python if token in ("python", "python3") else [str(token)]
-        write_json(run_dir / "argv.json", argv)
+        RunDir(run_dir).write_json(ARGV, argv)
         with (logs / "job.log").open("wb") as log:
             job = subprocess.run(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
         if job.returncode != 0:

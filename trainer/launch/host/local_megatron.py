@@ -12,7 +12,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
@@ -21,9 +21,12 @@ from trainer.launch.host.checkout import verify_checkouts
 from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.launch.host.local_cpu import prepare_rows
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.record import write_json
+from trainer.record.rundir import ARGV, ENV, RunDir
 from trainer.redact import redact_env
 from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 
 def check(cfg: TrainConfig, par: Parallelism) -> None:
@@ -83,8 +86,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
+    cfg, par = prepared.config, prepared.par
     checkouts = verify_checkouts(cfg.launcher, REPO_ROOT / cfg.stack.lockfile)
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}
@@ -109,8 +113,9 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
         "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port or _free_port()),
         "-m", "trainer.launch.megatron_worker", str(run_dir), str(rows_dir),
     ]
-    write_json(run_dir / "argv.json", command)
-    write_json(run_dir / "env.json", redact_env(env))
+    rundir = RunDir(run_dir)
+    rundir.write_json(ARGV, command)
+    rundir.write_json(ENV, redact_env(env))
     record.update(supervise([command], env, run_dir / "logs"))
     record["probe"] = collect_probes(run_dir, par.world_size)
     record["sources"] = {name: {"commit": c["commit"], "tree": c["tree"]} for name, c in checkouts.items()}

@@ -29,7 +29,7 @@ import urllib.error
 import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
@@ -39,6 +39,9 @@ from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
 from trainer.publish import atomic_write
 from trainer.record.record import write_json
 from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 
@@ -104,12 +107,13 @@ def collect(run_dir: Path, log: str) -> Dict[str, Any]:
     return {"probe": {"ranks": list(probes.values()), "nodes": list(probes)} if probes else None, "preflight": report}
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """Submit, wait and collect; returns ``record`` with ``status``, ``reason``, ``ray``, ``probe``, ``preflight``."""
+    cfg = prepared.config
     from ray.job_submission import JobSubmissionClient
 
     address = cfg.launcher.address.rstrip("/")
-    argv, env = cluster.job(cfg)
+    argv, env = cluster.job(prepared)
     record.setdefault("files_sha256", {}).update(cluster.write_job(run_dir, argv, env))
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     env_vars = dict(env)

@@ -30,14 +30,17 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import TYPE_CHECKING, Any, Dict, List
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
-from trainer.publish import atomic_write
+from trainer.record.rundir import SBATCH, RunDir
 from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 CONTAINERS = ("pyxis", "none")
 GPUS_FLAGS = ("gpus-per-node", "gres", "none")
@@ -247,19 +250,20 @@ def _sbatch_error(text: str) -> str:
     return (errors[-1] if errors else (lines[-1] if lines else "no output")).replace("sbatch: error: ", "")
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """Write ``sbatch.sh`` (and ``argv.json``/``env.json``); with ``launcher.submit`` submit it.
 
     Returns the record ``rendered`` once the script is written, ``submitted`` (with ``slurm.job_id``) once Slurm
     accepts it (``train`` then exits 0: the run now belongs to Slurm; ``trainer status RUN_DIR`` follows it), or
     ``failed`` with sbatch's error line when Slurm refuses the job.
     """
+    cfg = prepared.config
     run_dir = run_dir.absolute()
-    argv, env = cluster.job(cfg)
+    argv, env = cluster.job(prepared)
     record.setdefault("files_sha256", {}).update(cluster.write_job(run_dir, argv, env))
     (run_dir / "logs").mkdir(exist_ok=True)
     script = render_sbatch(cfg, run_dir, argv, env)
-    atomic_write(run_dir / "sbatch.sh", script.encode(), mode=0o777)
+    RunDir(run_dir).write(SBATCH, script.encode(), mode=0o777)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
     record["slurm"] = {"script": "sbatch.sh", "container": cfg.launcher.container, "job_id": None}
@@ -269,7 +273,7 @@ def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str,
         record["message"] = f"wrote {run_dir / 'sbatch.sh'}; submit it with: sbatch {run_dir / 'sbatch.sh'}"
         return record
     try:
-        out = subprocess.run(["sbatch", "--parsable", str(run_dir / "sbatch.sh")], capture_output=True, text=True,
+        out = subprocess.run(["sbatch", "--parsable", str(run_dir / SBATCH)], capture_output=True, text=True,
                              timeout=120, cwd=run_dir)
     except FileNotFoundError:
         record.update(status="failed", reason="sbatch not found on PATH: submit from a Slurm login node")
