@@ -143,7 +143,7 @@ def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch:
     Returns (layout path, manifest digest "sha256:<hex>"); the same arguments give the same bytes."""
     import gzip
 
-    from trainer.image.oci import canonical, rfc3339
+    from trainer.image.oci import compact_json, rfc3339
 
     buf = io.BytesIO()
     info = write_layer([Entry(p, FILE, data=data, mode_bits=mode) for p, (data, mode) in files.items()], buf, epoch)
@@ -155,7 +155,7 @@ def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch:
                   "rootfs": {"type": "layers", "diff_ids": [info.diff_id]},
                   "history": [{"created": created, "created_by": "base: add files"},
                               {"created": created, "created_by": "base: ENV BASE_ONLY=1", "empty_layer": True}]}
-    config_bytes = canonical(config_doc)
+    config_bytes = compact_json(config_doc)
     manifest = {"schemaVersion": 2,
                 "mediaType": "application/vnd.docker.distribution.manifest.v2+json" if docker_types
                 else "application/vnd.oci.image.manifest.v1+json",
@@ -165,15 +165,15 @@ def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch:
                 "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip" if docker_types
                             else "application/vnd.oci.image.layer.v1.tar+gzip",
                             "digest": "sha256:" + hashlib.sha256(layer).hexdigest(), "size": len(layer)}]}
-    manifest_bytes = canonical(manifest)
+    manifest_bytes = compact_json(manifest)
     digest = "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
     directory = Path(directory)
     blobs = directory / "blobs" / "sha256"
     blobs.mkdir(parents=True, exist_ok=True)
     for data in (config_bytes, manifest_bytes, layer):
         (blobs / hashlib.sha256(data).hexdigest()).write_bytes(data)
-    (directory / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
-    (directory / "index.json").write_bytes(canonical({
+    (directory / "oci-layout").write_bytes(compact_json({"imageLayoutVersion": "1.0.0"}))
+    (directory / "index.json").write_bytes(compact_json({
         "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
         "manifests": [{"mediaType": manifest["mediaType"], "digest": digest, "size": len(manifest_bytes),
                        "annotations": {"org.opencontainers.image.ref.name": "latest"}}]}))

@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from trainer.errors import UserError
 from trainer.image.cas import Cache
 from trainer.image.layer import DIR, SYMLINK, Entry, plan_entries
-from trainer.image.oci import canonical
+from trainer.image.oci import compact_json
 
 FORMAT = 1  # bump when the unpacked trees for the same inputs would change
 MOUNTS = ("build/input", "build/src", "build/out")
@@ -90,7 +90,7 @@ def deb_key(block: Dict[str, Any]) -> str:
     architecture and sha256 (the same inputs as the image's ``debian-rootfs`` base layer)."""
     from trainer.image.debian import deb_inputs
 
-    return hashlib.sha256(canonical({"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block),
+    return hashlib.sha256(compact_json({"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block),
                                      "links": block.get("links", {})})).hexdigest()
 
 
@@ -121,7 +121,7 @@ def wheels_key(block: Dict[str, Any], items: List[Dict[str, Any]]) -> str:
     """sha256 hex naming the tree of ``items`` installed for ``block['python']``."""
     basis = {"format": FORMAT, "python": {k: block["python"][k] for k in PYTHON_KEYS},
              "wheels": [[w["name"], w["version"], w["filename"], w["sha256"]] for w in items]}
-    return hashlib.sha256(canonical(basis)).hexdigest()
+    return hashlib.sha256(compact_json(basis)).hexdigest()
 
 
 def materialize(entries: List[Entry], dest: Path, allow_absolute_symlinks: bool = False) -> None:

@@ -44,7 +44,7 @@ MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
 REF_NAME = "org.opencontainers.image.ref.name"
 
 
-def canonical(obj: Any) -> bytes:
+def compact_json(obj: Any) -> bytes:
     """Compact JSON with sorted keys: the bytes of every JSON blob this module writes."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -73,29 +73,6 @@ class Layer:
     diff_id: str = ""
 
 
-def image_config(layers: List[Layer], epoch: int, env: Dict[str, str], entrypoint: List[str],
-                 labels: Dict[str, str], working_dir: str = "", architecture: str = "amd64") -> Dict[str, Any]:
-    """The image config (config.md): created = epoch, Env sorted by name, rootfs.diff_ids and one history
-    entry per layer (created_by names the layer group)."""
-    created = rfc3339(epoch)
-    config: Dict[str, Any] = {"Env": [f"{k}={env[k]}" for k in sorted(env)], "Labels": dict(sorted(labels.items()))}
-    if entrypoint:
-        config["Entrypoint"] = list(entrypoint)
-    if working_dir:
-        config["WorkingDir"] = working_dir
-    return {
-        "architecture": architecture,
-        "os": "linux",
-        "created": created,
-        "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id or layer.digest for layer in layers]},
-        "history": [
-            {"created": created, "created_by": f"recipe-bundle layer {layer.name}", "comment": layer.comment}
-            for layer in layers
-        ],
-    }
-
-
 OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir", "Labels", "StopSignal",
                    "ArgsEscaped", "Healthcheck", "Shell", "OnBuild")
 
@@ -103,7 +80,8 @@ OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes"
 def based_config(base: Dict[str, Any], base_layer_count: int, layers: List[Layer], epoch: int, env: Dict[str, str],
                  entrypoint: List[str], cmd: List[str], labels: Dict[str, str], working_dir: str,
                  default_path: str) -> Dict[str, Any]:
-    """The config of our ``layers`` on top of the ``base`` image config (config.md).
+    """The config of our ``layers`` on top of the ``base`` image config (config.md); a base without a config of
+    its own (scratch, a Debian rootfs: ``base_layer_count`` 0) is given as ``{"architecture", "os"}`` alone.
 
     ``rootfs.diff_ids``: the base's followed by ours; ``history``: the base's entries (synthesized, one per
     layer, when the base's non-empty entries do not match its ``base_layer_count`` layers) followed by one
@@ -173,8 +151,8 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
     ``referrers(image_descriptor)`` returns the OCI 1.1 referrers to add (:func:`trainer.image.referrers.referrer`:
     index descriptor, manifest bytes, blobs); they are listed in index.json after the image.
     """
-    config_bytes = canonical(config)
-    manifest_bytes = canonical(image_manifest(config_bytes, layers, annotations))
+    config_bytes = compact_json(config)
+    manifest_bytes = compact_json(image_manifest(config_bytes, layers, annotations))
     manifest_digest = digest_of(manifest_bytes)
     image_descriptor = {"mediaType": MT_MANIFEST, "digest": manifest_digest, "size": len(manifest_bytes),
                         "annotations": {REF_NAME: "latest"}}
@@ -197,8 +175,8 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
             dest = blobs / layer.digest[7:]
             if not dest.exists():
                 place_blob(layer, dest)
-        (tmp / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
-        (tmp / "index.json").write_bytes(canonical(index))
+        (tmp / "oci-layout").write_bytes(compact_json({"imageLayoutVersion": "1.0.0"}))
+        (tmp / "index.json").write_bytes(compact_json(index))
         for path in (tmp, tmp / "blobs", blobs):
             os.chmod(path, 0o755)
         fsync_dir(blobs)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
-from trainer.image.oci import MT_MANIFEST, ImageRef, canonical, digest_of, rfc3339
+from trainer.image.oci import MT_MANIFEST, ImageRef, compact_json, digest_of, rfc3339
 
 MT_EMPTY = "application/vnd.oci.empty.v1+json"
 EMPTY = b"{}"
@@ -65,7 +65,7 @@ def referrer(doc: Document, subject: Dict[str, Any], epoch: int) -> Tuple[Dict[s
         "subject": {"mediaType": subject["mediaType"], "digest": subject["digest"], "size": subject["size"]},
         "annotations": dict(sorted(annotations.items())),
     }
-    data = canonical(manifest)
+    data = compact_json(manifest)
     descriptor = {"mediaType": MT_MANIFEST, "digest": digest_of(data), "size": len(data),
                   "artifactType": doc.artifact_type, "annotations": dict(sorted(annotations.items()))}
     return descriptor, data, [EMPTY, doc.data]
