@@ -42,9 +42,9 @@ def main() -> int:
     before_env = dict(env, PYTHONPATH=str(Path(args.before).absolute())) if args.before else None
     base, plan, before = [], [], []
     with tempfile.TemporaryDirectory() as cwd:
-        timed(plan_cmd, cwd, env)  # warm the page cache once
+        timed(plan_cmd + [f"hydra.run.dir={cwd}/warm"], cwd, env)  # warm the page cache once
         if before_env:
-            timed(plan_cmd, cwd, before_env)
+            timed(plan_cmd + [f"hydra.run.dir={cwd}/warm-before"], cwd, before_env)
         for i in range(args.repeats):
             base.append(timed(baseline_cmd, cwd, env))
             plan.append(timed(plan_cmd + [f"hydra.run.dir={cwd}/run{i}"], cwd, env))
@@ -68,7 +68,7 @@ def main() -> int:
         print(
             f"| {result['date']} | {result['machine']} | `{command}` | "
             f"{result['baseline_median_s']} s | {result['plan_median_s']} s | {result['ratio']}x |"
-            + (f" before: {result['before_median_s']} s, {result['before_ratio']}x |" if before else "")
+            + (f" {result['before_median_s']} s, {result['before_ratio']}x |" if before else " |")
         )
     return 0
 
