@@ -1,8 +1,10 @@
 """Compose runs from ``conf/`` with Hydra's Compose API, and report composition errors on one line.
 
-``trainer.train`` composes every job of a command line here first (a multirun sweep is expanded into
-its jobs), checks each one, and only then hands control to ``@hydra.main``: a bad override or a
-failing check stops the whole command before any run directory is written.
+:func:`session` initialises Hydra once for any number of compositions (:class:`Composer`);
+:func:`trainer.compose.prepare.prepare` composes a job and its reference layout in one session. ``train``
+expands a command line into its jobs here (:func:`expand_sweep`: a multirun sweep becomes one job per
+combination) and prepares every job before any runs: a bad override or a failing check stops the whole command
+before any run directory is written.
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Lockfiles: the stack pins (``lockfiles/stack.json``) and their agreement with ``conf/stack/``.
+"""The stack pins (``lockfiles/stack.json``, the recipe's versions) and their agreement with ``conf/stack/``.
+
+Not to be confused with the image locks (:mod:`trainer.image.imagelock`, ``lockfiles/*.lock.json``) and the
+launcher's lock (``lockfiles/launcher.lock``, written by ``bin/lock-launcher``).
 
 ``conf/stack/<option>.yaml`` restates the pins a run is composed with; the lockfile is the source of
 truth. :func:`verify_stack` refuses a composition whose pins differ from the lockfile it names.
