@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer import launch
 from trainer.compose import schema
-from trainer.compose.compose import expand_sweep, session
+from trainer.compose.compose import CONF_DIR, expand_sweep, session
 from trainer.compose.prepare import PreparedRun, prepare
 from trainer.errors import UserError
 from trainer.record.rundir import (ARGV, COMMAND, COMPLETE, CONFIG, ENV, FAILED, HANDED_OFF, HYDRA_FILES, INTERRUPTED, PLAN,
@@ -143,10 +143,10 @@ def fail(rundir: RunDir, record: dict, line: str, code: int) -> None:
 def finish(rundir: RunDir, record: dict) -> None:
     """Record a run the launcher handed back (ended, or handed off to a scheduler) and say so on one line."""
     message = record.pop("message", None)
+    handed_off = record["status"] in HANDED_OFF  # as the launcher says: a submitted job may have moved on since
     redact_files(rundir.path)
     rundir.hash_written()
     record = rundir.hand_back(record)
-    handed_off = record["status"] in HANDED_OFF
     if not handed_off:
         attest_run(rundir.path, record)
     rundir.save_record(record)
@@ -211,7 +211,7 @@ def hydra_run(composed: DictConfig, config_loader: Any, prepared: PreparedRun) -
     _ = ret.return_value  # raises what the job raised
 
 
-@hydra.main(config_path="../conf", config_name="train", version_base="1.3")
+@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")  # absolute: `trainer train` too
 def run(cfg: DictConfig) -> None:
     """A job of a multirun (or of a command line :func:`main` leaves to Hydra): its prepared run, then
     :func:`guarded`."""
