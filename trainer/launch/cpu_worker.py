@@ -29,7 +29,6 @@ import time
 from pathlib import Path
 
 from trainer.publish import atomic_write
-
 from trainer.record.record import canonical_json
 
 
