@@ -441,3 +441,7 @@ def test_the_probe_never_hashes_a_site_directory(tmp_path):
         assert source_of("wheelpkg", {}) == {"commit": None, "tree": None, "path": str(site)}
     finally:
         sys.path.remove(str(site))
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
