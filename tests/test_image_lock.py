@@ -5,9 +5,6 @@ import helpers
 import copy
 import hashlib
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -77,12 +74,11 @@ def test_stack_consistency_names_the_package_and_both_versions():
 
 
 def test_verify_cli_one_line_and_exit_codes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    ok = subprocess.run([sys.executable, "-m", "trainer", "lock", "verify", str(SMOKE)], capture_output=True, text=True, env=env)
+    ok = helpers.run_trainer("lock", "verify", SMOKE)
     assert ok.returncode == 0 and ok.stdout.startswith("ok: ") and "2 wheels, 0 sdists, 1 sources" in ok.stdout
     bad = tmp_path / "bad.lock.json"
     bad.write_text(json.dumps(mutate(lambda l: l["wheels"][0].update(sha256="0"))))
-    r = subprocess.run([sys.executable, "-m", "trainer", "lock", "verify", str(bad)], capture_output=True, text=True, env=env)
+    r = helpers.run_trainer("lock", "verify", bad)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "wheels[0].sha256" in r.stderr
 
 
