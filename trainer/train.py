@@ -36,7 +36,8 @@ from trainer.compose.prepare import PreparedRun, prepare
 from trainer.errors import UserError
 from trainer.record.rundir import (ARGV, COMMAND, COMPLETE, CONFIG, ENV, FAILED, HANDED_OFF, HYDRA_FILES, INTERRUPTED, PLAN,
                                    PLANNED, RUNNING, RunDir, claim_run_dir)
-from trainer.redact import Redactor, guard, redact_argv, redact_env, redactor_for, sweep
+from trainer.record.attest import attest_run, take_sign_key
+from trainer.redact import Redactor, guard, redact_argv, redact_env, resweep, sweep
 
 # The signer of run attestations (``--sign-key KEY``, taken off the command line by :func:`main`), or None.
 SIGNER = None
@@ -52,7 +53,7 @@ def main() -> None:
     ``--resume`` writes into a run directory that holds a run, ``--overwrite`` replaces that run; without either
     such a directory is refused (:func:`trainer.record.rundir.claim_run_dir`).
     """
-    global RUN_DIR_MODE
+    global RUN_DIR_MODE, SIGNER
     schema.register()
     flags = {"--resume": "resume", "--overwrite": "overwrite"}
     modes = [flags[a] for a in sys.argv[1:] if a in flags]
@@ -62,7 +63,7 @@ def main() -> None:
         sys.exit(2)
     RUN_DIR_MODE = modes[0] if modes else "new"
     try:
-        sys.argv[1:] = take_sign_key(sys.argv[1:])
+        sys.argv[1:], SIGNER = take_sign_key(sys.argv[1:])
         single = prepare_command_line(sys.argv[1:])
     except UserError as err:
         print(f"train: error: {err}", file=sys.stderr)
@@ -134,7 +135,7 @@ def start(rundir: RunDir, common: dict) -> dict:
 
 def fail(rundir: RunDir, record: dict, line: str, code: int) -> None:
     """Attest and save the record of a run that ended badly, print ``line`` on stderr and exit with ``code``."""
-    attest_run(rundir.path, record)
+    attest_run(rundir.path, record, SIGNER)
     rundir.save_record(record)
     print(line, file=sys.stderr)
     sys.exit(code)
@@ -144,11 +145,11 @@ def finish(rundir: RunDir, record: dict) -> None:
     """Record a run the launcher handed back (ended, or handed off to a scheduler) and say so on one line."""
     message = record.pop("message", None)
     handed_off = record["status"] in HANDED_OFF  # as the launcher says: a submitted job may have moved on since
-    redact_files(rundir.path)
+    resweep(rundir.path)
     rundir.hash_written()
     record = rundir.hand_back(record)
     if not handed_off:
-        attest_run(rundir.path, record)
+        attest_run(rundir.path, record, SIGNER)
     rundir.save_record(record)
     print(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "")
           + f" ({rundir.path})")
@@ -241,51 +242,6 @@ def guarded(prepared: PreparedRun, run_dir: Path, overrides: List[str]) -> None:
         run_one(prepared, run_dir)
     finally:  # Hydra's own files (.hydra/, train.log) and whatever the launch wrote pass the same redaction
         sweep(run_dir, redactor)
-
-
-def take_sign_key(argv: List[str]) -> List[str]:
-    """``argv`` without ``--sign-key KEY`` / ``--sign-key=KEY`` (not a Hydra override); sets :data:`SIGNER`
-    from the key. Raises :class:`UserError` for a missing value or a key that cannot sign."""
-    global SIGNER
-    out, key, i = [], None, 0
-    while i < len(argv):
-        word = argv[i]
-        if word == "--sign-key":
-            if i + 1 >= len(argv):
-                raise UserError("--sign-key: expected the path of a private key (`trainer keygen --out KEY`)")
-            key, i = argv[i + 1], i + 2
-            continue
-        if word.startswith("--sign-key="):
-            key = word.split("=", 1)[1]
-        else:
-            out.append(word)
-        i += 1
-    if key is not None:
-        from trainer.record.attest import load_signer
-
-        SIGNER = load_signer(Path(key))
-    return out
-
-
-def redact_files(run_dir: Path) -> None:
-    """Pass the files others wrote into ``run_dir`` (Hydra's, the workers') through the run's redactor now, so that
-    hashes taken next are those of the files as they stay."""
-    redactor = redactor_for(run_dir)
-    if redactor is not None:
-        sweep(run_dir, redactor)
-
-
-def attest_run(run_dir: Path, record: dict) -> None:
-    """Write the run's ``attestation.json`` (:func:`trainer.record.attest.write_run_attestation`, signed when
-    ``--sign-key`` was given) and name it in ``record``; a failure to attest is recorded, never fatal."""
-    from trainer.record.attest import write_run_attestation
-
-    redact_files(run_dir)  # the attestation hashes the files as they stay: redacted first
-
-    try:
-        record["attestation"] = write_run_attestation(run_dir, record, SIGNER)
-    except (UserError, OSError, ValueError) as err:
-        record["attestation"] = {"error": " ".join(str(err).split())}
 
 
 if __name__ == "__main__":

@@ -285,6 +285,38 @@ def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
             "predicate": {"run": run, "probes": run_probes(run_dir, record), "verify": checked}}
 
 
+def take_sign_key(argv: List[str]) -> Tuple[List[str], Any]:
+    """``argv`` without ``--sign-key KEY`` / ``--sign-key=KEY`` (not a Hydra override), and the signer of that key
+    (:func:`load_signer`) or None. Raises :class:`UserError` for a missing value or a key that cannot sign."""
+    out, key, i = [], None, 0
+    while i < len(argv):
+        word = argv[i]
+        if word == "--sign-key":
+            if i + 1 >= len(argv):
+                raise UserError("--sign-key: expected the path of a private key (`trainer keygen --out KEY`)")
+            key, i = argv[i + 1], i + 2
+            continue
+        if word.startswith("--sign-key="):
+            key = word.split("=", 1)[1]
+        else:
+            out.append(word)
+        i += 1
+    return out, (load_signer(Path(key)) if key is not None else None)
+
+
+def attest_run(run_dir: Path, record: Dict[str, Any], signer=None) -> None:
+    """Write the run's ``attestation.json`` (:func:`write_run_attestation`, signed by ``signer`` when given) and name
+    it in ``record``; a failure to attest is recorded there, never fatal. The files under a guarded run directory
+    are redacted first (:func:`trainer.redact.resweep`): the attestation hashes them as they stay."""
+    from trainer.redact import resweep
+
+    resweep(run_dir)
+    try:
+        record["attestation"] = write_run_attestation(run_dir, record, signer)
+    except (UserError, OSError, ValueError) as err:
+        record["attestation"] = {"error": " ".join(str(err).split())}
+
+
 def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) -> Dict[str, Any]:
     """Write ``run_dir/attestation.json`` (the statement, or its DSSE envelope when ``signer`` is given),
     atomically; return ``{"path", "sha256", "signed_by"}`` for the run record."""
