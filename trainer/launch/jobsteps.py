@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.errors import UserError
-from trainer.record.rundir import COMPLETE, FAILED, FINAL, RUNNING, RunDir, utc_now
+from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
 
 def _job_failure(run_dir: Path, exit_code: Optional[int]) -> str:
     """One line for a Ray job that exited non-zero, from ``logs/job.log``."""
     try:
-        text = (run_dir / "logs" / "job.log").read_text(errors="replace")
+        text = (run_dir / LOGS / "job.log").read_text(errors="replace")
     except OSError:
         text = ""
     status = [line for line in text.splitlines() if "Status message:" in line]
@@ -52,17 +52,17 @@ def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Opt
         if status == RUNNING:
             record["started_utc"] = utc_now()  # the job left the queue
         probes = {}
-        for node in slurm.get("nodes") or sorted(p.stem for p in (run_dir / "probes").glob("*.json")):
-            probe_path = run_dir / "probes" / f"{node}.json"
+        for node in slurm.get("nodes") or sorted(p.stem for p in (run_dir / PROBES).glob("*.json")):
+            probe_path = run_dir / PROBES / f"{node}.json"
             if probe_path.is_file():
                 probes[node] = json.loads(probe_path.read_text())
         if probes:
             record["probe"] = {"ranks": list(probes.values()), "nodes": list(probes)}
-        if (run_dir / "preflight.json").is_file():
-            record["preflight"] = json.loads((run_dir / "preflight.json").read_text())
+        if (run_dir / PREFLIGHT).is_file():
+            record["preflight"] = json.loads((run_dir / PREFLIGHT).read_text())
         if status in FINAL:
             record["finished_utc"] = utc_now()
-            record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / "logs").rglob("*") if p.is_file())
+            record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / LOGS).rglob("*") if p.is_file())
         if status == FAILED:
             why = reason
             if why is None and stage == "preflight" and record.get("preflight"):

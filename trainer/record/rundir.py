@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # The files of a run directory (the names readers, reports and tests know).
 CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = "config.yaml", "command.sh", "plan.json", "argv.json", "env.json", "record.json"
 METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
+PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
 # Files the launch writes (argv.json: the miles argv of a plan or a cluster job, the first worker's command of a
 # local run), hashed into the record once the launch has handed back.
 LAUNCH_FILES = (ARGV, ENV, METRICS, SBATCH)

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 from trainer.errors import UserError
 from trainer.record.record import effective_status
-from trainer.record.rundir import FAILED, RunDir, load_record
+from trainer.record.rundir import FAILED, LOGS, RunDir, load_record
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE")
@@ -63,7 +63,7 @@ def refresh(run_dir: Path) -> Dict[str, Any]:
             time.sleep(1.0)  # the script's last step may be writing the record right now
             record = load_record(run_dir) or record
             if record.get("status") in ("submitted", "running"):
-                out = run_dir / "logs" / f"slurm-{slurm['job_id']}.out"
+                out = run_dir / LOGS / f"slurm-{slurm['job_id']}.out"
                 tail = ""
                 if out.is_file():
                     lines = [line for line in out.read_text(errors="replace").splitlines() if line.strip()]

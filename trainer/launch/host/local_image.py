@@ -41,7 +41,7 @@ from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
 from trainer.publish import atomic_write
 from trainer.record.record import write_json
-from trainer.record.rundir import ARGV, RunDir
+from trainer.record.rundir import ARGV, PROBES, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -263,7 +263,7 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
                                               f"{cluster.last_line(probe.stderr)}")
         return record
     info = json.loads(probe.stdout)
-    write_json(run_dir / "probes" / "image.json", info)
+    write_json(run_dir / PROBES / "image.json", info)
     record["probe"] = {"ranks": [info], "nodes": ["image"]}
     if cfg.launcher.job:
         argv: List[str] = []

@@ -38,6 +38,7 @@ from trainer.launch.host import cluster
 from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
 from trainer.publish import atomic_write
 from trainer.record.record import write_json
+from trainer.record.rundir import LOGS, PREFLIGHT, PROBES
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -101,9 +102,9 @@ def collect(run_dir: Path, log: str) -> Dict[str, Any]:
         elif line.startswith(PREFLIGHT_MARK + " "):
             report = json.loads(line.split(" ", 1)[1])
     for node, info in probes.items():
-        write_json(run_dir / "probes" / f"{node}.json", info)
+        write_json(run_dir / PROBES / f"{node}.json", info)
     if report is not None:
-        write_json(run_dir / "preflight.json", report)
+        write_json(run_dir / PREFLIGHT, report)
     return {"probe": {"ranks": list(probes.values()), "nodes": list(probes)} if probes else None, "preflight": report}
 
 
@@ -132,7 +133,7 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     record["ray"] = {"address": address, "submission_id": submission_id, "image": cfg.launcher.image}
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
     record["probe"] = None
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS
     logs.mkdir(exist_ok=True)
 
     cause = reachable(address)
