@@ -197,19 +197,24 @@ def hydra_run(composed: DictConfig, config_loader: Any, prepared: PreparedRun) -
     ``@hydra.main`` runs a job: Hydra makes the run directory and writes ``.hydra/`` and ``train.log``
     (``hydra.core.utils.run_job``), then :func:`guarded` runs in it."""
     from hydra._internal.callbacks import Callbacks
+    from hydra._internal.utils import run_and_report
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext, RunMode
 
-    composed.hydra.mode = RunMode.RUN
-    configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
-    callbacks = Callbacks(composed)
-    callbacks.on_run_start(config=composed, config_name="train")
-    ret = run_job(
-        hydra_context=HydraContext(config_loader=config_loader, callbacks=callbacks),
-        task_function=lambda _cfg: guarded(prepared, Path(HydraConfig.get().runtime.output_dir), list(prepared.overrides)),
-        config=composed, job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
-    callbacks.on_run_end(config=composed, config_name="train", job_return=ret)
-    _ = ret.return_value  # raises what the job raised
+    def run() -> None:  # what Hydra.run does with a composition
+        composed.hydra.mode = RunMode.RUN
+        configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
+        callbacks = Callbacks(composed)
+        callbacks.on_run_start(config=composed, config_name="train")
+        ret = run_job(
+            hydra_context=HydraContext(config_loader=config_loader, callbacks=callbacks),
+            task_function=lambda _cfg: guarded(prepared, Path(HydraConfig.get().runtime.output_dir),
+                                               list(prepared.overrides)),
+            config=composed, job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
+        callbacks.on_run_end(config=composed, config_name="train", job_return=ret)
+        _ = ret.return_value  # raises what the job raised
+
+    run_and_report(run)  # an unexpected error is reported as @hydra.main reports it (HYDRA_FULL_ERROR=1: all of it)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")  # absolute: `trainer train` too
