@@ -160,7 +160,8 @@ def finish(rundir: RunDir, record: dict) -> None:
 def prepare_command_line(argv: List[str]) -> Optional[Tuple[DictConfig, Any, PreparedRun]]:
     """Prepare every job of a command line before any runs (into :data:`PREPARED`) and claim the run directory it
     names. Returns (the composition with its ``hydra`` node, Hydra's config loader, the prepared run) of a single
-    plain run, which :func:`hydra_run` then runs; None when Hydra's own entry point is to run the command line (multirun, ``--cfg``, ``--help``, ...).
+    plain run, which :func:`hydra_run` then runs; None when Hydra's own entry point is to run the command line
+    (a multirun, also one chosen by ``hydra.mode=MULTIRUN``; ``--cfg``, ``--help``, ...).
 
     Raises :class:`UserError` (one line) on a bad override, composition or check.
     """
@@ -173,7 +174,8 @@ def prepare_command_line(argv: List[str]) -> Optional[Tuple[DictConfig, Any, Pre
     if len(jobs) > 1 and not args.multirun:
         raise UserError(f"{' '.join(args.overrides)}: a sweep needs multirun (-m)")
     plain = not args.multirun and not (args.config_path or args.config_name or args.config_dir
-                                       or args.experimental_rerun)
+                                       or args.experimental_rerun
+                                       or any(o.startswith("hydra.mode=") for o in args.overrides))
     single = None
     with session() as composer:
         for job in jobs:
