@@ -32,7 +32,7 @@ ROOT = Path(__file__).absolute().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainer.image.cas import Cache, default_root  # noqa: E402
-from trainer.image.lockfile import inputs_of, load_lock  # noqa: E402
+from trainer.image.imagelock import inputs_of, load_lock  # noqa: E402
 
 
 def timed(cmd, **kw):
@@ -50,7 +50,7 @@ def build(lock, out, cache):
 
 
 def one_pin_lock(lock_path: Path, work: Path, cache: Cache) -> Path:
-    from trainer.image.lockcli import pypi_files, wheel_fits
+    from trainer.image.imagelockcli import pypi_files, wheel_fits
 
     lock = json.loads(lock_path.read_text())
     wheel = next(w for w in lock["wheels"] if w["name"] == "six")

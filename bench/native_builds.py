@@ -31,7 +31,7 @@ from typing import Any, Dict, List
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import REPO_ROOT  # noqa: E402
-from trainer.image import lockfile  # noqa: E402
+from trainer.image import imagelock as lockfile  # noqa: E402
 from trainer.image.build import plan_layers, realize_layer  # noqa: E402
 from trainer.image.cas import Cache, default_root  # noqa: E402
 

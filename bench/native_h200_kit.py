@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import REPO_ROOT  # noqa: E402
-from trainer.image import lockfile  # noqa: E402
+from trainer.image import imagelock as lockfile  # noqa: E402
 from trainer.image.cas import Cache  # noqa: E402
 from trainer.image.native import step_keys  # noqa: E402
 

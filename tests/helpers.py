@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence, Tuple
 
-from trainer.compose import compose_run
+from trainer.compose.compose import compose_run
 
 REPO_ROOT = Path(__file__).absolute().parent.parent
 GOLDEN = Path(__file__).absolute().parent / "golden"
@@ -118,11 +118,12 @@ def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_trainer(*args, cwd: Path = REPO_ROOT, timeout: float = 180) -> subprocess.CompletedProcess:
-    """Run ``python -m trainer ARGS`` (each argument str()-ed) with this checkout on PYTHONPATH; capture output."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+def run_trainer(*args, cwd: Path = None, env: Dict[str, str] = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run ``python -m trainer ARGS`` (each argument str()-ed) in ``cwd`` (default: the repository) with this
+    checkout on PYTHONPATH and ``env`` added to the environment; capture output (text)."""
+    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
+    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd or REPO_ROOT, env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def planned_run(tmp: Path) -> Path:

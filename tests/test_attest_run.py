@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run_train, run_trainer as trainer
-from trainer import attest
+from trainer.record import attest
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,10 @@ import pytest
 
 import helpers
 from helpers import compose
-from trainer import checks
-from trainer.compose import validate
+from trainer.compose import checks
+from trainer.compose.compose import validate
 from trainer.errors import UserError
-from trainer.train import preflight
+from trainer.train import prepare_command_line as preflight
 
 
 def derived(*overrides):

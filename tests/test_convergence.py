@@ -7,9 +7,9 @@ import pytest
 
 import helpers
 from trainer import cli
-from trainer.convergence import Thresholds, check, load_thresholds
+from trainer.report.convergence import Thresholds, check, load_thresholds
 from trainer.errors import UserError
-from trainer.metrics import Step
+from trainer.report.metrics import Step
 
 
 def curve(steps=range(1, 21), scale=1.0, decay=30.0, start=2.5):

@@ -3,13 +3,10 @@
 import hashlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 import helpers
-from helpers import REPO_ROOT
 from trainer import cli
 from trainer.data import synthetic
 from trainer.data.build import shipped_tokenizer_path
@@ -212,9 +209,7 @@ def test_skip_options_are_off_by_default_and_counted(capsys, tmp_path):
 
 def test_command_line_prints_one_line_without_traceback(tmp_path):
     src = jsonl(tmp_path / "a.jsonl", {"id": "x", "messages": "not a list"})
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    proc = subprocess.run([sys.executable, "-m", "trainer", "data", "build", "--input", str(src), "--out", str(tmp_path / "out")],
-                          env=env, capture_output=True, text=True, timeout=120)
+    proc = helpers.run_trainer("data", "build", "--input", src, "--out", tmp_path / "out", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.splitlines()[-1] == f"trainer data: error: {src} line 1: messages: expected a list of {{role, content}} objects, got str"
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()

@@ -2,17 +2,13 @@
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 import helpers
-from helpers import REPO_ROOT
 from trainer.data import Rows, chat, synthetic
 from trainer.data.build import BuildConfig, build, default_config, load_tokenizer, shipped_tokenizer_path
 from trainer.errors import UserError
@@ -171,12 +167,9 @@ def test_same_bytes_from_other_dirs_orders_and_processes(tmp_path):
     config = default_config()[0]  # what the CLI starts from: conf/train.yaml's data option
     config.row_tokens = 300
     first = build([str(one / "a.parquet"), str(one / "b.jsonl"), str(one / "c.jsonl")], tmp_path / "out1", config)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONHASHSEED="12345", TZ="Asia/Tokyo", COLUMNS="100")
-    proc = subprocess.run(
-        [sys.executable, "-m", "trainer", "data", "build", "--input", "c.jsonl", "*.parquet", "b.jsonl", "--out", str(tmp_path / "out2"),
-         "--row-tokens", "300", "--json"],
-        cwd=two, env=env, capture_output=True, text=True, timeout=120,
-    )
+    proc = helpers.run_trainer("data", "build", "--input", "c.jsonl", "*.parquet", "b.jsonl", "--out", tmp_path / "out2",
+                               "--row-tokens", "300", "--json", cwd=two, timeout=120,
+                               env={"PYTHONHASHSEED": "12345", "TZ": "Asia/Tokyo", "COLUMNS": "100"})
     assert proc.returncode == 0, proc.stderr
     second = json.loads(proc.stdout)["manifest"]
     assert first == second

@@ -12,7 +12,8 @@ import pytest
 import helpers
 from trainer.errors import UserError
 from trainer.image.gittree import resolve_in_tree
-from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tar, plan_entries, write_layer
+from trainer.image.layer import DIR, FILE, SYMLINK, Entry, plan_entries, write_layer
+from trainer.image.tarread import entries_from_tar
 from trainer.image.sources import source_entries
 
 

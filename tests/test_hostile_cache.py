@@ -21,7 +21,7 @@ import helpers
 from helpers import REPO_ROOT, tree_hash
 from helpers import run_trainer as trainer
 from trainer import cli
-from trainer.image.testing import make_git_source, make_wheel, small_lock
+from image_fixtures import make_git_source, make_wheel, small_lock
 
 EPOCH = 1767225600
 

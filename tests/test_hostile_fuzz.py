@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 
 import helpers
 from trainer.errors import UserError
-from trainer.image.lockfile import validate_lock
+from trainer.image.imagelock import validate_lock
 from trainer.inputs import parse_json, parse_yaml
-from trainer.logs import parse_log
-from trainer.metrics import read_metrics
+from trainer.report.logs import parse_log
+from trainer.report.metrics import read_metrics
 from trainer.redact import Redactor
-from trainer.rundir import check_record_types
+from trainer.record.rundir import check_record_types
 
 BOUNDED = settings(max_examples=100, deadline=None, derandomize=True, database=None,
                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

@@ -129,7 +129,7 @@ def test_a_huge_step_costs_no_memory(finished, tmp_path, capsys):
 def test_converge_on_a_long_run_keeps_its_result_bounded(tmp_path, capsys):
     """Promise: converge on 30,000 steps keeps the per-step points it reports bounded (MAX_POINTS, failures
     first), so its result and memory do not grow with the run beyond the steps read."""
-    from trainer.convergence import MAX_POINTS
+    from trainer.report.convergence import MAX_POINTS
 
     rows = [{"step": i, "lm_loss": 2.0 + (i % 7) * 1e-4} for i in range(1, 30_001)]
     helpers.write_rows(tmp_path / "a.jsonl", rows)

@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -20,9 +19,9 @@ import pytest
 
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image.lockfile import load_lock, validate_lock
+from trainer.image.imagelock import load_lock, validate_lock
 from trainer.image.oci import write_archive
-from trainer.image.testing import make_base_image, make_wheel, small_lock
+from image_fixtures import make_base_image, make_wheel, small_lock
 
 EPOCH = 1767225600
 BASE_FILES = {
@@ -34,11 +33,8 @@ BASE_CONFIG = {"Entrypoint": ["/usr/local/bin/python3.12"], "WorkingDir": "/work
                "Labels": {"org.opencontainers.image.source": "https://example.invalid/base", "base.only": "yes"}}
 
 
-def trainer(*args, cwd=None, env=None, timeout=120):
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd or REPO_ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
 
+trainer = helpers.run_trainer
 
 def write_lock(root: Path, name: str, base_digest: str, wheel: Path, version: str, image=None, base_extra=None) -> Path:
     lock = small_lock(name, EPOCH, [(wheel, "alpha", version, "rest")], [],

@@ -20,17 +20,13 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT
-from trainer.image.testing import make_git_source, make_wheel, small_lock
+from image_fixtures import make_git_source, make_wheel, small_lock
 
 EPOCH = 1767225600
 
 
-def trainer(*args, cwd=None, env=None, timeout=120):
-    full_env = {**os.environ, **(env or {})}
-    full_env["PYTHONPATH"] = str(REPO_ROOT)
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd or REPO_ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
 
+trainer = helpers.run_trainer
 
 def make_inputs(root: Path, beta="2.0"):
     """Wheels alpha 1.0 (rest, with a console script), beta (torch group), a git source, a bundle conf/."""

@@ -18,16 +18,13 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT
-from trainer.image.testing import debian_base, make_deb, make_wheel, small_lock
+from image_fixtures import debian_base, make_deb, make_wheel, small_lock
 
 EPOCH = 1767225600
 
 
-def trainer(*args, cwd=None, env=None, timeout=180):
-    full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd or REPO_ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
 
+trainer = helpers.run_trainer
 
 def make_debs(root: Path):
     root.mkdir(parents=True, exist_ok=True)

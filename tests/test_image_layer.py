@@ -12,7 +12,8 @@ import tarfile
 import pytest
 
 from trainer.errors import UserError
-from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tar, entries_from_tree, write_layer
+from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tree, write_layer
+from trainer.image.tarread import entries_from_tar
 
 EPOCH = 1767225600  # 2026-01-01T00:00:00Z
 

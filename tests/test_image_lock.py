@@ -5,16 +5,13 @@ import helpers
 import copy
 import hashlib
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image.lockcli import group_of, parse_uv_output, verify, wheel_fits
-from trainer.image.lockfile import find_stack_consistency, validate_lock
+from trainer.image.imagelockcli import group_of, parse_uv_output, verify, wheel_fits
+from trainer.image.imagelock import find_stack_consistency, validate_lock
 
 SMOKE = REPO_ROOT / "lockfiles" / "smoke.lock.json"
 STACK = REPO_ROOT / "lockfiles" / "stack.json"
@@ -32,7 +29,7 @@ def test_smoke_lock_verifies_offline():
 
 
 def test_smoke_source_is_reproducible_from_its_generator(tmp_path):
-    from trainer.image.testing import SMOKE_EPOCH, SMOKE_SOURCE_FILES, make_git_source, sha256
+    from image_fixtures import SMOKE_EPOCH, SMOKE_SOURCE_FILES, make_git_source, sha256
 
     archive, commit, tree = make_git_source(tmp_path, "smoke-src", SMOKE_SOURCE_FILES, SMOKE_EPOCH)
     source = smoke()["sources"][0]
@@ -77,12 +74,11 @@ def test_stack_consistency_names_the_package_and_both_versions():
 
 
 def test_verify_cli_one_line_and_exit_codes(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    ok = subprocess.run([sys.executable, "-m", "trainer", "lock", "verify", str(SMOKE)], capture_output=True, text=True, env=env)
+    ok = helpers.run_trainer("lock", "verify", SMOKE)
     assert ok.returncode == 0 and ok.stdout.startswith("ok: ") and "2 wheels, 0 sdists, 1 sources" in ok.stdout
     bad = tmp_path / "bad.lock.json"
     bad.write_text(json.dumps(mutate(lambda l: l["wheels"][0].update(sha256="0"))))
-    r = subprocess.run([sys.executable, "-m", "trainer", "lock", "verify", str(bad)], capture_output=True, text=True, env=env)
+    r = helpers.run_trainer("lock", "verify", bad)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "wheels[0].sha256" in r.stderr
 
 

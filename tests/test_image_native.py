@@ -21,10 +21,10 @@ import pytest
 
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image import lockfile
+from trainer.image import imagelock
 from trainer.image.build import build_image
 from trainer.image.cas import Cache
-from trainer.image.testing import make_git_source, sha256, small_lock
+from image_fixtures import make_git_source, sha256, small_lock
 
 EPOCH = 1767225600
 SMOKE = REPO_ROOT / "lockfiles" / "debian-smoke.lock.json"
@@ -114,7 +114,7 @@ def test_build_step_reproduces_caches_and_rebuilds_only_what_changed(world):
     # `trainer image check` compares the build layer with the reproduced digest recorded for the step's inputs
     from trainer.image.native import step_keys
 
-    key = step_keys(lockfile.load_lock(lock))["hello"]
+    key = step_keys(imagelock.load_lock(lock))["hello"]
     expected = tmp / "expected.json"
     for recorded, code, line in ((diff_id, 0, f"build hello: same {diff_id} as the reproduced build"),
                                  ("sha256:" + "0" * 64, 1, f"build hello: {diff_id}, the reproduced build gave sha256:000")):
@@ -171,15 +171,15 @@ def test_bad_build_lock_is_one_line(world):
     lock = json.loads(lock_for(tmp / "bad", "hello", {"hello.c": HELLO_C}, "true", world["cache"]).read_text())
     lock["builds"][0]["input"] = {"source": "nope"}
     with pytest.raises(UserError, match=r"builds\[0\]\.input\.source: 'nope' is not a sources\[\] name"):
-        lockfile.validate_lock(lock, "x.lock.json")
+        imagelock.validate_lock(lock, "x.lock.json")
     lock["builds"][0]["input"] = {"source": "hello"}
     lock["builds"][0]["wheels"] = ["torch"]
     with pytest.raises(UserError, match=r"builds\[0\]\.wheels: wheel 'torch' is neither"):
-        lockfile.validate_lock(lock, "x.lock.json")
+        imagelock.validate_lock(lock, "x.lock.json")
     del lock["build_root"]
     lock["builds"][0]["wheels"] = []
     with pytest.raises(UserError, match=r"build_root: missing"):
-        lockfile.validate_lock(lock, "x.lock.json")
+        imagelock.validate_lock(lock, "x.lock.json")
 
 
 def test_unbuilt_sdist_is_refused(world):
@@ -218,7 +218,7 @@ def test_debian_smoke_image_imports_hydra_torch_and_trainer(world, tmp_path):
                    timeout=600)
     assert not list((bundle / "rootfs" / "opt" / "recipe-bundle").glob("sdists"))
     # every namespace but, as root, the user namespace: inside another sandbox (CI's fresh root) a nested
-    # user namespace may not mount a new /proc (trainer.launch.local_image does the same)
+    # user namespace may not mount a new /proc (trainer.launch.host.local_image does the same)
     unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if os.geteuid() != 0:
         unshare.append("--unshare-user-try")

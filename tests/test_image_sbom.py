@@ -12,17 +12,15 @@ import helpers
 import base64
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from helpers import REPO_ROOT, run_trainer as trainer
 from trainer.image import sbom
-from trainer.image.testing import debian_base, make_deb, make_git_source, make_wheel, small_lock
+from image_fixtures import debian_base, make_deb, make_git_source, make_wheel, small_lock
 
 EPOCH = 1767225600
 
@@ -157,7 +155,7 @@ def test_validators_accept_the_sboms_and_they_list_every_input(world):
 
 def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
     """debian-full (debs) and full (an oci base) as locked, cut to a few inputs per section, plus a native build."""
-    from trainer.image.lockfile import load_lock
+    from trainer.image.imagelock import load_lock
 
     for name in ("debian-full", "full"):
         lock = load_lock(REPO_ROOT / "lockfiles" / f"{name}.lock.json")
@@ -261,7 +259,7 @@ def test_ecdsa_p256_keys_sign_and_verify_and_in_toto_agrees(tmp_path):
     from in_toto.models._signer import load_public_key_from_file
     from in_toto.models.metadata import Envelope
 
-    from trainer import attest
+    from trainer.record import attest
 
     _, pub, keyid = attest.keygen(tmp_path / "ec", "ecdsa")
     statement = {"_type": attest.STATEMENT_TYPE, "subject": [{"name": "x", "digest": {"sha256": "ab" * 32}}],
@@ -339,7 +337,7 @@ def test_bad_referrers_are_refused_with_one_line(world, tmp_path):
     one_line(trainer("verify", short, "--key", world["pub"]), 1, "not valid JSON")
     # a provenance signed for another image, attached to this one
     v2_statement = {**statement, "subject": [{"name": "x", "digest": {"sha256": world["v2"]["manifest_digest"][7:]}}]}
-    from trainer import attest
+    from trainer.record import attest
 
     resigned = attest.sign(json.dumps(v2_statement).encode(), attest.load_signer(world["key"]))
     moved = rewrite_referrer(layout, tmp_path / "moved.oci", "application/vnd.dsse.envelope.v1+json", document=resigned)
@@ -373,9 +371,9 @@ def test_image_diff_reads_the_sboms(world):
 def test_the_readme_smoke_image_built_twice_carries_identical_documents(tmp_path):
     """lockfiles/smoke.lock.json as the README builds it (its two wheels from PyPI, its generated git source)."""
     cache = tmp_path / "cas"
-    src = json.loads(subprocess.run([sys.executable, "-m", "trainer.image.testing", "smoke-source", tmp_path / "src"],
-                                    capture_output=True, text=True, check=True, env={**os.environ,
-                                    "PYTHONPATH": str(REPO_ROOT)}).stdout.splitlines()[0])
+    made = trainer("image", "smoke-source", tmp_path / "src")
+    assert made.returncode == 0, made.stderr
+    src = json.loads(made.stdout.splitlines()[0])
     assert trainer("cache", "--cache", cache, "add", src["archive"], "--sha256", src["sha256"]).returncode == 0
     fetched = trainer("cache", "--cache", cache, "fetch", "--lock", REPO_ROOT / "lockfiles/smoke.lock.json")
     if fetched.returncode != 0:

@@ -23,16 +23,13 @@ import pytest
 from helpers import REPO_ROOT
 from trainer.errors import UserError
 from trainer.image.gittree import check_links_stay_inside, directory_tree_id, git_tree_id
-from trainer.image.testing import git_env, make_wheel, small_lock
+from image_fixtures import git_env, make_wheel, small_lock
 
 EPOCH = 1767225600
 
 
-def trainer(*args, timeout=120):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=REPO_ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
+trainer = helpers.run_trainer
 
 def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], env=git_env(EPOCH), check=True, capture_output=True,
@@ -328,7 +325,7 @@ def test_probe_reads_the_commit_from_the_installed_files(repo, tmp_path):
 
 
 def test_verify_compares_the_image_stamps_sources(tmp_path):
-    from trainer.verify import read_lock, verify
+    from trainer.record.verify import read_lock, verify
 
     stack = json.loads((REPO_ROOT / "lockfiles" / "stack.json").read_text())["components"]
     stamp = {"lock": {"name": "x"}, "distributions": {}, "python": {"version": "3.11"},
@@ -444,3 +441,7 @@ def test_the_probe_never_hashes_a_site_directory(tmp_path):
         assert source_of("wheelpkg", {}) == {"commit": None, "tree": None, "path": str(site)}
     finally:
         sys.path.remove(str(site))
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

@@ -5,27 +5,22 @@ import helpers
 
 import hashlib
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, run_train
-from trainer.image.testing import make_git_source, make_wheel, small_lock
-from trainer.launch.local_image import HOST_MOUNT, elf_interpreter
+from helpers import run_train
+from image_fixtures import make_git_source, make_wheel, small_lock
+from trainer.launch.host.local_image import HOST_MOUNT, elf_interpreter
 
 pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("bwrap") is None,
                                 reason="umoci and bubblewrap (Debian umoci, bubblewrap) are not installed")
 
 
-def trainer(*args):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], capture_output=True, text=True, env=env,
-                          cwd=REPO_ROOT, timeout=120)
 
+trainer = helpers.run_trainer
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):

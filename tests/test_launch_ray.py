@@ -8,7 +8,7 @@ import json
 import pytest
 
 from helpers import run_train
-from trainer.launch.testing import LocalRay, free_port, missing_ray
+from launch_fixtures import LocalRay, free_port, missing_ray
 
 pytestmark = pytest.mark.skipif(missing_ray() is not None, reason=str(missing_ray()))
 DIGEST = "sha256:" + "5e" * 32

@@ -6,13 +6,11 @@ import helpers
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from helpers import REPO_ROOT, run_train
-from trainer.launch.testing import LocalSlurm, free_port, missing_ray, missing_slurm, ray_port_args
+from helpers import run_train
+from launch_fixtures import LocalSlurm, free_port, missing_ray, missing_slurm, ray_port_args
 
 pytestmark = [
     pytest.mark.skipif(bool(missing_slurm()), reason=f"Slurm is not installed (missing: {' '.join(missing_slurm())}; "
@@ -41,8 +39,7 @@ def submit(tmp_path, slurm, *extra):
 
 
 def status(run_dir, *args):
-    return subprocess.run([sys.executable, "-m", "trainer", "status", str(run_dir), *args], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=150)
+    return helpers.run_trainer("status", run_dir, *args, timeout=150)
 
 
 def test_probe_job_end_to_end(tmp_path, slurm):

@@ -13,12 +13,12 @@ import pytest
 import helpers
 from helpers import compose
 from trainer.errors import CheckError
-from trainer.launch.checkout import verify_checkouts
-from trainer.launch.local_megatron import megatron_choice
+from trainer.launch.host.checkout import verify_checkouts
+from trainer.launch.host.local_megatron import megatron_choice
 from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
-from trainer.plan import build_plan
-from trainer.compose import validate
-from trainer import checks
+from trainer.compose.plan import build_plan
+from trainer.compose.compose import validate
+from trainer.compose import checks
 
 
 def _git(cwd: Path, *args: str) -> str:

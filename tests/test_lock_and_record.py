@@ -8,10 +8,11 @@ import pytest
 
 import helpers
 from helpers import REPO_ROOT, compose
-from trainer.compose import validate
+from trainer.compose.compose import validate
 from trainer.errors import UserError
-from trainer.lock import load_stack_lock, verify_stack
-from trainer.record import atomic_write, git_revision, write_json
+from trainer.compose.stackpins import load_stack_lock, verify_stack
+from trainer.publish import atomic_write
+from trainer.record.record import git_revision, write_json
 
 
 def locked_requirements():
@@ -96,7 +97,7 @@ def test_redaction_of_argv_and_url_credentials():
 
 
 def test_verify_versions_and_commits():
-    from trainer.verify import _same
+    from trainer.record.verify import _same
 
     assert _same("2.11.0+cu130", "2.11.0")  # the lock pins no build label
     assert not _same("2.11.0", "2.11.0+cu130") and not _same("2.11.0+cpu", "2.11.0+cu130")

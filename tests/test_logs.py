@@ -8,10 +8,10 @@ import pytest
 import helpers
 from helpers import GOLDEN
 from trainer import cli
-from trainer.convergence import check
+from trainer.report.convergence import check
 from trainer.errors import UserError
-from trainer.logs import parse_log
-from trainer.metrics import Step, read_metrics
+from trainer.report.logs import parse_log
+from trainer.report.metrics import Step, read_metrics
 
 LOGS = GOLDEN / "megatron-logs"  # real Megatron lines quoted in public threads; each file names its source
 

@@ -10,9 +10,9 @@ import helpers
 from helpers import RECIPE_TPS, recipe_rows, write_rows
 from helpers import compose
 from trainer import cli
-from trainer.compose import validate
+from trainer.compose.compose import validate
 from trainer.errors import UserError
-from trainer.metrics import (
+from trainer.report.metrics import (
     Step,
     _mean_keys,
     cv_percent,
@@ -23,7 +23,7 @@ from trainer.metrics import (
     usd_per_million_tokens,
     write_metrics,
 )
-from trainer.params import count_params
+from trainer.compose.params import count_params
 
 N_FLASH = 13_268_221_952  # the recipe's active parameters per token
 
@@ -94,7 +94,7 @@ def test_report_table(recipe_run, capsys):
 
 
 def test_gpu_hours_without_admission_times_say_so(tmp_path):
-    from trainer.metrics import ReportInputs, summarize
+    from trainer.report.metrics import ReportInputs, summarize
 
     rows = [Step(**r) for r in recipe_rows()]
     inputs = ReportInputs(gpus=64, gpus_per_node=8, active_params=N_FLASH, active_params_source="test", peak_flops=989e12,

@@ -4,7 +4,7 @@ import pytest
 
 import helpers
 from helpers import compose
-from trainer.numerics import NUMERICS, PERFORMANCE, classify, compare
+from trainer.compose.numerics import NUMERICS, PERFORMANCE, classify, compare
 
 
 def test_seed_vs_reference_layout_is_equivalent():

@@ -3,8 +3,8 @@
 
 import helpers
 from helpers import compose
-from trainer.compose import validate
-from trainer.params import count_params
+from trainer.compose.compose import validate
+from trainer.compose.params import count_params
 
 
 def params(*overrides):

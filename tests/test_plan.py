@@ -8,7 +8,7 @@ import yaml
 
 import helpers
 from helpers import compose, run_train
-from trainer.render import render
+from trainer.compose.render import render
 
 
 @pytest.fixture(scope="module")

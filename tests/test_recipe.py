@@ -11,7 +11,7 @@ import helpers
 from helpers import recipe_rows, write_rows
 from helpers import GOLDEN
 from trainer import cli
-from trainer.recipe import load_schema, validation_errors
+from trainer.report.recipe import load_schema, validation_errors
 
 SEED = GOLDEN / "attune-tp2-pp4-ep8.yaml"
 

@@ -6,7 +6,7 @@ import pytest
 
 import helpers
 from helpers import compose, reference_model_args, seed_command
-from trainer.render import MODEL_ARGS, format_value, render
+from trainer.compose.render import MODEL_ARGS, format_value, render
 
 
 def test_default_composition_renders_the_seed_command_argument_for_argument():
@@ -92,9 +92,9 @@ def test_shell_script_parses_back_to_the_argv():
     ],
 )
 def test_shell_words_expand_plain_variables_only(token, quoted):
-    from trainer.render import _shell_word
+    from trainer.compose.render import shell_word
 
-    assert _shell_word(token) == quoted
+    assert shell_word(token) == quoted
     # bash agrees: a command substitution is never run
     import subprocess
 

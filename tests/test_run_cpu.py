@@ -16,8 +16,8 @@ import helpers
 from helpers import REPO_ROOT, run_train
 from conftest import TEST_ROOT
 from trainer.launch.cpu_worker import megatron_lr
-from trainer.launch.processes import default_kernel_cache
-from trainer.record import effective_status
+from trainer.launch.host.processes import default_kernel_cache
+from trainer.record.record import effective_status
 from trainer.redact import redact_env
 
 STEPS = 6
@@ -73,10 +73,8 @@ def lr10(smoke_runs):
     return finished(smoke_runs, "lr10")
 
 
-def trainer(*args):
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=300)
 
+trainer = helpers.run_trainer
 
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -1,8 +1,11 @@
 """A hermetic reproducibility bundle for large-scale LLM training recipes.
 
-The package follows the phases of a run: compose (``trainer.schema`` + ``conf/``) → check
-(``trainer.checks``) → render the launch (``trainer.render``) → plan (``trainer.plan``) →
-record (``trainer.record``). ``python -m trainer.train`` is the Hydra entry point.
+One package per phase of a run: :mod:`trainer.compose` (compose with Hydra, type, check, render the miles
+launch, plan) -> :mod:`trainer.data` (the fixed training rows) -> :mod:`trainer.image` (the OCI image from an
+image lock) -> :mod:`trainer.launch` (the launchers, ``launch.host``, and what runs inside the job) ->
+:mod:`trainer.record` (the run directory and what it says) -> :mod:`trainer.report` (throughput, MFU, cost,
+convergence). ``python -m trainer.train`` (``train``) tells the story of a run; ``python -m trainer``
+(``trainer``) is the rest of the command line.
 """
 
 from pathlib import Path

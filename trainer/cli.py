@@ -18,18 +18,18 @@ from trainer.errors import UserError
 # subcommand -> (module, one-line help)
 COMMANDS: Dict[str, Tuple[str, str]] = {
     "data": ("trainer.data.cli", "build, verify and generate the fixed-length SFT rows (deepseek_v4 loss mask)"),
-    "verify": ("trainer.verify", "compare what a run observed (its probe) with its lock and the recipe; --key: signatures"),
-    "keygen": ("trainer.keygen", "make an offline key pair for signing image provenance and run attestations"),
-    "attest": ("trainer.attest", "write the (signed) attestation of a run that ended outside `train`, e.g. a Slurm job"),
+    "verify": ("trainer.record.verify", "compare what a run observed (its probe) with its lock and the recipe; --key: signatures"),
+    "keygen": ("trainer.record.keygen", "make an offline key pair for signing image provenance and run attestations"),
+    "attest": ("trainer.record.attest", "write the (signed) attestation of a run that ended outside `train`, e.g. a Slurm job"),
     "train": ("trainer.train", "compose, check and plan a run (Hydra overrides follow; same as `train`)"),
     "image": ("trainer.image.cli", "build an OCI image from a lock, print its digest, diff two images"),
-    "lock": ("trainer.image.lockcli", "verify an image lock offline; resolve one from PyPI (network)"),
+    "lock": ("trainer.image.imagelockcli", "verify an image lock offline; resolve one from PyPI (network)"),
     "cache": ("trainer.image.cachecli", "the content-addressed input cache: add a file (hash-checked), locate, verify"),
-    "report": ("trainer.report", "throughput, MFU, model TFLOP/s, cost, step-time CV and GPU-hours of a run"),
-    "converge": ("trainer.converge", "convergence check of a candidate run against a reference (--predict: from configs)"),
-    "recipe": ("trainer.recipe", "write a run as a recipe YAML (schema/recipe.schema.yaml); --validate recipe files"),
-    "logs": ("trainer.logs", "read per-step loss and iteration time from a Megatron/miles log into metrics.jsonl"),
-    "status": ("trainer.launch.status", "where a run stands; follows its Slurm job (--wait) and records how it ended"),
+    "report": ("trainer.report.report", "throughput, MFU, model TFLOP/s, cost, step-time CV and GPU-hours of a run"),
+    "converge": ("trainer.report.convergence_cli", "convergence check of a candidate run against a reference (--predict: from configs)"),
+    "recipe": ("trainer.report.recipe", "write a run as a recipe YAML (schema/recipe.schema.yaml); --validate recipe files"),
+    "logs": ("trainer.report.logs", "read per-step loss and iteration time from a Megatron/miles log into metrics.jsonl"),
+    "status": ("trainer.record.status", "where a run stands; follows its Slurm job (--wait) and records how it ended"),
 }
 
 

@@ -307,7 +307,7 @@ def main(argv: Optional[list] = None) -> int:
         sys.stdout.write(text)
         return 0
     path = Path(args.out.replace("{node}", node))
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     try:
         atomic_write(path, text.encode())

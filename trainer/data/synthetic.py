@@ -50,7 +50,7 @@ def write(path: Path, count: int, seed: int = 0) -> int:
 
     Raises :class:`UserError` for another suffix or a non-positive count.
     """
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     path = Path(path)
     if count < 1:

@@ -34,6 +34,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.cas import CHUNK, Cache, _progress, parse_sha256
+from trainer.image.tarread import member_name
 
 MT_OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_OCI_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -168,7 +169,7 @@ def open_seed(path: Path) -> Seed:
         raise UserError(f"{path}: no such file or directory (expected an OCI layout, an oci-archive or a skopeo dir: copy)")
     try:
         tar = tarfile.open(path, mode="r:")
-        members = {"/".join(p for p in m.name.split("/") if p not in ("", ".")): m for m in tar.getmembers() if m.isreg()}
+        members = {member_name(m.name): m for m in tar.getmembers() if m.isreg()}
     except tarfile.TarError as ex:
         raise UserError(f"{path}: not a tar archive ({ex})") from None
     if "oci-layout" not in members:

@@ -32,10 +32,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from trainer import PROJECT, __version__
 from trainer.errors import UserError
-from trainer.image import lockfile
+from trainer.image import imagelock
 from trainer.image.cas import Cache
 from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
-from trainer.image.oci import Layer, based_config, canonical, image_config, write_archive, write_layout
+from trainer.image.oci import Layer, based_config, compact_json, write_archive, write_layout
 from trainer.image.sources import cached_archive, pth_entry, source_entries
 from trainer.image.wheels import install_wheels
 
@@ -74,7 +74,7 @@ def layer_key(lock: Dict[str, Any], plan: LayerPlan) -> str:
     """sha256 hex of the canonical JSON of everything that determines ``plan``'s bytes."""
     basis = {"format": LAYER_FORMAT, "epoch": lock["epoch"], "python": lock["python"], "layer": plan.name,
              "inputs": plan.inputs}
-    return hashlib.sha256(canonical(basis)).hexdigest()
+    return hashlib.sha256(compact_json(basis)).hexdigest()
 
 
 def _wheel_label(w: Dict[str, Any]) -> str:
@@ -106,8 +106,8 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
             f"{lock['_path']}: base.type {base['type']!r} is not built by this version (scratch and debian-rootfs are); "
             "see lockfiles/README.md"
         )
-    for group in lockfile.GROUPS:
-        wheels = lockfile.wheels_in(lock, group)
+    for group in imagelock.GROUPS:
+        wheels = imagelock.wheels_in(lock, group)
         if not wheels:
             continue
 
@@ -152,7 +152,7 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
 
 def stamp(lock: Dict[str, Any], layers: List[Tuple[str, str]]) -> bytes:
     """The stamped ``/etc/<project>/lock.json``: which lock built the image and what it pinned (canonical JSON)."""
-    return canonical({
+    return compact_json({
         "project": PROJECT,
         "lock": {"name": lock["name"], "file": lock["_path"].name, "sha256": lock["_sha256"]},
         "epoch": lock["epoch"],
@@ -230,16 +230,12 @@ def make_config(lock: Dict[str, Any], layers: List[Layer], revision: str, base_i
     image = lock["image"]
     labels = {"org.opencontainers.image.version": __version__, **image["labels"],
               "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
-    if base_image is not None:
-        return based_config(base_image.config, base_count, layers[base_count:], lock["epoch"], image["env"],
-                            image.get("entrypoint", []), image.get("cmd", []), labels, image.get("working_dir", ""),
-                            DEFAULT_PATH)
-    env = {"PATH": DEFAULT_PATH, **image["env"]}
-    config = image_config(layers, lock["epoch"], env, image.get("entrypoint", []), labels,
-                          image.get("working_dir", ""), lock.get("platform", {}).get("architecture", "amd64"))
-    if image.get("cmd"):
-        config["config"]["Cmd"] = list(image["cmd"])
-    return config
+    # a scratch or Debian base has no config of its own: ours goes on an empty one of the lock's platform
+    base = base_image.config if base_image is not None else {
+        "architecture": lock.get("platform", {}).get("architecture", "amd64"), "os": "linux"}
+    return based_config(base, base_count, layers[base_count:], lock["epoch"], image["env"],
+                        image.get("entrypoint", []), image.get("cmd", []), labels, image.get("working_dir", ""),
+                        DEFAULT_PATH)
 
 
 def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path) -> Dict[str, str]:
@@ -255,7 +251,7 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
     from trainer.image.layer import write_layer
     from trainer.image.oci import digest_of, image_manifest
 
-    lock = lockfile.load_lock(lock_path)
+    lock = imagelock.load_lock(lock_path)
     if lock["base"]["type"] == "oci":
         raise UserError(f"{lock_path}: an oci base's config comes from its blobs; build the image to check it")
     plans = plan_layers(lock, Cache(Path(tempfile.gettempdir()) / "unused-cache"), bundle_root, offline=True)
@@ -269,8 +265,8 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
               for l, p in zip(rec[:-1], plans)]
     layers.append(Layer(info.diff_id, info.size, Path("/nonexistent"), "bundle", plans[-1].comment,
                         diff_id=info.diff_id))
-    config_bytes = canonical(make_config(lock, layers, recorded.get("revision", "unknown")))
-    manifest = canonical(image_manifest(config_bytes, layers, {}))
+    config_bytes = compact_json(make_config(lock, layers, recorded.get("revision", "unknown")))
+    manifest = compact_json(image_manifest(config_bytes, layers, {}))
     return {"bundle": info.diff_id, "config_digest": digest_of(config_bytes), "manifest_digest": digest_of(manifest)}
 def realize_layer(lock: Dict[str, Any], plan: LayerPlan, cache: Cache, spool: Path, console=None,
                   verify_cache: bool = False) -> Tuple[str, int, str]:
@@ -309,10 +305,10 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
     Raises :class:`UserError` for a bad lock, a missing or tampered input, a refused wheel or archive, or a
     failing build step; nothing is written to ``out`` then.
     """
-    lock = lockfile.load_lock(lock_path)
+    lock = imagelock.load_lock(lock_path)
     signer = None
     if sign_key is not None:
-        from trainer.attest import load_signer
+        from trainer.record.attest import load_signer
 
         signer = load_signer(sign_key)  # a bad key is refused before anything is built
     base_image = None
@@ -368,7 +364,7 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
         now = cache.blob_path(hexdigest).stat()
         if (now.st_size, now.st_mtime_ns, now.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino):
             cache.stamp(hexdigest)
-    result = BuildResult(digest, "sha256:" + hashlib.sha256(canonical(config)).hexdigest(), result_layers,
+    result = BuildResult(digest, "sha256:" + hashlib.sha256(compact_json(config)).hexdigest(), result_layers,
                          referrers=attached)
     if archive is not None:
         result.archive_digest = write_archive(out, archive, lock["epoch"])

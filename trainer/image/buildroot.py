@@ -43,7 +43,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from trainer.errors import UserError
 from trainer.image.cas import Cache
 from trainer.image.layer import DIR, SYMLINK, Entry, plan_entries
-from trainer.image.oci import canonical
+from trainer.image.oci import compact_json
 
 FORMAT = 1  # bump when the unpacked trees for the same inputs would change
 MOUNTS = ("build/input", "build/src", "build/out")
@@ -52,7 +52,7 @@ PYTHON_KEYS = ("version", "prefix", "site_packages", "interpreter")
 
 def validate_build_root(block: Any, where: str) -> None:
     """Check a ``build_root`` block (see the module docstring). Raises :class:`UserError` naming the field."""
-    from trainer.image.lockfile import _need, _sha
+    from trainer.image.imagelock import _need, _sha
 
     if not isinstance(block, dict):
         raise UserError(f"{where}: expected an object")
@@ -90,7 +90,7 @@ def deb_key(block: Dict[str, Any]) -> str:
     architecture and sha256 (the same inputs as the image's ``debian-rootfs`` base layer)."""
     from trainer.image.debian import deb_inputs
 
-    return hashlib.sha256(canonical({"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block),
+    return hashlib.sha256(compact_json({"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block),
                                      "links": block.get("links", {})})).hexdigest()
 
 
@@ -103,7 +103,7 @@ def mounts(block: Dict[str, Any]) -> List[str]:
 def wheel_items(lock: Dict[str, Any], names: Sequence[str], where: str) -> List[Dict[str, Any]]:
     """The wheel lock items of ``names``, each looked up in ``build_root.wheels`` first, then in the image's
     ``wheels``; sorted by canonical name. Raises :class:`UserError` for a name in neither."""
-    from trainer.image.lockfile import canonical_name
+    from trainer.image.imagelock import canonical_name
 
     pool: Dict[str, Dict[str, Any]] = {}
     for w in lock.get("wheels", []) + lock.get("build_root", {}).get("wheels", []):
@@ -121,7 +121,7 @@ def wheels_key(block: Dict[str, Any], items: List[Dict[str, Any]]) -> str:
     """sha256 hex naming the tree of ``items`` installed for ``block['python']``."""
     basis = {"format": FORMAT, "python": {k: block["python"][k] for k in PYTHON_KEYS},
              "wheels": [[w["name"], w["version"], w["filename"], w["sha256"]] for w in items]}
-    return hashlib.sha256(canonical(basis)).hexdigest()
+    return hashlib.sha256(compact_json(basis)).hexdigest()
 
 
 def materialize(entries: List[Entry], dest: Path, allow_absolute_symlinks: bool = False) -> None:
@@ -260,7 +260,7 @@ def resolve_build_root(block: Dict[str, Any]) -> Dict[str, Any]:
     import re
 
     from trainer.image.debian import resolve_debs
-    from trainer.image.lockcli import pypi_files, wheel_fits
+    from trainer.image.imagelockcli import pypi_files, wheel_fits
 
     python = block["python"]
     cp = "cp" + "".join(python["version"].split(".")[:2])

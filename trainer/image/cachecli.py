@@ -120,7 +120,7 @@ def _add_image(cache: Cache, args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from trainer.image.base import add_image
-    from trainer.image.lockfile import load_lock
+    from trainer.image.imagelock import load_lock
 
     digest, reference, platform = args.digest, None, tuple(args.platform.split("/", 1))
     if len(platform) != 2:
@@ -164,7 +164,7 @@ def _add_git(cache: Cache, args: argparse.Namespace) -> int:
 
 
 def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()) -> int:
-    from trainer.image.lockfile import inputs_of, load_lock
+    from trainer.image.imagelock import inputs_of, load_lock
     from trainer.image.sources import FETCH_HOSTS, fetch_source
 
     lock = load_lock(lock_path)

@@ -337,7 +337,7 @@ class Cache:
 
     def stamp(self, hexdigest: str, st: Optional[os.stat_result] = None) -> None:
         """Record the blob's current stat (``st``: taken before its hash was checked) as trusted."""
-        from trainer.record import atomic_write
+        from trainer.publish import atomic_write
 
         path = self.blob_path(hexdigest)
         now = path.stat()
@@ -477,9 +477,9 @@ class Cache:
 
     def put_layer_record(self, key: str, record: dict) -> None:
         """Write ``record`` (JSON, sorted keys) as ``ROOT/layers/<key>.json`` atomically
-        (:func:`trainer.record.atomic_write`).
+        (:func:`trainer.publish.atomic_write`).
         """
-        from trainer.record import atomic_write
+        from trainer.publish import atomic_write
 
         record = {**record, "key": key, "mac": self.mac("layer", key, record["diff_id"], int(record["size"]))}
         atomic_write(self.root / "layers" / f"{key}.json", (json.dumps(record, sort_keys=True) + "\n").encode())
@@ -504,7 +504,7 @@ class Cache:
         :func:`trainer.image.sources.canonical_entries`) as a blob and index it under the tree id; returns the
         blob's sha256 hex. The blob is written to a temporary file and renamed in, then the index entry."""
         from trainer.image.layer import write_layer
-        from trainer.record import atomic_write
+        from trainer.publish import atomic_write
 
         tmp = self.new_temp()
         try:

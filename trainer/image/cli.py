@@ -38,7 +38,7 @@ EXPECTED = REPO_ROOT / "lockfiles" / "expected-digests.json"
 def _revision(value: str) -> str:
     if value != "auto":
         return value
-    from trainer.record import git_revision
+    from trainer.record.record import git_revision
 
     rev = git_revision()
     if not rev.get("revision"):
@@ -121,7 +121,7 @@ def cmd_sbom(args: argparse.Namespace) -> int:
 def cmd_provenance(args: argparse.Namespace) -> int:
     """``trainer image provenance IMAGE [--statement]``: print the attached SLSA provenance (the statement, or
     its DSSE envelope when the build was signed; ``--statement`` prints the statement inside an envelope)."""
-    from trainer import attest
+    from trainer.record import attest
     from trainer.image import provenance, referrers
     from trainer.image.oci import open_image
 
@@ -149,9 +149,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Compare an image with the expected digest recorded for its lock (``--record`` writes that record)."""
     from trainer.errors import UserError
     from trainer.image.build import LOCK_LABEL
-    from trainer.image.lockfile import load_lock
+    from trainer.image.imagelock import load_lock
     from trainer.image.oci import open_image
-    from trainer.record import atomic_write
+    from trainer.publish import atomic_write
 
     lock = load_lock(Path(args.lock))
     image = open_image(Path(args.image))
@@ -217,6 +217,14 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_smoke_source(args: argparse.Namespace) -> int:
+    """``trainer image smoke-source DIR``: :func:`trainer.image.smoke.smoke_source`, printed as one JSON line."""
+    from trainer.image.smoke import smoke_source
+
+    print(json.dumps(smoke_source(Path(args.dir))))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``trainer image`` with its ``build``, ``digest``, ``diff`` and ``check``
     subcommands; each sets ``func`` to its ``cmd_*`` handler.
@@ -267,6 +275,10 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--record", action="store_true", help="record this image's digests as the expected ones for the lock")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
+    m = sub.add_parser("smoke-source", help="write the smoke lock's git source archive into DIR; print path, commit, "
+                                            "tree and sha256 as JSON (then `trainer cache add PATH --sha256 HEX`)")
+    m.add_argument("dir", help="directory to write the archive into")
+    m.set_defaults(func=cmd_smoke_source)
     return p
 
 

@@ -29,6 +29,7 @@ therefore depends only on the .deb bytes and the epoch: the same pins give the s
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import subprocess
@@ -36,10 +37,11 @@ import tarfile
 import tempfile
 import urllib.parse
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
+from trainer.image.tarread import member_name, tar_entries
 
 MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SPOOL_BYTES = 1 << 20  # files from a .deb larger than this are spooled to disk while the layer is planned
@@ -135,10 +137,24 @@ def _merged(parts: List[str]) -> List[str]:
     return ["usr", *parts] if parts and parts[0] in MERGED else parts
 
 
-def _dpkg_deb(path: Path, option: str, label: str) -> subprocess.Popen:
+@contextlib.contextmanager
+def _dpkg_tar(path: Path, option: str, label: str, what: str) -> Iterator[tarfile.TarFile]:
+    """The tar stream ``dpkg-deb OPTION PATH`` writes (``--ctrl-tarfile``, ``--fsys-tarfile``), read once. Raises
+    :class:`UserError` naming ``label`` when dpkg-deb is missing or fails, or the ``what`` archive is unreadable."""
     if shutil.which("dpkg-deb") is None:
         raise UserError(f"{label}: unpacking .debs needs dpkg-deb (Debian's dpkg)")
-    return subprocess.Popen(["dpkg-deb", option, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(["dpkg-deb", option, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
+            yield tar
+    except tarfile.TarError as ex:
+        raise UserError(f"{label}: {what} archive unreadable ({ex})") from None
+    finally:
+        proc.stdout.close()
+        err = proc.stderr.read().decode(errors="replace").strip()
+        proc.stderr.close()
+        if proc.wait() != 0:
+            raise UserError(f"{label}: dpkg-deb {option} failed: {(err.splitlines() or ['?'])[-1]}")
 
 
 MAX_CONTROL_BYTES = 16 << 20  # one file of a .deb's control archive (control, md5sums, scripts)
@@ -146,25 +162,15 @@ MAX_MEMBER_BYTES = 8 << 30  # one file of a .deb's data archive (the largest CUD
 
 
 def _read_control(path: Path, label: str) -> Dict[str, bytes]:
-    proc = _dpkg_deb(path, "--ctrl-tarfile", label)
     files: Dict[str, bytes] = {}
-    try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            for member in tar:
-                name = member.name.lstrip("./")
-                if member.isreg() and name and "/" not in name:
-                    if member.size > MAX_CONTROL_BYTES:
-                        raise UserError(f"{label}: control member {name!r} is {member.size:,} bytes (at most "
-                                        f"{MAX_CONTROL_BYTES:,}; refused)")
-                    files[name] = tar.extractfile(member).read()
-    except tarfile.TarError as ex:
-        raise UserError(f"{label}: control archive unreadable ({ex})") from None
-    finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode(errors="replace").strip()
-        proc.stderr.close()
-        if proc.wait() != 0:
-            raise UserError(f"{label}: dpkg-deb --ctrl-tarfile failed: {(err.splitlines() or ['?'])[-1]}")
+    with _dpkg_tar(path, "--ctrl-tarfile", label, "control") as tar:
+        for member in tar:
+            name = member_name(member.name)
+            if member.isreg() and name and "/" not in name:
+                if member.size > MAX_CONTROL_BYTES:
+                    raise UserError(f"{label}: control member {name!r} is {member.size:,} bytes (at most "
+                                    f"{MAX_CONTROL_BYTES:,}; refused)")
+                files[name] = tar.extractfile(member).read()
     if "control" not in files:
         raise UserError(f"{label}: no control file")
     return files
@@ -172,57 +178,32 @@ def _read_control(path: Path, label: str) -> Dict[str, bytes]:
 
 def _data_entries(path: Path, label: str, spool: Path, counter: List[int]) -> Tuple[List[Entry], List[str]]:
     """Entries of the package's data archive (merged /usr applied) and its paths as dpkg lists them."""
-    proc = _dpkg_deb(path, "--fsys-tarfile", label)
-    entries: List[Entry] = []
     listed: List[str] = []
-    by_path: Dict[str, Entry] = {}
-    try:
-        with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
-            for member in tar:
-                parts = [p for p in member.name.split("/") if p not in ("", ".")]
-                if ".." in parts:
-                    raise UserError(f"{label}: member {member.name!r} has '..' in its path (refused)")
-                if not parts:
-                    continue
-                listed.append("/" + "/".join(parts))
-                if len(parts) == 1 and parts[0] in MERGED:
-                    continue  # the merged-/usr symlink stands for this directory
-                image_path = "/".join(_merged(parts))
-                mode = member.mode & 0o7777
-                if member.isdir():
-                    entry = Entry(image_path, DIR, mode_bits=mode)
-                elif member.issym():
-                    entry = Entry(image_path, SYMLINK, target=member.linkname)
-                elif member.islnk():
-                    key = "/".join(_merged([p for p in member.linkname.split("/") if p not in ("", ".")]))
-                    if key not in by_path:
-                        raise UserError(f"{label}: hard link {member.name!r} to unknown {member.linkname!r}")
-                    entry = Entry(image_path, FILE, data=by_path[key].data, source=by_path[key].source, mode_bits=mode)
-                elif member.isreg():
-                    if member.size > MAX_MEMBER_BYTES:  # checked from the header: a sparse 30 GB member is refused
-                        raise UserError(f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
-                                        f"{MAX_MEMBER_BYTES:,} per file; refused)")
-                    handle = tar.extractfile(member)
-                    if member.size > SPOOL_BYTES:
-                        counter[0] += 1
-                        spooled = spool / f"deb-{counter[0]:08d}"
-                        with open(spooled, "wb") as out:
-                            shutil.copyfileobj(handle, out, 1 << 20)
-                        entry = Entry(image_path, FILE, source=spooled, mode_bits=mode)
-                    else:
-                        entry = Entry(image_path, FILE, data=handle.read(), mode_bits=mode)
-                else:
-                    raise UserError(f"{label}: member {member.name!r} is a device, FIFO or other special file (refused)")
-                by_path[image_path] = entry
-                entries.append(entry)
-    except tarfile.TarError as ex:
-        raise UserError(f"{label}: data archive unreadable ({ex})") from None
-    finally:
-        proc.stdout.close()
-        err = proc.stderr.read().decode(errors="replace").strip()
-        proc.stderr.close()
-        if proc.wait() != 0:
-            raise UserError(f"{label}: dpkg-deb --fsys-tarfile failed: {(err.splitlines() or ['?'])[-1]}")
+    with _dpkg_tar(path, "--fsys-tarfile", label, "data") as tar:
+
+        def path_of(parts: List[str]) -> Optional[str]:
+            if not parts:
+                return None
+            listed.append("/" + "/".join(parts))
+            if len(parts) == 1 and parts[0] in MERGED:
+                return None  # the merged-/usr symlink stands for this directory
+            return "/".join(_merged(parts))
+
+        def file_entry(member: tarfile.TarInfo, image_path: str, mode: dict) -> Entry:
+            if member.size > MAX_MEMBER_BYTES:  # checked from the header: a sparse 30 GB member is refused
+                raise UserError(f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
+                                f"{MAX_MEMBER_BYTES:,} per file; refused)")
+            handle = tar.extractfile(member)
+            if member.size > SPOOL_BYTES:
+                counter[0] += 1
+                spooled = spool / f"deb-{counter[0]:08d}"
+                with open(spooled, "wb") as out:
+                    shutil.copyfileobj(handle, out, 1 << 20)
+                return Entry(image_path, FILE, source=spooled, **mode)
+            return Entry(image_path, FILE, data=handle.read(), **mode)
+
+        entries = tar_entries(tar, f"{label}: archive", path_of, file_entry, keep_modes=True,
+                              key_of=lambda parts: "/".join(_merged(parts)))
     return entries, listed
 
 

@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.oci import ImageRef, LayerRef, open_image
+from trainer.image.tarread import member_name, open_layer
 
 STAMP = "etc/recipe-bundle/lock.json"
 LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
@@ -102,8 +103,6 @@ def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str,
     distributions (canonical name -> version, from dist-info METADATA), Debian packages (name -> version,
     the ``install ok installed`` entries of the dpkg status file) and each distribution's directory (canonical
     name -> the site directory holding its dist-info, relative, e.g. ``usr/local/lib/python3.11/dist-packages``)."""
-    import gzip
-    import tarfile
 
     dists: Dict[str, str] = {}
     where: Dict[str, str] = {}
@@ -112,12 +111,9 @@ def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str,
         if layer.media_type.endswith("+zstd"):
             continue  # not decompressed here (no zstd in the standard library); only base images use it
         with layer.open() as raw:
-            head = raw.read(2)
-            raw.seek(0)
-            stream = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
-            with tarfile.open(fileobj=stream, mode="r|") as tar:
+            with open_layer(raw) as tar:
                 for member in tar:
-                    name = member.name.removeprefix("./").lstrip("/")
+                    name = member_name(member.name)
                     if member.isreg() and METADATA.search(name):
                         headers = BytesHeaderParser().parsebytes(tar.extractfile(member).read())
                         if headers.get("Name"):
@@ -265,7 +261,7 @@ def diff_image_record(a: ImageRef, record: Dict[str, Any], where: Path) -> Dict[
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
     lock = seen["lock"]
     if lock and not re.match(r"^[0-9a-f]{64}$", str(lock)):
-        from trainer.image.lockfile import load_lock
+        from trainer.image.imagelock import load_lock
 
         lock = load_lock(Path(lock))["_sha256"]
     mine = a.manifest_digest or a.config_digest
@@ -314,7 +310,7 @@ def diff_main(a: Path, b: Path, as_json: bool) -> int:
     """Compare ``a`` (an image) with ``b`` (an image or an image lock); print; 0 identical, 1 different."""
     image_a = open_image(a)
     if b.is_file() and b.suffix == ".json":
-        from trainer.image.lockfile import load_lock
+        from trainer.image.imagelock import load_lock
 
         data = json.loads(b.read_text() or "null") if b.stat().st_size < (64 << 20) else None
         if isinstance(data, dict) and data.get("kind") == "recipe-bundle.image-lock":

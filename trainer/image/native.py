@@ -46,7 +46,8 @@ from typing import Any, Dict, List, Optional
 from trainer.errors import UserError
 from trainer.image import buildroot
 from trainer.image.cas import Cache
-from trainer.image.layer import Entry, entries_from_tar, entries_from_tree
+from trainer.image.layer import Entry, entries_from_tree
+from trainer.image.tarread import entries_from_tar
 
 FORMAT = 1  # bump when the same step would give other bytes (sandbox, fixed env, output handling)
 INPUT, SRC, OUT = "/build/input", "/build/src", "/build/out"
@@ -74,7 +75,7 @@ INSTALL_TYPES = ("tree", "wheel")
 def validate_builds(lock: Dict[str, Any], where: str) -> None:
     """Check ``lock['builds']`` and ``lock['build_root']`` (see the module docstring). Raises :class:`UserError`
     naming the field: an unknown input, a step without a build root, a bad command, env or install."""
-    from trainer.image.lockfile import NAME, _need, canonical_name
+    from trainer.image.imagelock import NAME, _need, canonical_name
 
     builds = lock.get("builds", [])
     if not isinstance(builds, list):
@@ -123,14 +124,14 @@ def validate_builds(lock: Dict[str, Any], where: str) -> None:
 
 def unbuilt_sdists(lock: Dict[str, Any]) -> List[str]:
     """Names of the lock's sdists that no build step builds (an image must not ship them unbuilt)."""
-    from trainer.image.lockfile import canonical_name
+    from trainer.image.imagelock import canonical_name
 
     built = {canonical_name(s["input"]["sdist"]) for s in lock.get("builds", []) if "sdist" in s["input"]}
     return [s["name"] for s in lock.get("sdists", []) if canonical_name(s["name"]) not in built]
 
 
 def _input_item(lock: Dict[str, Any], step: Dict[str, Any]) -> Dict[str, Any]:
-    from trainer.image.lockfile import canonical_name
+    from trainer.image.imagelock import canonical_name
 
     spec = step["input"]
     if "source" in spec:

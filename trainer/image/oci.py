@@ -19,7 +19,6 @@ Read: an OCI layout directory, an oci-archive (tar holding ``oci-layout``) or a 
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import io
 import json
@@ -34,7 +33,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
+from trainer.publish import atomic_file, fsync_dir, swap_dir
 from trainer.image.layer import DIR, FILE, Entry, write_layer
+from trainer.image.tarread import member_name, open_layer
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -43,7 +44,7 @@ MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
 REF_NAME = "org.opencontainers.image.ref.name"
 
 
-def canonical(obj: Any) -> bytes:
+def compact_json(obj: Any) -> bytes:
     """Compact JSON with sorted keys: the bytes of every JSON blob this module writes."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
@@ -72,29 +73,6 @@ class Layer:
     diff_id: str = ""
 
 
-def image_config(layers: List[Layer], epoch: int, env: Dict[str, str], entrypoint: List[str],
-                 labels: Dict[str, str], working_dir: str = "", architecture: str = "amd64") -> Dict[str, Any]:
-    """The image config (config.md): created = epoch, Env sorted by name, rootfs.diff_ids and one history
-    entry per layer (created_by names the layer group)."""
-    created = rfc3339(epoch)
-    config: Dict[str, Any] = {"Env": [f"{k}={env[k]}" for k in sorted(env)], "Labels": dict(sorted(labels.items()))}
-    if entrypoint:
-        config["Entrypoint"] = list(entrypoint)
-    if working_dir:
-        config["WorkingDir"] = working_dir
-    return {
-        "architecture": architecture,
-        "os": "linux",
-        "created": created,
-        "config": config,
-        "rootfs": {"type": "layers", "diff_ids": [layer.diff_id or layer.digest for layer in layers]},
-        "history": [
-            {"created": created, "created_by": f"recipe-bundle layer {layer.name}", "comment": layer.comment}
-            for layer in layers
-        ],
-    }
-
-
 OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir", "Labels", "StopSignal",
                    "ArgsEscaped", "Healthcheck", "Shell", "OnBuild")
 
@@ -102,7 +80,8 @@ OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes"
 def based_config(base: Dict[str, Any], base_layer_count: int, layers: List[Layer], epoch: int, env: Dict[str, str],
                  entrypoint: List[str], cmd: List[str], labels: Dict[str, str], working_dir: str,
                  default_path: str) -> Dict[str, Any]:
-    """The config of our ``layers`` on top of the ``base`` image config (config.md).
+    """The config of our ``layers`` on top of the ``base`` image config (config.md); a base without a config of
+    its own (scratch, a Debian rootfs: ``base_layer_count`` 0) is given as ``{"architecture", "os"}`` alone.
 
     ``rootfs.diff_ids``: the base's followed by ours; ``history``: the base's entries (synthesized, one per
     layer, when the base's non-empty entries do not match its ``base_layer_count`` layers) followed by one
@@ -163,17 +142,6 @@ def image_manifest(config_bytes: bytes, layers: List[Layer], annotations: Dict[s
     return manifest
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotations: Dict[str, str],
                  place_blob: Callable[[Layer, Path], None],
                  referrers: Callable[[Dict[str, Any]], List[Tuple[Dict[str, Any], bytes, List[bytes]]]] = None) -> str:
@@ -183,8 +151,8 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
     ``referrers(image_descriptor)`` returns the OCI 1.1 referrers to add (:func:`trainer.image.referrers.referrer`:
     index descriptor, manifest bytes, blobs); they are listed in index.json after the image.
     """
-    config_bytes = canonical(config)
-    manifest_bytes = canonical(image_manifest(config_bytes, layers, annotations))
+    config_bytes = compact_json(config)
+    manifest_bytes = compact_json(image_manifest(config_bytes, layers, annotations))
     manifest_digest = digest_of(manifest_bytes)
     image_descriptor = {"mediaType": MT_MANIFEST, "digest": manifest_digest, "size": len(manifest_bytes),
                         "annotations": {REF_NAME: "latest"}}
@@ -207,12 +175,12 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
             dest = blobs / layer.digest[7:]
             if not dest.exists():
                 place_blob(layer, dest)
-        (tmp / "oci-layout").write_bytes(canonical({"imageLayoutVersion": "1.0.0"}))
-        (tmp / "index.json").write_bytes(canonical(index))
+        (tmp / "oci-layout").write_bytes(compact_json({"imageLayoutVersion": "1.0.0"}))
+        (tmp / "index.json").write_bytes(compact_json(index))
         for path in (tmp, tmp / "blobs", blobs):
             os.chmod(path, 0o755)
-        _fsync_dir(blobs)
-        _fsync_dir(tmp)
+        fsync_dir(blobs)
+        fsync_dir(tmp)
         _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -251,20 +219,13 @@ def remove_stale_siblings(out: Path) -> List[Path]:
 
 
 def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the complete ``tmp`` onto ``out``; an existing ``out`` is moved aside, then removed."""
-    old = None
+    """Rename the complete ``tmp`` onto ``out`` (:func:`trainer.publish.swap_dir`) unless ``out`` is something
+    other than an image layout."""
     if out.is_symlink() or out.is_file():
         raise UserError(f"{out}: exists and is not a directory (refusing to replace it with an image layout)")
-    if out.exists():
-        if not (out / "oci-layout").exists() and any(out.iterdir()):
-            raise UserError(f"{out}: a non-empty directory that is not an OCI layout (refusing to replace it)")
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
-        os.rmdir(old)
-        os.rename(out, old)
-    os.rename(tmp, out)
-    _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    if out.exists() and not (out / "oci-layout").exists() and any(out.iterdir()):
+        raise UserError(f"{out}: a non-empty directory that is not an OCI layout (refusing to replace it)")
+    swap_dir(tmp, out)
 
 
 def write_archive(layout: Path, archive: Path, epoch: int) -> str:
@@ -281,17 +242,8 @@ def write_archive(layout: Path, archive: Path, epoch: int) -> str:
     archive = Path(os.path.abspath(archive))
     archive.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_siblings(archive)
-    fd, tmp = tempfile.mkstemp(prefix=f".{archive.name}.tmp-{os.getpid()}-", dir=archive.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            info = write_layer(entries, handle, epoch)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, archive)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(archive, 0o644, umask_applies=False, prefix=f".{archive.name}.tmp-{os.getpid()}-") as handle:
+        info = write_layer(entries, handle, epoch)
     return info.diff_id
 
 
@@ -330,9 +282,9 @@ class ImageRef:
         """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
         out: Dict[str, Dict[str, Any]] = {}
         with layer.open() as raw:
-            with _layer_tar(raw) as tar:
+            with open_layer(raw) as tar:
                 for member in tar:
-                    name = _member_name(member)
+                    name = member_name(member.name)
                     item: Dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
                     if member.isreg():
                         digest = hashlib.sha256()
@@ -354,24 +306,11 @@ class ImageRef:
         path = path.strip("/")
         for layer in reversed(self.layers):
             with layer.open() as raw:
-                with _layer_tar(raw) as tar:
+                with open_layer(raw) as tar:
                     for member in tar:
-                        if _member_name(member) == path and member.isreg():
+                        if member_name(member.name) == path and member.isreg():
                             return tar.extractfile(member).read()
         return None
-
-
-def _layer_tar(raw: BinaryIO) -> tarfile.TarFile:
-    """A streaming tar reader over a layer blob, gzip-compressed (sniffed by its magic bytes) or plain."""
-    head = raw.read(2)
-    raw.seek(0)
-    stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
-    return tarfile.open(fileobj=stream, mode="r|")
-
-
-def _member_name(member: tarfile.TarInfo) -> str:
-    """A tar member's path normalized the way layers are compared: no leading ``./`` or ``/``, no empty parts."""
-    return "/".join(p for p in member.name.split("/") if p not in ("", "."))
 
 
 def _json(data: bytes, what: str) -> Any:
@@ -416,7 +355,7 @@ def _open_image(path: Path) -> ImageRef:
         raise UserError(f"{path}: no such image (expected an OCI layout directory, an oci-archive or a docker-archive)")
     try:
         tar = tarfile.open(path, mode="r:")
-        names = {"/".join(p for p in m.name.split("/") if p not in ("", ".")): m for m in tar.getmembers()}
+        names = {member_name(m.name): m for m in tar.getmembers()}
     except tarfile.TarError as ex:
         raise UserError(f"{path}: not a tar archive ({ex})") from None
 

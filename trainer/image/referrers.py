@@ -15,7 +15,7 @@ artifactType                     document                                   writ
 application/spdx+json            SPDX 2.3 JSON SBOM                         :mod:`trainer.image.sbom`
 application/vnd.cyclonedx+json   CycloneDX 1.6 JSON SBOM                    :mod:`trainer.image.sbom`
 application/vnd.in-toto+json     SLSA v1 provenance statement (unsigned)    :mod:`trainer.image.provenance`
-application/vnd.dsse.envelope…   the same in a DSSE envelope (``--sign-key``)  :mod:`trainer.attest`
+application/vnd.dsse.envelope…   the same in a DSSE envelope (``--sign-key``)  :mod:`trainer.record.attest`
 ===============================  =========================================  ==========================
 
 Provenance referrers carry the annotation ``in-toto.io/predicate-type`` (the statement's predicateType).
@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
-from trainer.image.oci import MT_MANIFEST, ImageRef, canonical, digest_of, rfc3339
+from trainer.image.oci import MT_MANIFEST, ImageRef, compact_json, digest_of, rfc3339
 
 MT_EMPTY = "application/vnd.oci.empty.v1+json"
 EMPTY = b"{}"
@@ -65,7 +65,7 @@ def referrer(doc: Document, subject: Dict[str, Any], epoch: int) -> Tuple[Dict[s
         "subject": {"mediaType": subject["mediaType"], "digest": subject["digest"], "size": subject["size"]},
         "annotations": dict(sorted(annotations.items())),
     }
-    data = canonical(manifest)
+    data = compact_json(manifest)
     descriptor = {"mediaType": MT_MANIFEST, "digest": digest_of(data), "size": len(data),
                   "artifactType": doc.artifact_type, "annotations": dict(sorted(annotations.items()))}
     return descriptor, data, [EMPTY, doc.data]
@@ -75,7 +75,7 @@ def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
               bundle_root: Optional[Path], signer=None) -> List[Document]:
     """The SBOMs and provenance of the image ``manifest_digest`` built from ``lock`` (in index order:
     SPDX, CycloneDX, provenance); the provenance is a DSSE envelope signed by ``signer`` when given (see
-    :func:`trainer.attest.load_signer`), else the bare statement."""
+    :func:`trainer.record.attest.load_signer`), else the bare statement."""
     from trainer.image import provenance, sbom
 
     spdx = sbom.spdx_json(lock, manifest_digest)
@@ -90,7 +90,7 @@ def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
     if signer is None:
         docs.append(Document(provenance.INTOTO_MEDIA_TYPE, data, f"{name}.provenance.json", annotations))
     else:
-        from trainer.attest import sign
+        from trainer.record.attest import sign
 
         docs.append(Document(MT_DSSE, sign(data, signer), f"{name}.provenance.dsse.json", annotations))
     return docs

@@ -98,7 +98,7 @@ def _base_image(lock: Dict[str, Any]) -> Iterable[Item]:
 
 def _python(section: str) -> Callable[[Dict[str, Any]], Iterable[Item]]:
     def items(lock: Dict[str, Any]) -> Iterable[Item]:
-        from trainer.image.lockfile import canonical_name
+        from trainer.image.imagelock import canonical_name
 
         out = []
         for d in lock.get(section) or []:

@@ -36,7 +36,8 @@ from typing import Any, BinaryIO, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.gittree import EXEC_MODE, FILE_MODE, LINK_MODE, check_links_stay_inside, git_tree_id
-from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tar
+from trainer.image.layer import DIR, FILE, SYMLINK, Entry
+from trainer.image.tarread import entries_from_tar
 
 PTH_NAME = "recipe-bundle-sources.pth"
 MAX_SOURCE_BYTES = 2 << 30  # a source tree larger than this (uncompressed) is refused: 2 GiB
@@ -314,9 +315,9 @@ def pins_for(locks: List[Path]) -> List[Dict[str, Any]]:
     tree. Raises :class:`UserError` for an unreadable file."""
     import json
 
-    from trainer.image.lockfile import load_lock
+    from trainer.image.imagelock import load_lock
 
-    from trainer.image.lockfile import KIND
+    from trainer.image.imagelock import KIND
 
     out: List[Dict[str, Any]] = []
     for path in locks:

@@ -1,5 +1,11 @@
 """Launchers: what ``train`` does with a checked, planned run (``launcher=`` in ``conf/launcher/``).
 
+The launchers themselves (the host side, run where ``train`` runs) are in :mod:`trainer.launch.host`; the
+modules of this package next to it run inside the job, and their module paths are part of the commands and
+scripts the launchers write: ``cpu_worker`` (a CPU data-parallel rank), ``megatron_worker`` (a megatron-core
+rank under torchrun), ``ray_entry`` (a Ray job's entrypoint), ``preflight`` (compares the nodes' probes) and
+``jobsteps`` (what ``sbatch.sh`` runs on the head node); ``megatron_args`` is shared by both sides.
+
 ``plan``       write the plan and launch nothing (no module: ``train`` does it);
 ``local-cpu``  train the composed (tiny) model on this machine's CPUs, data parallel over processes;
 ``local-megatron``  train the composed (proxy) model with megatron-core on this machine's GPUs (torchrun).
@@ -7,10 +13,11 @@
 A launcher is a module in :data:`LAUNCHERS` with two functions:
 
 ``check(cfg: TrainConfig, par: Parallelism) -> None``
-    launcher-specific pre-launch checks; runs in ``train``'s preflight, before anything is written;
+    launcher-specific pre-launch checks; runs when the job is prepared (:func:`trainer.compose.prepare.prepare`), before anything is written;
     raises :class:`~trainer.errors.CheckError` (one line).
-``execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: dict) -> dict``
-    runs the job; ``record`` is the run record so far (already written with status ``running``); returns it
+``execute(prepared: PreparedRun, run_dir: Path, record: dict) -> dict``
+    runs the job of a :class:`~trainer.compose.prepare.PreparedRun` (its typed config, parallelism and rendered
+    launch; nothing is composed or rendered again); ``record`` is the run record so far (already written with status ``running``); returns it
     updated with ``status`` (``complete`` / ``failed`` / ``interrupted``), ``reason`` and ``probe``. Raises
     :class:`~trainer.errors.UserError` for bad input found late (the caller marks the run failed).
 """
@@ -19,19 +26,22 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Any, Dict
+from typing import TYPE_CHECKING, Any, Dict
 
-from trainer.checks import Parallelism
+from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError
-from trainer.schema import TrainConfig
+from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
 
 LAUNCHERS: Dict[str, str] = {
     "plan": "",
-    "local-cpu": "trainer.launch.local_cpu",
-    "slurm": "trainer.launch.slurm",
-    "ray": "trainer.launch.ray",
-    "local-image": "trainer.launch.local_image",
-    "local-megatron": "trainer.launch.local_megatron",
+    "local-cpu": "trainer.launch.host.local_cpu",
+    "slurm": "trainer.launch.host.slurm",
+    "ray": "trainer.launch.host.ray",
+    "local-image": "trainer.launch.host.local_image",
+    "local-megatron": "trainer.launch.host.local_megatron",
 }
 
 
@@ -48,8 +58,8 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         module.check(cfg, par)
 
 
-def execute(cfg: TrainConfig, par: Parallelism, run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Run the job with the configured launcher (not ``plan``); see the module docstring."""
-    module = _module(cfg.launcher.name)
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the prepared job with its launcher (not ``plan``); see the module docstring."""
+    module = _module(prepared.launcher)
     assert module is not None, "plan launches nothing"
-    return module.execute(cfg, par, run_dir, record)
+    return module.execute(prepared, run_dir, record)

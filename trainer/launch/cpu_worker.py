@@ -15,7 +15,7 @@ The story of a step (the recipe's optimizer semantics, Megatron's definitions):
 5. router gates frozen (``--moe-router-freeze-gate``); the expert bias is never updated
    (``--freeze-e-score-correction-bias``).
 
-Rank 0 appends one line per step to ``metrics.jsonl`` (keys of :mod:`trainer.metrics`). Every rank writes its
+Rank 0 appends one line per step to ``metrics.jsonl`` (keys of :mod:`trainer.report.metrics`). Every rank writes its
 probe to ``probe-rank-N.json``. Run as ``python -m trainer.launch.cpu_worker RUN_DIR RANK WORLD ROWS_DIR``.
 """
 
@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-from trainer.record import atomic_write, canonical_json
+from trainer.publish import atomic_write
+from trainer.record.record import canonical_json
 
 
 def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float) -> float:
@@ -64,12 +65,12 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer.compose import validate
+    from trainer.compose.compose import validate
     from trainer.data import Rows
-    from trainer.metrics import dumps_row
+    from trainer.report.metrics import dumps_row
     from trainer.models.deepseek_v4_hf import build_model, freeze_router
     from trainer.probe import probe
-    from trainer.rundir import load_config
+    from trainer.record.rundir import load_config
 
     cfg = validate(load_config(run_dir / "config.yaml"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))

@@ -3,7 +3,7 @@
 The worker hands these to Megatron-LM's own parser (``megatron.training.arguments.parse_args``), then
 ``core_transformer_config_from_args`` turns them into the ``TransformerConfig`` — the path miles 78527b91
 takes (``miles/utils/arguments.py`` -> ``miles/backends/megatron_utils/arguments.py`` ->
-``model_provider.py``). The model, layout and optimizer flags come from :mod:`trainer.render`'s tables (the
+``model_provider.py``). The model, layout and optimizer flags come from :mod:`trainer.compose.render`'s tables (the
 recipe's own argv), less the flags only miles reads; the rest are the run's sizes and the launcher's choices.
 """
 
@@ -13,7 +13,7 @@ from typing import List
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.render import LAYOUT_ARGS, MODEL_ARGS, OPTIM_ARGS, format_value, render_rows
+from trainer.compose.render import LAYOUT_ARGS, MODEL_ARGS, OPTIM_ARGS, format_value, render_rows
 
 # Flags of the rendered tables that Megatron-LM's parser does not define (miles reads them) or that a model
 # without the V4 attention variant must not pass.
@@ -23,7 +23,7 @@ V4_ONLY_PREFIXES = ("--dsv4-", "--dsa-indexer-", "--spec", "--experimental-atten
 
 def megatron_argv(cfg, transformer_impl: str, attention_backend: str, steps: int) -> List[str]:
     """Megatron-LM argv (without the program name) for the composed ``cfg`` (a DictConfig or a
-    :class:`~trainer.schema.TrainConfig`).
+    :class:`~trainer.compose.schema.TrainConfig`).
 
     ``transformer_impl``: ``transformer_engine`` | ``local`` (Megatron ``--transformer-impl``);
     ``attention_backend``: Megatron ``--attention-backend`` (``flash``, ``fused``, ``unfused``, ``local``,

@@ -2,7 +2,7 @@
 
 Started by ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` in the environment) as
 ``python -m trainer.launch.megatron_worker RUN_DIR ROWS_DIR``, with the verified Megatron-LM and miles
-checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.checkout`). The story of the run:
+checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.host.checkout`). The story of the run:
 
 1. NCCL process group; the probe (after one collective, so it sees NCCL's net plugin);
 2. Megatron-LM's arguments from the composed config (:func:`trainer.launch.megatron_args.megatron_argv`: the
@@ -53,13 +53,13 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from trainer.compose import validate
+    from trainer.compose.compose import validate
     from trainer.data import Rows
-    from trainer.metrics import dumps_row
+    from trainer.report.metrics import dumps_row
     from trainer.launch.cpu_worker import megatron_lr
     from trainer.probe import probe
-    from trainer.record import atomic_write, canonical_json
-    from trainer.rundir import load_config
+    from trainer.record.record import atomic_write, canonical_json
+    from trainer.record.rundir import load_config
 
     cfg = validate(load_config(run_dir / "config.yaml"))
     lay, optim = cfg.layout, cfg.optim

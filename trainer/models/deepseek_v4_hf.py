@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, Dict
 
 from trainer.errors import UserError
-from trainer.schema import ModelConfig
+from trainer.compose.schema import ModelConfig
 
 
 def hf_config_kwargs(m: ModelConfig) -> Dict[str, Any]:

@@ -1,0 +1,322 @@
+"""A real single-node Slurm cluster and a real Ray head on loopback, for the tests and demos of the launchers.
+
+Everything binds to 127.0.0.1 only, lives in a directory the caller gives (configs, state, logs, sockets),
+is bounded in time (``timeout``) and is stopped by the PIDs this module started, never by name:
+
+* :class:`LocalSlurm`: a private ``munged`` (its own key and socket), ``slurmctld`` and ``slurmd -N localhost``
+  from a private ``slurm.conf`` (``SlurmctldHost=localhost(127.0.0.1)``, ``NodeAddr=127.0.0.1``: addresses, not
+  names to look up, so no ``/etc/hosts`` is needed; ``CommunicationParameters=NoInAddrAny,NoCtldInAddrAny`` and
+  daemons whose host name is ``127.0.0.1`` in their own UTS namespace, so that nothing listens on other
+  interfaces), with ``gpus`` GPUs simulated by character
+  devices (``mknod``, major 195 as NVIDIA's) for scheduling only. ``env()`` gives the ``SLURM_CONF`` for
+  ``sbatch``/``squeue``.
+* :class:`LocalRay`: ``ray start --head --block`` on 127.0.0.1 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``,
+  ``--node-ip-address=127.0.0.1``, dashboard on 127.0.0.1, usage stats off), stopped by SIGTERM to its PID
+  with draining off, then SIGKILL to every process it started that is still alive.
+
+Facts (Debian slurm-wlm 22.05, munge 0.5.15, PyPI ray 2.60): shared/docs/CLUSTER.md.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
+
+
+def _search_path() -> str:
+    """PATH plus the system directories the daemons live in (Bazel's strict action env drops /usr/sbin)."""
+    return os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
+
+
+def missing_slurm() -> List[str]:
+    """The Slurm/munge programs absent from PATH (and /usr/sbin)."""
+    return [b for b in SLURM_BINARIES if shutil.which(b, path=_search_path()) is None]
+
+
+def missing_ray() -> Optional[str]:
+    """None when the ``ray`` CLI is beside this interpreter or on PATH, else why not."""
+    beside = Path(sys.executable).parent / "ray"
+    return None if beside.is_file() or shutil.which("ray") else "the ray CLI (PyPI ray[default]) is not installed"
+
+
+def free_port(low: int = 20000, high: int = 32000) -> int:
+    """A TCP port free on 127.0.0.1 in [low, high) (outside Ray's default worker ports 10002-19999 and the
+    kernel's ephemeral range)."""
+    import random
+
+    rng = random.Random(os.getpid() ^ time.monotonic_ns())
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port on 127.0.0.1")
+
+
+def _descendants(pid: int) -> List[int]:
+    """PIDs whose parent chain reaches ``pid`` (read from /proc)."""
+    parents: Dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                parents[int(entry.name)] = int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == current]
+        out += children
+        frontier += children
+    return out
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM ``proc`` (SIGKILL after ``grace_s``), then SIGKILL every descendant it had that is still alive
+    (by PID: daemons that double-fork, workers in their own sessions)."""
+    family = _descendants(proc.pid) if proc.poll() is None else []
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for pid in family:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _wait_for(predicate, timeout_s: float, what: str, log: Optional[Path] = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    tail = log.read_text(errors="replace")[-2000:] if log and log.is_file() else ""
+    raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s\n{tail}")
+
+
+def _loopback_hostname() -> None:
+    """In a child before exec: a UTS namespace of its own whose host name is ``127.0.0.1``.
+
+    With ``NoInAddrAny``/``NoCtldInAddrAny`` the Slurm daemons bind to the address of ``gethostname()`` (Slurm
+    22.05 ``slurm_setup_addr``), which would need the machine's name to resolve (``/etc/hosts``) and could be a
+    public address; an address as the name resolves without any lookup, to loopback. Needs root (CAP_SYS_ADMIN).
+    """
+    import ctypes
+
+    if ctypes.CDLL("libc.so.6", use_errno=True).unshare(0x04000000) != 0:  # CLONE_NEWUTS, <sched.h>
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
+    socket.sethostname("127.0.0.1")
+
+
+class LocalSlurm:
+    """munged + slurmctld + slurmd on localhost under ``root`` (a fresh directory). Use as a context manager.
+
+    ``gpus``: GPUs the node offers to the scheduler (simulated devices, gres ``gpu``); ``lifetime_s``: upper
+    bound of every daemon's life (``timeout``), in case the caller never stops them.
+    """
+
+    def __init__(self, root: Path, gpus: int = 2, cpus: int = 2, memory_mb: int = 4000, lifetime_s: int = 600):
+        self.root = Path(root)
+        self.gpus, self.cpus, self.memory_mb, self.lifetime_s = gpus, cpus, memory_mb, lifetime_s
+        self.procs: List[subprocess.Popen] = []
+        self.conf = self.root / "slurm.conf"
+        # munged's socket and slurmd's spool (slurmstepd sockets) need paths under the 108-byte limit of a unix
+        # socket address; a deep ``root`` (Bazel's TEST_TMPDIR is ~125 bytes) gets a short directory of their own
+        self.short: Optional[Path] = None
+        self.sockets = self.root
+        if len(str(self.root.absolute())) > 48:
+            self.short = self.sockets = Path(tempfile.mkdtemp(prefix="rb-slurm-", dir="/tmp"))
+
+    def env(self) -> Dict[str, str]:
+        """The environment for Slurm commands against this cluster."""
+        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": _search_path()}
+
+    def _write_config(self) -> None:
+        r = self.root
+        for sub in ("state", "dev"):
+            (r / sub).mkdir(parents=True, exist_ok=True)
+        for sub in ("spool", "munge"):
+            (self.sockets / sub).mkdir(parents=True, exist_ok=True)
+        os.chmod(self.sockets / "munge", 0o700)
+        key = self.sockets / "munge" / "munge.key"
+        key.write_bytes(os.urandom(1024))
+        os.chmod(key, 0o600)
+        for i in range(self.gpus):
+            dev = r / "dev" / f"nvidia{i}"
+            if not dev.exists():
+                os.mknod(dev, 0o600 | 0o020000, os.makedev(195, i))
+        ctld_port, slurmd_port = free_port(), free_port()
+        gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        self.conf.write_text(f"""\
+ClusterName=recipebundle
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={self.sockets}/munge/munge.sock
+StateSaveLocation={r}/state
+SlurmdSpoolDir={self.sockets}/spool
+SlurmctldPidFile={r}/slurmctld.pid
+SlurmdPidFile={r}/slurmd.pid
+SlurmctldLogFile={r}/slurmctld.log
+SlurmdLogFile={r}/slurmd.log
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core_Memory
+DefMemPerCPU={self.memory_mb // self.cpus // 2}
+MpiDefault=none
+ReturnToService=2
+MinJobAge=600
+GresTypes=gpu
+NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+""")
+        if self.gpus:
+            (r / "gres.conf").write_text(
+                f"AutoDetect=off\nNodeName=localhost Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n")
+
+    def _spawn(self, argv: List[str], log: str) -> subprocess.Popen:
+        out = open(self.root / log, "wb")
+        program = shutil.which(argv[0], path=_search_path()) or argv[0]
+        proc = subprocess.Popen(["timeout", str(self.lifetime_s), program, *argv[1:]], stdout=out, stderr=subprocess.STDOUT,
+                                env=self.env(), start_new_session=True, preexec_fn=_loopback_hostname)
+        self.procs.append(proc)
+        return proc
+
+    def start(self) -> "LocalSlurm":
+        """Start the cluster (see :meth:`_start`); on any failure stop what was started, then re-raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "LocalSlurm":
+        """Write the config, start the daemons, wait until the node is idle (about 2 s)."""
+        self._write_config()
+        m = self.sockets / "munge"
+        self._spawn(["munged", "-F", "-f", f"--key-file={m}/munge.key", f"--socket={m}/munge.sock",
+                     f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
+                    "munged.out")
+        _wait_for(lambda: (m / "munge.sock").exists(), 10, "munged", self.root / "munged.out")
+        self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
+        self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", "localhost"], "slurmd.out")
+
+        def idle() -> bool:
+            out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=self.env())
+            return out.returncode == 0 and out.stdout.strip() == "idle"
+
+        _wait_for(idle, 30, "the Slurm node", self.root / "slurmctld.log")
+        return self
+
+    def stop(self) -> None:
+        """Cancel every job, then stop the daemons by PID (slurmd, slurmctld, munged)."""
+        try:
+            subprocess.run(["scancel", "--user=root", "--full"], capture_output=True, env=self.env(), timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            pass  # not installed, or slurmctld never came up: nothing to cancel
+        for proc in reversed(self.procs):
+            _stop(proc)
+        self.procs = []
+        if self.short is not None:
+            shutil.rmtree(self.short, ignore_errors=True)
+
+    def __enter__(self) -> "LocalSlurm":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def ray_port_args() -> List[str]:
+    """``ray start`` arguments that give a node its own free ports for every component with a fixed default
+    (dashboard agent 52365, client server 10001, ...), so that two Ray heads on one machine do not collide;
+    worker ports are left to the kernel (``--min-worker-port=0``)."""
+    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
+            f"--ray-client-server-port={free_port()}", f"--metrics-export-port={free_port()}",
+            f"--runtime-env-agent-port={free_port()}", "--min-worker-port=0", "--max-worker-port=0"]
+
+
+class LocalRay:
+    """A Ray head on 127.0.0.1 (``ray start --head --block``) with its temp dir under ``root``."""
+
+    def __init__(self, root: Path, cpus: int = 2, lifetime_s: int = 600):
+        self.root = Path(root)
+        self.cpus, self.lifetime_s = cpus, lifetime_s
+        self.proc: Optional[subprocess.Popen] = None
+        self.port = free_port()
+        self.dashboard_port = free_port()
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+
+    @staticmethod
+    def env() -> Dict[str, str]:
+        """Loopback-only Ray: every port on 127.0.0.1, no usage stats, immediate teardown on SIGTERM."""
+        bin_dir = str(Path(sys.executable).parent)
+        return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
+                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+
+    def start(self) -> "LocalRay":
+        """Start the head (see :meth:`_start`); on any failure stop what was started, then re-raise."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "LocalRay":
+        """Start the head and wait for the dashboard (about 5-7 s)."""
+        from trainer.launch.host.ray import ray_cli, reachable
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        # Ray's unix sockets live in the temp dir: keep its path short (108-byte limit)
+        self.temp = Path("/tmp") / f"ray-rb-{os.getpid()}-{self.port}"
+        log = open(self.root / "ray-head.log", "wb")
+        self.proc = subprocess.Popen(
+            ["timeout", str(self.lifetime_s), ray_cli(), "start", "--head", "--block",
+             f"--port={self.port}", f"--num-cpus={self.cpus}", "--include-dashboard=true",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", "--node-ip-address=127.0.0.1",
+             f"--temp-dir={self.temp}", *ray_port_args()],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
+        _wait_for(lambda: reachable(self.address, 2) is None or self.proc.poll() is not None, 60, "the Ray head",
+                  self.root / "ray-head.log")
+        if self.proc.poll() is not None:
+            raise RuntimeError("the Ray head exited:\n" + (self.root / "ray-head.log").read_text()[-2000:])
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM the head (by PID; ``timeout`` passes it on), SIGKILL what it left; remove its temp dir."""
+        if self.proc is not None:
+            _stop(self.proc, grace_s=20)
+            self.proc = None
+        shutil.rmtree(getattr(self, "temp", self.root / "none"), ignore_errors=True)
+
+    def __enter__(self) -> "LocalRay":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,119 @@
+"""A run prepared once (compose.prepare), the run directory's owner (record.rundir.RunDir), and the commands the
+tree reorganisation added (trainer image smoke-source)."""
+
+import dataclasses
+import json
+
+import pytest
+from omegaconf.errors import ReadonlyConfigError
+
+import helpers
+from helpers import REPO_ROOT, compose
+from trainer.compose import compose as compose_module
+from trainer.compose.prepare import prepare, reference_overrides
+from trainer.compose.render import render
+from trainer.errors import UserError
+from trainer.record.rundir import COMPLETE, FAILED, RECORD, RUNNING, RunDir
+
+
+def pairs(argv):
+    """``--flag value`` pairs of an argv (a flag without a value maps to None)."""
+    out = {}
+    for i, token in enumerate(argv):
+        if token.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) else None
+            out[token] = None if nxt is None or nxt.startswith("--") else nxt
+    return out
+
+
+def test_a_layout_override_reaches_the_miles_argv_through_compose_and_render_only(monkeypatch):
+    """Promise: `layout=tp8pp8ep8` is composed twice in one Hydra session (the job and the reference layout) and
+    rendered once; the prepared launch is the render of the composition, with the reference's sizes."""
+    calls = []
+    real = compose_module.compose
+    monkeypatch.setattr(compose_module, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))
+    prepared = prepare(["layout=tp8pp8ep8"])
+    assert calls == [["layout=tp8pp8ep8"], ["layout=tp8pp8ep8"]]  # the job, then the reference (the same layout)
+    assert prepared.launch.argv == render(compose("layout=tp8pp8ep8")).argv
+    flags = pairs(prepared.launch.argv)
+    assert (flags["--tensor-model-parallel-size"], flags["--pipeline-model-parallel-size"],
+            flags["--expert-model-parallel-size"]) == ("8", "8", "8")
+    assert prepared.choices["layout"] == "tp8pp8ep8" and prepared.par.data_parallel_size == 1
+    assert prepared.numerics["reference_layout"] == "tp8pp8ep8" and prepared.numerics["differences"] == []
+
+
+def test_the_recipe_is_prepared_with_its_verdict_and_plan():
+    prepared = prepare(["hydra.run.dir=/tmp/unused"])
+    assert prepared.overrides == ()  # Hydra's task overrides: hydra.* ones are Hydra's own
+    assert len(prepared.launch.argv) == 229
+    assert prepared.plan["numerics"]["reference_layout"] == "tp8pp8ep8"
+    assert prepared.plan["parallelism"]["world_size"] == 64
+    assert prepared.numerics["equivalent"] is True
+
+
+def test_a_prepared_run_is_frozen():
+    prepared = prepare([])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        prepared.plan = {}
+    with pytest.raises(ReadonlyConfigError):
+        prepared.cfg.layout.micro_batch_size = 2
+
+
+def test_the_reference_keeps_every_override_but_layout_and_cluster():
+    assert reference_overrides(["layout=gpu8-tp2pp2ep4", "layout.micro_batch_size=2", "cluster=local", "optim.lr=2e-5",
+                                "+env.X=1"], "tp8pp8ep8") == ["optim.lr=2e-5", "+env.X=1", "layout=tp8pp8ep8"]
+
+
+def test_a_bad_job_is_refused_on_one_line():
+    with pytest.raises(UserError) as info:
+        prepare(["cluster.nodes=4"])
+    assert str(info.value).startswith("layout.data_parallel_size 8 != world 32")
+
+
+def test_run_dir_hashes_what_it_writes_and_what_others_wrote(tmp_path):
+    rundir = RunDir(tmp_path)
+    digest = rundir.write("config.yaml", b"a: 1\n")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    found = rundir.hash_written()
+    assert set(found) == {"metrics.jsonl"} and set(rundir.hashes) == {"config.yaml", "metrics.jsonl"}
+    import hashlib
+
+    assert found["metrics.jsonl"] == hashlib.sha256(b'{"step": 1}\n').hexdigest()
+    assert digest == hashlib.sha256(b"a: 1\n").hexdigest()
+
+
+def test_run_dir_states(tmp_path):
+    rundir = RunDir(tmp_path)
+    record = {"status": RUNNING, "pid": 1, "files_sha256": {}}
+    rundir.save_record(record)
+    ended = rundir.hand_back(rundir.end(dict(record), FAILED, "x"))
+    assert (ended["status"], ended["reason"], "finished_utc" in ended, "handed_off_utc" in ended) == (FAILED, "x", True, False)
+    with pytest.raises(AssertionError):
+        rundir.end(dict(record), "rendered")  # handed off is not an end
+    # a submitted job that already wrote its own state (no pid) keeps it; our Slurm fields are merged in
+    rundir.save_record({"status": RUNNING, "slurm": {"nodes": ["n1"]}})
+    handed = rundir.hand_back({"status": "submitted", "pid": 1, "slurm": {"job_id": "7", "state": None}})
+    assert handed["status"] == RUNNING and handed["slurm"] == {"nodes": ["n1"], "job_id": "7"}
+    assert "pid" not in handed and "handed_off_utc" in handed
+    updated = rundir.update(lambda r: r.update(status=COMPLETE))
+    assert json.loads((tmp_path / RECORD).read_text())["status"] == COMPLETE == updated["status"]
+
+
+def test_run_dir_update_needs_a_record(tmp_path):
+    with pytest.raises(UserError, match="no readable run record"):
+        RunDir(tmp_path).update(lambda r: None)
+
+
+def test_the_smoke_source_command_makes_the_pinned_source(tmp_path):
+    """Promise: `trainer image smoke-source DIR` writes the git source lockfiles/smoke.lock.json pins (commit, tree
+    and archive sha256), on any machine."""
+    made = helpers.run_trainer("image", "smoke-source", tmp_path)
+    assert made.returncode == 0, made.stderr
+    out = json.loads(made.stdout)
+    pinned = json.loads((REPO_ROOT / "lockfiles" / "smoke.lock.json").read_text())["sources"][0]
+    assert (out["commit"], out["tree"], out["sha256"]) == (pinned["commit"], pinned["tree"], pinned["archive"]["sha256"])
+    assert out["archive"].endswith(pinned["archive"]["filename"])
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

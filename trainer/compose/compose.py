@@ -1,0 +1,182 @@
+"""Compose runs from ``conf/`` with Hydra's Compose API, and report composition errors on one line.
+
+:func:`session` initialises Hydra once for any number of compositions (:class:`Composer`);
+:func:`trainer.compose.prepare.prepare` composes a job and its reference layout in one session. ``train``
+expands a command line into its jobs here (:func:`expand_sweep`: a multirun sweep becomes one job per
+combination) and prepares every job before any runs: a bad override or a failing check stops the whole command
+before any run directory is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+from pathlib import Path
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, MissingConfigException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer import REPO_ROOT
+from trainer.compose import schema
+from trainer.errors import UserError
+from trainer.redact import redact_argv
+
+CONF_DIR = REPO_ROOT / "conf"
+CONFIG_NAME = "train"
+
+
+def describe_error(ex: BaseException) -> str:
+    """One line for a Hydra/OmegaConf composition error: what was wrong and where.
+
+    ``ex`` is a ``HydraException`` or ``OmegaConfBaseException``; the innermost OmegaConf cause gives
+    the message and its ``full_key``. Unknown group options list the available ones on the same line.
+    """
+    if isinstance(ex, MissingConfigException):
+        text = str(ex)
+        head = text.splitlines()[0]
+        options = getattr(ex, "options", None)
+        if options:
+            head += f" (available: {', '.join(sorted(options))})"
+        return head
+    cause: Optional[BaseException] = ex
+    while cause is not None and not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
+        cause = cause.__cause__
+    head = str(ex).splitlines()[0] if str(ex) else type(ex).__name__
+    if isinstance(cause, OmegaConfBaseException) and cause is not ex:
+        msg = getattr(cause, "msg", None) or str(cause).splitlines()[0]
+        key = getattr(cause, "full_key", None)
+        where = f" (key: {key})" if key else ""
+        return f"{head}: {msg.splitlines()[0]}{where}"
+    if isinstance(ex, OmegaConfBaseException):
+        msg = getattr(ex, "msg", None) or head
+        key = getattr(ex, "full_key", None)
+        return f"{msg.splitlines()[0]}" + (f" (key: {key})" if key else "")
+    return " ".join(head.split())
+
+
+def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: str = "") -> List[str]:
+    """Dotted keys of ``cfg`` that the schema dataclass ``node_type`` does not declare (recursively).
+
+    OmegaConf lets a ``+key=value`` override add keys to a structured node; this catches them.
+    """
+    fields = {f.name: f for f in dataclasses.fields(node_type)}
+    bad: List[str] = []
+    for key in cfg.keys():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            bad.append(dotted)
+            continue
+        sub_type = fields[key].type
+        sub = cfg._get_node(key)
+        if isinstance(sub, DictConfig) and not sub._is_missing() and not sub._is_none():
+            target = getattr(schema, sub_type, None) if isinstance(sub_type, str) else sub_type
+            if dataclasses.is_dataclass(target):
+                bad += unknown_keys(sub, target, dotted + ".")
+    return bad
+
+
+def expand_sweep(overrides: Sequence[str]) -> List[List[str]]:
+    """The jobs of a command line: ``["layout=a,b", "x=1"]`` -> ``[["layout=a", "x=1"], ["layout=b", "x=1"]]``.
+
+    Uses Hydra's override grammar (sweeps ``a,b``, ``range()``, ``choice()``, ``glob()``); raises
+    :class:`UserError` on an override that does not parse.
+    """
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parser = OverridesParser.create()
+    for override in overrides:  # one at a time first, so that an error names the override that caused it
+        try:
+            parser.parse_overrides([override])
+        except HydraException as ex:
+            raise UserError(f"override {redact_argv([override])[0]!r}: {describe_error(ex)}") from None
+    try:
+        parsed = parser.parse_overrides(list(overrides))
+        batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
+    except HydraException as ex:
+        raise UserError(describe_error(ex)) from None
+    return [list(job) for batch in batches for job in batch]
+
+
+class Composer:
+    """Compositions of ``conf/train.yaml`` under one initialisation of Hydra (:func:`session`)."""
+
+    def __init__(self, config_loader: Any) -> None:
+        self.config_loader = config_loader  # Hydra's ConfigLoader (for hydra.core.utils.run_job)
+
+    def compose(self, overrides: Sequence[str] = (), hydra_node: bool = False) -> DictConfig:
+        """Compose with ``overrides`` and reject keys the schema lacks. With ``hydra_node`` the result keeps
+        Hydra's own ``hydra`` node (run directory, job logging, the overrides and choices), which also takes
+        the ``hydra.*`` overrides, and the caller validates :func:`job_config` of it (as
+        :func:`trainer.compose.prepare.prepare` does); without it those overrides are dropped, the node removed
+        and the composition validated here.
+
+        Returns the composition (interpolations unresolved, as Hydra gives it to an app); raises
+        :class:`UserError` with one line for any composition error.
+        """
+        wanted = list(overrides) if hydra_node else [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
+        try:
+            cfg = compose(CONFIG_NAME, overrides=wanted, return_hydra_config=hydra_node)
+        except (HydraException, OmegaConfBaseException) as ex:
+            raise UserError(describe_error(ex)) from None
+        if not hydra_node:  # a composition with its hydra node is validated as the job sees it, by its caller
+            validate(cfg)
+        return cfg
+
+
+@contextlib.contextmanager
+def session(conf_dir: Path = CONF_DIR) -> Iterator[Composer]:
+    """Hydra initialised once on ``conf_dir`` (job name ``train``, as ``@hydra.main`` names it) for any number
+    of compositions; cleared on exit."""
+    schema.register()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(conf_dir), version_base="1.3", job_name="train"):
+            yield Composer(GlobalHydra.instance().hydra.config_loader)
+    finally:
+        GlobalHydra.instance().clear()
+
+
+def job_config(cfg: DictConfig) -> DictConfig:
+    """A composition made with its ``hydra`` node as the job sees it: a copy without that node."""
+    job = copy.deepcopy(cfg)
+    with open_dict(job):
+        del job["hydra"]
+    return job
+
+
+def choices_of(cfg: DictConfig) -> Dict[str, Optional[str]]:
+    """The option chosen per config group of a composition with its ``hydra`` node (Hydra's own groups left
+    out)."""
+    return {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}
+
+
+def compose_run(overrides: Sequence[str] = (), conf_dir: Path = CONF_DIR) -> DictConfig:
+    """Compose ``conf/train.yaml`` with ``overrides`` (``hydra.*`` ones dropped) in a session of its own and reject
+    keys the schema lacks (:meth:`Composer.compose`). Raises :class:`UserError` with one line."""
+    with session(conf_dir) as composer:
+        return composer.compose(overrides)
+
+
+def validate(cfg: DictConfig) -> schema.TrainConfig:
+    """Schema validation of a composition: no unknown keys, no missing values, every value resolvable.
+
+    Returns the typed :class:`~trainer.compose.schema.TrainConfig`; raises :class:`UserError` with one line.
+    """
+    extra = unknown_keys(cfg)
+    if extra:
+        raise UserError(f"{extra[0]}: unknown key (not in the schema of trainer.compose.schema)")
+    try:
+        return schema.to_object(cfg)
+    except OmegaConfBaseException as ex:
+        raise UserError(describe_error(ex)) from None
+
+
+def as_container(cfg: DictConfig) -> Any:
+    """The composition as plain, resolved Python data (for JSON/YAML output)."""
+    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

@@ -1,0 +1,202 @@
+"""The plan of a checked run: where every layer and expert lives, memory per GPU, numerics, how to submit.
+
+Rank placement follows Megatron's default rank order ``tp-cp-ep-dp-pp`` (``megatron/core/parallel_state.py``,
+``RankGenerator``): within one pipeline stage of W/PP consecutive ranks, the dense grid is
+``rank = tp + TP x (cp + CP x dp)`` and the expert grid ``rank = etp + ETP x (ep + EP x edp)``; global
+rank = stage x W/PP + that index; node = rank // GPUs per node. EP rank ``e`` holds routed experts
+``[e x E/EP, (e+1) x E/EP)`` of every MoE layer on its stage.
+
+Memory per GPU (bytes; estimate, stated so it can be checked):
+
+    weights     = 2 x P_w                                  (bf16)
+    grads       = g x P_w                                  (g = 4 with accumulate_allreduce_grads_in_fp32, else 2)
+    optimizer   = 12 x (P_dense / DP + P_expert / EDP)     (Adam: fp32 master, exp_avg, exp_avg_sq; sharded by
+                                                            the distributed optimizer over DP for dense and over the
+                                                            expert data-parallel group EDP for expert weights;
+                                                            without it, 12 x P_w)
+    activations = m x (L_s / r) x C + r x A + logits
+        P_w        = P_dense / TP + P_expert / (EP x ETP) on the GPU's stage (embedding on the first stage,
+                     output head and MTP on the last)
+        C          = s x b x h x k x 2 / (TP if sequence parallel else 1) / CP   (one checkpointed layer input:
+                     the hyper-connection residual is k = dsv4_hc_mult streams of width h, bf16)
+        A          = 34 x s x b x h / TP / CP   (one layer's activations while it is recomputed; Korthikanti
+                     et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
+                     sequence parallel with flash attention: the 5as/h term vanishes)
+        m          = microbatches in flight on stage i under 1F1B: min(PP - i, microbatches)
+        r          = recompute_num_layers (full recompute); without recompute, L_s x A per microbatch
+        logits     = s x b x V / TP x 4 x 2 on the last stage (fp32 logits and their gradient)
+Not counted: CUDA context, NCCL and DeepEP buffers, allocator fragmentation (typically a few GB).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict
+from typing import Any, Dict, List
+
+from trainer.compose.checks import Parallelism
+from trainer.compose.params import ModelParams, count_params
+from trainer.compose.schema import TrainConfig
+
+GB = 1e9  # bytes
+
+
+def rank_table(cfg: TrainConfig, par: Parallelism) -> List[Dict[str, Any]]:
+    """One entry per global rank: node, local GPU, stage, TP/CP/DP and ETP/EP/EDP ranks, layers and experts.
+
+    ``layers`` and ``experts`` are half-open ``[start, end)`` index ranges.
+    """
+    per_stage = par.world_size // par.pipeline_model_parallel_size
+    tp, cp, ep, etp = (
+        par.tensor_model_parallel_size,
+        par.context_parallel_size,
+        par.expert_model_parallel_size,
+        par.expert_tensor_parallel_size,
+    )
+    experts_per_rank = cfg.model.num_experts // ep
+    starts = [sum(par.stage_layers[:i]) for i in range(len(par.stage_layers))]
+    ranks = []
+    for rank in range(par.world_size):
+        stage, idx = divmod(rank, per_stage)
+        ep_rank = (idx // etp) % ep
+        ranks.append(
+            {
+                "rank": rank,
+                "node": rank // cfg.cluster.gpus_per_node,
+                "local_rank": rank % cfg.cluster.gpus_per_node,
+                "pipeline_stage": stage,
+                "tensor_rank": idx % tp,
+                "context_rank": (idx // tp) % cp,
+                "data_rank": idx // (tp * cp),
+                "expert_tensor_rank": idx % etp,
+                "expert_rank": ep_rank,
+                "expert_data_rank": idx // (etp * ep),
+                "layers": [starts[stage], starts[stage] + par.stage_layers[stage]],
+                "experts": [ep_rank * experts_per_rank, (ep_rank + 1) * experts_per_rank],
+            }
+        )
+    return ranks
+
+
+def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> Dict[str, Any]:
+    """Per-stage memory estimate per GPU in GB (1e9 bytes), by the formula in the module docstring.
+
+    Returns ``{"formula", "per_stage": [{stage, params, weights_gb, grads_gb, optimizer_gb, activations_gb,
+    total_gb}], "max_gb", "gpu_memory_gb", "fits"}``.
+    """
+    lay, model, data = cfg.layout, cfg.model, cfg.data
+    tp, pp, cp = par.tensor_model_parallel_size, par.pipeline_model_parallel_size, par.context_parallel_size
+    s, b, h = data.seq_length, lay.micro_batch_size, model.hidden_size
+    grad_bytes = 4 if cfg.optim.accumulate_allreduce_grads_in_fp32 else 2
+    checkpoint = s * b * h * model.dsv4_hc_mult * 2 / (tp if lay.sequence_parallel else 1) / cp
+    layer_acts = 34 * s * b * h / tp / cp
+    stages = []
+    first_layer = 0
+    for stage, n_layers in enumerate(par.stage_layers):
+        layers = params.layers[first_layer : first_layer + n_layers]
+        first_layer += n_layers
+        dense = sum(layer.dense for layer in layers)
+        expert = sum(layer.expert_total for layer in layers)
+        if stage == 0:
+            dense += params.embedding
+        if stage == pp - 1:
+            dense += params.output + params.final_norm + params.mtp_dense
+            expert += params.mtp_expert
+        on_gpu = dense / tp + expert / (par.expert_model_parallel_size * par.expert_tensor_parallel_size)
+        if lay.use_distributed_optimizer:
+            optimizer = 12 * (dense / tp / par.data_parallel_size + expert / (
+                par.expert_model_parallel_size * par.expert_tensor_parallel_size) / par.expert_data_parallel_size)
+        else:
+            optimizer = 12 * on_gpu
+        in_flight = min(pp - stage, par.microbatches)
+        if lay.recompute_granularity == "full":
+            r = lay.recompute_num_layers or 1
+            acts = in_flight * math.ceil(n_layers / r) * checkpoint + r * layer_acts
+        else:
+            acts = in_flight * n_layers * layer_acts
+        if stage == pp - 1:
+            acts += s * b * model.vocab_size / tp * 4 * 2
+        total = (2 + grad_bytes) * on_gpu + optimizer + acts
+        stages.append(
+            {
+                "stage": stage,
+                "params_per_gpu": int(on_gpu),
+                "weights_gb": round(2 * on_gpu / GB, 2),
+                "grads_gb": round(grad_bytes * on_gpu / GB, 2),
+                "optimizer_gb": round(optimizer / GB, 2),
+                "activations_gb": round(acts / GB, 2),
+                "total_gb": round(total / GB, 2),
+            }
+        )
+    peak = max(st["total_gb"] for st in stages)
+    return {
+        "formula": "see trainer/plan.py module docstring (weights 2 B, grads 4 B, Adam 12 B sharded by the "
+        "distributed optimizer, full-recompute checkpoints + one recomputed layer + last-stage logits)",
+        "per_stage": stages,
+        "max_gb": peak,
+        "gpu_memory_gb": cfg.cluster.gpu_memory_gb,
+        "fits": peak <= cfg.cluster.gpu_memory_gb,
+    }
+
+
+def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> Dict[str, Any]:
+    """The plan as JSON-ready data: parallelism, stages, ranks, memory, numerics verdict, throughput inputs, submission.
+
+    Depends only on the composition (no paths, times or hosts), so the same config gives the same bytes.
+    """
+    params = count_params(cfg.model)
+    ranks = rank_table(cfg, par)
+    starts = [sum(par.stage_layers[:i]) for i in range(len(par.stage_layers))]
+    pipeline = [
+        {
+            "stage": i,
+            "layers": [starts[i], starts[i] + n],
+            "num_layers": n,
+            "ranks": [r["rank"] for r in ranks if r["pipeline_stage"] == i],
+            "extra": (["embedding"] if i == 0 else [])
+            + (["output head", "final norm"] + (["MTP"] * bool(cfg.model.mtp_num_layers)) if i == len(starts) - 1 else []),
+        }
+        for i, n in enumerate(par.stage_layers)
+    ]
+    memory = memory_estimate(cfg, par, params)
+    warnings = []
+    if not memory["fits"]:
+        warnings.append(
+            f"estimated {memory['max_gb']} GB per GPU exceeds cluster.gpu_memory_gb {cfg.cluster.gpu_memory_gb}"
+        )
+    rows_needed = cfg.optim.num_rollout * cfg.optim.rollout_batch_size
+    if rows_needed > cfg.data.build.rows:
+        warnings.append(
+            f"optim.num_rollout {cfg.optim.num_rollout} x optim.rollout_batch_size {cfg.optim.rollout_batch_size} = "
+            f"{rows_needed} rows > data.build.rows {cfg.data.build.rows}: rows repeat"
+        )
+    plan = {
+        "schema_version": 1,
+        "model": cfg.model.display_name,
+        "layout": cfg.layout.label,
+        "cluster": cfg.cluster.name,
+        "parallelism": asdict(par),
+        "params": params.summary(),
+        "pipeline": pipeline,
+        "experts_per_ep_rank": cfg.model.num_experts // par.expert_model_parallel_size,
+        "ranks": ranks,
+        "memory": memory,
+        "numerics": numerics,
+        "tokens_per_step": cfg.optim.global_batch_size * cfg.data.seq_length,
+        "steps": cfg.optim.num_rollout * (cfg.optim.rollout_batch_size // cfg.optim.global_batch_size),
+        "warnings": warnings,
+        "submit": {
+            "launcher": cfg.launcher.name,
+            "how": (
+                f"inside the recipe image on {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s), in the "
+                "miles checkout, with HF_CKPT, TORCH_DIST, SFT_DATA and KERNEL_CACHE set: bash command.sh from this run "
+                "directory (miles starts its Ray actors from the head node)"
+            ),
+            "command": "command.sh",
+        },
+    }
+    if cfg.launcher.name == "local-megatron":
+        from trainer.launch.host.local_megatron import megatron_choice
+
+        plan["megatron"] = megatron_choice(cfg)
+    return plan

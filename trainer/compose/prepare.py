@@ -1,0 +1,103 @@
+"""A run prepared once: composed, checked, rendered and planned, before anything is written.
+
+:func:`prepare` is the whole of the compose -> check phase of ``train``: it composes the job with Hydra's
+Compose API and, in the same initialisation, the reference layout's composition (for the numerics verdict),
+validates the composition against the schema, runs the pre-launch checks, the stack pins and the launcher's
+own checks, renders the miles launch once and builds the plan. The result, a frozen :class:`PreparedRun`, is
+what every launcher receives: none composes or renders again.
+
+Where a config field meets the launch: a field of :mod:`trainer.compose.schema` reaches the miles argv through
+one row of :mod:`trainer.compose.render`'s tables (flag, key, kind), and the same rows give megatron-core its
+arguments for ``launcher=local-megatron`` (:func:`trainer.launch.megatron_args.megatron_argv`, which drops the
+rows only miles reads) and the numerics verdict its classes (:mod:`trainer.compose.numerics`). A new field is
+added in ``schema.py``, its ``conf/`` default, and one row of ``render.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.compose import checks
+from trainer.compose.compose import Composer, choices_of, job_config, session, validate
+from trainer.compose.render import Launch
+from trainer.compose.schema import TrainConfig
+
+
+@dataclass(frozen=True)
+class PreparedRun:
+    """One job of a command line, composed once and checked once.
+
+    ``overrides``: the job's overrides as Hydra records them (``hydra.overrides.task``: those of ``hydra.*`` left
+    out); ``cfg``: the composition
+    (read-only DictConfig, interpolations unresolved, no ``hydra`` node); ``config``: the same as the typed
+    :class:`~trainer.compose.schema.TrainConfig`; ``par``: its :class:`~trainer.compose.checks.Parallelism`;
+    ``choices``: the option chosen per config group (``{"layout": "tp2pp4ep8", ...}``, Hydra's own groups
+    left out); ``launch``: the rendered miles launch (argv + env); ``numerics``: the verdict against
+    ``launcher.reference_layout`` (``{"reference_layout", "equivalent", "differences", ...}``); ``plan``: the
+    JSON-ready plan (:func:`trainer.compose.plan.build_plan`).
+    """
+
+    overrides: Tuple[str, ...]
+    cfg: DictConfig
+    config: TrainConfig
+    par: checks.Parallelism
+    choices: Dict[str, Optional[str]]
+    launch: Launch
+    numerics: Dict[str, Any]
+    plan: Dict[str, Any]
+
+    @property
+    def launcher(self) -> str:
+        """``launcher.name`` (``plan``, ``local-cpu``, ``slurm``, ...)."""
+        return self.config.launcher.name
+
+
+def reference_overrides(overrides: Sequence[str], reference_layout: str) -> List[str]:
+    """The overrides of the reference composition: the job's, less those that choose or change the layout or the
+    cluster, plus ``layout=REFERENCE``."""
+    kept = [o for o in overrides if not o.lstrip("+~").startswith(("layout=", "layout.", "cluster="))]
+    return kept + [f"layout={reference_layout}"]
+
+
+def prepare(overrides: Sequence[str] = (), composer: Optional[Composer] = None,
+            composed: Optional[DictConfig] = None) -> PreparedRun:
+    """Compose (unless ``composed``, the composition of ``overrides`` with its ``hydra`` node, is given),
+    validate, check, render and plan one job; the reference layout is composed in the same Hydra session
+    (``composer``, or a session of its own).
+
+    Raises :class:`~trainer.errors.UserError` (one line) on a bad override, composition or check; nothing is
+    written.
+    """
+    if composer is None:
+        with session() as own:
+            return prepare(overrides, own, composed)
+    from trainer import launch
+    from trainer.compose.numerics import compare
+    from trainer.compose.plan import build_plan
+    from trainer.compose.render import render
+    from trainer.compose.stackpins import verify_stack
+
+    full = composed if composed is not None else composer.compose(overrides, hydra_node=True)
+    task = tuple(full.hydra.overrides.task)  # Hydra's split: the overrides of the job, not those of hydra.*
+    cfg = job_config(full)
+    typed = validate(cfg)
+    par = checks.check(typed)
+    verify_stack(typed.stack)
+    launch.check(typed, par)
+    reference_layout = typed.launcher.reference_layout
+    reference = composer.compose(reference_overrides(task, reference_layout))
+    numerics = {"reference_layout": reference_layout, **compare(cfg, reference).as_dict()}
+    OmegaConf.set_readonly(cfg, True)
+    return PreparedRun(
+        overrides=task,
+        cfg=cfg,
+        config=typed,
+        par=par,
+        choices=choices_of(full),
+        launch=render(cfg),
+        numerics=numerics,
+        plan=build_plan(typed, par, numerics),
+    )

@@ -1,0 +1,282 @@
+"""``launcher=local-image``: run inside the bundle's image without a container engine, as pyxis/enroot would.
+
+1. The image is ``launcher.image`` (``sha256:<64 hex>``, or ``NAME@sha256:...``) in the OCI image layout
+   ``launcher.image_layout``: its manifest blob must hash to that digest and be named in the layout's
+   ``index.json`` (``org.opencontainers.image.ref.name``); ``umoci unpack`` then unpacks it into
+   ``RUN_DIR/image/bundle`` and checks every layer blob against its digest.
+2. The probe (``python -m trainer.probe --distributions``) runs inside the unpacked root file system with
+   bubblewrap: ``bwrap --bind ROOTFS / --proc /proc --dev /dev --tmpfs /tmp`` with new PID, IPC, network, UTS
+   and cgroup namespaces (and a user namespace when not root), ``--cap-drop ALL --clearenv``, no network, ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if
+   given, runs the same way (its log is ``logs/job.log``).
+3. The record carries the image (digest, layout, tag, the stamped ``/etc/recipe-bundle/lock.json`` copied to
+   ``image/lock.json``) and the probe; its ``lock`` is that stamp, so ``trainer verify RUN_DIR`` compares what
+   the probe saw inside the image with the lock the image was built from.
+
+The interpreter: an image whose entrypoint interpreter exists in its root file system runs its own. An image
+without one (the smoke image is ``scratch``: site-packages, sources and the bundle layer, no Python) runs
+**this machine's Python, bound read-only** into the sandbox under ``/opt/recipe-bundle-host`` (its prefix and
+library directories at their host paths below that, started through its own dynamic loader: see
+:func:`host_interpreter`; so a system Python in ``/usr`` does not hide the image's ``/usr``), with ``-S`` so that
+only the image's site-packages (from the stamp), the directories its ``.pth`` files name (git sources such
+as miles) and this bundle's ``trainer`` package (bound read-only at ``/opt/recipe-bundle-launcher``) are on
+``sys.path``. The record says so (``image.interpreter.from = "host"``), and ``trainer verify`` then shows the
+host's Python version against the image's locked one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+
+from trainer import REPO_ROOT
+from trainer.compose.checks import Parallelism
+from trainer.errors import CheckError, UserError
+from trainer.launch.host import cluster
+from trainer.publish import atomic_write
+from trainer.record.record import write_json
+from trainer.record.rundir import ARGV, PROBES, RunDir
+from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
+
+LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"
+HOST_MOUNT = "/opt/recipe-bundle-host"
+STAMP = "etc/recipe-bundle/lock.json"
+REF_NAME = "org.opencontainers.image.ref.name"
+
+
+def _digest(cfg: TrainConfig) -> str:
+    image = cfg.launcher.image or ""
+    if cluster.DIGEST_RE.match(image):
+        return image
+    return cluster.parse_image(image)[1]
+
+
+def check(cfg: TrainConfig, par: Parallelism) -> None:
+    """``launcher.image`` pinned by digest; ``launcher.image_layout`` an OCI layout; umoci and bwrap present."""
+    _digest(cfg)
+    layout = Path(cfg.launcher.image_layout or "")
+    if not cfg.launcher.image_layout or not (layout / "index.json").is_file():
+        raise CheckError(f"launcher.image_layout {cfg.launcher.image_layout!r}: expected an OCI image layout directory "
+                         "(oci-layout, index.json, blobs/)")
+    for tool, package in (("umoci", "umoci"), ("bwrap", "bubblewrap")):
+        if shutil.which(tool) is None:
+            raise CheckError(f"launcher=local-image needs `{tool}` (Debian package {package}); bin/setup installs it")
+
+
+def find_tag(layout: Path, digest: str) -> str:
+    """The tag naming manifest ``digest`` in ``layout``'s index, after checking the manifest blob's sha256.
+
+    Raises :class:`UserError` (one line) when the blob is missing, does not hash to ``digest``, or is untagged.
+    """
+    hex_ = digest.split(":", 1)[1]
+    blob = layout / "blobs" / "sha256" / hex_
+    try:
+        data = blob.read_bytes()
+    except OSError:
+        raise UserError(f"launcher.image {digest}: no such manifest blob in {layout}") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != hex_:
+        raise UserError(f"{blob}: sha256 {actual} != {hex_} (the layout is corrupt)")
+    try:
+        index = json.loads((layout / "index.json").read_text())
+    except (OSError, json.JSONDecodeError) as ex:
+        raise UserError(f"{layout / 'index.json'}: not readable JSON ({ex})") from None
+    for manifest in index.get("manifests", []):
+        name = (manifest.get("annotations") or {}).get(REF_NAME)
+        if manifest.get("digest") == digest and name:
+            return name
+    raise UserError(f"launcher.image {digest}: not named in {layout / 'index.json'} (no {REF_NAME} for it)")
+
+
+def _image_interpreter(bundle: Path) -> Optional[str]:
+    """The image's interpreter (its config's first entrypoint word) when it exists in the root file system."""
+    try:
+        args = json.loads((bundle / "config.json").read_text())["process"]["args"]
+    except (OSError, KeyError, json.JSONDecodeError):
+        return None
+    if not args:
+        return None
+    candidate = bundle / "rootfs" / args[0].lstrip("/")
+    return args[0] if os.path.lexists(candidate) and os.path.exists(candidate) else None
+
+
+def elf_interpreter(path: Path) -> Optional[str]:
+    """The program interpreter (``PT_INTERP``: the dynamic loader's path) of the 64-bit little-endian ELF file
+    ``path``, or None for a static executable or another format. Layout from the System V gABI: ``e_phoff`` at
+    byte 32 (8 bytes), ``e_phentsize`` at 54 and ``e_phnum`` at 56 (2 bytes each); in each program header
+    ``p_type`` at 0 (``PT_INTERP`` = 3), ``p_offset`` at 8, ``p_filesz`` at 32."""
+    with path.open("rb") as f:
+        head = f.read(64)
+        if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
+            return None
+        phoff, = struct.unpack_from("<Q", head, 32)
+        phentsize, phnum = struct.unpack_from("<HH", head, 54)
+        f.seek(phoff)
+        table = f.read(phentsize * phnum)
+        for i in range(phnum):
+            p_type, = struct.unpack_from("<I", table, i * phentsize)
+            if p_type == 3:
+                offset, = struct.unpack_from("<Q", table, i * phentsize + 8)
+                size, = struct.unpack_from("<Q", table, i * phentsize + 32)
+                f.seek(offset)
+                return f.read(size).rstrip(b"\0").decode()
+    return None
+
+
+def host_interpreter() -> Tuple[List[str], List[str]]:
+    """(directories to bind read-only under ``HOST_MOUNT``, the command that starts this machine's Python there).
+
+    The interpreter runs through its own dynamic loader with ``--library-path`` set to its library directories
+    (all under ``HOST_MOUNT``), so neither the loader nor the libraries nor the standard library need to be at
+    their host paths inside the image: a Python in ``/usr`` (Debian's ``/usr/bin/python3``) works as well as
+    one installed elsewhere, and the image's own ``/usr`` stays visible. Python finds its standard library
+    relative to the executable's path (``HOST_MOUNT/usr/lib/python3.11`` for ``HOST_MOUNT/usr/bin/python3.11``).
+    """
+    executable = Path(getattr(sys, "_base_executable", sys.executable)).resolve()
+    prefix = Path(sys.base_prefix).resolve()
+    loader = elf_interpreter(executable)
+    multiarch = getattr(sys.implementation, "_multiarch", "")
+    libdirs = [prefix / "lib"]
+    if loader:
+        libdirs.append(Path(loader).resolve().parent)
+    for base in ("/lib", "/usr/lib", "/lib64", "/usr/lib64"):
+        libdirs += [Path(base) / multiarch, Path(base)] if multiarch else [Path(base)]
+    libdirs = list(dict.fromkeys(d.resolve() for d in libdirs if d.is_dir()))
+    binds: List[str] = []
+    for path in sorted({prefix, executable.parent, *libdirs}, key=lambda p: len(p.parts)):
+        if not any(path == Path(b) or Path(b) in path.parents for b in binds):
+            binds.append(str(path))
+    command = [f"{HOST_MOUNT}{executable}"]
+    if loader:
+        command = [f"{HOST_MOUNT}{Path(loader).resolve()}", "--library-path",
+                   ":".join(f"{HOST_MOUNT}{d}" for d in libdirs)] + command
+    return binds, command
+
+
+def pth_directories(rootfs: Path, site_packages: Optional[str]) -> List[str]:
+    """The directories the image's ``.pth`` files in ``site_packages`` add to ``sys.path`` (what site.py would
+    do; a host Python started with ``-S`` does not read them): plain absolute path lines that exist in
+    ``rootfs``, in file-name order. Lines that site.py would execute (``import ...``) are not followed."""
+    if not site_packages:
+        return []
+    out: List[str] = []
+    for pth in sorted((rootfs / site_packages.lstrip("/")).glob("*.pth")):
+        try:
+            lines = pth.read_text().splitlines()
+        except (OSError, UnicodeDecodeError):
+            continue
+        for line in lines:
+            line = line.strip()
+            if line.startswith("/") and (rootfs / line.lstrip("/")).is_dir() and line not in out:
+                out.append(line)
+    return out
+
+
+def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], List[str]]:
+    """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``; see the module docstring.
+
+    Raises :class:`UserError` when the image itself uses ``HOST_MOUNT`` (binding there would hide it)."""
+    # every namespace but, for root, the user namespace (--unshare-all tries one): a new procfs may not be mounted
+    # in a user namespace where /proc has parts covered (inside another sandbox: bwrap, a container); root's
+    # process keeps no capability anyway (--cap-drop ALL)
+    unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
+    if os.geteuid() != 0:
+        unshare.append("--unshare-user-try")
+    args = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            *unshare, "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv",
+            "--ro-bind", str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer"]
+    python_path = [LAUNCHER_MOUNT] + ([site_packages] if site_packages else [])
+    interpreter: List[str] = []
+    if host_python:
+        if os.path.lexists(rootfs / HOST_MOUNT.lstrip("/")):
+            raise UserError(f"the image has {HOST_MOUNT}, where this machine's Python would be bound; "
+                            "use an image with its own Python")
+        binds, interpreter = host_interpreter()
+        for path in binds:
+            args += ["--ro-bind", path, f"{HOST_MOUNT}{path}"]
+        python_path += pth_directories(rootfs, site_packages)
+    args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
+             "--setenv", "PYTHONPATH", ":".join(python_path), "--setenv", cluster.DIGEST_ENV, digest,
+             "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    return args, interpreter
+
+
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Unpack, probe inside, run ``launcher.job`` inside if given; returns the record (see the module docstring)."""
+    cfg = prepared.config
+    run_dir = run_dir.absolute()
+    digest = _digest(cfg)
+    layout = Path(cfg.launcher.image_layout).absolute()
+    tag = find_tag(layout, digest)
+    image_dir = run_dir / "image"
+    bundle = image_dir / "bundle"
+    logs = run_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    image_dir.mkdir(exist_ok=True)
+    record["image"] = {"digest": digest, "layout": str(layout), "tag": tag}
+    record["probe"] = None
+    unpack = ["umoci", "unpack"] + (["--rootless"] if os.geteuid() != 0 else []) + ["--image", f"{layout}:{tag}", str(bundle)]
+    out = subprocess.run(unpack, capture_output=True, text=True, timeout=600)
+    atomic_write(logs / "unpack.log", (out.stdout + out.stderr).encode())
+    if out.returncode != 0:
+        record.update(status="failed", reason=f"umoci unpack {layout}:{tag} failed: {cluster.last_line(out.stderr)}")
+        return record
+    rootfs = bundle / "rootfs"
+    stamp_path = rootfs / STAMP
+    stamp: Dict[str, Any] = {}
+    if stamp_path.is_file():
+        shutil.copyfile(stamp_path, image_dir / "lock.json")
+        stamp = json.loads(stamp_path.read_text())
+        record["image"]["stamp_sha256"] = hashlib.sha256(stamp_path.read_bytes()).hexdigest()
+        record["lock"] = {"path": str(image_dir / "lock.json"), "kind": "image stamp"}
+    site_packages = (stamp.get("python") or {}).get("site_packages")
+    own = _image_interpreter(bundle)
+    prefix, interpreter = sandbox(rootfs, digest, site_packages, host_python=own is None)
+    python = [own] if own else interpreter
+    host_executable = str(Path(getattr(sys, "_base_executable", sys.executable)).resolve())
+    record["image"]["interpreter"] = (
+        {"from": "image", "path": own} if own else
+        {"from": "host", "path": host_executable, "inside": interpreter, "version": sys.version.split()[0],
+         "note": f"the image has no Python interpreter; this machine's is bound read-only under {HOST_MOUNT}"}
+    )
+    if own is None:
+        print(f"local-image: {digest} has no Python interpreter; running this machine's ({host_executable}, "
+              f"Python {sys.version.split()[0]}) read-only inside it under {HOST_MOUNT}, with the image's site-packages")
+    # the image's own Python starts as in the container (its site.py reads the .pth files that put git
+    # sources on the path); a host Python starts with -S so that none of the host's site-packages leak in
+    flags = [] if own else ["-S"]
+    command = prefix + python + [*flags, "-m", "trainer.probe", "--distributions", "--node", "image"]
+    (run_dir / "sandbox.json").write_text(json.dumps(command, indent=2) + "\n")
+    probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    atomic_write(logs / "probe.log", probe.stderr.encode())
+    if probe.returncode != 0:
+        record.update(status="failed", reason=f"the probe inside the image exited with code {probe.returncode}: "
+                                              f"{cluster.last_line(probe.stderr)}")
+        return record
+    info = json.loads(probe.stdout)
+    write_json(run_dir / PROBES / "image.json", info)
+    record["probe"] = {"ranks": [info], "nodes": ["image"]}
+    if cfg.launcher.job:
+        argv: List[str] = []
+        for token in cfg.launcher.job:
+            argv += python if token in ("python", "python3") else [str(token)]
+        RunDir(run_dir).write_json(ARGV, argv)
+        with (logs / "job.log").open("wb") as log:
+            job = subprocess.run(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
+        if job.returncode != 0:
+            text = (logs / "job.log").read_text(errors="replace")
+            tail = cluster.last_line(text)
+            record.update(status="failed", reason=f"the job inside the image exited with code {job.returncode}"
+                                                  + (f": {tail}" if tail else ""))
+            return record
+    record.update(status="complete", reason=None)
+    return record

@@ -1,0 +1,147 @@
+"""``launcher=local-megatron``: the composed config on this machine's GPUs with megatron-core, via torchrun.
+
+One ``torchrun`` starts ``cluster.gpus_per_node`` ranks of :mod:`trainer.launch.megatron_worker` on one node
+(rendezvous on 127.0.0.1). The run directory gets what every executed run gets (see
+:mod:`trainer.launch.host.local_cpu`): ``metrics.jsonl``, per-rank probes gathered into ``record.json``, argv, the
+redacted env, logs, and a final status.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict
+
+from trainer import REPO_ROOT
+from trainer.compose.checks import Parallelism
+from trainer.errors import CheckError
+from trainer.launch.host.checkout import verify_checkouts
+from trainer.launch.megatron_args import resolve_transformer_impl
+from trainer.launch.host.local_cpu import prepare_rows
+from trainer.launch.host.processes import collect_probes, supervise, worker_env
+from trainer.record.rundir import ARGV, ENV, RunDir
+from trainer.redact import redact_env
+from trainer.compose.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
+
+
+def check(cfg: TrainConfig, par: Parallelism) -> None:
+    """Refuse, with one line, what the worker would otherwise drop silently or fail on late: more than one
+    node, an unknown ``launcher.transformer_impl``, what the local (non-TransformerEngine) spec cannot build
+    (MLA, V4 attention, sequence parallel with torch norms), MTP with the V4 attention, context parallel (the worker does not split rows
+    over CP ranks), Megatron-LM / miles checkouts that are missing or do not hash to the locked trees, and
+    fewer GPUs than the layout needs."""
+    m, lay = cfg.model, cfg.layout
+    if cfg.cluster.nodes != 1:
+        raise CheckError(f"cluster.nodes {cfg.cluster.nodes}: launcher local-megatron runs on one node (use slurm or ray)")
+    try:
+        impl = resolve_transformer_impl(cfg.launcher.transformer_impl)
+    except ValueError as ex:
+        raise CheckError(str(ex)) from None
+    local = impl == "local"
+    refusals = [
+        (local and m.multi_latent_attention,
+         "model.multi_latent_attention true: MLA needs TransformerEngine's attention (launcher.transformer_impl local)"),
+        (local and m.experimental_attention_variant not in ("none", ""),
+         f"model.experimental_attention_variant {m.experimental_attention_variant}: miles' V4 attention is built "
+         "from TransformerEngine layers (launcher.transformer_impl local)"),
+        (local and lay.sequence_parallel,
+         "layout.sequence_parallel true: the local spec's torch norms do not support it (and MoE with TP > 1 needs it)"),
+        (m.experimental_attention_variant == "dsv4" and m.mtp_num_layers > 0,
+         f"model.mtp_num_layers {m.mtp_num_layers} with the V4 attention: Megatron-LM 37f91617's MTP layer asserts an "
+         "attn_mask_type on its attention spec (multi_token_prediction.py:724), which miles' V4 spec does not set "
+         "(deepseek_v4.py _dsv4_attention_module_spec): use model.mtp_num_layers=0"),
+        (lay.context_parallel_size > 1,
+         f"layout.context_parallel_size {lay.context_parallel_size}: the worker does not split rows over CP ranks"),
+        (cfg.launcher.attention_backend not in ("unfused", "fused", "flash", "local", "auto"),
+         f"launcher.attention_backend {cfg.launcher.attention_backend!r}: expected unfused, fused, flash, local or auto"),
+    ]
+    for refused, line in refusals:
+        if refused:
+            raise CheckError(f"launcher local-megatron: {line}")
+    verify_checkouts(cfg.launcher, REPO_ROOT / cfg.stack.lockfile)
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except ImportError:
+        gpus = 0
+    if gpus < par.world_size:
+        raise CheckError(
+            f"launcher local-megatron: cluster.gpus_per_node {cfg.cluster.gpus_per_node} x cluster.nodes "
+            f"{cfg.cluster.nodes} = {par.world_size} GPUs, this machine has {gpus}"
+        )
+
+
+def _free_port() -> int:
+    """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
+    cfg, par = prepared.config, prepared.par
+    checkouts = verify_checkouts(cfg.launcher, REPO_ROOT / cfg.stack.lockfile)
+    rows_dir = prepare_rows(cfg, run_dir)
+    record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}
+    env = worker_env(
+        cfg.env,
+        {
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4"),
+            # one node: NCCL's bootstrap and gloo stay on loopback
+            "NCCL_SOCKET_IFNAME": "lo",
+            "GLOO_SOCKET_IFNAME": "lo",
+            # the verified sources first on the path; no bytecode written into them
+            "PYTHONPATH": os.pathsep.join([c["path"] for c in checkouts.values()]
+                                          + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            "PYTHONDONTWRITEBYTECODE": "1",
+        },
+        run_dir,
+    )
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "1", "--nproc-per-node", str(par.world_size),
+        "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port or _free_port()),
+        "-m", "trainer.launch.megatron_worker", str(run_dir), str(rows_dir),
+    ]
+    rundir = RunDir(run_dir)
+    rundir.write_json(ARGV, command)
+    rundir.write_json(ENV, redact_env(env))
+    record.update(supervise([command], env, run_dir / "logs"))
+    record["probe"] = collect_probes(run_dir, par.world_size)
+    record["sources"] = {name: {"commit": c["commit"], "tree": c["tree"]} for name, c in checkouts.items()}
+    chosen = run_dir / "megatron.json"
+    if chosen.is_file():
+        record["megatron"] = {**json.loads(chosen.read_text()), "why": megatron_choice(cfg)["why"]}
+    return record
+
+
+def megatron_choice(cfg: TrainConfig) -> Dict[str, Any]:
+    """What the plan says the worker builds: ``{"transformer_impl", "attention_backend", "why"}``."""
+    impl = cfg.launcher.transformer_impl
+    why = [
+        "transformer_impl auto: TransformerEngine's layer spec when transformer_engine is importable in the "
+        "training process (the recipe's path), else megatron-core's local spec" if impl == "auto" else
+        f"transformer_impl {impl}: asked for",
+    ]
+    if cfg.launcher.attention_backend == "unfused":
+        why.append("attention_backend unfused: TE 2.17.0's cuDNN fused attention failed on the lent H200 (torch "
+                   "2.11.0+cu130, the lock's cuDNN 9.19.0): backward CUDNN_STATUS_BAD_PARAM (2026-12-01, first "
+                   "try), forward CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED with the machine's apt cuDNN 9.14 mapped "
+                   "next to 9.19 (fused_attn_f16_arbitrary_seqlen.cu:419); unfused ran")
+    else:
+        why.append(f"attention_backend {cfg.launcher.attention_backend}: asked for")
+    if cfg.model.experimental_attention_variant == "dsv4":
+        why.append("model: miles' DeepSeekV4Attention (--spec miles_plugins.models.deepseek_v4.deepseek_v4 "
+                   "get_dsv4_spec) uses its own tilelang sparse-attention kernel; attention_backend applies to "
+                   "no V4 layer")
+    return {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend, "why": why}

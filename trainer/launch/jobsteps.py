@@ -1,0 +1,126 @@
+"""The steps ``sbatch.sh`` runs inside the Slurm job (on the head node): ``python -m trainer.launch.jobsteps
+mark RUN_DIR STATUS ...`` updates the run record as the job moves on (running, then complete or failed with
+the cause in one line); ``wait-dashboard ADDRESS`` waits for the Ray head to answer. The batch script itself is
+rendered by :mod:`trainer.launch.host.slurm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.errors import UserError
+from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
+
+def _job_failure(run_dir: Path, exit_code: Optional[int]) -> str:
+    """One line for a Ray job that exited non-zero, from ``logs/job.log``."""
+    try:
+        text = (run_dir / LOGS / "job.log").read_text(errors="replace")
+    except OSError:
+        text = ""
+    status = [line for line in text.splitlines() if "Status message:" in line]
+    if status:
+        message = status[-1].split("Status message:", 1)[1].strip().split(", last available logs")[0]
+    else:
+        message = f"ray job submit exited with code {exit_code}"
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("srun:")]
+    errors = [line for line in lines if ("error:" in line.lower() or "Error" in line) and "ERR cli.py" not in line]
+    tail = errors[-1] if errors else (lines[-1] if lines and not status else "")
+    return message + (f"; {tail}" if tail else "")
+
+
+def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Optional[int] = None,
+         reason: Optional[str] = None, job_id: Optional[str] = None, nodes: Optional[str] = None) -> Dict[str, Any]:
+    """Update ``RUN_DIR/record.json`` from inside the job: status, stage, the probes and the preflight report
+    gathered so far, and for a failure the cause in one line. Nothing already in the record is dropped.
+    Returns the record written; raises :class:`UserError` when the run directory has no record."""
+    def change(record: Dict[str, Any]) -> None:
+        record.pop("pid", None)  # the run lives in the Slurm job, not in the `train` process that submitted it
+        slurm = record.setdefault("slurm", {})
+        if job_id:
+            slurm["job_id"] = job_id
+        if nodes:
+            slurm["nodes"] = nodes.split(",")
+        if stage:
+            slurm["stage"] = stage
+        if exit_code is not None:
+            slurm.setdefault("exit_codes", {})[stage or "job"] = exit_code
+        record["status"] = status
+        if status == RUNNING:
+            record["started_utc"] = utc_now()  # the job left the queue
+        probes = {}
+        for node in slurm.get("nodes") or sorted(p.stem for p in (run_dir / PROBES).glob("*.json")):
+            probe_path = run_dir / PROBES / f"{node}.json"
+            if probe_path.is_file():
+                probes[node] = json.loads(probe_path.read_text())
+        if probes:
+            record["probe"] = {"ranks": list(probes.values()), "nodes": list(probes)}
+        if (run_dir / PREFLIGHT).is_file():
+            record["preflight"] = json.loads((run_dir / PREFLIGHT).read_text())
+        if status in FINAL:
+            record["finished_utc"] = utc_now()
+            record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / LOGS).rglob("*") if p.is_file())
+        if status == FAILED:
+            why = reason
+            if why is None and stage == "preflight" and record.get("preflight"):
+                why = record["preflight"].get("reason")
+            if why is None and stage == "preflight":
+                why = f"preflight could not compare the nodes (exit code {exit_code}); see logs/probe.log"
+            if why is None and stage == "job":
+                why = _job_failure(run_dir, exit_code)
+            record["reason"] = why or f"failed during {stage} (exit code {exit_code})"
+        elif status == COMPLETE:
+            record["reason"] = None
+
+    return RunDir(run_dir).update(change)
+
+
+def wait_dashboard(address: str, timeout_s: float) -> int:
+    """Wait until the Ray dashboard at ``address`` answers; 0 when it does, 1 after ``timeout_s`` seconds."""
+    import time
+
+    from trainer.launch.host.ray import reachable
+
+    deadline = time.monotonic() + timeout_s
+    cause = reachable(address, timeout_s=5)
+    while cause and time.monotonic() < deadline:
+        time.sleep(0.5)
+        cause = reachable(address, timeout_s=5)
+    if cause:
+        print(f"wait-dashboard: {address} did not answer in {timeout_s:.0f} s ({cause})", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m trainer.launch.jobsteps mark|wait-dashboard ...``: the steps ``sbatch.sh`` runs."""
+    parser = argparse.ArgumentParser(prog="python -m trainer.launch.jobsteps", description="steps of sbatch.sh")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("mark", help="update the run record from inside the job")
+    m.add_argument("run_dir", type=Path)
+    m.add_argument("status", choices=("running", *FINAL))
+    m.add_argument("--stage")
+    m.add_argument("--exit-code", type=int)
+    m.add_argument("--reason")
+    m.add_argument("--job-id")
+    m.add_argument("--nodes")
+    w = sub.add_parser("wait-dashboard", help="wait for the Ray dashboard to answer")
+    w.add_argument("address")
+    w.add_argument("--timeout", type=float, default=300.0)
+    args = parser.parse_args(argv)
+    if args.cmd == "wait-dashboard":
+        return wait_dashboard(args.address, args.timeout)
+    try:
+        record = mark(args.run_dir, args.status, args.stage, args.exit_code, args.reason, args.job_id, args.nodes)
+    except UserError as err:
+        print(f"slurm mark: error: {err}", file=sys.stderr)
+        return 2
+    print(f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

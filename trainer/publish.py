@@ -1,0 +1,122 @@
+"""Atomic publishing: a file or a directory appears complete under its name, or not at all.
+
+Every output of the bundle is written here: one file through :func:`atomic_file` (a temporary sibling, fsync,
+``os.replace``; :func:`atomic_write` for bytes in memory), a directory built under a temporary sibling
+through :func:`swap_dir` (an image layout: the old one is moved aside, the new one renamed in, the old one
+removed) or :func:`publish_files` (a rows directory: a new one is one rename; into an existing one the file
+that marks it complete goes first and comes back last). A failure leaves no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import BinaryIO, Iterator, Optional, Sequence
+
+
+def umask() -> int:
+    """The process umask, read without changing it (``/proc/self/status``; other threads may be writing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0)  # no /proc: the classic read, not thread-safe
+    os.umask(mask)
+    return mask
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync the directory ``path`` (so that a rename in it is durable); a directory that cannot be opened is
+    skipped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path, mode: int = 0o666, umask_applies: bool = True,
+                prefix: Optional[str] = None) -> Iterator[BinaryIO]:
+    """A binary handle on a temporary sibling of ``path`` (name ``prefix`` + random, default ``.NAME.``); on a
+    clean exit it is flushed, fsynced, given ``mode`` (less the process umask unless ``umask_applies`` is false)
+    and renamed onto ``path``; on an exception it is removed and ``path`` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", dir=path.parent)
+    mask = umask() if umask_applies else 0
+    try:
+        os.fchmod(fd, mode & ~mask)
+        with os.fdopen(fd, "wb") as handle:
+            yield handle
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True) -> str:
+    """Write ``data`` to ``path`` through :func:`atomic_file`; return the sha256 (hex) of the bytes written.
+
+    ``mode`` is applied less the process umask (as ``open()`` would) unless ``umask`` is false. Under a run
+    directory guarded by :func:`trainer.redact.guard` the bytes are scrubbed of secrets first (the hash is of
+    what was written).
+    """
+    from trainer.redact import redactor_for
+
+    redactor = redactor_for(Path(path))
+    if redactor is not None:
+        data = redactor.scrub_bytes(data)
+    with atomic_file(path, mode, umask) as handle:
+        handle.write(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def temp_dir(out: Path, prefix: Optional[str] = None, mode: Optional[int] = None) -> Path:
+    """A new empty temporary sibling of ``out`` (name ``prefix`` + random, default ``.NAME.``) to build a
+    directory in; ``mode`` (less the umask) replaces mkdtemp's 0700 when given."""
+    tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{out.name}.", dir=out.parent))
+    if mode is not None:
+        tmp.chmod(mode & ~umask())
+    return tmp
+
+
+def swap_dir(tmp: Path, out: Path) -> None:
+    """Rename the complete directory ``tmp`` onto ``out``: an existing ``out`` is moved aside first (to
+    ``.OUT.old-<pid>-*``), then removed. Callers check that ``out`` may be replaced."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-{os.getpid()}-", dir=out.parent))
+        os.rmdir(old)
+        os.rename(out, old)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_files(tmp: Path, out: Path, names: Sequence[str], marker: str) -> None:
+    """Move the finished files ``names`` from ``tmp`` to ``out``: one rename if ``out`` is new (``tmp`` is then
+    made again, empty, for the caller's cleanup); otherwise ``marker`` (the file whose presence says the
+    directory is complete) is removed first, the other files replaced, and ``marker`` replaced last. Other
+    files of ``out`` stay."""
+    try:
+        os.rename(tmp, out)
+        tmp.mkdir()
+        return
+    except OSError:
+        pass
+    (out / marker).unlink(missing_ok=True)
+    for name in [n for n in names if n != marker] + [marker]:
+        os.replace(tmp / name, out / name)

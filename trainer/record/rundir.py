@@ -1,0 +1,334 @@
+"""The run directory: its file names, its record's states, how it is written (:class:`RunDir`) and read.
+
+A run directory is what ``train`` writes (``hydra.run.dir=DIR``) plus, once the run has executed,
+``metrics.jsonl``. Reports accept a directory or, where only the steps matter, a ``metrics.jsonl`` file.
+
+``record.json`` moves through the states ``planned`` (a plan run: nothing launched) or ``running`` -> then
+``rendered`` / ``submitted`` (handed off: the run now belongs to a scheduler, and the job writes its own
+``running`` -> final states, :mod:`trainer.launch.jobsteps`) or a final state, ``complete``, ``failed`` or
+``interrupted`` (:data:`FINAL`). Every write of the record goes through :meth:`RunDir.save_record`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from trainer.compose import schema
+from trainer.errors import UserError
+from trainer.inputs import read_json, read_yaml
+from trainer.publish import atomic_write
+
+if TYPE_CHECKING:
+    from trainer.report.metrics import Step
+
+# The files of a run directory (the names readers, reports and tests know).
+CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = "config.yaml", "command.sh", "plan.json", "argv.json", "env.json", "record.json"
+METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
+PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
+# Files the launch writes (argv.json: the miles argv of a plan or a cluster job, the first worker's command of a
+# local run), hashed into the record once the launch has handed back.
+LAUNCH_FILES = (ARGV, ENV, METRICS, SBATCH)
+
+# The states of record.json.
+PLANNED, RUNNING, COMPLETE, FAILED, INTERRUPTED = "planned", "running", "complete", "failed", "interrupted"
+HANDED_OFF = ("rendered", "submitted")  # the run now belongs to a scheduler (rendered for it, or accepted by it)
+FINAL = (COMPLETE, FAILED, INTERRUPTED)
+
+
+def utc_now() -> str:
+    """The time now as the record writes it (``2026-12-01T12:00:00Z``)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class RunDir:
+    """One run directory being written: every file through :meth:`write` (atomic, its sha256 kept in
+    :attr:`hashes` by file name), the record through :meth:`save_record`.
+
+    ``path``: the directory (it exists: Hydra made it, or the caller did).
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.hashes: Dict[str, str] = {}
+
+    def write(self, name: str, data: bytes, mode: int = 0o666) -> str:
+        """Write ``data`` to ``name`` atomically (:func:`trainer.publish.atomic_write`); keep and return its sha256."""
+        self.hashes[name] = atomic_write(self.path / name, data, mode=mode)
+        return self.hashes[name]
+
+    def write_json(self, name: str, obj: Any) -> str:
+        """Write ``obj`` as canonical JSON to ``name`` (:meth:`write`)."""
+        from trainer.record.record import canonical_json
+
+        return self.write(name, canonical_json(obj))
+
+    def hash_written(self, names=LAUNCH_FILES) -> Dict[str, str]:
+        """The sha256 of those of ``names`` that others (the launch, the workers) wrote, as they now stay; kept in
+        :attr:`hashes` too."""
+        import hashlib
+
+        found = {name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+                 for name in names if (self.path / name).is_file()}
+        self.hashes.update(found)
+        return found
+
+    def load_record(self) -> Optional[Dict[str, Any]]:
+        """``record.json`` as it is on disk (:func:`load_record`), or None."""
+        return load_record(self.path)
+
+    def save_record(self, record: Dict[str, Any]) -> None:
+        """Write ``record.json`` (canonical JSON, atomically): the one way the record is written."""
+        from trainer.record.record import write_json
+
+        write_json(self.path / RECORD, record)
+
+    def end(self, record: Dict[str, Any], status: str, reason: Optional[str] = None) -> Dict[str, Any]:
+        """``record`` moved to the final state ``status`` (with ``reason``), unsaved."""
+        assert status in FINAL, status
+        record.update(status=status, reason=reason)
+        return record
+
+    def hand_back(self, record: Dict[str, Any]) -> Dict[str, Any]:
+        """The record once the launcher handed back: handed off (``rendered``/``submitted``: no pid, the time in
+        ``handed_off_utc``; a submitted job that already wrote its own state keeps what it wrote) or ended
+        (``finished_utc``); the hashes of the launch's files added. Unsaved."""
+        now = utc_now()
+        handed_off = record["status"] in HANDED_OFF
+        if record["status"] == "submitted":
+            # the job may already have started and written its own status (it drops our pid): keep what it wrote
+            on_disk = self.load_record() or {}
+            if on_disk and "pid" not in on_disk:
+                on_disk.setdefault("slurm", {}).update({k: v for k, v in (record.get("slurm") or {}).items() if v is not None})
+                record = on_disk
+        if handed_off:
+            record.pop("pid", None)  # the run no longer lives in this process
+            record["handed_off_utc"] = now
+        else:
+            record["finished_utc"] = now
+        record.setdefault("files_sha256", {}).update(self.hashes)
+        return record
+
+    def update(self, change) -> Dict[str, Any]:
+        """Read the record, apply ``change(record)`` (which edits it in place) and save it; return it. Raises
+        :class:`UserError` when the directory has no readable record."""
+        path = self.path / RECORD
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as ex:
+            raise UserError(f"{path}: no readable run record ({ex})") from None
+        change(record)
+        self.save_record(record)
+        return record
+
+
+@dataclass
+class Run:
+    """A run as the reports see it. ``config``/``cfg`` are None when only a metrics file was given."""
+
+    path: Path  # the directory, or the metrics file
+    steps: List["Step"]
+    cfg: Optional[DictConfig] = None  # the resolved composition, typed
+    config: Optional[schema.TrainConfig] = None
+    record: Optional[Dict[str, Any]] = None
+
+    @property
+    def cpu_only(self) -> bool:
+        """True when the record has probes and none of its ranks saw a GPU (a ``launcher=local-cpu`` run)."""
+        probes = ((self.record or {}).get("probe") or {}).get("ranks") or []
+        return bool(probes) and not any((p.get("torch") or {}).get("gpus") for p in probes)
+
+    @property
+    def directory(self) -> Optional[Path]:
+        """The run directory, or None when only a ``metrics.jsonl`` file was given."""
+        return self.path if self.path.is_dir() else None
+
+    @property
+    def label(self) -> str:
+        """A short name for tables and plots: the layout label from the config, else the directory's name (for a
+        metrics file, its parent directory's name).
+        """
+        if self.config is not None:
+            return self.config.layout.label
+        return self.path.parent.name if self.path.is_file() else self.path.name
+
+
+def load_config(path: Path) -> DictConfig:
+    """``config.yaml`` of a run merged into the schema (:class:`trainer.compose.schema.TrainConfig`).
+
+    Raises :class:`UserError` naming the file on unreadable YAML, unknown keys, wrong types, missing values, or
+    values no run can have (:func:`trainer.compose.checks.check_values`: NaN, negative, a zero peak, a bad env name).
+    """
+    try:
+        raw = read_yaml(path, "run's config.yaml")
+    except OSError as ex:
+        raise UserError(f"{path}: not readable ({ex.strerror})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{path}: expected a mapping (the resolved composition train writes)")
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(schema.TrainConfig), raw)
+        OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as ex:
+        key = getattr(ex, "full_key", None)
+        msg = (getattr(ex, "msg", None) or str(ex)).splitlines()[0]
+        raise UserError(f"{path}: {msg}" + (f" (key: {key})" if key else "")) from None
+    assert isinstance(cfg, DictConfig)
+    from trainer.compose.checks import check_values
+
+    try:
+        check_values(OmegaConf.to_object(cfg))  # a run's figures need finite, non-negative sizes, prices and peaks
+    except UserError as ex:
+        raise UserError(f"{path}: {ex}") from None
+    return cfg
+
+
+def load_record(directory: Path) -> Optional[Dict[str, Any]]:
+    """``record.json`` of a run directory, or None if it has none; raises :class:`UserError` if unreadable."""
+    path = directory / "record.json"
+    if not path.exists():
+        return None
+    try:
+        record = read_json(path, "run record")
+    except OSError as ex:
+        raise UserError(f"{path}: not readable ({ex.strerror})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{path}: expected a JSON object")
+    check_record_types(record, str(path))
+    return record
+
+
+# The type of every field of record.json that readers use (None is allowed for each): a record with a field of
+# another type is refused on one line instead of failing somewhere inside a report.
+RECORD_TYPES: Dict[str, Any] = {
+    "schema_version": int, "status": str, "kind": str, "launcher": str, "host": str, "reason": str, "message": str,
+    "pid": int, "created_utc": str, "started_utc": str, "finished_utc": str, "handed_off_utc": str,
+    "bundle": dict, "launcher_env": dict, "locks": dict, "lock": dict, "stack": dict, "choices": dict,
+    "files_sha256": dict, "overrides": list, "command": list, "probe": dict, "slurm": dict, "ray": dict,
+    "image": dict, "data": dict, "times": dict, "preflight": dict, "logs": (dict, list, str),
+    "observed_versions": dict, "observed": dict,
+}
+NESTED_TYPES: Dict[str, Dict[str, Any]] = {
+    "probe": {"ranks": list, "nodes": list},
+    "slurm": {"job_id": (str, int), "state": str, "submitted_utc": str, "started_utc": str, "finished_utc": str},
+    "times": {"admitted_utc": str, "started_utc": str, "finished_utc": str},
+}
+
+
+def check_record_types(record: Dict[str, Any], where: str) -> None:
+    """Refuse a record whose known fields (:data:`RECORD_TYPES`, :data:`NESTED_TYPES`) have the wrong JSON type.
+    Raises :class:`UserError` naming the field, the type found and the type expected."""
+    def check(value: Any, kind: Any, key: str) -> None:
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if value is None or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
+            return
+        expected = " or ".join({dict: "object", list: "array", str: "string", int: "integer"}[k] for k in kinds)
+        raise UserError(f"{where}: {key} is {type(value).__name__} {json.dumps(value)[:40]}, expected {expected}")
+
+    for key, kind in RECORD_TYPES.items():
+        check(record.get(key), kind, key)
+    for key, fields in NESTED_TYPES.items():
+        for sub, kind in fields.items():
+            check((record.get(key) or {}).get(sub), kind, f"{key}.{sub}")
+    for i, rank in enumerate(((record.get("probe") or {}).get("ranks")) or []):
+        check(rank, dict, f"probe.ranks[{i}]")
+        for sub in ("torch", "packages", "env", "image", "nccl", "cuda"):
+            check(rank.get(sub), dict, f"probe.ranks[{i}].{sub}")
+
+
+def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -> "Run":
+    """Load a run directory (or a ``metrics.jsonl`` file when ``need_config`` is false).
+
+    Raises :class:`UserError` when ``path`` is missing, when a config is needed but absent, or on any
+    bad file inside.
+    """
+    from trainer.report.metrics import read_metrics
+
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"{path}: no such run directory or file")
+    if path.is_file():
+        if need_config:
+            raise UserError(f"{path}: a run directory is needed here (config.yaml, record.json, metrics.jsonl)")
+        return Run(path=path, steps=read_metrics(path))
+    config_path = path / "config.yaml"
+    cfg = load_config(config_path) if config_path.exists() else None
+    if need_config and cfg is None:
+        raise UserError(f"{path}: no config.yaml (not a run directory written by `train`)")
+    steps = read_metrics(path) if need_metrics else []
+    return Run(
+        path=path,
+        steps=steps,
+        cfg=cfg,
+        config=OmegaConf.to_object(cfg) if cfg is not None else None,
+        record=load_record(path),
+    )
+
+
+# What `train` itself writes into a run directory before the task runs (Hydra's log and record of the composition).
+HYDRA_FILES = (".hydra", "train.log")
+CLAIM_MODES = ("new", "resume", "overwrite")
+
+
+def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -> Optional[Path]:
+    """The one owner of a run directory's place: refuse ``value`` unless a run may be written there.
+
+    ``mode`` ``new`` (default) needs a missing or empty directory (Hydra's own ``.hydra/`` and ``train.log`` aside);
+    ``resume`` also accepts a directory holding a run (a ``record.json``) and writes into it; ``overwrite`` removes
+    that run's files first. A directory holding files that no run wrote is refused in every mode, as are an empty
+    value, the filesystem root, a file, and a place that cannot be written. Returns the path, or None for a value
+    that is only known once Hydra resolves it (an interpolation). Raises :class:`UserError` (one line naming
+    ``field``); nothing is created.
+    """
+    import shutil
+    import tempfile
+
+    if mode not in CLAIM_MODES:
+        raise UserError(f"{field}: unknown mode {mode!r} (expected one of {', '.join(CLAIM_MODES)})")
+    if not value.strip():
+        raise UserError(f"{field}: empty (a run needs its own directory, e.g. {field}=outputs/my-run)")
+    if "${" in value:
+        return None
+    path = Path(value).expanduser()
+    resolved = path.resolve()
+    if resolved == Path(resolved.anchor):
+        raise UserError(f"{field}={value}: the filesystem root cannot be a run directory")
+    if resolved in (Path.cwd().resolve(), *Path.cwd().resolve().parents, Path.home().resolve()):
+        raise UserError(f"{field}={value}: the current directory, one above it or the home directory cannot be a run directory")
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{field}={value}: exists and is not a directory")
+    if path.is_dir():
+        try:
+            entries = sorted(p.name for p in path.iterdir())
+        except OSError as ex:
+            raise UserError(f"{field}={value}: not readable ({ex.strerror})") from None
+        others = [name for name in entries if name not in HYDRA_FILES]
+        if others and "record.json" not in entries:
+            raise UserError(f"{field}={value}: holds files that no run wrote ({', '.join(others[:3])}"
+                            f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory")
+        if others and mode == "new":
+            status = "unreadable"
+            try:
+                status = str((load_record(path) or {}).get("status", "unknown"))
+            except UserError:
+                pass
+            raise UserError(f"{field}={value}: holds another run (status {status}); pass --resume to write into it "
+                            "or --overwrite to replace it, or choose a new directory")
+    # the nearest existing directory must take a new entry (read-only file systems and permissions alike)
+    parent = path if path.is_dir() else next((p for p in path.absolute().parents if p.exists()), Path("/"))
+    if not parent.is_dir():
+        raise UserError(f"{field}={value}: {parent} is not a directory")
+    try:
+        shutil.rmtree(tempfile.mkdtemp(prefix=".train-probe-", dir=parent))
+    except OSError as ex:
+        raise UserError(f"{field}={value}: cannot write in {parent} ({ex.strerror})") from None
+    if mode == "overwrite" and path.is_dir():
+        for entry in path.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    return path

@@ -1,0 +1,109 @@
+"""``trainer status RUN_DIR [--wait] [--timeout S] [--json]``: where a run stands, following its Slurm job.
+
+The run record says what the launcher and the job itself wrote (``rendered``, ``submitted``, ``running``,
+``complete``, ``failed``, ``interrupted``). For a Slurm run that is not finished the Slurm job's state is read
+(``squeue``, then ``scontrol show job``); a job that Slurm says has ended while the record still says
+``submitted``/``running`` (killed before its script could record anything: node failure, ``scancel -s KILL``)
+is recorded as ``failed`` with Slurm's state, so the record never claims a run that is gone.
+
+Exit codes: 0 complete, 1 failed or interrupted, 2 bad input, 3 not finished (rendered, submitted, running;
+with ``--wait``: still not finished after ``--timeout``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from trainer.errors import UserError
+from trainer.record.record import effective_status
+from trainer.record.rundir import FAILED, LOGS, RunDir, load_record
+
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+         "DEADLINE")
+
+
+UNKNOWN = "UNKNOWN"  # Slurm could not be asked (timeout, slurmctld unreachable): keep polling, conclude nothing
+
+
+def slurm_state(job_id: str) -> Optional[str]:
+    """The Slurm job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ...); None when Slurm says it no longer
+    knows the job (``Invalid job id``); :data:`UNKNOWN` when Slurm could not be asked."""
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().split()[0]
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return UNKNOWN
+    for word in out.stdout.split():
+        if word.startswith("JobState="):
+            return word.split("=", 1)[1]
+    if "invalid job id" in (out.stderr + out.stdout).lower():
+        return None
+    return UNKNOWN
+
+
+def refresh(run_dir: Path) -> Dict[str, Any]:
+    """The run's record, reconciled with Slurm (see the module docstring); raises :class:`UserError` when
+    ``run_dir`` has no record."""
+    record = load_record(run_dir)
+    if record is None:
+        raise UserError(f"{run_dir}: no record.json (is it a run directory written by `train`?)")
+    status = effective_status(record)
+    slurm = record.get("slurm") or {}
+    if record.get("launcher") == "slurm" and status in ("submitted", "running") and slurm.get("job_id"):
+        state = slurm_state(str(slurm["job_id"]))
+        record["slurm"]["state"] = state
+        if state in ENDED or state is None:
+            time.sleep(1.0)  # the script's last step may be writing the record right now
+            record = load_record(run_dir) or record
+            if record.get("status") in ("submitted", "running"):
+                out = run_dir / LOGS / f"slurm-{slurm['job_id']}.out"
+                tail = ""
+                if out.is_file():
+                    lines = [line for line in out.read_text(errors="replace").splitlines() if line.strip()]
+                    tail = f"; last line of {out.name}: {lines[-1].strip()}" if lines else ""
+                rundir = RunDir(run_dir)
+                rundir.end(record, FAILED, f"Slurm job {slurm['job_id']} ended {state or '(unknown to Slurm)'} "
+                                           f"before its script recorded a result{tail}")
+                record.setdefault("slurm", {})["state"] = state
+                rundir.save_record(record)
+    else:
+        record["status"] = status
+    return record
+
+
+def main(argv: List[str]) -> int:
+    """Command line; see the module docstring."""
+    parser = argparse.ArgumentParser(prog="trainer status", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--wait", action="store_true", help="follow the run until it is finished")
+    parser.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    args = parser.parse_args(argv)
+    deadline = None if args.timeout is None else time.monotonic() + args.timeout
+    last = None
+    while True:
+        record = refresh(args.run_dir)
+        status = record.get("status")
+        line = f"{args.run_dir}: {status}"
+        if record.get("slurm", {}).get("job_id"):
+            line += f" (Slurm job {record['slurm']['job_id']}" + (f", {record['slurm']['state']}" if record["slurm"].get("state") else "") + ")"
+        if record.get("reason"):
+            line += f": {record['reason']}"
+        if not args.json and line != last:
+            print(line, flush=True)
+            last = line
+        finished = status in ("complete", "failed", "interrupted")
+        if finished or not args.wait or (deadline is not None and time.monotonic() > deadline):
+            break
+        time.sleep(2.0)
+    if args.json:
+        print(json.dumps(record, indent=2, sort_keys=True))
+    return {"complete": 0, "failed": 1, "interrupted": 1}.get(status, 3)
