@@ -33,7 +33,10 @@ overrides() {
     proxy-te-mla-fused) echo "$proxy model=dsv4-proxy-mla launcher.transformer_impl=transformer_engine launcher.attention_backend=fused launcher.steps=2" ;;
     tiny) echo "$tiny" ;;
     tiny-profile) echo "$tiny launcher.profile_step=8" ;;
-    # the convergence pair: 4 microbatches of 2 rows vs 2 of 4, no hash layer (see conf/experiment/dsv4-tiny-h200.yaml)
+    # the convergence pair on one GPU (one row per microbatch: conf/experiment/dsv4-tiny-h200.yaml says why)
+    tiny-nodistopt) echo "$tiny layout.use_distributed_optimizer=false" ;;
+    tiny-lr) echo "$tiny optim.lr=6.0e-4 optim.min_lr=6.0e-5" ;;
+    # 4 microbatches of 2 rows vs 2 of 4, no hash layer: stop in TileKernels 1.0.0's backward (2026-12-01)
     tiny-mb4) echo "$tiny layout.micro_batch_size=2 model.dsv4_n_hash_layers=0" ;;
     tiny-mb2) echo "$tiny layout.micro_batch_size=4 model.dsv4_n_hash_layers=0" ;;
     tiny-mb4-lr) echo "$tiny layout.micro_batch_size=2 model.dsv4_n_hash_layers=0 optim.lr=6.0e-4 optim.min_lr=6.0e-5" ;;

@@ -110,6 +110,8 @@ BAD = [
     (["experiment=dsv4-tiny-h200", "launcher.transformer_impl=transformer_engine", "model.mtp_num_layers=1",
       "model.dsv4_compress_ratios=[0,4,128,4,0]"],
      "launcher local-megatron: model.mtp_num_layers 1 with the V4 attention: Megatron-LM 37f91617's MTP layer asserts"),
+    (["experiment=dsv4-tiny-h200", "launcher.transformer_impl=transformer_engine", "layout.micro_batch_size=2"],
+     "launcher local-megatron: layout.micro_batch_size 2 with the V4 model: TileKernels 1.0.0's hyper-connection backward"),
     (["experiment=proxy-h200", "launcher.transformer_impl=apex"],
      "launcher.transformer_impl 'apex': expected auto, transformer_engine or local"),
     (["experiment=proxy-h200", "launcher.attention_backend=cudnn"],

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 def check(cfg: TrainConfig, par: Parallelism) -> None:
     """Refuse, with one line, what the worker would otherwise drop silently or fail on late: more than one
     node, an unknown ``launcher.transformer_impl``, what the local (non-TransformerEngine) spec cannot build
-    (MLA, V4 attention, sequence parallel with torch norms), MTP with the V4 attention, context parallel (the worker does not split rows
+    (MLA, V4 attention, sequence parallel with torch norms), MTP or more than one row per microbatch with the V4
+    model, context parallel (the worker does not split rows
     over CP ranks), Megatron-LM / miles checkouts that are missing or do not hash to the locked trees, and
     fewer GPUs than the layout needs."""
     m, lay = cfg.model, cfg.layout
@@ -55,6 +56,11 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
          f"model.mtp_num_layers {m.mtp_num_layers} with the V4 attention: Megatron-LM 37f91617's MTP layer asserts an "
          "attn_mask_type on its attention spec (multi_token_prediction.py:724), which miles' V4 spec does not set "
          "(deepseek_v4.py _dsv4_attention_module_spec): use model.mtp_num_layers=0"),
+        (m.experimental_attention_variant == "dsv4" and lay.micro_batch_size > 1,
+         f"layout.micro_batch_size {lay.micro_batch_size} with the V4 model: TileKernels 1.0.0's hyper-connection "
+         "backward views a non-contiguous gradient with more than one row per microbatch "
+         "(tile_kernels/modeling/mhc/ops/pre_apply_mix.py:42; seen on an H200, 2026-12-01) and Megatron-LM 37f91617's "
+         "hash routing pairs token ids with router logits only for one row: use layout.micro_batch_size=1"),
         (lay.context_parallel_size > 1,
          f"layout.context_parallel_size {lay.context_parallel_size}: the worker does not split rows over CP ranks"),
         (cfg.launcher.attention_backend not in ("unfused", "fused", "flash", "local", "auto"),
