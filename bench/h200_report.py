@@ -35,6 +35,9 @@ def window_rate(rows: list, first: int, last: int) -> float:
 
 
 def main() -> int:
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
     runs, out = Path(sys.argv[1]), Path(sys.argv[2])
     table, failed, rates = [], [], {}
     for run in sorted(p for p in runs.iterdir() if (p / "record.json").is_file()):

@@ -21,6 +21,9 @@ import time
 
 
 def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help") or "--rows" not in sys.argv or "--out" not in sys.argv:
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2
     import numpy as np
     import pyarrow.parquet as pq
     import torch

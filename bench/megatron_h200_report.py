@@ -29,6 +29,9 @@ def trainer(*args: str) -> tuple[int, dict]:
 
 
 def main() -> int:
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2
     runs, out = Path(sys.argv[1]), Path(sys.argv[2])
     layouts = sorted(p.name for p in runs.iterdir() if (p / "metrics.jsonl").is_file())
     rows = []

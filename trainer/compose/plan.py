@@ -130,7 +130,7 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
         )
     peak = max(st["total_gb"] for st in stages)
     return {
-        "formula": "see trainer/plan.py module docstring (weights 2 B, grads 4 B, Adam 12 B sharded by the "
+        "formula": "see trainer/compose/plan.py module docstring (weights 2 B, grads 4 B, Adam 12 B sharded by the "
         "distributed optimizer, full-recompute checkpoints + one recomputed layer + last-stage logits)",
         "per_stage": stages,
         "max_gb": peak,

@@ -449,7 +449,7 @@ def summarize(
         "peak_flops": {"value": inputs.peak_flops, "source": PEAK_SOURCE},
         "model_tflops_per_gpu": None,
         "model_flops_per_token": None,
-        "model_flops_formula": "Megatron-style per-layer count, trainer.metrics.model_flops_per_token",
+        "model_flops_formula": "Megatron-style per-layer count, trainer.report.metrics.model_flops_per_token",
         "usd_per_million_tokens": None,
         "usd_per_node_hour": inputs.usd_per_node_hour,
         "step_time_cv_percent": cv_percent([s.step_time_s for s in chosen]),

@@ -275,8 +275,8 @@ def correctness_block(run: Run, reference: Optional[Run], convergence: Optional[
             "pointwise_failures": m["pointwise_failures"],
             "note": f"candidate arm: {run.path.name}; reference arm: {reference.path.name}",
         },
-        "rules": f"argument classes of trainer/numerics.py; {m['steps']}-step check by Megatron-Bridge validate_convergence "
-        f"with its {th['name']} thresholds (trainer/convergence.py: steps aligned by number, missing steps and NaN/Inf fail)",
+        "rules": f"argument classes of trainer/compose/numerics.py; {m['steps']}-step check by Megatron-Bridge validate_convergence "
+        f"with its {th['name']} thresholds (trainer/report/convergence.py: steps aligned by number, missing steps and NaN/Inf fail)",
     }
 
 

@@ -66,7 +66,7 @@ def report_inputs(run: Run, usd_per_node_hour: Optional[float] = None) -> metric
         gpus=cfg.cluster.nodes * cfg.cluster.gpus_per_node,
         gpus_per_node=cfg.cluster.gpus_per_node,
         active_params=n,
-        active_params_source=f"trainer.params.count_params(model={cfg.model.name}).active_per_token"
+        active_params_source=f"trainer.compose.params.count_params(model={cfg.model.name}).active_per_token"
         + (f"; shapes from {cfg.model.source}" if cfg.model.source else ""),
         peak_flops=None if cpu_only else cfg.cluster.gpu_peak_bf16_flops,
         usd_per_node_hour=usd_per_node_hour if usd_per_node_hour is not None else cfg.cluster.usd_per_node_hour,
