@@ -7,12 +7,19 @@ miles' ``model_args_utils.py`` prints them, then checkpoints, data and loss, the
 and the arguments the recipe restates at the end (Megatron's argparse keeps the last occurrence, and
 both occurrences come from the same field, so they cannot disagree).
 
-These tables are the one map from config fields to launch arguments: miles gets every row; megatron-core
-(``launcher=local-megatron``, :func:`trainer.launch.megatron_args.megatron_argv`) gets the model, layout and
-optimizer rows less the flags only miles reads (``--max-tokens-per-gpu``; the V4-only rows for a model without
-the V4 attention; ``--moe-grouped-gemm`` for the local transformer implementation, whose grouped GEMM would be
-TransformerEngine's); the numerics verdict (:mod:`trainer.compose.numerics`) classes every row. A new field is
-a field of :mod:`trainer.compose.schema`, its default in ``conf/`` and one row here.
+These tables are the one map from config fields to launch arguments: miles gets every row of :data:`SECTIONS`;
+megatron-core (``launcher=local-megatron``, :func:`render_megatron`, called by
+:func:`trainer.launch.megatron_args.megatron_argv`) gets the model, layout and optimizer rows under the row
+conditions of :data:`MEGATRON_WHEN` (no ``--max-tokens-per-gpu``, which only miles reads; no V4-only rows for a
+model without the V4 attention; no ``--moe-grouped-gemm`` for the local transformer implementation, whose grouped
+GEMM would be TransformerEngine's), then :data:`MEGATRON_ARGS`, the arguments Megatron-LM needs that the recipe's
+argv leaves to miles (sequence length, steps, seed, gradient clipping, precision, implementation choices), which
+reuse the rows above for flags both have. The numerics verdict
+(:mod:`trainer.compose.numerics`) classes every row.
+
+A new field is a field of :mod:`trainer.compose.schema`, its default in ``conf/`` and one row here: in the table
+of its section when miles reads it (megatron-core then gets it too, unless a :data:`MEGATRON_WHEN` condition
+says otherwise), in :data:`MEGATRON_ARGS` when only the megatron-core launch needs it.
 
 Kinds of flag:
 ``value``  ``--flag VALUE``; omitted when the value is null.
@@ -172,6 +179,50 @@ SECTIONS: Tuple[Tuple[str, Tuple[Row, ...]], ...] = (
     ("tail", TAIL_ARGS),
 )
 
+_ROWS = {row[0]: row for _, rows in SECTIONS for row in rows}
+
+# Megatron-LM arguments of ``launcher=local-megatron`` beyond the model, layout and optimizer rows, in the order
+# they follow them; a flag the recipe's argv has is its row above, not a second one. ``megatron.*`` keys are the
+# launch's own choices, set by :func:`trainer.launch.megatron_args.megatron_argv` (``megatron.train_iters`` the
+# run's steps, ``megatron.transformer_impl`` / ``attention_backend`` Megatron's ``--transformer-impl`` /
+# ``--attention-backend``; ``megatron.mtp_num_layers`` null for none). The fusions are Megatron-LM's field names
+# (``gradient_accumulation_fusion``, ``persist_layer_norm``, ``masked_softmax_fusion``): Megatron-LM defaults
+# them on, they need APEX's CUDA extensions or Megatron's own compiled kernels, which the bundle does not build
+# (the recipe's image has APEX); the persistent layer norm and fused softmax only matter for the local spec.
+MEGATRON_ARGS: Tuple[Row, ...] = (
+    ("--seq-length", "data.seq_length", "value"),
+    ("--max-position-embeddings", "data.seq_length", "value"),
+    _ROWS["--global-batch-size"],
+    ("--train-iters", "megatron.train_iters", "value"),
+    ("--seed", "launcher.seed", "value"),
+    ("--clip-grad", "optim.clip_grad", "value"),
+    _ROWS["--distributed-timeout-minutes"],
+    ("--transformer-impl", "megatron.transformer_impl", "value"),
+    ("--attention-backend", "megatron.attention_backend", "value"),
+    # the rows are already token ids: no tokenizer is loaded (vocab size from --vocab-size)
+    ("--tokenizer-type", "megatron.tokenizer_type", "value"),
+    ("--no-gradient-accumulation-fusion", "megatron.gradient_accumulation_fusion", "false"),
+    ("--no-persist-layer-norm", "megatron.persist_layer_norm", "false"),
+    ("--no-masked-softmax-fusion", "megatron.masked_softmax_fusion", "false"),
+    ("--mtp-num-layers", "megatron.mtp_num_layers", "value"),
+    ("--bf16", "optim.bf16", "true"),
+    _ROWS["--calculate-per-token-loss"],
+    _ROWS["--accumulate-allreduce-grads-in-fp32"],
+)
+
+# Row conditions of the megatron-core argv: a row of MODEL_ARGS, LAYOUT_ARGS or OPTIM_ARGS whose flag starts with
+# one of these renders there only when the boolean key is true (miles always gets it). ``--max-tokens-per-gpu``
+# is miles' own flag (Megatron-LM's parser has none); the V4 rows need the V4 attention variant; the local
+# transformer implementation gets no ``--moe-grouped-gemm`` (its grouped GEMM for experts is TransformerEngine's).
+MEGATRON_WHEN: Tuple[Tuple[str, str], ...] = (
+    ("--max-tokens-per-gpu", "megatron.miles"),
+    ("--moe-grouped-gemm", "megatron.transformer_engine"),
+    ("--dsv4-", "megatron.v4"),
+    ("--dsa-indexer-", "megatron.v4"),
+    ("--spec", "megatron.v4"),
+    ("--experimental-attention-variant", "megatron.v4"),
+)
+
 
 def format_value(value: Any, integral: bool = False) -> str:
     """One argv token for a config value: floats as Python's shortest repr with a short exponent.
@@ -222,6 +273,27 @@ def render_rows(cfg: DictConfig, rows: Tuple[Row, ...]) -> List[str]:
         else:
             raise ValueError(f"render: unknown kind {kind!r} for {flag}")
     return out
+
+
+def _condition(cfg: DictConfig, key: str) -> bool:
+    """The boolean at ``key`` of a row condition; ``KeyError``/``ValueError`` as :func:`render_rows`."""
+    value = OmegaConf.select(cfg, key, throw_on_missing=True, default=KeyError)
+    if not isinstance(value, bool):
+        raise (KeyError if value is KeyError else ValueError)(f"render: row condition {key} must be a boolean, got {value!r}")
+    return value
+
+
+def render_megatron(cfg: DictConfig) -> List[str]:
+    """The megatron-core argv (without the program name) of a composed config that also holds the ``megatron``
+    node of :data:`MEGATRON_ARGS` (:func:`trainer.launch.megatron_args.megatron_argv` adds it): the model, layout
+    and optimizer rows that :data:`MEGATRON_WHEN` keeps, then :data:`MEGATRON_ARGS`. Raises as :func:`render_rows`.
+    """
+    argv: List[str] = []
+    for rows in (MODEL_ARGS, LAYOUT_ARGS, OPTIM_ARGS):
+        keep = tuple(r for r in rows if all(_condition(cfg, when) for prefix, when in MEGATRON_WHEN
+                                             if r[0].startswith(prefix)))
+        argv += render_rows(cfg, keep)
+    return argv + render_rows(cfg, MEGATRON_ARGS)
 
 
 @dataclass(frozen=True)
