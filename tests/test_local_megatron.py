@@ -1,5 +1,6 @@
-"""launcher=local-megatron on CPU: checkouts verified by git tree hash, the Megatron-LM argv, the plan's choice,
-the initial values of checkpoint-only V4 parameters."""
+"""launcher=local-megatron on CPU: checkouts verified by git tree hash, the Megatron-LM argv and what
+Megatron-LM's parser makes of it (the values the worker reads), the plan's choice, the initial values of
+checkpoint-only V4 parameters."""
 
 from __future__ import annotations
 
@@ -149,6 +150,83 @@ def test_the_plan_says_which_implementation_and_attention_backend_and_why():
     proxy = validate(compose("experiment=proxy-h200", "launcher.attention_backend=fused"))
     assert megatron_choice(proxy)["why"][1] == "attention_backend fused: asked for"
 
+
+
+@pytest.fixture()
+def megatron_parser(monkeypatch):
+    """Megatron-LM and miles at the locked commits on ``sys.path`` (``$MEGATRON_LM_PATH`` / ``$MILES_PATH`` or the
+    cache, verified by tree hash as the launcher does), importable on CPU: ``megatron.training``'s package
+    ``__init__`` is not run (it imports ``initialize``, which needs triton, absent from a CPU torch); its
+    modules are the checkout's own. ``validate_args`` asks the GPU's compute capability for a grouped GEMM: the
+    H200's (9, 0) is given. Skips when neither checkout is given nor cached."""
+    import sys
+    import types
+
+    import torch
+    from trainer.errors import UserError
+
+    try:
+        lock = helpers.REPO_ROOT / "lockfiles" / "stack.json"
+        paths = verify_checkouts(compose("experiment=proxy-h200").launcher, lock)
+    except UserError as ex:
+        pytest.skip(f"no Megatron-LM/miles checkout: {ex}")
+    for name in ("miles", "megatron_lm"):
+        monkeypatch.syspath_prepend(paths[name]["path"])
+    training = types.ModuleType("megatron.training")
+    training.__path__ = [str(Path(paths["megatron_lm"]["path"]) / "megatron" / "training")]
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    import megatron.training.global_vars as global_vars
+
+    for name in dir(global_vars):
+        if name.startswith("get_"):
+            setattr(training, name, getattr(global_vars, name))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
+    monkeypatch.setenv("RANK", "0")
+    from trainer.launch.megatron_worker import megatron_args
+
+    def parse(*overrides, impl="transformer_engine"):
+        cfg = validate(compose(*overrides))
+        argv = megatron_argv(cfg, impl, cfg.launcher.attention_backend, 3)
+        return cfg, megatron_args(cfg, argv, cfg.cluster.nodes * cfg.cluster.gpus_per_node)
+
+    return parse
+
+
+def _field(cfg, name):
+    """The config value of Megatron argument ``name``: the field of its flag's row in the render tables."""
+    import operator
+
+    from trainer.compose.render import MEGATRON_ARGS, SECTIONS
+
+    flag = "--" + name.replace("_", "-")
+    rows = [row for _, table in SECTIONS for row in table] + list(MEGATRON_ARGS)
+    keys = {key for f, key, _ in rows if f == flag}
+    assert len(keys) == 1, (flag, keys)
+    return operator.attrgetter(keys.pop())(cfg)
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("experiment", ["proxy-h200", "dsv4-tiny-h200"])
+def test_what_the_worker_reads_from_megatron_args_equals_the_config_field(megatron_parser, experiment, impl):
+    from trainer.launch.megatron_worker import CONFIG_NOT_ARGS, WORKER_ARGS
+
+    cfg, args = megatron_parser(f"experiment={experiment}", impl=impl)
+    got = {name: (type(getattr(args, name)).__name__, getattr(args, name)) for name in WORKER_ARGS}
+    want = {name: (type(_field(cfg, name)).__name__, _field(cfg, name)) for name in WORKER_ARGS}
+    assert got == want
+    assert got["lr"] == ("float", 3e-4) and got["tensor_model_parallel_size"] == ("int", 1)
+    # with these experiments' values the fields the worker keeps from the config agree too
+    assert {n: getattr(args, n) for n in CONFIG_NOT_ARGS} == {n: _field(cfg, n) for n in CONFIG_NOT_ARGS}
+
+
+def test_miles_and_megatron_overwrite_the_fields_the_worker_keeps_from_the_config(megatron_parser):
+    from trainer.launch.megatron_worker import CONFIG_NOT_ARGS
+
+    off = ["layout.use_distributed_optimizer=false", "optim.bf16=false",
+           "optim.accumulate_allreduce_grads_in_fp32=false"]
+    cfg, args = megatron_parser("experiment=proxy-h200", *off, impl="local")
+    assert {n: _field(cfg, n) for n in CONFIG_NOT_ARGS} == dict.fromkeys(CONFIG_NOT_ARGS, False)
+    assert {n: getattr(args, n) for n in CONFIG_NOT_ARGS} == dict.fromkeys(CONFIG_NOT_ARGS, True)
 
 
 def test_checkpoint_only_parameters_get_initial_values():

@@ -14,8 +14,11 @@ conditions of :data:`MEGATRON_WHEN` (no ``--max-tokens-per-gpu``, which only mil
 model without the V4 attention; no ``--moe-grouped-gemm`` for the local transformer implementation, whose grouped
 GEMM would be TransformerEngine's), then :data:`MEGATRON_ARGS`, the arguments Megatron-LM needs that the recipe's
 argv leaves to miles (sequence length, steps, seed, gradient clipping, precision, implementation choices), which
-reuse the rows above for flags both have. The numerics verdict
-(:mod:`trainer.compose.numerics`) classes every row.
+reuse the rows above for flags both have. The megatron-core worker reads its parallel sizes, seed and optimizer
+settings from the namespace Megatron-LM's parser makes of that argv
+(:data:`trainer.launch.megatron_worker.WORKER_ARGS`, each checked equal to its row's field), so it maps no
+field itself, except the three that miles and Megatron-LM overwrite there (``CONFIG_NOT_ARGS`` beside it).
+The numerics verdict (:mod:`trainer.compose.numerics`) classes every row.
 
 A new field is a field of :mod:`trainer.compose.schema`, its default in ``conf/`` and one row here: in the table
 of its section when miles reads it (megatron-core then gets it too, unless a :data:`MEGATRON_WHEN` condition

@@ -8,7 +8,9 @@ checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.host.checkout`). The story of 
 2. Megatron-LM's arguments from the composed config (:func:`trainer.launch.megatron_args.megatron_argv`: the
    recipe's model, layout and optimizer flags, ``--transformer-impl`` from ``launcher.transformer_impl``,
    ``--attention-backend`` from ``launcher.attention_backend``), parsed and validated as miles does
-   (:func:`megatron_args`); ``parallel_state.initialize_model_parallel`` with the layout's TP/PP/CP/EP/ETP;
+   (:func:`megatron_args`); ``parallel_state.initialize_model_parallel`` with the parsed TP/PP/CP/EP/ETP (the
+   worker reads the fields of :data:`WORKER_ARGS` from that namespace, and only the three of
+   :data:`CONFIG_NOT_ARGS`, which miles and Megatron-LM overwrite there, from the config);
 3. the model as miles' model provider builds it (:func:`build_model`): TransformerEngine's layers or the local
    spec, miles' DeepSeek-V4 spec (``--spec miles_plugins.models.deepseek_v4.deepseek_v4 get_dsv4_spec``) when
    the model names it, an MTP block when ``model.mtp_num_layers`` > 0; the parameters the V4 code leaves for a
@@ -16,7 +18,7 @@ checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.host.checkout`). The story of 
    from random init);
 4. router gates frozen; bf16 weights as Megatron's ``get_model`` makes them (``Float16Module``, miles'
    ``enforce_marked_param_dtypes``); megatron-core's DDP (fp32 grad reduction with ``accumulate_allreduce_grads_in_fp32``)
-   and optimizer (Adam, distributed optimizer from the layout, clip from ``optim.clip_grad``); the learning
+   and optimizer (Adam, distributed optimizer from the layout, clip from ``--clip-grad``); the learning
    rate of :func:`trainer.launch.cpu_worker.megatron_lr` set before every step;
 5. per step: this DP rank's microbatches from the fixed rows (:class:`trainer.data.Rows`),
    ``get_forward_backward_func()`` (1F1B when PP > 1), ``optimizer.step()``; one ``metrics.jsonl`` line
@@ -90,20 +92,21 @@ def main(argv=None) -> int:
              "spec": args.spec, "argv": megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps),
              "stand_ins": stand_ins}))
 
+    # parallel sizes, seed and optimizer settings from Megatron-LM's namespace of the rendered argv (WORKER_ARGS)
     ps.initialize_model_parallel(
-        tensor_model_parallel_size=lay.tensor_model_parallel_size,
-        pipeline_model_parallel_size=lay.pipeline_model_parallel_size,
-        context_parallel_size=lay.context_parallel_size,
-        expert_model_parallel_size=lay.expert_model_parallel_size,
-        expert_tensor_parallel_size=lay.expert_tensor_parallel_size,
-        distributed_timeout_minutes=cfg.launcher.distributed_timeout_minutes,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
-    torch.manual_seed(cfg.launcher.seed)
-    model_parallel_cuda_manual_seed(cfg.launcher.seed)
+    torch.manual_seed(args.seed)
+    model_parallel_cuda_manual_seed(args.seed)
     seq = cfg.data.seq_length
     model, config = build_model(args, impl, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
     chosen = json.loads((run_dir / "megatron.json").read_text()) if rank == 0 else None
-    initialized = init_checkpoint_only(model, config.init_method_std, cfg.model.num_experts, cfg.launcher.seed)
+    initialized = init_checkpoint_only(model, config.init_method_std, cfg.model.num_experts, args.seed)
     frozen = 0
     for name, param in model.named_parameters():
         if optim.moe_router_freeze_gate and name.endswith("router.weight"):
@@ -118,6 +121,7 @@ def main(argv=None) -> int:
 
         model = Float16Module(config, model)
         enforce_marked_param_dtypes([model])
+    # the config, not args, for the three CONFIG_NOT_ARGS fields: miles and Megatron-LM overwrite them in args
     model = DistributedDataParallel(
         config=config,
         ddp_config=DistributedDataParallelConfig(
@@ -129,15 +133,15 @@ def main(argv=None) -> int:
     )
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer=optim.optimizer,
-            lr=optim.lr,
-            min_lr=optim.min_lr,
-            weight_decay=optim.weight_decay,
-            adam_beta1=optim.adam_beta1,
-            adam_beta2=optim.adam_beta2,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
             bf16=optim.bf16,
             use_distributed_optimizer=lay.use_distributed_optimizer,
-            clip_grad=optim.clip_grad,
+            clip_grad=args.clip_grad,
         ),
         [model],
     )
@@ -338,6 +342,23 @@ def hadamard_stand_in() -> list:
         sys.modules["fast_hadamard_transform"] = hadamard
     return ["fast_hadamard_transform.hadamard_transform: trainer.models.hadamard (torch operations, float32 sums; "
             "the package is not in the lock)"]
+
+
+# What the worker reads from Megatron-LM's namespace (:func:`megatron_args`), by Megatron argument name; each is
+# rendered from the config field of its flag's row in trainer.compose.render (``--tensor-model-parallel-size``
+# for ``tensor_model_parallel_size``), and tests/test_local_megatron.py shows each equal to that field after
+# parsing.
+WORKER_ARGS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+    "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes", "seed",
+    "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
+)
+# Read from the config instead (``layout.use_distributed_optimizer``, ``optim.bf16``,
+# ``optim.accumulate_allreduce_grads_in_fp32``): the namespace does not keep them. miles 78527b91's
+# ``set_default_megatron_args`` sets ``use_distributed_optimizer`` for every Adam run and ``bf16 = not fp16``;
+# Megatron-LM 37f91617's ``validate_args`` sets ``accumulate_allreduce_grads_in_fp32`` under bf16. The worker
+# honours the config (the one-GPU convergence pair turns the distributed optimizer off).
+CONFIG_NOT_ARGS = ("use_distributed_optimizer", "bf16", "accumulate_allreduce_grads_in_fp32")
 
 
 def megatron_args(cfg, argv, world: int):
