@@ -192,17 +192,36 @@ def megatron_parser(monkeypatch):
     return parse
 
 
-def _field(cfg, name):
-    """The config value of Megatron argument ``name``: the field of its flag's row in the render tables."""
-    import operator
-
+def _key(name):
+    """The config key of Megatron argument ``name``: the field of its flag's row in the render tables."""
     from trainer.compose.render import MEGATRON_ARGS, SECTIONS
 
     flag = "--" + name.replace("_", "-")
     rows = [row for _, table in SECTIONS for row in table] + list(MEGATRON_ARGS)
     keys = {key for f, key, _ in rows if f == flag}
     assert len(keys) == 1, (flag, keys)
-    return operator.attrgetter(keys.pop())(cfg)
+    return keys.pop()
+
+
+def _field(cfg, name):
+    import operator
+
+    return operator.attrgetter(_key(name))(cfg)
+
+
+# the config fields the worker read by hand before it read Megatron-LM's namespace
+WORKER_READ_BEFORE = {
+    **{n: f"layout.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")},
+    "distributed_timeout_minutes": "launcher.distributed_timeout_minutes", "seed": "launcher.seed",
+    **{n: f"optim.{n}" for n in ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad")},
+}
+
+
+def test_each_argument_the_worker_reads_renders_the_field_it_read_before():
+    from trainer.launch.megatron_worker import WORKER_ARGS
+
+    assert {n: _key(n) for n in WORKER_ARGS} == WORKER_READ_BEFORE
 
 
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
