@@ -8,8 +8,8 @@ what every launcher receives: none composes or renders again.
 
 Where a config field meets the launch: a field of :mod:`trainer.compose.schema` reaches the miles argv through
 one row of :mod:`trainer.compose.render`'s tables (flag, key, kind), and the same rows give megatron-core its
-arguments for ``launcher=local-megatron`` (:func:`trainer.launch.megatron_args.megatron_argv`, which drops the
-rows only miles reads) and the numerics verdict its classes (:mod:`trainer.compose.numerics`). A new field is
+arguments for ``launcher=local-megatron`` (:func:`trainer.launch.megatron_args.megatron_argv`: the rows its
+``MEGATRON_WHEN`` conditions keep, then its ``MEGATRON_ARGS`` rows) and the numerics verdict its classes (:mod:`trainer.compose.numerics`). A new field is
 added in ``schema.py``, its ``conf/`` default, and one row of ``render.py``.
 """
 
