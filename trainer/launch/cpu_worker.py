@@ -70,15 +70,15 @@ def main(argv=None) -> int:
     from trainer.report.metrics import dumps_row
     from trainer.models.deepseek_v4_hf import build_model, freeze_router
     from trainer.probe import probe
-    from trainer.record.rundir import load_config
+    from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
 
-    cfg = validate(load_config(run_dir / "config.yaml"))
+    cfg = validate(load_config(run_dir / CONFIG))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         dist.init_process_group(
             "gloo", init_method=f"file://{run_dir / '.rendezvous'}", rank=rank, world_size=world
         )
-    atomic_write(run_dir / f"probe-rank-{rank}.json", canonical_json(probe()))
+    atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
     model = build_model(cfg.model, cfg.launcher.seed)
     freeze_router(model, cfg.optim.moe_router_freeze_gate, cfg.optim.freeze_e_score_correction_bias)
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
         return out
 
     params = [p for p in model.parameters() if p.requires_grad]
-    metrics = (run_dir / "metrics.jsonl").open("a") if rank == 0 else None
+    metrics = (run_dir / METRICS).open("a") if rank == 0 else None
     for step in range(1, steps + 1):
         start = time.perf_counter()
         lr = megatron_lr(step - 1, steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_fraction)

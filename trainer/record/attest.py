@@ -229,7 +229,9 @@ def data_manifest(run_dir: Path) -> Optional[Path]:
     try:
         import yaml
 
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        from trainer.record.rundir import CONFIG
+
+        cfg = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
         rows = (cfg.get("paths") or {}).get("prompt_data")
     except (OSError, ValueError, AttributeError):
         return None
@@ -263,10 +265,11 @@ def run_probes(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
 def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     """The run attestation statement of ``run_dir`` (see the module docstring) from its files and ``record``."""
     from trainer.image.diff import record_image
+    from trainer.record.rundir import CONFIG, METRICS
     from trainer.record.verify import verdict
 
     subjects = []
-    files = [run_dir / "metrics.jsonl", run_dir / "config.yaml", data_manifest(run_dir)]
+    files = [run_dir / METRICS, run_dir / CONFIG, data_manifest(run_dir)]
     for path in files:
         if path is not None and path.is_file():
             subjects.append({"name": _subject_name(run_dir, path), "digest": {"sha256": _sha256(path)}})

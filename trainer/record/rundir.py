@@ -30,10 +30,20 @@ if TYPE_CHECKING:
 # The files of a run directory (the names readers, reports and tests know).
 CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = "config.yaml", "command.sh", "plan.json", "argv.json", "env.json", "record.json"
 METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
+RUNTIME_ENV, SUBMIT = "runtime_env.json", "submit.sh"  # a Ray job's runtime environment and its submit command
+MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worker chose
+SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
 PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
 # Files the launch writes (argv.json: the miles argv of a plan or a cluster job, the first worker's command of a
 # local run), hashed into the record once the launch has handed back.
 LAUNCH_FILES = (ARGV, ENV, METRICS, SBATCH)
+
+
+
+def probe_rank(rank: int) -> str:
+    """The file a local worker of rank ``rank`` writes its probe to (``probe-rank-RANK.json``)."""
+    return f"probe-rank-{rank}.json"
+
 
 # The states of record.json.
 PLANNED, RUNNING, COMPLETE, FAILED, INTERRUPTED = "planned", "running", "complete", "failed", "interrupted"
@@ -191,7 +201,7 @@ def load_config(path: Path) -> DictConfig:
 
 def load_record(directory: Path) -> Optional[Dict[str, Any]]:
     """``record.json`` of a run directory, or None if it has none; raises :class:`UserError` if unreadable."""
-    path = directory / "record.json"
+    path = directory / RECORD
     if not path.exists():
         return None
     try:
@@ -257,7 +267,7 @@ def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -
         if need_config:
             raise UserError(f"{path}: a run directory is needed here (config.yaml, record.json, metrics.jsonl)")
         return Run(path=path, steps=read_metrics(path))
-    config_path = path / "config.yaml"
+    config_path = path / CONFIG
     cfg = load_config(config_path) if config_path.exists() else None
     if need_config and cfg is None:
         raise UserError(f"{path}: no config.yaml (not a run directory written by `train`)")
@@ -309,7 +319,7 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -
         except OSError as ex:
             raise UserError(f"{field}={value}: not readable ({ex.strerror})") from None
         others = [name for name in entries if name not in HYDRA_FILES]
-        if others and "record.json" not in entries:
+        if others and RECORD not in entries:
             raise UserError(f"{field}={value}: holds files that no run wrote ({', '.join(others[:3])}"
                             f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory")
         if others and mode == "new":

@@ -165,9 +165,10 @@ def check_signed(path: Path, key: Path) -> str:
     (an OCI layout or oci-archive), with the public key; return the one-line verdict. Raises
     :class:`trainer.record.attest.VerificationFailed` (exit 1) or :class:`UserError` on failure."""
     from trainer.record import attest
+    from trainer.record.rundir import RECORD
 
     public = attest.load_public_key(key)
-    if (path / "record.json").is_file() or (path / attest.ATTESTATION).is_file():
+    if (path / RECORD).is_file() or (path / attest.ATTESTATION).is_file():
         statement = attest.check_run(path, public)
         return (f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; "
                 f"{len(statement['subject'])} subjects match ({', '.join(s['name'] for s in statement['subject'])})")
@@ -187,17 +188,17 @@ def main(argv: List[str]) -> int:
     parser.add_argument("--key", type=Path, help="public key (KEY.pub from `trainer keygen`): first verify the run's "
                         "signed attestation.json (signature and every subject's sha256) or an image's signed provenance")
     args = parser.parse_args(argv)
-    from trainer.record.rundir import load_record
+    from trainer.record.rundir import RECORD, load_record
 
     signed = check_signed(args.run_dir, args.key) if args.key is not None else None
     if signed and not args.json:
         print(signed)
-    if signed and not (args.run_dir / "record.json").is_file():
+    if signed and not (args.run_dir / RECORD).is_file():
         if args.json:
             print(json.dumps({"signature": signed}, indent=2))
         return 0
 
-    record_path = args.run_dir / "record.json"
+    record_path = args.run_dir / RECORD
     record = load_record(args.run_dir)
     if record is None:
         raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")

@@ -31,7 +31,7 @@ from trainer.report.convergence import DEFAULT_THRESHOLDS, check, load_threshold
 from trainer.errors import UserError
 from trainer.report.metrics import json_number
 from trainer.record.record import write_json
-from trainer.record.rundir import load_config, load_run
+from trainer.record.rundir import CONFIG, load_config, load_run
 
 
 def parser() -> argparse.ArgumentParser:
@@ -65,9 +65,9 @@ def compose_side(spec: str) -> DictConfig:
     """A composed config from a run directory (its ``config.yaml``) or a space-separated override list."""
     path = Path(spec)
     if spec and path.is_dir():
-        if not (path / "config.yaml").is_file():
+        if not (path / CONFIG).is_file():
             raise UserError(f"{path}: no config.yaml (not a run directory written by `train`)")
-        return load_config(path / "config.yaml")
+        return load_config(path / CONFIG)
     from trainer.compose.compose import compose_run
 
     return compose_run(shlex.split(spec))

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.errors import UserError
+from trainer.record.rundir import METRICS, RECORD
 from trainer.report.metrics import Step, write_metrics
 
 MEGATRON_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
@@ -194,9 +195,9 @@ def main(argv: List[str]) -> int:
     if args.seq_length is not None and args.seq_length <= 0:
         raise UserError(f"--seq-length {args.seq_length}: expected a positive number of tokens")
     steps = parse_log(args.log.read_text(encoding="utf-8", errors="replace"), str(args.log), args.seq_length)
-    out = args.output / "metrics.jsonl" if args.output.is_dir() else args.output
+    out = args.output / METRICS if args.output.is_dir() else args.output
     if out.exists() and not args.force:
-        whose = " (a run's own metrics)" if (out.parent / "record.json").is_file() else ""
+        whose = " (a run's own metrics)" if (out.parent / RECORD).is_file() else ""
         raise UserError(f"{out}: exists{whose}; pass --force to replace it, or write to another file")
     write_metrics(out, steps)
     timed = sum(s.step_time_s is not None for s in steps)

@@ -57,6 +57,7 @@ from trainer.errors import UserError
 from trainer.inputs import lines, parse_json
 from trainer.compose.params import CSA_RATIO, count_params
 from trainer.compose.schema import ModelConfig
+from trainer.record.rundir import METRICS
 
 KEYS = ("step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "step_time_s", "max_memory_bytes",
         "skipped_iterations", "nan_iterations")
@@ -115,7 +116,7 @@ def dumps_row(row: Dict[str, Any]) -> str:
 def metrics_path(path: Path) -> Path:
     """``path`` itself if it is a file, else ``path/metrics.jsonl``; raises :class:`UserError` if missing."""
     path = Path(path)
-    target = path / "metrics.jsonl" if path.is_dir() else path
+    target = path / METRICS if path.is_dir() else path
     if not target.is_file():
         raise UserError(f"{target}: no such file (expected a run directory with metrics.jsonl, or a metrics.jsonl file)")
     return target

@@ -32,7 +32,7 @@ from trainer.compose import checks, numerics
 from trainer.errors import UserError
 from trainer.inputs import read_yaml
 from trainer.publish import atomic_write
-from trainer.record.rundir import Run, load_run
+from trainer.record.rundir import COMMAND, METRICS, Run, load_run
 
 SCHEMA_PATH = REPO_ROOT / "schema" / "recipe.schema.yaml"
 
@@ -214,7 +214,7 @@ def measured_date(run: Run) -> str:
             value = holder.get(key)
             if isinstance(value, str) and len(value) >= 10:
                 return value[:10]
-    path = run.path / "metrics.jsonl" if run.path.is_dir() else run.path
+    path = run.path / METRICS if run.path.is_dir() else run.path
     return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).date().isoformat()
 
 
@@ -288,7 +288,7 @@ def build_recipe(run: Run, summary: Dict[str, Any], reference: Optional[Run] = N
     status = {"pass": "verified", "fail": "failed"}.get(correctness["result"], "measured")
     if run.cpu_only and status == "verified":
         status = "measured"  # a CPU smoke run checks the bundle, not the recipe's GPU result
-    command = run.path / "command.sh"
+    command = run.path / COMMAND
     if command.is_file():
         script = command.read_text()
     else:

@@ -21,7 +21,7 @@ from trainer.launch.host.checkout import verify_checkouts
 from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.launch.host.local_cpu import prepare_rows
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import ARGV, ENV, RunDir
+from trainer.record.rundir import ARGV, ENV, MEGATRON, RunDir
 from trainer.redact import redact_env
 from trainer.compose.schema import TrainConfig
 
@@ -125,7 +125,7 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     record.update(supervise([command], env, run_dir / "logs"))
     record["probe"] = collect_probes(run_dir, par.world_size)
     record["sources"] = {name: {"commit": c["commit"], "tree": c["tree"]} for name, c in checkouts.items()}
-    chosen = run_dir / "megatron.json"
+    chosen = run_dir / MEGATRON
     if chosen.is_file():
         record["megatron"] = {**json.loads(chosen.read_text()), "why": megatron_choice(cfg)["why"]}
     return record

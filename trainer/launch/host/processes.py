@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Sequence
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
+from trainer.record.rundir import probe_rank
 
 
 def default_kernel_cache(run_dir: Path) -> str:
@@ -165,7 +166,7 @@ def collect_probes(run_dir: Path, world: int) -> Dict[str, Any] | None:
     """``{"ranks": [probe of rank 0, ...]}`` from ``probe-rank-N.json`` files (None when no rank wrote one)."""
     probes = []
     for rank in range(world):
-        path = run_dir / f"probe-rank-{rank}.json"
+        path = run_dir / probe_rank(rank)
         if path.is_file():
             probes.append(json.loads(path.read_text()))
     return {"ranks": probes} if probes else None

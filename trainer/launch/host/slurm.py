@@ -266,11 +266,11 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     RunDir(run_dir).write(SBATCH, script.encode(), mode=0o777)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
-    record["slurm"] = {"script": "sbatch.sh", "container": cfg.launcher.container, "job_id": None}
+    record["slurm"] = {"script": SBATCH, "container": cfg.launcher.container, "job_id": None}
     record["probe"] = None
     if not cfg.launcher.submit:
         record["status"] = "rendered"
-        record["message"] = f"wrote {run_dir / 'sbatch.sh'}; submit it with: sbatch {run_dir / 'sbatch.sh'}"
+        record["message"] = f"wrote {run_dir / SBATCH}; submit it with: sbatch {run_dir / SBATCH}"
         return record
     try:
         out = subprocess.run(["sbatch", "--parsable", str(run_dir / SBATCH)], capture_output=True, text=True,
