@@ -109,6 +109,15 @@ def test_a_job_inside_the_image_that_fails_is_recorded(tmp_path, image):
     assert record["probe"]["ranks"][0]["distributions"] == {"alpha": "1.0"}
 
 
+def test_every_file_the_launcher_writes_is_hashed_in_the_record(tmp_path, image):
+    result, run_dir = launch(tmp_path, image, None, "launcher.job=[python3,-c,pass]")
+    assert result.returncode == 0, result.stderr
+    hashes = json.loads((run_dir / "record.json").read_text())["files_sha256"]
+    assert {"sandbox.json", "argv.json", "probes/image.json", "logs/unpack.log", "logs/probe.log"} <= set(hashes)
+    for name, digest in hashes.items():
+        assert hashlib.sha256((run_dir / name).read_bytes()).hexdigest() == digest, name
+
+
 def test_a_digest_not_in_the_layout_is_refused(tmp_path, image):
     other = "sha256:" + "0" * 64
     result, run_dir = launch(tmp_path, image, other)

@@ -99,6 +99,36 @@ def test_run_dir_states(tmp_path):
     assert json.loads((tmp_path / RECORD).read_text())["status"] == COMPLETE == updated["status"]
 
 
+def test_run_dir_moves(tmp_path):
+    """The record's states move planned -> running -> handed off -> final only; an ended run does not start again."""
+    from trainer.launch.jobsteps import mark
+
+    rundir = RunDir(tmp_path)
+    record = rundir.move({"status": "planned"}, RUNNING)
+    assert rundir.move(record, RUNNING)["status"] == RUNNING  # a job's next stage
+    handed = rundir.hand_off(dict(record), "rendered", "wrote sbatch.sh")
+    assert (handed["status"], handed["message"]) == ("rendered", "wrote sbatch.sh")
+    assert rundir.move(handed, "submitted")["status"] == "submitted"
+    with pytest.raises(UserError, match=r"record\.json: a run submitted cannot become rendered"):
+        rundir.move(dict(handed), "rendered")
+    ended = rundir.end(handed, COMPLETE)
+    assert (ended["status"], ended["reason"]) == (COMPLETE, None)
+    for status in (RUNNING, FAILED, "submitted"):
+        with pytest.raises(UserError, match="cannot become .*it has ended"):
+            rundir.move(dict(ended), status)
+    with pytest.raises(AssertionError):
+        rundir.hand_off(dict(record), COMPLETE, "")  # an end is not a hand-off
+    # the job's own steps go through the same moves: a finished record is left as it was
+    rundir.save_record(ended)
+    before = (tmp_path / RECORD).read_bytes()
+    with pytest.raises(UserError, match="a run complete cannot become running"):
+        mark(tmp_path, RUNNING, job_id="7")
+    assert (tmp_path / RECORD).read_bytes() == before
+    rundir.save_record({"status": "submitted", "slurm": {"job_id": "7"}})
+    assert mark(tmp_path, RUNNING, stage="job")["status"] == RUNNING
+    assert mark(tmp_path, FAILED, stage="job", exit_code=3, reason="x")["reason"] == "x"
+
+
 def test_run_dir_update_needs_a_record(tmp_path):
     with pytest.raises(UserError, match="no readable run record"):
         RunDir(tmp_path).update(lambda r: None)

@@ -34,8 +34,8 @@ from trainer.compose import schema
 from trainer.compose.compose import CONF_DIR, expand_sweep, session
 from trainer.compose.prepare import PreparedRun, prepare
 from trainer.errors import UserError
-from trainer.record.rundir import (ARGV, COMMAND, COMPLETE, CONFIG, ENV, FAILED, HANDED_OFF, HYDRA_FILES, INTERRUPTED, PLAN,
-                                   PLANNED, RUNNING, RunDir, claim_run_dir)
+from trainer.record.rundir import (ARGV, COMMAND, COMPLETE, CONFIG, ENV, FAILED, FINAL, HANDED_OFF, HYDRA_FILES,
+                                   INTERRUPTED, PLAN, PLANNED, RUNNING, RunDir, claim_run_dir)
 from trainer.record.attest import attest_run, take_sign_key
 from trainer.redact import Redactor, guard, redact_argv, redact_env, resweep, sweep
 
@@ -92,14 +92,15 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
         return
     record = start(rundir, common)
     try:
-        record = launch.execute(prepared, run_dir, record)
+        record = launch.execute(prepared, rundir, record)
     except UserError as err:
-        fail(rundir, rundir.end(record, FAILED, str(err)), f"train: error: {err}", err.exit_code)
+        fail(rundir, ended(rundir, record, FAILED, str(err)), f"train: error: {err}", err.exit_code)
     except KeyboardInterrupt:
-        fail(rundir, rundir.end(record, INTERRUPTED, "interrupted by a signal"), f"train: interrupted ({run_dir})", 130)
+        fail(rundir, ended(rundir, record, INTERRUPTED, "interrupted by a signal"), f"train: interrupted ({run_dir})",
+             130)
     except Exception as err:  # noqa: BLE001 - the record must say how the run ended, whatever ended it
         reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
-        fail(rundir, rundir.end(record, FAILED, f"launcher {prepared.launcher} raised {reason}"),
+        fail(rundir, ended(rundir, record, FAILED, f"launcher {prepared.launcher} raised {reason}"),
              f"train: error: launcher {prepared.launcher} failed: {reason} ({run_dir})", 1)
     finish(rundir, record)
 
@@ -133,6 +134,11 @@ def start(rundir: RunDir, common: dict) -> dict:
     return record
 
 
+def ended(rundir: RunDir, record: dict, status: str, reason: str) -> dict:
+    """``record`` ended ``status`` (``reason``) by a launch that raised, unless the launcher had already ended it."""
+    return record if record["status"] in FINAL else rundir.end(record, status, reason)
+
+
 def fail(rundir: RunDir, record: dict, line: str, code: int) -> None:
     """Attest and save the record of a run that ended badly, print ``line`` on stderr and exit with ``code``."""
     attest_run(rundir.path, record, SIGNER)
@@ -146,7 +152,7 @@ def finish(rundir: RunDir, record: dict) -> None:
     message = record.pop("message", None)
     handed_off = record["status"] in HANDED_OFF  # as the launcher says: a submitted job may have moved on since
     resweep(rundir.path)
-    rundir.hash_written()
+    rundir.hash_written()  # what the workers wrote (metrics.jsonl)
     record = rundir.hand_back(record)
     if not handed_off:
         attest_run(rundir.path, record, SIGNER)

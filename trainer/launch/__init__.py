@@ -15,17 +15,19 @@ A launcher is a module in :data:`LAUNCHERS` with two functions:
 ``check(cfg: TrainConfig, par: Parallelism) -> None``
     launcher-specific pre-launch checks; runs when the job is prepared (:func:`trainer.compose.prepare.prepare`), before anything is written;
     raises :class:`~trainer.errors.CheckError` (one line).
-``execute(prepared: PreparedRun, run_dir: Path, record: dict) -> dict``
+``execute(prepared: PreparedRun, rundir: RunDir, record: dict) -> dict``
     runs the job of a :class:`~trainer.compose.prepare.PreparedRun` (its typed config, parallelism and rendered
-    launch; nothing is composed or rendered again); ``record`` is the run record so far (already written with status ``running``); returns it
-    updated with ``status`` (``complete`` / ``failed`` / ``interrupted``), ``reason`` and ``probe``. Raises
+    launch; nothing is composed or rendered again) into the run directory ``rundir``
+    (:class:`~trainer.record.rundir.RunDir`: every file the launcher writes goes through it, so it is atomic and
+    hashed into the record); ``record`` is the run record so far (already written with status ``running``); returns it
+    moved by ``rundir`` to its next state (handed off, or ``complete`` / ``failed`` / ``interrupted``, with
+    ``reason``) and with ``probe``. Raises
     :class:`~trainer.errors.UserError` for bad input found late (the caller marks the run failed).
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict
 
 from trainer.compose.checks import Parallelism
@@ -34,6 +36,7 @@ from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
+    from trainer.record.rundir import RunDir
 
 LAUNCHERS: Dict[str, str] = {
     "plan": "",
@@ -58,8 +61,8 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         module.check(cfg, par)
 
 
-def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Run the prepared job with its launcher (not ``plan``); see the module docstring."""
+def execute(prepared: "PreparedRun", rundir: "RunDir", record: Dict[str, Any]) -> Dict[str, Any]:
+    """Run the prepared job with its launcher (not ``plan``) into ``rundir``; see the module docstring."""
     module = _module(prepared.launcher)
     assert module is not None, "plan launches nothing"
-    return module.execute(prepared, run_dir, record)
+    return module.execute(prepared, rundir, record)

@@ -36,7 +36,10 @@ def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Opt
          reason: Optional[str] = None, job_id: Optional[str] = None, nodes: Optional[str] = None) -> Dict[str, Any]:
     """Update ``RUN_DIR/record.json`` from inside the job: status, stage, the probes and the preflight report
     gathered so far, and for a failure the cause in one line. Nothing already in the record is dropped.
-    Returns the record written; raises :class:`UserError` when the run directory has no record."""
+    Returns the record written; raises :class:`UserError` when the run directory has no record or its state
+    cannot move to ``status`` (:data:`trainer.record.rundir.MOVES`)."""
+    rundir = RunDir(run_dir)
+
     def change(record: Dict[str, Any]) -> None:
         record.pop("pid", None)  # the run lives in the Slurm job, not in the `train` process that submitted it
         slurm = record.setdefault("slurm", {})
@@ -48,7 +51,7 @@ def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Opt
             slurm["stage"] = stage
         if exit_code is not None:
             slurm.setdefault("exit_codes", {})[stage or "job"] = exit_code
-        record["status"] = status
+        rundir.move(record, status)
         if status == RUNNING:
             record["started_utc"] = utc_now()  # the job left the queue
         probes = {}
@@ -75,7 +78,7 @@ def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Opt
         elif status == COMPLETE:
             record["reason"] = None
 
-    return RunDir(run_dir).update(change)
+    return rundir.update(change)
 
 
 def wait_dashboard(address: str, timeout_s: float) -> int:

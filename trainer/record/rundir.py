@@ -6,7 +6,11 @@ A run directory is what ``train`` writes (``hydra.run.dir=DIR``) plus, once the 
 ``record.json`` moves through the states ``planned`` (a plan run: nothing launched) or ``running`` -> then
 ``rendered`` / ``submitted`` (handed off: the run now belongs to a scheduler, and the job writes its own
 ``running`` -> final states, :mod:`trainer.launch.jobsteps`) or a final state, ``complete``, ``failed`` or
-``interrupted`` (:data:`FINAL`). Every write of the record goes through :meth:`RunDir.save_record`.
+``interrupted`` (:data:`FINAL`). Every change of state goes through :meth:`RunDir.move` (:meth:`RunDir.hand_off`,
+:meth:`RunDir.end`), which refuses a move :data:`MOVES` does not list; every write of the record through
+:meth:`RunDir.save_record`. The launchers get the run's one :class:`RunDir` and write every file through it
+(atomic, hashed into ``files_sha256``); only what the workers write is hashed after them
+(:meth:`RunDir.hash_written`).
 """
 
 from __future__ import annotations
@@ -34,9 +38,9 @@ RUNTIME_ENV, SUBMIT = "runtime_env.json", "submit.sh"  # a Ray job's runtime env
 MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worker chose
 SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
 PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
-# Files the launch writes (argv.json: the miles argv of a plan or a cluster job, the first worker's command of a
-# local run), hashed into the record once the launch has handed back.
-LAUNCH_FILES = (ARGV, ENV, METRICS, SBATCH)
+# argv.json: the miles argv of a plan or a cluster job, the first worker's command of a local run. The launchers
+# write through RunDir (hashed as written); the files the workers write are hashed once the launch has handed back.
+WORKER_FILES = (METRICS,)
 
 
 
@@ -47,8 +51,17 @@ def probe_rank(rank: int) -> str:
 
 # The states of record.json.
 PLANNED, RUNNING, COMPLETE, FAILED, INTERRUPTED = "planned", "running", "complete", "failed", "interrupted"
-HANDED_OFF = ("rendered", "submitted")  # the run now belongs to a scheduler (rendered for it, or accepted by it)
+RENDERED, SUBMITTED = "rendered", "submitted"
+HANDED_OFF = (RENDERED, SUBMITTED)  # the run now belongs to a scheduler (rendered for it, or accepted by it)
 FINAL = (COMPLETE, FAILED, INTERRUPTED)
+# The moves a record's state may make (:meth:`RunDir.move`): a plan is launched, a launch hands off or ends, a
+# job rendered for Slurm is submitted (by hand too) and starts (its steps mark ``running`` again at each stage).
+MOVES: Dict[str, tuple] = {
+    PLANNED: (RUNNING,),
+    RUNNING: (RUNNING, *HANDED_OFF, *FINAL),
+    RENDERED: (SUBMITTED, RUNNING, *FINAL),
+    SUBMITTED: (RUNNING, *FINAL),
+}
 
 
 def utc_now() -> str:
@@ -80,9 +93,9 @@ class RunDir:
 
         return self.write(name, canonical_json(obj))
 
-    def hash_written(self, names=LAUNCH_FILES) -> Dict[str, str]:
-        """The sha256 of those of ``names`` that others (the launch, the workers) wrote, as they now stay; kept in
-        :attr:`hashes` too."""
+    def hash_written(self, names=WORKER_FILES) -> Dict[str, str]:
+        """The sha256 of those of ``names`` that others (the workers: :data:`WORKER_FILES`) wrote, as they now
+        stay; kept in :attr:`hashes` too."""
         import hashlib
 
         found = {name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
@@ -100,11 +113,27 @@ class RunDir:
 
         write_json(self.path / RECORD, record)
 
+    def move(self, record: Dict[str, Any], status: str, **fields: Any) -> Dict[str, Any]:
+        """``record`` moved to the state ``status`` (and ``fields`` set), unsaved; the one place a state is set.
+        Raises :class:`UserError` naming ``record.json`` when :data:`MOVES` has no such move from its state (an
+        ended run does not start again)."""
+        before = record.get("status")
+        if status not in MOVES.get(before, ()):
+            raise UserError(f"{self.path / RECORD}: a run {before} cannot become {status} "
+                            f"(expected one of {', '.join(MOVES.get(before, ())) or 'none: it has ended'})")
+        record.update(status=status, **fields)
+        return record
+
+    def hand_off(self, record: Dict[str, Any], status: str, message: str) -> Dict[str, Any]:
+        """``record`` handed off to a scheduler (``status`` ``rendered`` or ``submitted``), with the ``message``
+        ``train`` prints; unsaved (:meth:`hand_back` then drops the pid)."""
+        assert status in HANDED_OFF, status
+        return self.move(record, status, message=message)
+
     def end(self, record: Dict[str, Any], status: str, reason: Optional[str] = None) -> Dict[str, Any]:
         """``record`` moved to the final state ``status`` (with ``reason``), unsaved."""
         assert status in FINAL, status
-        record.update(status=status, reason=reason)
-        return record
+        return self.move(record, status, reason=reason)
 
     def hand_back(self, record: Dict[str, Any]) -> Dict[str, Any]:
         """The record once the launcher handed back: handed off (``rendered``/``submitted``: no pid, the time in
@@ -112,7 +141,7 @@ class RunDir:
         (``finished_utc``); the hashes of the launch's files added. Unsaved."""
         now = utc_now()
         handed_off = record["status"] in HANDED_OFF
-        if record["status"] == "submitted":
+        if record["status"] == SUBMITTED:
             # the job may already have started and written its own status (it drops our pid): keep what it wrote
             on_disk = self.load_record() or {}
             if on_disk and "pid" not in on_disk:

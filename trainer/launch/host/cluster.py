@@ -10,7 +10,6 @@ as the recipe's ``command.sh`` has bash do it.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from trainer.errors import CheckError
@@ -44,12 +43,10 @@ def job(prepared: "PreparedRun") -> Tuple[List[str], Dict[str, str]]:
     return argv, dict(launch.env)
 
 
-def write_job(run_dir: Path, argv: List[str], env: Dict[str, str]) -> Dict[str, str]:
-    """Write ``argv.json`` and ``env.json`` (the job as submitted); return their sha256 by file name."""
-    rundir = RunDir(run_dir)
+def write_job(rundir: RunDir, argv: List[str], env: Dict[str, str]) -> None:
+    """Write ``argv.json`` and ``env.json`` (the job as submitted) into ``rundir`` (hashed there)."""
     rundir.write_json(ARGV, argv)
     rundir.write_json(ENV, env)
-    return rundir.hashes
 
 
 def last_line(text: str) -> str:

@@ -89,13 +89,14 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     return path
 
 
-def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
     """Run the job; return ``record`` updated with ``status``, ``reason``, ``returncodes`` and ``probe``.
 
     ``record`` is the run record so far (written by the caller as ``running``); this function writes
     ``argv.json`` (rank 0's command) and ``env.json`` (redacted) first.
     """
     cfg, par = prepared.config, prepared.par
+    run_dir = rundir.path
     world = par.world_size
     env = worker_env(
         cfg.env,
@@ -112,11 +113,11 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
         [sys.executable, "-m", "trainer.launch.cpu_worker", str(run_dir), str(rank), str(world), str(rows_dir)]
         for rank in range(world)
     ]
-    rundir = RunDir(run_dir)
     rundir.write_json(ARGV, commands[0])
     rundir.write_json(ENV, redact_env(env))
     outcome = supervise(commands, env, run_dir / "logs")
     (run_dir / ".rendezvous").unlink(missing_ok=True)
+    rundir.end(record, outcome.pop("status"), outcome.pop("reason"))
     record.update(outcome)
     record["probe"] = collect_probes(run_dir, world)
     return record

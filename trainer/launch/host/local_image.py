@@ -39,9 +39,7 @@ from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
-from trainer.publish import atomic_write
-from trainer.record.record import write_json
-from trainer.record.rundir import ARGV, PROBES, RunDir
+from trainer.record.rundir import ARGV, COMPLETE, FAILED, LOGS, PROBES, SANDBOX, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -210,10 +208,10 @@ def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python
     return args, interpreter
 
 
-def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
     """Unpack, probe inside, run ``launcher.job`` inside if given; returns the record (see the module docstring)."""
     cfg = prepared.config
-    run_dir = run_dir.absolute()
+    run_dir = rundir.path.absolute()
     digest = _digest(cfg)
     layout = Path(cfg.launcher.image_layout).absolute()
     tag = find_tag(layout, digest)
@@ -226,10 +224,9 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     record["probe"] = None
     unpack = ["umoci", "unpack"] + (["--rootless"] if os.geteuid() != 0 else []) + ["--image", f"{layout}:{tag}", str(bundle)]
     out = subprocess.run(unpack, capture_output=True, text=True, timeout=600)
-    atomic_write(logs / "unpack.log", (out.stdout + out.stderr).encode())
+    rundir.write(f"{LOGS}/unpack.log", (out.stdout + out.stderr).encode())
     if out.returncode != 0:
-        record.update(status="failed", reason=f"umoci unpack {layout}:{tag} failed: {cluster.last_line(out.stderr)}")
-        return record
+        return rundir.end(record, FAILED, f"umoci unpack {layout}:{tag} failed: {cluster.last_line(out.stderr)}")
     rootfs = bundle / "rootfs"
     stamp_path = rootfs / STAMP
     stamp: Dict[str, Any] = {}
@@ -255,28 +252,25 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     # sources on the path); a host Python starts with -S so that none of the host's site-packages leak in
     flags = [] if own else ["-S"]
     command = prefix + python + [*flags, "-m", "trainer.probe", "--distributions", "--node", "image"]
-    (run_dir / "sandbox.json").write_text(json.dumps(command, indent=2) + "\n")
+    rundir.write(SANDBOX, (json.dumps(command, indent=2) + "\n").encode())
     probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    atomic_write(logs / "probe.log", probe.stderr.encode())
+    rundir.write(f"{LOGS}/probe.log", probe.stderr.encode())
     if probe.returncode != 0:
-        record.update(status="failed", reason=f"the probe inside the image exited with code {probe.returncode}: "
-                                              f"{cluster.last_line(probe.stderr)}")
-        return record
+        return rundir.end(record, FAILED, f"the probe inside the image exited with code {probe.returncode}: "
+                                          f"{cluster.last_line(probe.stderr)}")
     info = json.loads(probe.stdout)
-    write_json(run_dir / PROBES / "image.json", info)
+    rundir.write_json(f"{PROBES}/image.json", info)
     record["probe"] = {"ranks": [info], "nodes": ["image"]}
     if cfg.launcher.job:
         argv: List[str] = []
         for token in cfg.launcher.job:
             argv += python if token in ("python", "python3") else [str(token)]
-        RunDir(run_dir).write_json(ARGV, argv)
+        rundir.write_json(ARGV, argv)
         with (logs / "job.log").open("wb") as log:
             job = subprocess.run(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
         if job.returncode != 0:
             text = (logs / "job.log").read_text(errors="replace")
             tail = cluster.last_line(text)
-            record.update(status="failed", reason=f"the job inside the image exited with code {job.returncode}"
-                                                  + (f": {tail}" if tail else ""))
-            return record
-    record.update(status="complete", reason=None)
-    return record
+            return rundir.end(record, FAILED, f"the job inside the image exited with code {job.returncode}"
+                                              + (f": {tail}" if tail else ""))
+    return rundir.end(record, COMPLETE)

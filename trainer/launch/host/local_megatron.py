@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict
 
 from trainer import REPO_ROOT
@@ -92,9 +91,10 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
     """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
     cfg, par = prepared.config, prepared.par
+    run_dir = rundir.path
     checkouts = verify_checkouts(cfg.launcher, REPO_ROOT / cfg.stack.lockfile)
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}
@@ -119,10 +119,11 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
         "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port or _free_port()),
         "-m", "trainer.launch.megatron_worker", str(run_dir), str(rows_dir),
     ]
-    rundir = RunDir(run_dir)
     rundir.write_json(ARGV, command)
     rundir.write_json(ENV, redact_env(env))
-    record.update(supervise([command], env, run_dir / "logs"))
+    outcome = supervise([command], env, run_dir / "logs")
+    rundir.end(record, outcome.pop("status"), outcome.pop("reason"))
+    record.update(outcome)
     record["probe"] = collect_probes(run_dir, par.world_size)
     record["sources"] = {name: {"commit": c["commit"], "tree": c["tree"]} for name, c in checkouts.items()}
     chosen = run_dir / MEGATRON

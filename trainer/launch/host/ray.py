@@ -36,9 +36,8 @@ from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError
 from trainer.launch.host import cluster
 from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
-from trainer.publish import atomic_write
-from trainer.record.record import write_json
-from trainer.record.rundir import LOGS, PREFLIGHT, PROBES
+from trainer.record.rundir import (COMPLETE, FAILED, INTERRUPTED, LOGS, PREFLIGHT, PROBES, RUNTIME_ENV, SUBMIT,
+                                    RunDir)
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -90,7 +89,7 @@ def entrypoint(cfg: TrainConfig, argv: List[str], python: str, probe: bool = Tru
     return out + ["--argv-b64", encode_argv(argv)]
 
 
-def collect(run_dir: Path, log: str) -> Dict[str, Any]:
+def collect(rundir: RunDir, log: str) -> Dict[str, Any]:
     """Write ``probes/<node>.json`` and ``preflight.json`` from the marker lines of the driver's log; return
     ``{"probe": {"ranks": [...], "nodes": [...]}|None, "preflight": report dict|None}``."""
     probes: Dict[str, Any] = {}
@@ -102,20 +101,21 @@ def collect(run_dir: Path, log: str) -> Dict[str, Any]:
         elif line.startswith(PREFLIGHT_MARK + " "):
             report = json.loads(line.split(" ", 1)[1])
     for node, info in probes.items():
-        write_json(run_dir / PROBES / f"{node}.json", info)
+        rundir.write_json(f"{PROBES}/{node}.json", info)
     if report is not None:
-        write_json(run_dir / PREFLIGHT, report)
+        rundir.write_json(PREFLIGHT, report)
     return {"probe": {"ranks": list(probes.values()), "nodes": list(probes)} if probes else None, "preflight": report}
 
 
-def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
     """Submit, wait and collect; returns ``record`` with ``status``, ``reason``, ``ray``, ``probe``, ``preflight``."""
     cfg = prepared.config
+    run_dir = rundir.path
     from ray.job_submission import JobSubmissionClient
 
     address = cfg.launcher.address.rstrip("/")
     argv, env = cluster.job(prepared)
-    record.setdefault("files_sha256", {}).update(cluster.write_job(run_dir, argv, env))
+    cluster.write_job(rundir, argv, env)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     env_vars = dict(env)
     env_vars[cluster.ENV_NAMES] = ",".join(env)
@@ -123,37 +123,33 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     if digest:
         env_vars[cluster.DIGEST_ENV] = digest
     runtime_env = {"env_vars": env_vars, "py_modules": [str(REPO_ROOT / "trainer")]}
-    write_json(run_dir / "runtime_env.json", runtime_env)
+    rundir.write_json(RUNTIME_ENV, runtime_env)
     submission_id = f"recipe-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     entry = entrypoint(cfg, argv, cfg.launcher.python or "python3")
     command = [ray_cli(), "job", "submit", "--address", address, "--submission-id", submission_id,
-               "--runtime-env", str(run_dir / "runtime_env.json"), "--no-wait", "--", *entry]
-    atomic_write(run_dir / "submit.sh", ("#!/usr/bin/env bash\n" + shlex.join(["ray", *command[1:]]) + "\n").encode(),
-                 mode=0o777)
+               "--runtime-env", str(run_dir / RUNTIME_ENV), "--no-wait", "--", *entry]
+    rundir.write(SUBMIT, ("#!/usr/bin/env bash\n" + shlex.join(["ray", *command[1:]]) + "\n").encode(), mode=0o777)
     record["ray"] = {"address": address, "submission_id": submission_id, "image": cfg.launcher.image}
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
     record["probe"] = None
-    logs = run_dir / LOGS
-    logs.mkdir(exist_ok=True)
+    (run_dir / LOGS).mkdir(exist_ok=True)
 
     cause = reachable(address)
     if cause:
-        record.update(status="failed", reason=f"launcher.address {address}: Ray cluster unreachable ({cause})")
-        return record
+        return rundir.end(record, FAILED, f"launcher.address {address}: Ray cluster unreachable ({cause})")
     for _ in range(20):  # a fresh head answers before its job agent is up: retry while it says so (60 s)
         submit = subprocess.run(command, capture_output=True, text=True, timeout=300)
         if submit.returncode == 0 or "No available agent to submit job" not in submit.stdout + submit.stderr:
             break
         time.sleep(3)
-    atomic_write(logs / "submit.log", (submit.stdout + submit.stderr).encode())
+    rundir.write(f"{LOGS}/submit.log", (submit.stdout + submit.stderr).encode())
     if submit.returncode != 0:
-        record.update(status="failed", reason=f"ray job submit refused the job: {cluster.last_line(submit.stderr or submit.stdout)}")
-        return record
+        return rundir.end(record, FAILED, f"ray job submit refused the job: {cluster.last_line(submit.stderr or submit.stdout)}")
     print(f"submitted Ray job {submission_id} to {address}")
     client = JobSubmissionClient(address)
     deadline = None if cfg.launcher.wait_s is None else time.monotonic() + cfg.launcher.wait_s
     shown = 0
-    status = "PENDING"
+    status, stopped = "PENDING", None
     try:
         while True:
             status = str(client.get_job_status(submission_id)).split(".")[-1]
@@ -170,28 +166,27 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
             time.sleep(1.0)
     except KeyboardInterrupt:
         client.stop_job(submission_id)
-        record.update(status="interrupted", reason=f"interrupted; Ray job {submission_id} stopped")
-        status = "STOPPED"
+        status, stopped = "STOPPED", f"interrupted; Ray job {submission_id} stopped"
     log = client.get_job_logs(submission_id)
-    atomic_write(logs / "job.log", log.encode())
+    rundir.write(f"{LOGS}/job.log", log.encode())
     info = client.get_job_info(submission_id)
     record["ray"].update(status=str(info.status).split(".")[-1], message=info.message,
                          driver_exit_code=getattr(info, "driver_exit_code", None))
-    collected = collect(run_dir, log)
+    collected = collect(rundir, log)
     record.update(collected)
-    if record.get("status") == "interrupted":
-        return record
-    if status == "SUCCEEDED":
-        record.update(status="complete", reason=None)
+    if stopped:
+        rundir.end(record, INTERRUPTED, stopped)
+    elif status == "SUCCEEDED":
+        rundir.end(record, COMPLETE)
     elif collected["preflight"] and not collected["preflight"].get("ok"):
-        record.update(status="failed", reason=collected["preflight"]["reason"])
+        rundir.end(record, FAILED, collected["preflight"]["reason"])
     elif status not in TERMINAL:
-        record.update(status="failed", reason=f"Ray job {submission_id} still {status} after launcher.wait_s "
-                                              f"{cfg.launcher.wait_s} s; stopped")
+        rundir.end(record, FAILED, f"Ray job {submission_id} still {status} after launcher.wait_s "
+                                   f"{cfg.launcher.wait_s} s; stopped")
     else:
         detail = cluster.last_line(log)
         message = cluster.last_line(info.message or "") if not (info.message or "").startswith("Job entrypoint") \
             else (info.message or "").splitlines()[0].split(",")[0]
-        record.update(status="failed", reason=f"Ray job {submission_id} {status.lower()}: {message}"
-                                              + (f"; last log line: {detail}" if detail else ""))
+        rundir.end(record, FAILED, f"Ray job {submission_id} {status.lower()}: {message}"
+                                   + (f"; last log line: {detail}" if detail else ""))
     return record

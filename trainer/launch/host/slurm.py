@@ -36,7 +36,7 @@ from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
-from trainer.record.rundir import SBATCH, RunDir
+from trainer.record.rundir import FAILED, RENDERED, SBATCH, SUBMITTED, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ def _sbatch_error(text: str) -> str:
     return (errors[-1] if errors else (lines[-1] if lines else "no output")).replace("sbatch: error: ", "")
 
 
-def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
     """Write ``sbatch.sh`` (and ``argv.json``/``env.json``); with ``launcher.submit`` submit it.
 
     Returns the record ``rendered`` once the script is written, ``submitted`` (with ``slurm.job_id``) once Slurm
@@ -258,31 +258,26 @@ def execute(prepared: "PreparedRun", run_dir: Path, record: Dict[str, Any]) -> D
     ``failed`` with sbatch's error line when Slurm refuses the job.
     """
     cfg = prepared.config
-    run_dir = run_dir.absolute()
+    run_dir = rundir.path.absolute()
     argv, env = cluster.job(prepared)
-    record.setdefault("files_sha256", {}).update(cluster.write_job(run_dir, argv, env))
+    cluster.write_job(rundir, argv, env)
     (run_dir / "logs").mkdir(exist_ok=True)
     script = render_sbatch(cfg, run_dir, argv, env)
-    RunDir(run_dir).write(SBATCH, script.encode(), mode=0o777)
+    rundir.write(SBATCH, script.encode(), mode=0o777)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
     record["slurm"] = {"script": SBATCH, "container": cfg.launcher.container, "job_id": None}
     record["probe"] = None
     if not cfg.launcher.submit:
-        record["status"] = "rendered"
-        record["message"] = f"wrote {run_dir / SBATCH}; submit it with: sbatch {run_dir / SBATCH}"
-        return record
+        return rundir.hand_off(record, RENDERED, f"wrote {run_dir / SBATCH}; submit it with: sbatch {run_dir / SBATCH}")
     try:
         out = subprocess.run(["sbatch", "--parsable", str(run_dir / SBATCH)], capture_output=True, text=True,
                              timeout=120, cwd=run_dir)
     except FileNotFoundError:
-        record.update(status="failed", reason="sbatch not found on PATH: submit from a Slurm login node")
-        return record
+        return rundir.end(record, FAILED, "sbatch not found on PATH: submit from a Slurm login node")
     if out.returncode != 0:
-        record.update(status="failed", reason=f"sbatch refused the job: {_sbatch_error(out.stderr + out.stdout)}")
-        return record
+        return rundir.end(record, FAILED, f"sbatch refused the job: {_sbatch_error(out.stderr + out.stdout)}")
     job_id = out.stdout.strip().split(";")[0]
-    record["status"] = "submitted"
     record["slurm"]["job_id"] = job_id
-    record["message"] = f"submitted Slurm job {job_id} ({run_dir}); follow it with: trainer status {run_dir}"
-    return record
+    return rundir.hand_off(record, SUBMITTED,
+                           f"submitted Slurm job {job_id} ({run_dir}); follow it with: trainer status {run_dir}")
