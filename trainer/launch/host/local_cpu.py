@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import ARGV, ENV, RunDir
+from trainer.record.rundir import ARGV, ENV, LOGS, RunDir
 from trainer.redact import redact_env
 from trainer.compose.schema import TrainConfig
 
@@ -115,7 +115,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     ]
     rundir.write_json(ARGV, commands[0])
     rundir.write_json(ENV, redact_env(env))
-    outcome = supervise(commands, env, run_dir / "logs")
+    outcome = supervise(commands, env, run_dir / LOGS)
     (run_dir / ".rendezvous").unlink(missing_ok=True)
     rundir.end(record, outcome.pop("status"), outcome.pop("reason"))
     record.update(outcome)

@@ -217,7 +217,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     tag = find_tag(layout, digest)
     image_dir = run_dir / "image"
     bundle = image_dir / "bundle"
-    logs = run_dir / "logs"
+    logs = run_dir / LOGS
     logs.mkdir(exist_ok=True)
     image_dir.mkdir(exist_ok=True)
     record["image"] = {"digest": digest, "layout": str(layout), "tag": tag}

@@ -20,7 +20,7 @@ from trainer.launch.host.checkout import verify_checkouts
 from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.launch.host.local_cpu import prepare_rows
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import ARGV, ENV, MEGATRON, RunDir
+from trainer.record.rundir import ARGV, ENV, LOGS, MEGATRON, RunDir
 from trainer.redact import redact_env
 from trainer.compose.schema import TrainConfig
 
@@ -121,7 +121,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     ]
     rundir.write_json(ARGV, command)
     rundir.write_json(ENV, redact_env(env))
-    outcome = supervise([command], env, run_dir / "logs")
+    outcome = supervise([command], env, run_dir / LOGS)
     rundir.end(record, outcome.pop("status"), outcome.pop("reason"))
     record.update(outcome)
     record["probe"] = collect_probes(run_dir, par.world_size)

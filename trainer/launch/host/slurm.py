@@ -36,7 +36,7 @@ from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
-from trainer.record.rundir import FAILED, RENDERED, SBATCH, SUBMITTED, RunDir
+from trainer.record.rundir import FAILED, LOGS, RENDERED, SBATCH, SUBMITTED, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     run_dir = rundir.path.absolute()
     argv, env = cluster.job(prepared)
     cluster.write_job(rundir, argv, env)
-    (run_dir / "logs").mkdir(exist_ok=True)
+    (run_dir / LOGS).mkdir(exist_ok=True)
     script = render_sbatch(cfg, run_dir, argv, env)
     rundir.write(SBATCH, script.encode(), mode=0o777)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
