@@ -48,8 +48,22 @@ def pack(out: Path, groups: list, part_bytes: int) -> dict:
     """Cut the files of ``groups`` (``[(group, [path, ...]), ...]``, in carry order) into chunks of at most
     ``part_bytes`` bytes and fill parts ``out/c1``, ``out/c2``, ... in that order. Returns the manifest
     (``{"files": {name: {"sha256", "size", "group", "chunks": [[part, chunk_name], ...]}}, "parts": N}``),
-    also written as ``manifest.json`` into every part. Raises ``ValueError`` for two files of one name."""
+    also written as ``manifest.json`` into every part. Raises ``ValueError`` for two files of one name and
+    ``OSError`` for an unreadable one; the parts are written under ``out.tmp`` and renamed to ``out`` only when
+    complete, so a failed pack leaves no parts."""
+    final, out = out, out.with_name(out.name + ".tmp")
     shutil.rmtree(out, ignore_errors=True)
+    try:
+        manifest = _pack_into(out, groups, part_bytes)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    shutil.rmtree(final, ignore_errors=True)
+    out.rename(final)
+    return manifest
+
+
+def _pack_into(out: Path, groups: list, part_bytes: int) -> dict:
     files: dict = {}
     part, used = 1, 0
     (out / "c1").mkdir(parents=True)
@@ -138,6 +152,7 @@ def check_record(tree: Path) -> int:
 
 
 def main(argv) -> int:
+    """Parse ``argv`` and run the subcommand; exit 1 with one line for a missing file, part or manifest."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("pack")
@@ -154,6 +169,17 @@ def main(argv) -> int:
     a = sub.add_parser("check-record")
     a.add_argument("tree")
     args = p.parse_args(argv)
+    try:
+        return run(args)
+    except (OSError, ValueError) as ex:  # a missing file, part or manifest: one line, nothing half-joined
+        name = getattr(ex, "filename", None)
+        print(f"carry_parts {args.cmd}: {name + ': ' if name else ''}{getattr(ex, 'strerror', None) or ex}",
+              file=sys.stderr)
+        return 1
+
+
+def run(args) -> int:
+    """Carry out the parsed subcommand ``args`` (see the module docstring); returns the exit status."""
     if args.cmd == "pack":
         groups = []
         for spec in args.groups:

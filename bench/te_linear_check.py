@@ -122,6 +122,9 @@ def standin_only() -> int:
 
 
 def main(argv) -> int:
+    """Run the check (``argv``: ``[]`` or ``["--standin-only"]``); needs a CUDA GPU and TE importable. Prints
+    the JSON line of the module docstring; returns 0 when the bf16 forward's max relative error is below 2e-2
+    and the input and weight gradients are finite, else 1."""
     if "--standin-only" in argv:
         return standin_only()
     import torch

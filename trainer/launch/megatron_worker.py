@@ -85,11 +85,12 @@ def main(argv=None) -> int:
         tilelang_compat()
         stand_ins = hadamard_stand_in()
     steps = cfg.launcher.steps or optim.num_rollout * (optim.rollout_batch_size // optim.global_batch_size)
-    args = megatron_args(cfg, megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps), world)
+    flags = megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps)
+    args = megatron_args(cfg, flags, world)
     if rank == 0:
         atomic_write(run_dir / "megatron.json", canonical_json(
             {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend,
-             "spec": args.spec, "argv": megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps),
+             "spec": args.spec, "argv": flags,
              "stand_ins": stand_ins}))
 
     # parallel sizes, seed and optimizer settings from Megatron-LM's namespace of the rendered argv (WORKER_ARGS)
