@@ -36,7 +36,8 @@ overrides() {
     # the convergence pair on one GPU (one row per microbatch: conf/experiment/dsv4-tiny-h200.yaml says why)
     tiny-nodistopt) echo "$tiny layout.use_distributed_optimizer=false" ;;
     tiny-lr) echo "$tiny optim.lr=6.0e-4 optim.min_lr=6.0e-5" ;;
-    # 4 microbatches of 2 rows vs 2 of 4, no hash layer: stop in TileKernels 1.0.0's backward (2026-12-01)
+    # 4 microbatches of 2 rows vs 2 of 4, no hash layer: stopped in TileKernels 1.0.0's backward on 2026-12-01;
+    # the launcher now refuses them (layout.micro_batch_size > 1 with the V4 model)
     tiny-mb4) echo "$tiny layout.micro_batch_size=2 model.dsv4_n_hash_layers=0" ;;
     tiny-mb2) echo "$tiny layout.micro_batch_size=4 model.dsv4_n_hash_layers=0" ;;
     tiny-mb4-lr) echo "$tiny layout.micro_batch_size=2 model.dsv4_n_hash_layers=0 optim.lr=6.0e-4 optim.min_lr=6.0e-5" ;;
