@@ -2,9 +2,23 @@
 of any Hydra app, `python -c "import hydra, omegaconf"`, measured interleaved in the same run.
 
 Usage: python bench/plan_latency.py [--repeats N] [--before DIR] [--json]
-Prints a Markdown row for bench/RESULTS.md (date, machine, command, medians, ratio) or JSON with --json.
-``--before DIR`` also times the plan of another checkout of the bundle (e.g. ``git worktree add DIR REV``),
-interleaved with the other two, so that a change is measured against its base in the same run.
+
+Every command runs as bin/train runs it: bytecode cached under ``PYTHONPYCACHEPREFIX`` (here a scratch
+directory, warmed by one untimed run of each command), the baseline's included. The plan command is the
+user's, as typed: no ``hydra.run.dir``, so each run writes Hydra's default run
+directory (``outputs/DATE/TIME-tp2pp4ep8``) under one working directory; a run starts only in a new second
+(waited for untimed) so that no two runs meet in one directory. It is timed four ways, interleaved:
+
+- ``plan``: stdout a pipe, the composition cache warm (trainer/compose/cache.py; the first, untimed run fills
+  it, as any earlier run of the same command line would);
+- ``cold``: the same with an empty cache directory per run (``TRAINER_COMPOSE_CACHE``): Hydra composes the job
+  and the reference layout, and the entries are written;
+- ``tty``: the warm run on a pseudo-terminal, where the summary is drawn with rich;
+- ``before`` (with ``--before DIR``): the plan of another checkout (e.g. ``git worktree add DIR REV``), so that
+  a change is measured against its base in the same run.
+
+Prints a Markdown row for bench/RESULTS.md (date, machine, command, medians and ratios to the baseline) or
+JSON with --json.
 """
 
 from __future__ import annotations
@@ -13,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import pty
 import statistics
 import subprocess
 import sys
@@ -24,10 +39,45 @@ from pathlib import Path
 ROOT = Path(__file__).absolute().parent.parent
 
 
-def timed(cmd: list[str], cwd: str, env: dict) -> float:
-    start = time.perf_counter()
-    subprocess.run(cmd, cwd=cwd, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return time.perf_counter() - start
+def timed(cmd: list[str], cwd: str, env: dict, tty: bool = False) -> float:
+    """Seconds of wall time of ``cmd`` run to completion (stdout a pipe to nowhere, or a pseudo-terminal)."""
+    if not tty:
+        start = time.perf_counter()
+        done = subprocess.run(cmd, cwd=cwd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        elapsed = time.perf_counter() - start
+        if done.returncode:
+            sys.exit(f"plan_latency: {' '.join(cmd)} exited {done.returncode}: {done.stderr.decode()[-2000:]}")
+        return elapsed
+    master, slave = pty.openpty()
+    try:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=slave, stderr=subprocess.DEVNULL)
+        os.close(slave)
+        while True:  # drain the terminal so that the process never blocks on it
+            try:
+                if not os.read(master, 65536):
+                    break
+            except OSError:  # EIO: the process closed its end
+                break
+        code = proc.wait()
+        elapsed = time.perf_counter() - start
+    finally:
+        os.close(master)
+    if code:
+        sys.exit(f"plan_latency: {' '.join(cmd)} exited {code} on a terminal")
+    return elapsed
+
+
+def plan_run(cmd: list[str], cwd: str, env: dict, last: list[int], tty: bool = False) -> float:
+    """:func:`timed` for a plan run, started (after an untimed wait) in a second later than the one the previous
+    plan run ended in: Hydra names the run directory by the second, and a second run in one directory is
+    refused."""
+    while int(time.time()) <= last[0]:
+        time.sleep(0.02)
+    try:
+        return timed(cmd, cwd, env, tty)
+    finally:
+        last[0] = int(time.time())
 
 
 def main() -> int:
@@ -36,40 +86,46 @@ def main() -> int:
     parser.add_argument("--before", help="also time the plan of the checkout in this directory (same run)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown row")
     args = parser.parse_args()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONDONTWRITEBYTECODE="1")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPATH"] = str(ROOT)
     baseline_cmd = [sys.executable, "-c", "import hydra, omegaconf"]
     plan_cmd = [sys.executable, "-m", "trainer.train", "layout=tp2pp4ep8"]
-    before_env = dict(env, PYTHONPATH=str(Path(args.before).absolute())) if args.before else None
-    base, plan, before = [], [], []
-    with tempfile.TemporaryDirectory() as cwd:
-        timed(plan_cmd + [f"hydra.run.dir={cwd}/warm"], cwd, env)  # warm the page cache once
-        if before_env:
-            timed(plan_cmd + [f"hydra.run.dir={cwd}/warm-before"], cwd, before_env)
+    times: dict[str, list[float]] = {"baseline": [], "plan": [], "cold": [], "tty": []}
+    last = [0]
+    with tempfile.TemporaryDirectory() as scratch:
+        cwd = os.path.join(scratch, "work")
+        os.mkdir(cwd)
+        env["TRAINER_COMPOSE_CACHE"] = os.path.join(scratch, "cache")
+        env["PYTHONPYCACHEPREFIX"] = os.path.join(scratch, "pycache")  # as bin/train has it; the baseline's too
+        timed(baseline_cmd, cwd, env)
+        variants = {"plan": (env, False), "tty": (env, True)}
+        if args.before:
+            variants["before"] = (dict(env, PYTHONPATH=str(Path(args.before).absolute())), False)
+            times["before"] = []
+        for name, (variant_env, _) in variants.items():  # warm the page cache and the composition cache once
+            plan_run(plan_cmd, cwd, variant_env, last)
         for i in range(args.repeats):
-            base.append(timed(baseline_cmd, cwd, env))
-            plan.append(timed(plan_cmd + [f"hydra.run.dir={cwd}/run{i}"], cwd, env))
-            if before_env:
-                before.append(timed(plan_cmd + [f"hydra.run.dir={cwd}/before{i}"], cwd, before_env))
+            times["baseline"].append(timed(baseline_cmd, cwd, env))
+            for name, (variant_env, tty) in variants.items():
+                times[name].append(plan_run(plan_cmd, cwd, variant_env, last, tty))
+            cold_env = dict(env, TRAINER_COMPOSE_CACHE=os.path.join(scratch, f"cold{i}"))
+            times["cold"].append(plan_run(plan_cmd, cwd, cold_env, last))
+    medians = {name: statistics.median(values) for name, values in times.items()}
     result = {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         "repeats": args.repeats,
-        "baseline_median_s": round(statistics.median(base), 3),
-        "plan_median_s": round(statistics.median(plan), 3),
-        "ratio": round(statistics.median(plan) / statistics.median(base), 2),
+        **{f"{name}_median_s": round(value, 3) for name, value in medians.items()},
+        **{f"{name}_ratio": round(value / medians["baseline"], 2) for name, value in medians.items() if name != "baseline"},
     }
-    if before:
-        result.update(before_median_s=round(statistics.median(before), 3),
-                      before_ratio=round(statistics.median(before) / statistics.median(base), 2))
     if args.json:
         print(json.dumps(result, indent=2))
-    else:
-        command = f"python bench/plan_latency.py --repeats {args.repeats}" + (" --before BASE" if before else "")
-        print(
-            f"| {result['date']} | {result['machine']} | `{command}` | "
-            f"{result['baseline_median_s']} s | {result['plan_median_s']} s | {result['ratio']}x |"
-            + (f" {result['before_median_s']} s, {result['before_ratio']}x |" if before else " |")
-        )
+        return 0
+    command = f"python bench/plan_latency.py --repeats {args.repeats}" + (" --before BASE" if args.before else "")
+    cells = [f"{result[f'{n}_median_s']} s, {result[f'{n}_ratio']}x" for n in ("plan", "cold", "tty")]
+    before = f"{result['before_median_s']} s, {result['before_ratio']}x" if args.before else ""
+    print(f"| {result['date']} | {result['machine']} | `{command}` | {result['baseline_median_s']} s | "
+          + " | ".join(cells) + f" | {before} |")
     return 0
 
 

@@ -10,7 +10,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from trainer.compose.compose import compose_run
 
@@ -70,9 +70,11 @@ def pids_running(*argv: str) -> List[int]:
     return pids
 
 
-def run_train(args: Sequence[str], cwd: Path, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``python -m trainer.train ARGS`` in ``cwd`` with the current interpreter; capture output."""
-    env = dict(os.environ)
+def run_train(args: Sequence[str], cwd: Path, timeout: float = 120,
+              env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """Run ``python -m trainer.train ARGS`` in ``cwd`` with the current interpreter (``env``: variables set on top
+    of this process's environment); capture output."""
+    env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "160"
     return subprocess.run(

@@ -82,9 +82,32 @@ def test_plan_record(seed_plan):
 
 
 def test_plan_prints_a_summary(seed_plan):
-    out = seed_plan[1].stdout
-    assert "TP2 PP4 EP8 DP8" in out and "64 GPUs = TP 2 x PP 4 x CP 1 x DP 8" in out
-    assert "numerics-equivalent" in out
+    """Promise: piped, the summary is plain text (no box drawing, no colour codes) with the plan's figures."""
+    lines = seed_plan[1].stdout.splitlines()
+    assert lines[0] == "plan: DeepSeek-V4-Flash · TP2 PP4 EP8 DP8 · p5en-8x8"
+    assert lines[1] == "  world         64 GPUs = TP 2 x PP 4 x CP 1 x DP 8"
+    assert lines[5].startswith("  vs tp8pp8ep8  numerics-equivalent")
+    assert lines[8] == "  stage       layers  weights  grads  optimizer  activations  total"
+    assert lines[9] == "      0   0..10 (11)     19.8   39.7       54.7          6.5  120.7"
+    assert "peak estimate 120.7 GB of 141 GB per GPU" in lines
+    assert not any(ch in seed_plan[1].stdout for ch in "│┃\x1b")
+
+
+def test_plan_summary_on_a_terminal_is_a_rich_table(seed_plan):
+    """Promise: on a terminal (a rich Console), the same rows are drawn as tables."""
+    import io
+
+    from rich.console import Console
+
+    from trainer.compose.summary import print_plan_summary
+
+    buf = io.StringIO()
+    plan = json.loads((seed_plan[0] / "plan.json").read_text())
+    print_plan_summary(plan, seed_plan[0], Console(file=buf, width=200, color_system=None))
+    out = buf.getvalue()
+    assert "│ world        │ 64 GPUs = TP 2 x PP 4 x CP 1 x DP 8" in out
+    assert "│     0 │  0..10 (11) │    19.8 │  39.7 │      54.7 │         6.5 │ 120.7 │" in out
+    assert "peak estimate 120.7 GB of 141 GB per GPU" in out
 
 
 def test_reference_plan_tp8pp8ep8(tmp_path):

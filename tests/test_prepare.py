@@ -28,7 +28,9 @@ def pairs(argv):
 
 def test_a_layout_override_reaches_the_miles_argv_through_compose_and_render_only(monkeypatch):
     """Promise: `layout=tp8pp8ep8` is composed twice in one Hydra session (the job and the reference layout) and
-    rendered once; the prepared launch is the render of the composition, with the reference's sizes."""
+    rendered once; the prepared launch is the render of the composition, with the reference's sizes. (The
+    composition cache is off here: with it, a composition made before costs no Hydra call at all.)"""
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", "off")
     calls = []
     real = compose_module.compose
     monkeypatch.setattr(compose_module, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))

@@ -54,7 +54,6 @@ def main() -> None:
     such a directory is refused (:func:`trainer.record.rundir.claim_run_dir`).
     """
     global RUN_DIR_MODE, SIGNER
-    schema.register()
     flags = {"--resume": "resume", "--overwrite": "overwrite"}
     modes = [flags[a] for a in sys.argv[1:] if a in flags]
     sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in flags)]
@@ -69,6 +68,7 @@ def main() -> None:
         print(f"train: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
     if single is None:
+        schema.register()  # @hydra.main composes itself (a composition from the cache needs no ConfigStore)
         run()
     else:
         hydra_run(*single)

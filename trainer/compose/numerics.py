@@ -98,9 +98,14 @@ class Verdict:
         }
 
 
-def _value(cfg: DictConfig, key: str) -> Any:
-    value = OmegaConf.select(cfg, key)
-    return OmegaConf.to_container(value, resolve=True) if isinstance(value, (DictConfig,)) or OmegaConf.is_list(value) else value
+def _value(data: Dict[str, Any], key: str) -> Any:
+    """The value at dotted ``key`` of the resolved container ``data`` (None where a key is absent, as
+    ``OmegaConf.select`` gives it)."""
+    for part in key.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return None
+        data = data[part]
+    return data
 
 
 def _flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
@@ -122,23 +127,24 @@ def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
     """
     verdict = Verdict()
     seen = set()
+    data_a = OmegaConf.to_container(candidate, resolve=True)
+    data_b = OmegaConf.to_container(reference, resolve=True)
     for _, rows in SECTIONS:
         for flag, key, _kind in rows:
             if key in seen:
                 continue
             seen.add(key)
-            a, b = _value(candidate, key), _value(reference, key)
+            a, b = _value(data_a, key), _value(data_b, key)
             if a != b:
                 verdict.differences.append(Difference(flag, key, a, b, classify(key)))
     # Fields that reach no launch argument (e.g. optim.clip_grad, launcher.seed): compared as config keys.
-    flat_a, flat_b = _flatten(OmegaConf.to_container(candidate, resolve=True)), _flatten(OmegaConf.to_container(reference, resolve=True))
+    flat_a, flat_b = _flatten(data_a), _flatten(data_b)
     for key in sorted(set(flat_a) | set(flat_b)):
         if key in seen or key in DESCRIPTIVE or key.startswith(("env.", "hydra.")):
             continue
         if flat_a.get(key) != flat_b.get(key):
             verdict.differences.append(Difference(f"({key})", key, flat_a.get(key), flat_b.get(key), classify(key)))
-    env_a = OmegaConf.to_container(candidate.env, resolve=True)
-    env_b = OmegaConf.to_container(reference.env, resolve=True)
+    env_a, env_b = data_a.get("env") or {}, data_b.get("env") or {}
     for name in sorted(set(env_a) | set(env_b)):
         if env_a.get(name) != env_b.get(name):
             # Environment variables can select kernels and algorithms (NCCL, cuBLAS); count them as numerics.

@@ -1,59 +1,89 @@
-"""Human summaries of plans (rich tables on stdout)."""
+"""Human summaries of plans on stdout: rich tables on a terminal, the same rows as plain text elsewhere.
+
+The rows are built once (:func:`summary_rows`); :func:`print_plan_summary` renders them with ``rich`` when
+stdout is a terminal and as aligned plain lines when it is a pipe or a file, where box drawing and colour only
+get in the way of ``grep`` and logs (and where ``rich``'s import and first render, about 35 ms, would be most
+of a plan run's own time: bench/plan_latency.py).
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
-from rich.console import Console
-from rich.table import Table
+STAGE_COLUMNS = ("stage", "layers", "weights", "grads", "optimizer", "activations", "total")
 
 
-def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Console | None = None) -> None:
-    """Print a short table of a plan: layout, per-stage layers and memory, numerics verdict, where it was written."""
-    console = console or Console()
+def summary_rows(plan: Dict[str, Any], run_dir: Path) -> Dict[str, Any]:
+    """The summary of ``plan`` as data: ``title``; ``head`` (label, value, style) rows; ``stages`` (one row of
+    :data:`STAGE_COLUMNS` strings per pipeline stage, memory in GB per GPU); ``lines`` (style, text) after the
+    tables (peak memory, warnings, how to submit)."""
     par = plan["parallelism"]
-    head = Table(title=f"plan: {plan['model']} · {plan['layout']} · {plan['cluster']}", show_header=False)
-    head.add_column("what", style="bold")
-    head.add_column("value")
-    head.add_row(
-        "world",
-        f"{par['world_size']} GPUs = TP {par['tensor_model_parallel_size']} x PP {par['pipeline_model_parallel_size']}"
-        f" x CP {par['context_parallel_size']} x DP {par['data_parallel_size']}",
-    )
-    head.add_row(
-        "experts",
-        f"EP {par['expert_model_parallel_size']} x ETP {par['expert_tensor_parallel_size']} x expert-DP "
-        f"{par['expert_data_parallel_size']}: {plan['experts_per_ep_rank']} experts per EP rank",
-    )
-    head.add_row("params", f"N active/token {plan['params']['active_per_token']:,} · total {plan['params']['total']:,}")
-    head.add_row("step", f"{plan['tokens_per_step']:,} tokens · {par['microbatches']} microbatches per DP rank · {plan['steps']} steps")
     verdict = plan["numerics"]
-    head.add_row(
-        f"vs {verdict['reference_layout']}",
-        ("[green]" if verdict["equivalent"] else "[red]") + verdict["verdict"],
-    )
-    head.add_row("run dir", str(run_dir))
-    console.print(head)
-
-    stages = Table(title="pipeline stages: layers and estimated memory per GPU (GB)")
-    for col in ("stage", "layers", "weights", "grads", "optimizer", "activations", "total"):
-        stages.add_column(col, justify="right")
+    head: List[Tuple[str, str, str]] = [
+        ("world", f"{par['world_size']} GPUs = TP {par['tensor_model_parallel_size']} x PP "
+                  f"{par['pipeline_model_parallel_size']} x CP {par['context_parallel_size']} x DP "
+                  f"{par['data_parallel_size']}", ""),
+        ("experts", f"EP {par['expert_model_parallel_size']} x ETP {par['expert_tensor_parallel_size']} x expert-DP "
+                    f"{par['expert_data_parallel_size']}: {plan['experts_per_ep_rank']} experts per EP rank", ""),
+        ("params", f"N active/token {plan['params']['active_per_token']:,} · total {plan['params']['total']:,}", ""),
+        ("step", f"{plan['tokens_per_step']:,} tokens · {par['microbatches']} microbatches per DP rank · "
+                 f"{plan['steps']} steps", ""),
+        (f"vs {verdict['reference_layout']}", verdict["verdict"], "green" if verdict["equivalent"] else "red"),
+        ("run dir", str(run_dir), ""),
+    ]
+    stages = []
     for stage, mem in zip(plan["pipeline"], plan["memory"]["per_stage"]):
         lo, hi = stage["layers"]
-        stages.add_row(
-            str(stage["stage"]),
-            f"{lo}..{hi - 1} ({stage['num_layers']})",
-            f"{mem['weights_gb']:.1f}",
-            f"{mem['grads_gb']:.1f}",
-            f"{mem['optimizer_gb']:.1f}",
-            f"{mem['activations_gb']:.1f}",
-            f"{mem['total_gb']:.1f}",
-        )
-    console.print(stages)
+        stages.append([str(stage["stage"]), f"{lo}..{hi - 1} ({stage['num_layers']})",
+                       *(f"{mem[k]:.1f}" for k in ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb",
+                                                   "total_gb"))])
     mem = plan["memory"]
-    colour = "green" if mem["fits"] else "red"
-    console.print(f"[{colour}]peak estimate {mem['max_gb']:.1f} GB of {mem['gpu_memory_gb']:.0f} GB per GPU")
-    for warning in plan["warnings"]:
-        console.print(f"[yellow]warning: {warning}")
-    console.print(f"submit: {plan['submit']['how']}")
+    lines = [("green" if mem["fits"] else "red",
+              f"peak estimate {mem['max_gb']:.1f} GB of {mem['gpu_memory_gb']:.0f} GB per GPU")]
+    lines += [("yellow", f"warning: {warning}") for warning in plan["warnings"]]
+    lines.append(("", f"submit: {plan['submit']['how']}"))
+    return {"title": f"plan: {plan['model']} · {plan['layout']} · {plan['cluster']}", "head": head,
+            "stages": stages, "lines": lines}
+
+
+def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None) -> None:
+    """Print a short summary of a plan: layout, per-stage layers and memory, numerics verdict, where it was
+    written. ``console`` (a ``rich.console.Console``) forces the rich rendering; without it, rich is used when
+    stdout is a terminal."""
+    rows = summary_rows(plan, run_dir)
+    if console is None and not sys.stdout.isatty():
+        print(plain_summary(rows), end="")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    head = Table(title=rows["title"], show_header=False)
+    head.add_column("what", style="bold")
+    head.add_column("value")
+    for label, value, style in rows["head"]:
+        head.add_row(label, f"[{style}]{value}" if style else value)
+    console.print(head)
+    stages = Table(title="pipeline stages: layers and estimated memory per GPU (GB)")
+    for col in STAGE_COLUMNS:
+        stages.add_column(col, justify="right")
+    for row in rows["stages"]:
+        stages.add_row(*row)
+    console.print(stages)
+    for style, text in rows["lines"]:
+        console.print(f"[{style}]{text}" if style else text)
+
+
+def plain_summary(rows: Dict[str, Any]) -> str:
+    """The rows of :func:`summary_rows` as plain text: ``label: value`` lines, then the stage table with
+    right-aligned columns, then the closing lines."""
+    width = max(len(label) for label, _, _ in rows["head"])
+    out = [rows["title"]] + [f"  {label.ljust(width)}  {value}" for label, value, _ in rows["head"]]
+    table = [list(STAGE_COLUMNS), *rows["stages"]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(STAGE_COLUMNS))]
+    out.append("pipeline stages: layers and estimated memory per GPU (GB)")
+    out += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+    out += [text for _, text in rows["lines"]]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,164 @@
+"""The composition cache (trainer/compose/cache.py): an entry is the composition Hydra would make, keyed by
+every input it reads, verified on reading, and never a reason for a different run."""
+
+import hashlib
+import json
+import shutil
+import time
+
+import pytest
+from omegaconf import OmegaConf
+
+import helpers
+from helpers import REPO_ROOT, run_train
+from trainer.compose import cache as cache_module
+from trainer.compose import compose as compose_module
+from trainer.compose.compose import session
+from trainer.errors import UserError
+
+JOBS = [
+    [],
+    ["layout=tp8pp8ep8", "optim.lr=2e-5"],
+    ["experiment=smoke"],
+    ["model=dsv4-tiny", "layout=gpu1-tp1pp1ep1", "cluster=local", "launcher=local-megatron"],
+]
+
+
+@pytest.fixture
+def hydra_calls(monkeypatch):
+    """The override lists Hydra's own ``compose`` was called with (a cache hit makes no call)."""
+    calls = []
+    real = compose_module.compose
+    monkeypatch.setattr(compose_module, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))
+    return calls
+
+
+def fingerprint(cfg):
+    """What a composition is, for comparing two: its YAML (unresolved), its flags and its node types."""
+    return (OmegaConf.to_yaml(cfg), OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg),
+            OmegaConf.get_type(cfg), OmegaConf.get_type(cfg, "layout"), OmegaConf.get_type(cfg, "model"))
+
+
+def entries(root):
+    return sorted(root.glob("*" + cache_module.SUFFIX))
+
+
+@pytest.mark.parametrize("hydra_node", [False, True], ids=["job", "with-hydra-node"])
+@pytest.mark.parametrize("job", JOBS, ids=lambda j: " ".join(j) or "(recipe)")
+def test_a_cached_composition_is_the_composition_hydra_makes(tmp_path, monkeypatch, hydra_calls, job, hydra_node):
+    """Promise: the second composition of a job comes from the cache (no Hydra call) and is the one Hydra made:
+    the same YAML, flags and structured types as a composition with the cache off."""
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    wanted = [*job, "hydra.mode=RUN"] if hydra_node else job
+    with session() as composer:
+        first = composer.compose(wanted, hydra_node=hydra_node)
+    with session() as composer:
+        second = composer.compose(wanted, hydra_node=hydra_node)
+    assert hydra_calls == [wanted]  # the first only
+    assert len(entries(tmp_path / "cache")) == 1
+    with session(cached=False) as composer:
+        fresh = composer.compose(wanted, hydra_node=hydra_node)
+    assert hydra_calls == [wanted, wanted]
+    for cfg in (first, second):
+        if hydra_node:  # the time ${now:...} was resolved at is the composition's own
+            OmegaConf.clear_cache(cfg)
+            OmegaConf.clear_cache(fresh)
+        assert fingerprint(cfg) == fingerprint(fresh)
+    if hydra_node:
+        assert second.hydra.runtime.choices == fresh.hydra.runtime.choices
+        assert list(second.hydra.overrides.task) == job
+
+
+def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, monkeypatch, hydra_calls):
+    """Promise: an entry whose bytes do not match its hash, or that does not unpickle, is not used: Hydra composes
+    again and the entry is replaced by a good one."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
+    with session() as composer:
+        good = OmegaConf.to_yaml(composer.compose(["layout=tp8pp8ep8"]))
+    (entry,) = entries(root)
+    blob = entry.read_bytes()
+    damaged = {
+        "payload flipped": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:],
+        "hash of other bytes": hashlib.sha256(b"x").hexdigest().encode() + b"\n" + blob.partition(b"\n")[2],
+        "not a pickle, hash right": hashlib.sha256(b"junk").hexdigest().encode() + b"\njunk",
+        "empty": b"",
+    }
+    for name, data in damaged.items():
+        entry.write_bytes(data)
+        calls_before = len(hydra_calls)
+        with session() as composer:
+            assert OmegaConf.to_yaml(composer.compose(["layout=tp8pp8ep8"])) == good, name
+        assert len(hydra_calls) == calls_before + 1, name
+        assert entry.read_bytes() == blob, name  # written again, the same bytes
+
+
+def test_a_changed_config_file_is_another_key(tmp_path, monkeypatch, hydra_calls):
+    """Promise: editing any file of the config tree changes the key: the next composition reads the edit."""
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    conf = tmp_path / "conf"
+    shutil.copytree(REPO_ROOT / "conf", conf)
+    with session(conf) as composer:
+        assert composer.compose(["layout=tp8pp8ep8"]).layout.micro_batch_size == 1
+    path = conf / "layout" / "tp8pp8ep8.yaml"
+    path.write_text(path.read_text().replace("micro_batch_size: 1", "micro_batch_size: 2"))
+    with session(conf) as composer:
+        assert composer.compose(["layout=tp8pp8ep8"]).layout.micro_batch_size == 2
+    assert len(hydra_calls) == 2 and len(entries(tmp_path / "cache")) == 2
+
+
+def test_bad_overrides_are_refused_by_hydra_and_never_stored(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):
+        with session() as composer, pytest.raises(UserError, match="Could not find 'layout/nope'"):
+            composer.compose(["layout=nope"])
+    assert entries(tmp_path / "cache") == []
+
+
+def test_the_cache_can_be_turned_off(tmp_path, monkeypatch, hydra_calls):
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", "off")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for _ in range(2):
+        with session() as composer:
+            composer.compose([])
+    assert len(hydra_calls) == 2 and not (tmp_path / "xdg").exists()
+
+
+def test_the_oldest_entries_go_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache_module, "MAX_ENTRIES", 2)
+    with session() as composer:
+        for layout in ("tp2pp4ep8", "tp8pp8ep8", "gpu8-tp2pp2ep4"):
+            composer.compose([f"layout={layout}"])
+            time.sleep(0.01)
+    kept = entries(tmp_path / "cache")
+    assert len(kept) == 2
+    newest = composer.cache.key_of(["layout=gpu8-tp2pp2ep4"], False) + cache_module.SUFFIX
+    assert newest in {p.name for p in kept}
+
+
+def test_train_from_the_cache_writes_the_same_run(tmp_path):
+    """Promise: `train layout=tp2pp4ep8` twice in one directory (Hydra's default run directories, a second apart)
+    composes once with Hydra; the second run, from the cache, has its own time in its directory's name and writes
+    the same plan, argv and config bytes as a run with the cache off."""
+    env = {"TRAINER_COMPOSE_CACHE": str(tmp_path / "cache")}
+    runs = []
+    for _ in range(2):
+        proc = run_train(["layout=tp2pp4ep8"], tmp_path, env=env)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(sorted((tmp_path / "outputs").glob("*/*")))
+        time.sleep(1.05)
+    assert len(entries(tmp_path / "cache")) == 2  # the job (with its hydra node) and the reference layout
+    first, second = runs[0][0], (set(runs[1]) - set(runs[0])).pop()
+    assert first.name != second.name and second.name.endswith("-tp2pp4ep8")
+    off = tmp_path / "off"
+    proc = run_train(["layout=tp2pp4ep8", f"hydra.run.dir={off}"], tmp_path, env={"TRAINER_COMPOSE_CACHE": "off"})
+    assert proc.returncode == 0, proc.stderr
+    for name in ("plan.json", "argv.json", "config.yaml", "env.json", "command.sh"):
+        assert (second / name).read_bytes() == (off / name).read_bytes() == (first / name).read_bytes(), name
+    plan = json.loads((second / "plan.json").read_text())
+    assert plan["numerics"]["reference_layout"] == "tp8pp8ep8" and plan["parallelism"]["world_size"] == 64
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
