@@ -186,8 +186,8 @@ def megatron_parser(monkeypatch):
 
     def parse(*overrides, impl="transformer_engine"):
         cfg = validate(compose(*overrides))
-        argv = megatron_argv(cfg, impl, cfg.launcher.attention_backend, 3)
-        return cfg, megatron_args(cfg, argv, cfg.cluster.nodes * cfg.cluster.gpus_per_node)
+        argv = megatron_argv(cfg, impl, cfg.launcher.attention_backend, STEPS)
+        return cfg, megatron_args(argv, cfg.cluster.nodes * cfg.cluster.gpus_per_node)
 
     return parse
 
@@ -203,10 +203,14 @@ def _key(name):
     return keys.pop()
 
 
+STEPS = 3  # the megatron_parser fixture's --train-iters (megatron.train_iters: the run's steps, no config field)
+
+
 def _field(cfg, name):
     import operator
 
-    return operator.attrgetter(_key(name))(cfg)
+    key = _key(name)
+    return STEPS if key == "megatron.train_iters" else operator.attrgetter(key)(cfg)
 
 
 # the config fields the worker read by hand before it read Megatron-LM's namespace
@@ -214,7 +218,11 @@ WORKER_READ_BEFORE = {
     **{n: f"layout.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                                  "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")},
     "distributed_timeout_minutes": "launcher.distributed_timeout_minutes", "seed": "launcher.seed",
-    **{n: f"optim.{n}" for n in ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad")},
+    **{n: f"optim.{n}" for n in ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
+                                 "global_batch_size", "lr_warmup_fraction", "moe_router_freeze_gate",
+                                 "freeze_e_score_correction_bias")},
+    "micro_batch_size": "layout.micro_batch_size", "seq_length": "data.seq_length",
+    "num_experts": "model.num_experts", "train_iters": "megatron.train_iters",
 }
 
 

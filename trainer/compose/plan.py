@@ -41,6 +41,18 @@ from trainer.compose.schema import TrainConfig
 GB = 1e9  # bytes
 
 
+def recipe_steps(cfg: TrainConfig) -> int:
+    """Optimizer steps of the recipe's schedule: ``optim.num_rollout`` rollouts of ``optim.rollout_batch_size``
+    rows, ``optim.global_batch_size`` rows a step (miles' SFT loop, ``--num-rollout`` x steps per rollout)."""
+    return cfg.optim.num_rollout * (cfg.optim.rollout_batch_size // cfg.optim.global_batch_size)
+
+
+def run_steps(cfg: TrainConfig) -> int:
+    """Optimizer steps an executed run takes: ``launcher.steps`` when set (a short run), else
+    :func:`recipe_steps`."""
+    return cfg.launcher.steps or recipe_steps(cfg)
+
+
 def rank_table(cfg: TrainConfig, par: Parallelism) -> List[Dict[str, Any]]:
     """One entry per global rank: node, local GPU, stage, TP/CP/DP and ETP/EP/EDP ranks, layers and experts.
 
@@ -183,7 +195,7 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> 
         "memory": memory,
         "numerics": numerics,
         "tokens_per_step": cfg.optim.global_batch_size * cfg.data.seq_length,
-        "steps": cfg.optim.num_rollout * (cfg.optim.rollout_batch_size // cfg.optim.global_batch_size),
+        "steps": recipe_steps(cfg),
         "warnings": warnings,
         "submit": {
             "launcher": cfg.launcher.name,

@@ -211,6 +211,9 @@ MEGATRON_ARGS: Tuple[Row, ...] = (
     ("--bf16", "optim.bf16", "true"),
     _ROWS["--calculate-per-token-loss"],
     _ROWS["--accumulate-allreduce-grads-in-fp32"],
+    # TransformerConfig fields, which Megatron-LM's parser makes flags of (ArgumentGroupFactory)
+    _ROWS["--moe-router-freeze-gate"],
+    _ROWS["--freeze-e-score-correction-bias"],
 )
 
 # Row conditions of the megatron-core argv: a row of MODEL_ARGS, LAYOUT_ARGS or OPTIM_ARGS whose flag starts with

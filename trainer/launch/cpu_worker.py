@@ -66,6 +66,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from trainer.compose.compose import validate
+    from trainer.compose.plan import run_steps
     from trainer.data import Rows
     from trainer.report.metrics import dumps_row
     from trainer.models.deepseek_v4_hf import build_model, freeze_router
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
         betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
         eps=1e-8,
     )
-    steps = cfg.launcher.steps or cfg.optim.num_rollout * (cfg.optim.rollout_batch_size // cfg.optim.global_batch_size)
+    steps = run_steps(cfg)
     rows = Rows(rows_dir)  # verified against its manifest
     mbs = cfg.layout.micro_batch_size
     per_step = cfg.optim.global_batch_size // (mbs * world)  # microbatches per rank per step

@@ -56,20 +56,21 @@ def main(argv=None) -> int:
     import torch.distributed as dist
 
     from trainer.compose.compose import validate
+    from trainer.compose.plan import run_steps
     from trainer.data import Rows
     from trainer.report.metrics import dumps_row
     from trainer.launch.cpu_worker import megatron_lr
     from trainer.probe import probe
     from trainer.record.record import atomic_write, canonical_json
-    from trainer.record.rundir import load_config
+    from trainer.record.rundir import CONFIG, MEGATRON, METRICS, PROFILE, load_config, probe_rank
 
-    cfg = validate(load_config(run_dir / "config.yaml"))
-    lay, optim = cfg.layout, cfg.optim
+    cfg = validate(load_config(run_dir / CONFIG))
+    optim = cfg.optim
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local_rank))
     # NCCL loads its net plugin with the first communicator: probe after one collective, so the probe sees it
     dist.all_reduce(torch.zeros(1, device="cuda"))
-    atomic_write(run_dir / f"probe-rank-{rank}.json", canonical_json(probe()))
+    atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -84,11 +85,11 @@ def main(argv=None) -> int:
     if cfg.model.experimental_attention_variant == "dsv4":
         tilelang_compat()
         stand_ins = hadamard_stand_in()
-    steps = cfg.launcher.steps or optim.num_rollout * (optim.rollout_batch_size // optim.global_batch_size)
-    flags = megatron_argv(cfg, impl, cfg.launcher.attention_backend, steps)
-    args = megatron_args(cfg, flags, world)
+    flags = megatron_argv(cfg, impl, cfg.launcher.attention_backend, run_steps(cfg))
+    args = megatron_args(flags, world)
+    steps = args.train_iters
     if rank == 0:
-        atomic_write(run_dir / "megatron.json", canonical_json(
+        atomic_write(run_dir / MEGATRON, canonical_json(
             {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend,
              "spec": args.spec, "argv": flags,
              "stand_ins": stand_ins}))
@@ -104,13 +105,13 @@ def main(argv=None) -> int:
     )
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    seq = cfg.data.seq_length
+    seq = args.seq_length
     model, config = build_model(args, impl, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-    chosen = json.loads((run_dir / "megatron.json").read_text()) if rank == 0 else None
-    initialized = init_checkpoint_only(model, config.init_method_std, cfg.model.num_experts, args.seed)
+    chosen = json.loads((run_dir / MEGATRON).read_text()) if rank == 0 else None
+    initialized = init_checkpoint_only(model, config.init_method_std, args.num_experts, args.seed)
     frozen = 0
     for name, param in model.named_parameters():
-        if optim.moe_router_freeze_gate and name.endswith("router.weight"):
+        if args.moe_router_freeze_gate and name.endswith("router.weight"):
             param.requires_grad_(False)  # the fork's router does this too (config.moe_router_freeze_gate)
             frozen += param.numel()
     model.cuda(torch.cuda.current_device())
@@ -128,7 +129,7 @@ def main(argv=None) -> int:
         ddp_config=DistributedDataParallelConfig(
             grad_reduce_in_fp32=optim.accumulate_allreduce_grads_in_fp32,
             overlap_grad_reduce=False,
-            use_distributed_optimizer=lay.use_distributed_optimizer,
+            use_distributed_optimizer=cfg.layout.use_distributed_optimizer,
         ),
         module=model,
     )
@@ -141,7 +142,7 @@ def main(argv=None) -> int:
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
             bf16=optim.bf16,
-            use_distributed_optimizer=lay.use_distributed_optimizer,
+            use_distributed_optimizer=cfg.layout.use_distributed_optimizer,
             clip_grad=args.clip_grad,
         ),
         [model],
@@ -151,11 +152,11 @@ def main(argv=None) -> int:
 
     rows = Rows(rows_dir)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mbs = lay.micro_batch_size
-    num_micro = optim.global_batch_size // (mbs * dp_size)
+    mbs = args.micro_batch_size
+    num_micro = args.global_batch_size // (mbs * dp_size)
     per_epoch = rows.num_batches(mbs, dp_size)
     writer = ps.is_pipeline_last_stage() and dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
-    metrics = (run_dir / "metrics.jsonl").open("a") if writer else None
+    metrics = (run_dir / METRICS).open("a") if writer else None
     if writer:
         print(f"megatron-core: {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
               f"{frozen:,} frozen router weights, {initialized} checkpoint-only tensors initialised; "
@@ -182,7 +183,7 @@ def main(argv=None) -> int:
     for step in range(1, steps + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        lr = megatron_lr(step - 1, steps, optim.lr, optim.min_lr, optim.lr_warmup_fraction)
+        lr = megatron_lr(step - 1, steps, args.lr, args.min_lr, args.lr_warmup_fraction)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = []
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
             profiler.__exit__(None, None, None)
             if rank == 0:
-                atomic_write(run_dir / "profile-top-kernels.md", top_kernels_table(profiler).encode())
+                atomic_write(run_dir / PROFILE, top_kernels_table(profiler).encode())
         totals = torch.zeros(2, device="cuda")
         if ps.is_pipeline_last_stage():
             for item in reduced:
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
                 "lm_loss": loss / max(supervised, 1.0),
                 "grad_norm": float(grad_norm) if grad_norm is not None else None,
                 "lr": lr,
-                "tokens": float(optim.global_batch_size * seq),
+                "tokens": float(args.global_batch_size * seq),
                 "supervised_tokens": supervised,
                 "step_time_s": elapsed,
                 "max_memory_bytes": float(memory.item()),
@@ -238,7 +239,7 @@ def main(argv=None) -> int:
                 from trainer.probe import mapped_libraries
 
                 chosen["cudnn_loaded"] = [lib for lib in mapped_libraries() if "libcudnn" in lib]
-                atomic_write(run_dir / "megatron.json", canonical_json(chosen))
+                atomic_write(run_dir / MEGATRON, canonical_json(chosen))
             print(f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']} lr {lr:.3g} "
                   f"{elapsed:.3f} s", flush=True)
     if metrics is not None:
@@ -347,12 +348,15 @@ def hadamard_stand_in() -> list:
 
 # What the worker reads from Megatron-LM's namespace (:func:`megatron_args`), by Megatron argument name; each is
 # rendered from the config field of its flag's row in trainer.compose.render (``--tensor-model-parallel-size``
-# for ``tensor_model_parallel_size``), and tests/test_local_megatron.py shows each equal to that field after
-# parsing.
+# for ``tensor_model_parallel_size``; ``--train-iters`` from the run's steps), and tests/test_local_megatron.py
+# shows each equal to that field after parsing. The run's own choices that are no Megatron argument
+# (``launcher.profile_step``, ``launcher.transformer_impl``'s resolution) are read from the config.
 WORKER_ARGS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes", "seed",
     "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
+    "micro_batch_size", "global_batch_size", "seq_length", "lr_warmup_fraction", "train_iters", "num_experts",
+    "moe_router_freeze_gate", "freeze_e_score_correction_bias",
 )
 # Read from the config instead (``layout.use_distributed_optimizer``, ``optim.bf16``,
 # ``optim.accumulate_allreduce_grads_in_fp32``): the namespace does not keep them. miles 78527b91's
@@ -362,13 +366,12 @@ WORKER_ARGS = (
 CONFIG_NOT_ARGS = ("use_distributed_optimizer", "bf16", "accumulate_allreduce_grads_in_fp32")
 
 
-def megatron_args(cfg, argv, world: int):
+def megatron_args(argv, world: int):
     """Megatron-LM's argument namespace for ``argv`` (:func:`trainer.launch.megatron_args.megatron_argv`), made
     as miles 78527b91 makes it for its Megatron backend (``miles/utils/arguments.py`` ``parse_args``):
-    Megatron-LM's ``parse_args`` (flags only miles defines are skipped), the miles-only fields the model
-    reads set from the config (``moe_router_freeze_gate``, ``freeze_e_score_correction_bias``), miles'
-    ``set_default_megatron_args`` (padded vocabulary, rope type, DSA top-k backend), Megatron's
-    ``validate_args``. Raises whatever those raise (an ``AssertionError`` names the bad argument)."""
+    Megatron-LM's ``parse_args`` (flags only miles defines are skipped), miles' ``set_default_megatron_args``
+    (padded vocabulary, rope type, DSA top-k backend), Megatron's ``validate_args``. Raises whatever those raise
+    (an ``AssertionError`` names the bad argument)."""
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_args
     from miles.backends.megatron_utils.arguments import set_default_megatron_args
@@ -379,8 +382,6 @@ def megatron_args(cfg, argv, world: int):
         args = parse_args(ignore_unknown_args=True)
     finally:
         sys.argv = saved
-    args.moe_router_freeze_gate = cfg.optim.moe_router_freeze_gate
-    args.freeze_e_score_correction_bias = cfg.optim.freeze_e_score_correction_bias
     args.rank, args.world_size = int(os.environ["RANK"]), world
     args = set_default_megatron_args(args)
     validate_args(args)

@@ -36,6 +36,7 @@ CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = "config.yaml", "command.sh", "plan.js
 METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
 RUNTIME_ENV, SUBMIT = "runtime_env.json", "submit.sh"  # a Ray job's runtime environment and its submit command
 MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worker chose
+PROFILE = "profile-top-kernels.md"  # the GPU kernels of launcher.profile_step, by device time
 SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
 PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
 # argv.json: the miles argv of a plan or a cluster job, the first worker's command of a local run. The launchers
