@@ -14,6 +14,8 @@ directory (``outputs/DATE/TIME-tp2pp4ep8``) under one working directory; a run s
 - ``cold``: the same with an empty cache directory per run (``TRAINER_COMPOSE_CACHE``): Hydra composes the job
   and the reference layout, and the entries are written;
 - ``tty``: the warm run on a pseudo-terminal, where the summary is drawn with rich;
+- ``empty_app`` (for scale, not a goal): a ``@hydra.main`` app with a one-key config and an empty task,
+  Hydra's own cost of composing, making the run directory and writing ``.hydra/``;
 - ``before`` (with ``--before DIR``): the plan of another checkout (e.g. ``git worktree add DIR REV``), so that
   a change is measured against its base in the same run.
 
@@ -90,7 +92,7 @@ def main() -> int:
     env["PYTHONPATH"] = str(ROOT)
     baseline_cmd = [sys.executable, "-c", "import hydra, omegaconf"]
     plan_cmd = [sys.executable, "-m", "trainer.train", "layout=tp2pp4ep8"]
-    times: dict[str, list[float]] = {"baseline": [], "plan": [], "cold": [], "tty": []}
+    times: dict[str, list[float]] = {"baseline": [], "empty_app": [], "plan": [], "cold": [], "tty": []}
     last = [0]
     with tempfile.TemporaryDirectory() as scratch:
         cwd = os.path.join(scratch, "work")
@@ -98,6 +100,13 @@ def main() -> int:
         env["TRAINER_COMPOSE_CACHE"] = os.path.join(scratch, "cache")
         env["PYTHONPYCACHEPREFIX"] = os.path.join(scratch, "pycache")  # as bin/train has it; the baseline's too
         timed(baseline_cmd, cwd, env)
+        app = Path(scratch, "empty_app")
+        (app / "conf").mkdir(parents=True)
+        (app / "conf" / "app.yaml").write_text("a: 1\n")
+        (app / "app.py").write_text('import hydra\n\n\n@hydra.main(config_path="conf", config_name="app", '
+                                    'version_base="1.3")\ndef main(cfg):\n    pass\n\n\nmain()\n')
+        app_cmd = [sys.executable, str(app / "app.py")]
+        timed(app_cmd + [f"hydra.run.dir={scratch}/app-warm"], cwd, env)
         variants = {"plan": (env, False), "tty": (env, True)}
         if args.before:
             variants["before"] = (dict(env, PYTHONPATH=str(Path(args.before).absolute())), False)
@@ -106,6 +115,7 @@ def main() -> int:
             plan_run(plan_cmd, cwd, variant_env, last)
         for i in range(args.repeats):
             times["baseline"].append(timed(baseline_cmd, cwd, env))
+            times["empty_app"].append(timed(app_cmd + [f"hydra.run.dir={scratch}/app{i}"], cwd, env))
             for name, (variant_env, tty) in variants.items():
                 times[name].append(plan_run(plan_cmd, cwd, variant_env, last, tty))
             cold_env = dict(env, TRAINER_COMPOSE_CACHE=os.path.join(scratch, f"cold{i}"))
@@ -122,7 +132,7 @@ def main() -> int:
         print(json.dumps(result, indent=2))
         return 0
     command = f"python bench/plan_latency.py --repeats {args.repeats}" + (" --before BASE" if args.before else "")
-    cells = [f"{result[f'{n}_median_s']} s, {result[f'{n}_ratio']}x" for n in ("plan", "cold", "tty")]
+    cells = [f"{result[f'{n}_median_s']} s, {result[f'{n}_ratio']}x" for n in ("empty_app", "plan", "cold", "tty")]
     before = f"{result['before_median_s']} s, {result['before_ratio']}x" if args.before else ""
     print(f"| {result['date']} | {result['machine']} | `{command}` | {result['baseline_median_s']} s | "
           + " | ".join(cells) + f" | {before} |")
