@@ -113,7 +113,7 @@ def test_every_file_the_launcher_writes_is_hashed_in_the_record(tmp_path, image)
     result, run_dir = launch(tmp_path, image, None, "launcher.job=[python3,-c,pass]")
     assert result.returncode == 0, result.stderr
     hashes = json.loads((run_dir / "record.json").read_text())["files_sha256"]
-    assert {"sandbox.json", "argv.json", "probes/image.json", "logs/unpack.log", "logs/probe.log"} <= set(hashes)
+    assert {"sandbox.json", "argv.json", "job.json", "probes/image.json", "logs/unpack.log", "logs/probe.log"} <= set(hashes)
     for name, digest in hashes.items():
         assert hashlib.sha256((run_dir / name).read_bytes()).hexdigest() == digest, name
 

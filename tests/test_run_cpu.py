@@ -139,10 +139,12 @@ def test_record_says_what_ran(dp1):
     assert probe["components"]["transformers"] == transformers.__version__
     assert probe["components"]["megatron_core"] is None  # absent, not guessed
     assert record["data"]["manifest"]["rows_sha256"] == "6ceb4f6e949f5e183b4e5cc48187c1ad247edb3770d7d060de7d58d6fd5711f3"
-    for name in ("config.yaml", "argv.json", "env.json", "plan.json", "metrics.jsonl", "logs/rank-0.log"):
+    for name in ("config.yaml", "argv.json", "job.json", "env.json", "plan.json", "metrics.jsonl", "logs/rank-0.log"):
         assert (dp1 / name).is_file(), name
-    argv = json.loads((dp1 / "argv.json").read_text())
-    assert argv[1:3] == ["-m", "trainer.launch.cpu_worker"]
+    job = json.loads((dp1 / "job.json").read_text())  # what the launcher started: rank 0's worker
+    assert job[1:3] == ["-m", "trainer.launch.cpu_worker"]
+    argv = json.loads((dp1 / "argv.json").read_text())  # the run's miles launch, as for a plan
+    assert argv[:2] == ["python3", "train.py"] and "--micro-batch-size" in argv
 
 
 def test_secrets_are_redacted_everywhere(dp1):

@@ -54,6 +54,21 @@ class PreparedRun:
         """``launcher.name`` (``plan``, ``local-cpu``, ``slurm``, ...)."""
         return self.config.launcher.name
 
+    def record_fields(self) -> Dict[str, Any]:
+        """What every ``record.json`` of this run says about its composition: ``kind`` (``plan`` or ``run``), the
+        launcher, the overrides (secrets redacted), the chosen options, the resolved stack pins and the
+        launcher lock's path."""
+        from trainer.redact import redact_argv
+
+        return dict(
+            kind="plan" if self.launcher == "plan" else "run",
+            launcher=self.launcher,
+            overrides=redact_argv(list(self.overrides)),
+            choices=self.choices,
+            stack=OmegaConf.to_container(self.cfg.stack, resolve=True),
+            lock={"path": "lockfiles/launcher.lock"},
+        )
+
 
 def reference_overrides(overrides: Sequence[str], reference_layout: str) -> List[str]:
     """The overrides of the reference composition: the job's, less those that choose or change the layout or the

@@ -16,6 +16,7 @@ A run directory is what ``train`` writes (``hydra.run.dir=DIR``) plus, once the 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
@@ -29,6 +30,7 @@ from trainer.inputs import read_json, read_yaml
 from trainer.publish import atomic_write
 
 if TYPE_CHECKING:
+    from trainer.compose.prepare import PreparedRun
     from trainer.report.metrics import Step
 
 # The files of a run directory (the names readers, reports and tests know).
@@ -39,8 +41,10 @@ MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worke
 PROFILE = "profile-top-kernels.md"  # the GPU kernels of launcher.profile_step, by device time
 SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
 PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
-# argv.json: the miles argv of a plan or a cluster job, the first worker's command of a local run. The launchers
-# write through RunDir (hashed as written); the files the workers write are hashed once the launch has handed back.
+JOB = "job.json"  # the command an executed run's launcher started (a worker, torchrun, launcher.job, a cluster job)
+# argv.json is the miles argv of every run (the launch rendered, executed or not); job.json what a launcher ran.
+# The launchers write through RunDir (hashed as written); the files the workers write are hashed once the launch
+# has handed back.
 WORKER_FILES = (METRICS,)
 
 
@@ -103,6 +107,56 @@ class RunDir:
                  for name in names if (self.path / name).is_file()}
         self.hashes.update(found)
         return found
+
+    def write_plan(self, prepared: "PreparedRun") -> None:
+        """The files every run starts with, before anything is launched: ``config.yaml`` (the resolved
+        composition), ``command.sh`` (the launch as bash), ``plan.json``, ``argv.json`` (the miles argv) and
+        ``env.json`` (its environment, secret values redacted; a local launcher writes its processes' own)."""
+        from trainer.redact import redact_env
+
+        self.write(CONFIG, OmegaConf.to_yaml(prepared.cfg, resolve=True).encode())
+        self.write(COMMAND, prepared.launch.shell_script().encode(), mode=0o777)
+        self.write_json(PLAN, prepared.plan)
+        self.write_json(ARGV, prepared.launch.argv)
+        self.write_json(ENV, redact_env(prepared.launch.env))
+
+    def begin(self, status: str, fields: Dict[str, Any]) -> Dict[str, Any]:
+        """The run's first record, saved: ``planned`` (a plan) or ``running`` (this process's pid, the start time
+        in ``started_utc``), with ``fields`` (:meth:`trainer.compose.prepare.PreparedRun.record_fields`) and the
+        hashes of the files written so far."""
+        from trainer.record.record import launcher_record
+
+        assert status in (PLANNED, RUNNING), status
+        extra = {"pid": os.getpid()} if status == RUNNING else {}
+        record = launcher_record(status, files_sha256=self.hashes, **extra, **fields)
+        if status == RUNNING:
+            record["started_utc"] = record["created_utc"]  # job start (a local run has no scheduler admission)
+        self.save_record(record)
+        return record
+
+    def seal(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
+        """Attest the ended run (``attestation.json``, signed by ``signer`` when given:
+        :func:`trainer.record.attest.attest_run`) and save ``record``; returns it."""
+        from trainer.record.attest import attest_run
+
+        attest_run(self.path, record, signer)
+        self.save_record(record)
+        return record
+
+    def finish(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
+        """The record of a launch that handed back, completed and saved: what others wrote into the directory
+        redacted (:func:`trainer.redact.resweep`) and hashed (:data:`WORKER_FILES`), :meth:`hand_back`, and
+        :meth:`seal` unless the run was handed off to a scheduler (its job ends it)."""
+        from trainer.redact import resweep
+
+        handed_off = record["status"] in HANDED_OFF  # as the launcher says: a submitted job may have moved on since
+        resweep(self.path)
+        self.hash_written()
+        record = self.hand_back(record)
+        if handed_off:
+            self.save_record(record)
+            return record
+        return self.seal(record, signer)
 
     def load_record(self) -> Optional[Dict[str, Any]]:
         """``record.json`` as it is on disk (:func:`load_record`), or None."""

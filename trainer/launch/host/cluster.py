@@ -1,8 +1,8 @@
 """What the cluster launchers (``slurm``, ``ray``, ``local-image``) share: the image reference, the job's argv and
 environment.
 
-The job is the plan's miles launch (:func:`trainer.compose.render.render`: ``argv.json`` and ``env.json``, the same
-as ``command.sh``) unless ``launcher.job`` names another command (a probe-only or smoke job). ``$VAR``
+The job (``job.json``) is the plan's miles launch (:func:`trainer.compose.render.render`: ``argv.json`` and
+``env.json``, the same as ``command.sh``) unless ``launcher.job`` names another command (a probe-only or smoke job). ``$VAR``
 references in argv and env stay symbolic here and are expanded on the cluster (by ``trainer.launch.ray_entry``),
 as the recipe's ``command.sh`` has bash do it.
 """
@@ -13,7 +13,7 @@ import re
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from trainer.errors import CheckError
-from trainer.record.rundir import ARGV, ENV, RunDir
+from trainer.record.rundir import ENV, JOB, RunDir
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
 
@@ -44,8 +44,9 @@ def job(prepared: "PreparedRun") -> Tuple[List[str], Dict[str, str]]:
 
 
 def write_job(rundir: RunDir, argv: List[str], env: Dict[str, str]) -> None:
-    """Write ``argv.json`` and ``env.json`` (the job as submitted) into ``rundir`` (hashed there)."""
-    rundir.write_json(ARGV, argv)
+    """Write ``job.json`` (the command the job runs: ``launcher.job`` or the miles argv) and ``env.json`` (its
+    environment) into ``rundir`` (hashed there)."""
+    rundir.write_json(JOB, argv)
     rundir.write_json(ENV, env)
 
 

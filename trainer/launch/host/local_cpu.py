@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import ARGV, ENV, LOGS, RunDir
+from trainer.record.rundir import ENV, JOB, LOGS, RunDir
 from trainer.redact import redact_env
 from trainer.compose.schema import TrainConfig
 
@@ -93,7 +93,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     """Run the job; return ``record`` updated with ``status``, ``reason``, ``returncodes`` and ``probe``.
 
     ``record`` is the run record so far (written by the caller as ``running``); this function writes
-    ``argv.json`` (rank 0's command) and ``env.json`` (redacted) first.
+    ``job.json`` (rank 0's command) and ``env.json`` (its processes' environment, redacted) first.
     """
     cfg, par = prepared.config, prepared.par
     run_dir = rundir.path
@@ -113,7 +113,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         [sys.executable, "-m", "trainer.launch.cpu_worker", str(run_dir), str(rank), str(world), str(rows_dir)]
         for rank in range(world)
     ]
-    rundir.write_json(ARGV, commands[0])
+    rundir.write_json(JOB, commands[0])
     rundir.write_json(ENV, redact_env(env))
     outcome = supervise(commands, env, run_dir / LOGS)
     (run_dir / ".rendezvous").unlink(missing_ok=True)

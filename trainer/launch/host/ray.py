@@ -1,8 +1,8 @@
 """``launcher=ray``: submit the run to an existing Ray cluster with ``ray job submit``, wait, collect.
 
 ``launcher.address`` is the cluster's job submission address (the dashboard, ``http://HEAD:8265``). The job
-is the plan's miles launch (``argv.json``/``env.json``, as ``command.sh``) or ``launcher.job``; its runtime env
-(``runtime_env.json`` in the run directory) carries
+(``job.json``) is the plan's miles launch (``argv.json``/``env.json``, as ``command.sh``) or ``launcher.job``; its
+runtime env (``runtime_env.json`` in the run directory) carries
 
 * ``env_vars``: the recipe's environment (NCCL/EFA variables, ``CUDA_DEVICE_MAX_CONNECTIONS``, kernel
   caches; ``$VAR`` references expanded on the cluster), ``RECIPE_BUNDLE_ENV_NAMES`` (their names) and

@@ -12,7 +12,7 @@ environment, for clusters without pyxis and for the tests here):
    (:mod:`trainer.launch.preflight`: image digest and stamp, NCCL and its net plugin, driver, GPU count);
    any difference stops the job before training with the table in ``logs/preflight.log``;
 3. starts one Ray head on the first node and a Ray worker on each other node (``ray start --block``);
-4. submits the job (the plan's miles launch, exactly ``argv.json``/``env.json`` = ``command.sh``, or
+4. submits the job (``job.json``: the plan's miles launch, exactly ``argv.json``/``env.json`` = ``command.sh``, or
    ``launcher.job``) with ``ray job submit`` through :mod:`trainer.launch.ray_entry` (which waits for every
    node to join, probes them again through Ray and compares, then runs the job); its log is ``logs/job.log``;
 5. gathers each node's Ray logs into ``logs/ray/<node>/``, stops Ray, and records ``complete`` or ``failed``
@@ -158,7 +158,7 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
         "# the recipe's environment (env.json; the same lines as command.sh)",
         *(f"export {k}={shell_word(v)}" for k, v in env.items()),
         "",
-        "# the job (argv.json; the same command as command.sh)",
+        "# the job (job.json; the same command as command.sh unless launcher.job names another)",
         "ARGV=(",
         *("  " + words for words in argv_words(argv)),
         ")",
@@ -251,7 +251,7 @@ def _sbatch_error(text: str) -> str:
 
 
 def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Write ``sbatch.sh`` (and ``argv.json``/``env.json``); with ``launcher.submit`` submit it.
+    """Write ``sbatch.sh`` (and ``job.json``/``env.json``); with ``launcher.submit`` submit it.
 
     Returns the record ``rendered`` once the script is written, ``submitted`` (with ``slurm.job_id``) once Slurm
     accepts it (``train`` then exits 0: the run now belongs to Slurm; ``trainer status RUN_DIR`` follows it), or
