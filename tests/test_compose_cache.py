@@ -60,9 +60,6 @@ def test_a_cached_composition_is_the_composition_hydra_makes(tmp_path, monkeypat
         fresh = composer.compose(wanted, hydra_node=hydra_node)
     assert hydra_calls == [wanted, wanted]
     for cfg in (first, second):
-        if hydra_node:  # the time ${now:...} was resolved at is the composition's own
-            OmegaConf.clear_cache(cfg)
-            OmegaConf.clear_cache(fresh)
         assert fingerprint(cfg) == fingerprint(fresh)
     if hydra_node:
         assert second.hydra.runtime.choices == fresh.hydra.runtime.choices
@@ -131,10 +128,112 @@ def test_the_oldest_entries_go_first(tmp_path, monkeypatch):
         for layout in ("tp2pp4ep8", "tp8pp8ep8", "gpu8-tp2pp2ep4"):
             composer.compose([f"layout={layout}"])
             time.sleep(0.01)
-    kept = entries(tmp_path / "cache")
-    assert len(kept) == 2
-    newest = composer.cache.key_of(["layout=gpu8-tp2pp2ep4"], False) + cache_module.SUFFIX
-    assert newest in {p.name for p in kept}
+    kept = {p.name for p in entries(tmp_path / "cache")}
+    assert kept == {composer.cache.key_of([f"layout={layout}"], False) + cache_module.SUFFIX
+                    for layout in ("tp8pp8ep8", "gpu8-tp2pp2ep4")}  # the oldest, tp2pp4ep8, went
+
+
+def test_the_key_covers_the_working_directory_the_schema_and_the_python_path(tmp_path, monkeypatch):
+    """Promise: an entry made in another working directory, with another schema module or another import path is
+    another key (Hydra records the working directory; the schema types every node; the path picks the libraries)."""
+    conf, schema_file = REPO_ROOT / "conf", tmp_path / "schema.py"
+    schema_file.write_bytes((REPO_ROOT / "trainer" / "compose" / "schema.py").read_bytes())
+
+    def key():
+        return cache_module.CompositionCache(tmp_path, conf, "train", schema_file).key_of(["layout=tp8pp8ep8"], False)
+
+    base = key()
+    assert key() == base
+    monkeypatch.chdir(tmp_path)
+    moved = key()
+    schema_file.write_bytes(schema_file.read_bytes() + b"\n# another schema\n")
+    reschema = key()
+    monkeypatch.syspath_prepend(str(tmp_path / "elsewhere"))
+    repath = key()
+    assert len({base, moved, reschema, repath}) == 4
+
+
+def test_a_config_directory_reached_through_a_link_is_in_the_key(tmp_path, monkeypatch, hydra_calls):
+    """Promise: Hydra follows a linked directory of the tree; so does the key, and an edit there is read."""
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    conf, layouts = tmp_path / "conf", tmp_path / "layouts"
+    shutil.copytree(REPO_ROOT / "conf", conf, ignore=shutil.ignore_patterns("layout"))
+    shutil.copytree(REPO_ROOT / "conf" / "layout", layouts)
+    (conf / "layout").symlink_to(layouts)
+    path = layouts / "tp8pp8ep8.yaml"
+    for mbs in (1, 2):
+        path.write_text(path.read_text().replace(f"micro_batch_size: {3 - mbs}", f"micro_batch_size: {mbs}"))
+        with session(conf) as composer:
+            assert composer.compose(["layout=tp8pp8ep8"]).layout.micro_batch_size == mbs
+    assert len(hydra_calls) == 2
+
+
+def test_what_the_key_cannot_cover_is_composed_by_hydra_every_time(tmp_path, monkeypatch, hydra_calls):
+    """Promise: a composition that read another config directory (``hydra.searchpath``), copies environment
+    variables into the job (``hydra.job.env_copy``) or holds a secret value is never stored: the next run composes
+    it again and sees the change."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
+    extra = tmp_path / "extra" / "layout"
+    extra.mkdir(parents=True)
+    mine = extra / "mine.yaml"
+    mine.write_text((REPO_ROOT / "conf" / "layout" / "tp8pp8ep8.yaml").read_text())
+    searched = [f"hydra.searchpath=[file://{tmp_path / 'extra'}]", "layout=mine", "hydra.mode=RUN"]
+    for mbs in (1, 2):
+        mine.write_text(mine.read_text().replace(f"micro_batch_size: {3 - mbs}", f"micro_batch_size: {mbs}"))
+        with session() as composer:
+            assert composer.compose(searched, hydra_node=True).layout.micro_batch_size == mbs
+    copied = ["hydra.job.env_copy=[FOO]", "hydra.mode=RUN"]
+    for value in ("a", "b"):
+        monkeypatch.setenv("FOO", value)
+        with session() as composer:
+            assert composer.compose(copied, hydra_node=True).hydra.job.env_set.FOO == value
+    secret = ["+env.HF_TOKEN=hf_0123456789abcdefghij"]
+    with session() as composer:
+        composer.compose(secret)
+        composer.compose(secret, hydra_node=True)
+    assert entries(root) == [] and len(hydra_calls) == 6
+    assert not any(b"hf_0123456789" in p.read_bytes() for p in root.rglob("*") if p.is_file())
+
+
+def test_entries_are_this_users_alone(tmp_path, monkeypatch, hydra_calls):
+    """Promise: the directory is 0700 and entries 0600; an entry others may write is not read (composed again)."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
+    with session() as composer:
+        composer.compose([])
+    (entry,) = entries(root)
+    assert (root.stat().st_mode & 0o777, entry.stat().st_mode & 0o777) == (0o700, 0o600)
+    entry.chmod(0o620)
+    with session() as composer:
+        composer.compose([])
+    assert len(hydra_calls) == 2 and entry.stat().st_mode & 0o777 == 0o600  # written again
+
+
+def test_an_unwritable_cache_is_no_cache(tmp_path, monkeypatch, hydra_calls):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(blocker / "cache"))
+    for _ in range(2):
+        with session() as composer:
+            assert composer.compose(["layout=tp8pp8ep8"]).layout.tensor_model_parallel_size == 8
+    assert len(hydra_calls) == 2
+
+
+def test_a_hit_sets_up_hydra_as_its_initialisation_would(tmp_path, monkeypatch, hydra_calls):
+    """Promise: with every composition from the cache, Hydra's version base is 1.3 and its ``now`` resolver is
+    there, as after ``initialize_config_dir(version_base="1.3")``."""
+    from hydra import version
+
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    with session() as composer:
+        composer.compose(["hydra.mode=RUN"], hydra_node=True)
+    version.setbase(None)  # as in a fresh process
+    with session() as composer:
+        cfg = composer.compose(["hydra.mode=RUN"], hydra_node=True)
+        assert len(hydra_calls) == 1 and composer.config_loader is None
+        assert version.base_at_least("1.3")
+        assert OmegaConf.select(cfg, "hydra.run.dir").startswith("outputs/20")
 
 
 def test_train_from_the_cache_writes_the_same_run(tmp_path):

@@ -246,6 +246,12 @@ def test_what_the_worker_reads_from_megatron_args_equals_the_config_field(megatr
     assert {n: getattr(args, n) for n in CONFIG_NOT_ARGS} == {n: _field(cfg, n) for n in CONFIG_NOT_ARGS}
 
 
+def test_the_router_freeze_flags_parse_off_when_the_config_turns_them_off(megatron_parser):
+    cfg, args = megatron_parser("experiment=proxy-h200", "optim.moe_router_freeze_gate=false",
+                                "optim.freeze_e_score_correction_bias=false")
+    assert (args.moe_router_freeze_gate, args.freeze_e_score_correction_bias) == (False, False)
+
+
 def test_miles_and_megatron_overwrite_the_fields_the_worker_keeps_from_the_config(megatron_parser):
     from trainer.launch.megatron_worker import CONFIG_NOT_ARGS
 

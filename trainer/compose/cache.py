@@ -1,21 +1,26 @@
 """A content-addressed cache of Hydra compositions, so that composing a run again costs a file read.
 
-A composition of ``conf/train.yaml`` is a pure function of its inputs: the files of the config tree, the
-structured schema registered beside it (:mod:`trainer.compose.schema`), the overrides, the Hydra and
-OmegaConf versions, the Python environment they are imported from (``sys.path``), the working directory
-(Hydra records it as ``hydra.runtime.cwd``) and whether Hydra's own ``hydra`` node is kept. :func:`key_of`
-hashes all of them (sha256); an entry is the pickled, unresolved ``DictConfig`` Hydra returned, written
-atomically under that key with the sha256 of its payload in front, and verified on every read: an entry
-that does not match its hash, or that does not unpickle, is a miss and is written again. Only compositions
-that succeeded are stored; a bad override always meets Hydra itself, so its error line is Hydra's.
+An entry is keyed (sha256) by every input the composition read that the bundle can name: the files of the
+config tree (symbolic links followed, as Hydra follows them), the structured schema registered beside it
+(:mod:`trainer.compose.schema`), the overrides, the Hydra and OmegaConf versions, the Python environment they are
+imported from (``sys.executable``, ``sys.path``), the working directory (Hydra records it as
+``hydra.runtime.cwd``) and whether Hydra's own ``hydra`` node is kept. A composition that read anything else is
+not stored (:func:`cacheable`): config sources beyond the tree and Hydra's own package (``hydra.searchpath``),
+environment variables copied into the job (``hydra.job.env_copy``), secret values (learned from the overrides by
+:class:`trainer.redact.Redactor`, or found by its patterns); nor one whose tree changed while Hydra composed it.
+Only compositions that succeeded are stored; a bad override always meets Hydra itself, so its error line is
+Hydra's.
 
-Interpolations stay unresolved in an entry (``${now:...}``, ``${oc.env:...}``, ``${layout.name}``), and what a
-caching resolver remembered when Hydra composed it (the time of ``${now:...}``) is dropped on reading: they
-are resolved when the run reads them, as for a fresh composition.
+An entry is the pickled, unresolved ``DictConfig`` Hydra returned, the sha256 of that payload in front, written
+atomically (mode 0600, the directory 0700). Reading verifies the hash, and reads only entries the current user
+owns that no one else may write: anything else (absent, damaged, foreign, not unpickling) is a miss and is
+composed and written again. Interpolations stay unresolved (``${now:...}``, ``${oc.env:...}``,
+``${layout.name}``), and what a caching resolver remembered while Hydra composed (the time of ``${now:...}``) is
+left out of the entry: both are resolved when the run reads them, as for a fresh composition.
 
 Location: ``$TRAINER_COMPOSE_CACHE`` if set (``off`` disables the cache), else
-``$XDG_CACHE_HOME/recipe-bundle/compose`` (``~/.cache`` without XDG_CACHE_HOME). At most
-:data:`MAX_ENTRIES` entries are kept; the least recently written go first.
+``$XDG_CACHE_HOME/recipe-bundle/compose`` (``~/.cache`` without XDG_CACHE_HOME). At most :data:`MAX_ENTRIES`
+entries are kept; the least recently written go first.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pickle
+import stat
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -30,7 +36,7 @@ from typing import Optional, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 # Changing how entries are keyed or laid out changes this, so that old entries are never read as new ones.
-FORMAT = b"recipe-bundle compose cache 1\n"
+FORMAT = b"recipe-bundle compose cache 2\n"
 MAX_ENTRIES = 512
 SUFFIX = ".composition"
 
@@ -47,24 +53,50 @@ def default_root() -> Optional[Path]:
 
 
 def tree_digest(conf_dir: Path, schema_file: Path) -> bytes:
-    """sha256 over every file of ``conf_dir`` (relative path and bytes, in sorted order) and the schema
-    module's source ``schema_file``: what a composition reads from disk."""
+    """sha256 over every file of ``conf_dir`` (relative path and bytes, in sorted order; directories reached
+    through symbolic links included) and the schema module's source ``schema_file``: what a composition reads
+    from disk. Raises ``OSError`` for a file that cannot be read."""
     digest = hashlib.sha256()
-    files = sorted(p for p in Path(conf_dir).rglob("*") if p.is_file() and "__pycache__" not in p.parts)
-    for path in [*files, Path(schema_file)]:
-        data = path.read_bytes()
-        name = str(path.relative_to(conf_dir)) if path in files else f"<schema>/{path.name}"
-        digest.update(f"{name}\0{len(data)}\0".encode())
+    files = []
+    for top, dirs, names in os.walk(conf_dir, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        files += [os.path.join(top, name) for name in names]
+    for path in sorted(files):
+        data = Path(path).read_bytes()
+        digest.update(f"{os.path.relpath(path, conf_dir)}\0{len(data)}\0".encode())
         digest.update(data)
+    data = Path(schema_file).read_bytes()
+    digest.update(f"<schema>\0{len(data)}\0".encode() + data)
     return digest.digest()
+
+
+def cacheable(composed: DictConfig, conf_dir: Path, overrides: Sequence[str]) -> bool:
+    """Whether a composition made with its ``hydra`` node read nothing the key leaves out: its config sources
+    are the tree ``conf_dir``, Hydra's own package and the structured configs; it copies no environment variable
+    into the job (``hydra.job.env_copy``); neither the overrides nor the composition carry a secret value."""
+    from trainer.redact import Redactor
+
+    hydra_node = composed.hydra
+    if list(hydra_node.job.env_copy):
+        return False
+    for source in hydra_node.runtime.config_sources:
+        kind = (source.schema, source.provider)
+        if kind == ("file", "main") and os.path.abspath(source.path) == os.path.abspath(conf_dir):
+            continue
+        if kind in (("pkg", "hydra"), ("structured", "schema")):
+            continue
+        return False
+    redactor = Redactor().learn_overrides(overrides)
+    text = OmegaConf.to_yaml(composed)
+    return not redactor.known and redactor.scrub(text) == text
 
 
 class CompositionCache:
     """Compositions of one config tree (``conf_dir``, ``config_name``) stored under ``root``.
 
     ``get`` and ``put`` take the overrides exactly as given to Hydra's ``compose`` and the ``hydra_node`` flag
-    (``return_hydra_config``); neither raises on a damaged or unwritable cache: it is then a miss, or not
-    stored.
+    (``return_hydra_config``); neither raises on a damaged, foreign or unwritable cache: it is then a miss, or
+    not stored. Raises ``OSError`` when the tree cannot be read (:func:`tree_digest`).
     """
 
     def __init__(self, root: Path, conf_dir: Path, config_name: str, schema_file: Path) -> None:
@@ -72,11 +104,13 @@ class CompositionCache:
         import omegaconf
 
         self.root = Path(root)
+        self.conf_dir, self.schema_file = Path(conf_dir), Path(schema_file)
+        self.tree = tree_digest(conf_dir, schema_file)
         head = hashlib.sha256(FORMAT)
         for part in (hydra.__version__, omegaconf.__version__, sys.version, sys.executable, *sys.path,
                      os.path.abspath(conf_dir), config_name, os.getcwd()):
             head.update(part.encode() + b"\0")
-        head.update(tree_digest(conf_dir, schema_file))
+        head.update(self.tree)
         self._head = head
 
     def key_of(self, overrides: Sequence[str], hydra_node: bool) -> str:
@@ -88,33 +122,49 @@ class CompositionCache:
         return digest.hexdigest()
 
     def get(self, overrides: Sequence[str], hydra_node: bool) -> Optional[DictConfig]:
-        """The stored composition, verified against its hash; None on a miss (absent, damaged, unreadable)."""
+        """The stored composition, verified against its hash; None on a miss (absent, damaged, unreadable, or
+        a file another user owns or may write)."""
         path = self.root / (self.key_of(overrides, hydra_node) + SUFFIX)
         try:
-            blob = path.read_bytes()
+            with open(path, "rb") as handle:
+                info = os.fstat(handle.fileno())
+                if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                    return None
+                blob = handle.read()
         except OSError:
             return None
         expected, _, payload = blob.partition(b"\n")
         if hashlib.sha256(payload).hexdigest().encode() != expected:
             return None
         try:
-            cfg = pickle.loads(payload)  # noqa: S301 - our own entry, verified against its hash above
+            cfg = pickle.loads(payload)  # noqa: S301 - this user's own entry, verified against its hash above
         except Exception:  # noqa: BLE001 - an entry written by other library versions is a miss
             return None
         if not isinstance(cfg, DictConfig):
             return None
-        OmegaConf.clear_cache(cfg)  # values resolvers cached when Hydra composed it (``${now:...}``) are not kept
+        OmegaConf.clear_cache(cfg)
         return cfg
 
     def put(self, overrides: Sequence[str], hydra_node: bool, cfg: DictConfig) -> None:
-        """Store ``cfg`` (atomically: a reader sees the whole entry or none); a cache that cannot be written is
-        left as it is."""
+        """Store ``cfg`` atomically (a reader sees the whole entry or none), without what resolvers remembered
+        while Hydra composed it; nothing is stored when the tree changed since this cache read it. A cache that
+        cannot be written is left as it is."""
         from trainer.publish import atomic_file
 
-        payload = pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
+        remembered = OmegaConf.get_cache(cfg)
+        OmegaConf.clear_cache(cfg)
+        try:
+            payload = pickle.dumps(cfg, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - a value that does not pickle: not stored
+            return
+        finally:
+            OmegaConf.set_cache(cfg, remembered)
         path = self.root / (self.key_of(overrides, hydra_node) + SUFFIX)
         try:
-            with atomic_file(path, 0o644) as handle:
+            if tree_digest(self.conf_dir, self.schema_file) != self.tree:  # edited while Hydra read it
+                return
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            with atomic_file(path, 0o600) as handle:
                 handle.write(hashlib.sha256(payload).hexdigest().encode() + b"\n" + payload)
             self._prune()
         except OSError:
