@@ -18,7 +18,7 @@ composed and written again. Interpolations stay unresolved (``${now:...}``, ``${
 ``${layout.name}``), and what a caching resolver remembered while Hydra composed (the time of ``${now:...}``) is
 left out of the entry: both are resolved when the run reads them, as for a fresh composition.
 
-Location: ``$TRAINER_COMPOSE_CACHE`` if set (``off`` disables the cache), else
+Location: ``$TRAINER_COMPOSE_CACHE`` if set (``off``, ``0``, ``no`` or ``false``, in any case, turn it off), else
 ``$XDG_CACHE_HOME/recipe-bundle/compose`` (``~/.cache`` without XDG_CACHE_HOME). At most :data:`MAX_ENTRIES`
 entries are kept; the least recently written go first.
 """
@@ -39,15 +39,16 @@ from omegaconf import DictConfig, OmegaConf
 FORMAT = b"recipe-bundle compose cache 2\n"
 MAX_ENTRIES = 512
 SUFFIX = ".composition"
+OFF = ("off", "0", "no", "false")  # values of TRAINER_COMPOSE_CACHE that turn the cache off (any case)
 
 
 def default_root() -> Optional[Path]:
     """The cache directory (see the module docstring), or None when ``TRAINER_COMPOSE_CACHE=off``."""
-    chosen = os.environ.get("TRAINER_COMPOSE_CACHE")
-    if chosen == "off":
+    chosen = os.environ.get("TRAINER_COMPOSE_CACHE", "")
+    if chosen.lower() in OFF:
         return None
     if chosen:
-        return Path(chosen)
+        return Path(chosen).absolute()
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "recipe-bundle" / "compose"
 

@@ -62,7 +62,7 @@ def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None)
     console = console or Console()
     head = Table(title=rows["title"], show_header=False)
     head.add_column("what", style="bold")
-    head.add_column("value")
+    head.add_column("value", overflow="fold")  # a long run directory wraps whole, never cut to "..."
     for label, value, style in rows["head"]:
         head.add_row(label, f"[{style}]{value}" if style else value)
     console.print(head)
@@ -73,7 +73,7 @@ def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None)
         stages.add_row(*row)
     console.print(stages)
     for style, text in rows["lines"]:
-        console.print(f"[{style}]{text}" if style else text)
+        console.print(f"[{style}]{text}" if style else text, highlight=False, overflow="fold")
 
 
 def plain_summary(rows: Dict[str, Any]) -> str:
