@@ -119,6 +119,19 @@ def test_no_secret_reaches_any_file_of_a_run_directory(secret_run, case):
     assert secret not in result.stdout + result.stderr
 
 
+def test_no_secret_reaches_any_file_of_a_multirun(tmp_path):
+    """Promise: in a multirun, neither the jobs' directories nor Hydra's record of the sweep (multirun.yaml) keep a
+    secret given on the command line."""
+    sweep_dir = tmp_path / "sweep"
+    overrides = [o for o, _ in SECRETS.values()]
+    result = run_train(["-m", f"hydra.sweep.dir={sweep_dir}", "layout=tp2pp4ep8,tp8pp8ep8", *overrides], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    files = [p for p in sweep_dir.rglob("*") if p.is_file()]
+    assert "multirun.yaml" in {p.name for p in files} and len(list(sweep_dir.glob("*/plan.json"))) == 2
+    leaks = [(str(p.relative_to(sweep_dir)), s) for p in files for _, s in SECRETS.values() if s.encode() in p.read_bytes()]
+    assert leaks == []
+
+
 def test_the_redacted_run_stays_consistent(secret_run):
     """Promise: redaction keeps the run usable: command.sh takes secrets from the caller's environment and
     record.json's hashes are those of the files as written."""

@@ -66,7 +66,7 @@ def test_unreachable_cluster(tmp_path):
     assert result.returncode == 1
     assert record["status"] == "failed"
     assert record["reason"] == f"launcher.address {address}: Ray cluster unreachable (Connection refused)"
-    assert json.loads((run_dir / "job.json").read_text()) == ["python3", "-c", "pass"]  # launcher.job
+    assert json.loads((run_dir / "job.json").read_text())["argv"] == ["python3", "-c", "pass"]  # launcher.job
     assert json.loads((run_dir / "argv.json").read_text())[:2] == ["python3", "train.py"]  # the miles launch
 
 

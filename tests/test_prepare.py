@@ -149,3 +149,45 @@ def test_the_smoke_source_command_makes_the_pinned_source(tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))
+
+
+def test_run_dir_begins_with_the_launch_and_hashes_what_is_on_disk(tmp_path):
+    """Promise: every run starts with the miles launch written (argv.json, env.json = command.sh) and a record
+    whose hashes are those of the files on disk; a job.json an earlier run left is removed; job.json is what a
+    launcher runs, written through RunDir.write_job with secret values redacted."""
+    import hashlib
+
+    from trainer.record.rundir import JOB, PLANNED
+
+    prepared = prepare(["layout=tp8pp8ep8"])
+    (tmp_path / JOB).write_text("{}")
+    rundir = RunDir(tmp_path)
+    rundir.write_plan(prepared)
+    assert not (tmp_path / JOB).exists()
+    record = rundir.begin(PLANNED, prepared.record_fields())
+    assert json.loads((tmp_path / "argv.json").read_text()) == prepared.launch.argv
+    assert set(record["files_sha256"]) == {"config.yaml", "command.sh", "plan.json", "argv.json", "env.json"}
+    for name, digest in record["files_sha256"].items():
+        assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest, name
+    assert (record["status"], record["kind"], record["launcher"], record["choices"]["layout"]) == \
+        (PLANNED, "plan", "plan", "tp8pp8ep8")
+    rundir.write_job(["python3", "-c", "pass"], {"HF_TOKEN": "hf_secret_value", "A": "1"})
+    assert json.loads((tmp_path / JOB).read_text()) == {"argv": ["python3", "-c", "pass"],
+                                                         "env": {"A": "1", "HF_TOKEN": "<redacted>"}}
+
+
+def test_run_dir_finish_attests_an_ended_run_and_not_a_handed_off_one(tmp_path):
+    from trainer.record.rundir import RENDERED, RUNNING
+
+    prepared = prepare(["launcher=local-cpu", "experiment=smoke"])
+    for name, status in (("ended", COMPLETE), ("handed-off", RENDERED)):
+        rundir = RunDir(tmp_path / name)
+        rundir.path.mkdir()
+        rundir.write_plan(prepared)
+        record = rundir.begin(RUNNING, prepared.record_fields())
+        record = rundir.end(record, status) if status == COMPLETE else rundir.hand_off(record, status, "rendered")
+        record = rundir.finish(record)
+        on_disk = json.loads((rundir.path / RECORD).read_text())
+        assert on_disk["status"] == status and ("attestation" in on_disk) == (status == COMPLETE), name
+        assert (rundir.path / "attestation.json").exists() == (status == COMPLETE)
+        assert ("finished_utc" in on_disk, "pid" in on_disk) == ((True, True) if status == COMPLETE else (False, False))

@@ -100,7 +100,7 @@ def test_a_run_with_a_read_only_home_completes(dp1):
     # run used one in its own directory, said so, and wrote nothing into HOME
     home = dp1.parent / "home"
     assert json.loads((dp1 / "record.json").read_text())["status"] == "complete"
-    env = json.loads((dp1 / "env.json").read_text())
+    env = json.loads((dp1 / "job.json").read_text())["env"]  # the environment the workers got
     assert env["HOME"] == str(home) and "XDG_CACHE_HOME" not in env
     assert env["KERNEL_CACHE"] == str(dp1 / "kernels") and env["TORCHINDUCTOR_CACHE_DIR"] == str(dp1 / "kernels/inductor")
     expected = f"kernel cache {home}/.cache/recipe-bundle/kernels not writable (Read-only file system); using {dp1}/kernels"
@@ -142,13 +142,13 @@ def test_record_says_what_ran(dp1):
     for name in ("config.yaml", "argv.json", "job.json", "env.json", "plan.json", "metrics.jsonl", "logs/rank-0.log"):
         assert (dp1 / name).is_file(), name
     job = json.loads((dp1 / "job.json").read_text())  # what the launcher started: rank 0's worker
-    assert job[1:3] == ["-m", "trainer.launch.cpu_worker"]
+    assert job["argv"][1:3] == ["-m", "trainer.launch.cpu_worker"]
     argv = json.loads((dp1 / "argv.json").read_text())  # the run's miles launch, as for a plan
     assert argv[:2] == ["python3", "train.py"] and "--micro-batch-size" in argv
 
 
 def test_secrets_are_redacted_everywhere(dp1):
-    env = json.loads((dp1 / "env.json").read_text())
+    env = json.loads((dp1 / "job.json").read_text())["env"]  # the workers' (env.json: the miles launch's, no secret)
     assert env["HF_TOKEN"] == "<redacted>" and env["MY_API_KEY"] == "<redacted>"
     assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"  # the recipe's env reached the workers
     assert env["TRITON_CACHE_DIR"] == env["KERNEL_CACHE"] + "/triton"  # expanded as the recipe's shell would

@@ -173,20 +173,25 @@ SWEEP_MAX_BYTES = 256 << 20
 
 def sweep(directory: Path, redactor: Redactor) -> List[str]:
     """Pass every regular file under ``directory`` (not following links) through ``redactor``; rewrite the files
-    that changed (atomically, keeping their mode). Returns their paths relative to ``directory``, sorted."""
+    that changed (atomically, keeping their mode: :func:`scrub_file`). Returns their paths relative to
+    ``directory``, sorted."""
+    directory = Path(directory)
+    return [str(path.relative_to(directory)) for path in sorted(directory.rglob("*")) if scrub_file(path, redactor)]
+
+
+def scrub_file(path: Path, redactor: Redactor) -> bool:
+    """Pass the regular file ``path`` (not a link; at most :data:`SWEEP_MAX_BYTES`) through ``redactor``, rewriting
+    it atomically with its mode when that changed it; returns whether it did. A missing file is left alone."""
     from trainer.publish import atomic_write
 
-    changed = []
-    directory = Path(directory)
-    for path in sorted(directory.rglob("*")):
-        if path.is_symlink() or not path.is_file() or path.stat().st_size > SWEEP_MAX_BYTES:
-            continue
-        data = path.read_bytes()
-        clean = redactor.scrub_bytes(data)
-        if clean != data:
-            atomic_write(path, clean, mode=path.stat().st_mode & 0o777, umask=False)
-            changed.append(str(path.relative_to(directory)))
-    return changed
+    path = Path(path)
+    if path.is_symlink() or not path.is_file() or path.stat().st_size > SWEEP_MAX_BYTES:
+        return False
+    data = path.read_bytes()
+    clean = redactor.scrub_bytes(data)
+    if clean != data:
+        atomic_write(path, clean, mode=path.stat().st_mode & 0o777, umask=False)
+    return clean != data
 
 
 def resweep(directory: Path) -> None:

@@ -28,6 +28,7 @@ from typing import List
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import launch
@@ -38,7 +39,7 @@ from trainer.errors import UserError
 from trainer.record.attest import take_sign_key
 from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, HYDRA_FILES, INTERRUPTED, PLANNED, RUNNING,
                                    RunDir, claim_run_dir)
-from trainer.redact import Redactor, guard, sweep
+from trainer.redact import Redactor, guard, scrub_file, sweep
 
 SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
 RUN_DIR_MODE = "new"  # how a run directory that already holds a run is treated: new, resume, overwrite
@@ -128,13 +129,15 @@ def run(cfg: DictConfig) -> None:
         except UserError as err:
             print(f"train: error: {err}", file=sys.stderr)
             sys.exit(err.exit_code)
-    guarded(prepared, Path(HydraConfig.get().runtime.output_dir))
+    hydra_cfg = HydraConfig.get()
+    sweep_record = [Path(hydra_cfg.sweep.dir) / "multirun.yaml"] if hydra_cfg.mode == RunMode.MULTIRUN else []
+    guarded(prepared, Path(hydra_cfg.runtime.output_dir), also=sweep_record)  # multirun.yaml: the sweep's overrides
 
 
-def guarded(prepared: PreparedRun, run_dir: Path) -> None:
+def guarded(prepared: PreparedRun, run_dir: Path, also: List[Path] = ()) -> None:
     """:func:`run_one` in a run directory whose every file is scrubbed of the run's secrets (those of the
-    overrides and of the environment block), Hydra's own files included. Refuses (exit 2) a directory Hydra chose
-    that another run took in the meantime."""
+    overrides and of the environment block), Hydra's own files included, and so are the files ``also`` names.
+    Refuses (exit 2) a directory Hydra chose that another run took in the meantime."""
     left = sorted(p.name for p in run_dir.iterdir() if p.name not in HYDRA_FILES)
     if left and RUN_DIR_MODE == "new":
         print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
@@ -147,6 +150,8 @@ def guarded(prepared: PreparedRun, run_dir: Path) -> None:
         run_one(prepared, run_dir)
     finally:
         sweep(run_dir, redactor)
+        for path in also:
+            scrub_file(path, redactor)
 
 
 if __name__ == "__main__":

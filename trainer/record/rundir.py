@@ -41,10 +41,10 @@ MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worke
 PROFILE = "profile-top-kernels.md"  # the GPU kernels of launcher.profile_step, by device time
 SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
 PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
-JOB = "job.json"  # the command an executed run's launcher started (a worker, torchrun, launcher.job, a cluster job)
-# argv.json is the miles argv of every run (the launch rendered, executed or not); job.json what a launcher ran.
-# The launchers write through RunDir (hashed as written); the files the workers write are hashed once the launch
-# has handed back.
+JOB = "job.json"  # the job a launcher runs or submits: {"argv", "env"} (a worker, torchrun, launcher.job, a cluster job)
+# argv.json and env.json are the miles launch of every run (as command.sh; executed or not), written once, before
+# any launch; job.json is what a launcher runs or submits (RunDir.write_job). The launchers write through RunDir
+# (hashed as written); the files the workers write are hashed once the launch has handed back.
 WORKER_FILES = (METRICS,)
 
 
@@ -111,14 +111,23 @@ class RunDir:
     def write_plan(self, prepared: "PreparedRun") -> None:
         """The files every run starts with, before anything is launched: ``config.yaml`` (the resolved
         composition), ``command.sh`` (the launch as bash), ``plan.json``, ``argv.json`` (the miles argv) and
-        ``env.json`` (its environment, secret values redacted; a local launcher writes its processes' own)."""
+        ``env.json`` (its environment, secret values redacted): the files :data:`HYDRA_FILES` aside, the launch
+        as ``command.sh`` says it. A ``job.json`` an earlier run left here (``--resume``) is removed."""
         from trainer.redact import redact_env
 
+        (self.path / JOB).unlink(missing_ok=True)
         self.write(CONFIG, OmegaConf.to_yaml(prepared.cfg, resolve=True).encode())
         self.write(COMMAND, prepared.launch.shell_script().encode(), mode=0o777)
         self.write_json(PLAN, prepared.plan)
         self.write_json(ARGV, prepared.launch.argv)
         self.write_json(ENV, redact_env(prepared.launch.env))
+
+    def write_job(self, argv: List[str], env: Dict[str, str]) -> str:
+        """Write ``job.json``: the job a launcher runs or submits, ``{"argv": [...], "env": {...}}`` (the
+        environment it gets, secret values redacted). Returns its sha256."""
+        from trainer.redact import redact_env
+
+        return self.write_json(JOB, {"argv": list(argv), "env": redact_env(env)})
 
     def begin(self, status: str, fields: Dict[str, Any]) -> Dict[str, Any]:
         """The run's first record, saved: ``planned`` (a plan) or ``running`` (this process's pid, the start time

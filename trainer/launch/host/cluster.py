@@ -13,7 +13,6 @@ import re
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from trainer.errors import CheckError
-from trainer.record.rundir import ENV, JOB, RunDir
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
 
@@ -41,13 +40,6 @@ def job(prepared: "PreparedRun") -> Tuple[List[str], Dict[str, str]]:
     job_argv = prepared.config.launcher.job
     argv = [str(t) for t in job_argv] if job_argv else list(launch.argv)
     return argv, dict(launch.env)
-
-
-def write_job(rundir: RunDir, argv: List[str], env: Dict[str, str]) -> None:
-    """Write ``job.json`` (the command the job runs: ``launcher.job`` or the miles argv) and ``env.json`` (its
-    environment) into ``rundir`` (hashed there)."""
-    rundir.write_json(JOB, argv)
-    rundir.write_json(ENV, env)
 
 
 def last_line(text: str) -> str:

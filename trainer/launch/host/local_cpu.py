@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import ENV, JOB, LOGS, RunDir
-from trainer.redact import redact_env
+from trainer.record.rundir import LOGS, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -93,7 +92,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     """Run the job; return ``record`` updated with ``status``, ``reason``, ``returncodes`` and ``probe``.
 
     ``record`` is the run record so far (written by the caller as ``running``); this function writes
-    ``job.json`` (rank 0's command) and ``env.json`` (its processes' environment, redacted) first.
+    ``job.json`` (rank 0's command and the environment of its processes, redacted) first.
     """
     cfg, par = prepared.config, prepared.par
     run_dir = rundir.path
@@ -113,8 +112,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         [sys.executable, "-m", "trainer.launch.cpu_worker", str(run_dir), str(rank), str(world), str(rows_dir)]
         for rank in range(world)
     ]
-    rundir.write_json(JOB, commands[0])
-    rundir.write_json(ENV, redact_env(env))
+    rundir.write_job(commands[0], env)
     outcome = supervise(commands, env, run_dir / LOGS)
     (run_dir / ".rendezvous").unlink(missing_ok=True)
     rundir.end(record, outcome.pop("status"), outcome.pop("reason"))

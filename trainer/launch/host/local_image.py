@@ -39,7 +39,7 @@ from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
-from trainer.record.rundir import COMPLETE, FAILED, JOB, LOGS, PROBES, SANDBOX, RunDir
+from trainer.record.rundir import COMPLETE, FAILED, LOGS, PROBES, SANDBOX, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -265,7 +265,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         argv: List[str] = []
         for token in cfg.launcher.job:
             argv += python if token in ("python", "python3") else [str(token)]
-        rundir.write_json(JOB, argv)
+        rundir.write_job(prefix + argv, {})  # bubblewrap clears the environment: its --setenv words are the env
         with (logs / "job.log").open("wb") as log:
             job = subprocess.run(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
         if job.returncode != 0:

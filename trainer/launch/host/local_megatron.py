@@ -20,8 +20,7 @@ from trainer.launch.host.checkout import verify_checkouts
 from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.launch.host.local_cpu import prepare_rows
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import ENV, JOB, LOGS, MEGATRON, RunDir
-from trainer.redact import redact_env
+from trainer.record.rundir import LOGS, MEGATRON, RunDir
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -119,8 +118,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port or _free_port()),
         "-m", "trainer.launch.megatron_worker", str(run_dir), str(rows_dir),
     ]
-    rundir.write_json(JOB, command)
-    rundir.write_json(ENV, redact_env(env))
+    rundir.write_job(command, env)
     outcome = supervise([command], env, run_dir / LOGS)
     rundir.end(record, outcome.pop("status"), outcome.pop("reason"))
     record.update(outcome)

@@ -115,7 +115,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
 
     address = cfg.launcher.address.rstrip("/")
     argv, env = cluster.job(prepared)
-    cluster.write_job(rundir, argv, env)
+    rundir.write_job(argv, env)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     env_vars = dict(env)
     env_vars[cluster.ENV_NAMES] = ",".join(env)

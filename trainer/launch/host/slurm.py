@@ -260,7 +260,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     cfg = prepared.config
     run_dir = rundir.path.absolute()
     argv, env = cluster.job(prepared)
-    cluster.write_job(rundir, argv, env)
+    rundir.write_job(argv, env)
     (run_dir / LOGS).mkdir(exist_ok=True)
     script = render_sbatch(cfg, run_dir, argv, env)
     rundir.write(SBATCH, script.encode(), mode=0o777)
