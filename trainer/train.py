@@ -1,23 +1,18 @@
 """``train``: the story of a run. Compose it with Hydra, check it, launch it (or plan it), record how it ended.
 
-Usage (Hydra overrides)::
+Usage (Hydra overrides; ``--help`` lists the groups)::
 
     python -m trainer.train                                  # the recipe: layout=tp2pp4ep8 on p5en-8x8
     python -m trainer.train layout=tp8pp8ep8 optim.lr=2e-5   # another layout, one field changed
     python -m trainer.train -m layout=tp2pp4ep8,tp8pp8ep8    # multirun: one plan per layout
-    python -m trainer.train --cfg job                        # print the composed config
-    python -m trainer.train hydra.run.dir=DIR --resume       # write into DIR although it holds a run (--overwrite:
-                                                             # replace that run); without either DIR is refused
+    python -m trainer.train hydra.run.dir=DIR --resume       # into a DIR holding a run (--overwrite: replace it)
 
-1. compose and check: every job of the command line is prepared before any runs (:mod:`trainer.compose.prepare`:
-   composed once with its reference layout, checked, rendered, planned; nothing is written if any job fails);
-2. the run directory: Hydra's (:mod:`trainer.compose.commandline` runs a single job as ``@hydra.main`` does; a
-   multirun goes through :func:`run`), every file in it scrubbed of the run's secrets (:func:`guarded`);
-3. launch and record (:func:`run_one`): the plan's files, then the launcher (:mod:`trainer.launch`), the record
-   through its states (:class:`trainer.record.rundir.RunDir`), an executed run attested (``--sign-key KEY``).
+1. compose and check every job before any runs (:mod:`trainer.compose.prepare`; nothing is written on a refusal);
+2. the run directory, Hydra's (:mod:`trainer.compose.commandline`), every file scrubbed of secrets (:func:`guarded`);
+3. launch and record (:func:`run_one`: :mod:`trainer.launch`, :class:`trainer.record.rundir.RunDir`), an executed
+   run attested (``--sign-key KEY``).
 
-Exit codes: 0 ok, 2 refused input (one line on stderr naming the field or override), 1 an executed run that did
-not complete, 130 interrupted.
+Exit codes: 0 ok, 2 refused input (one line on stderr), 1 an executed run that did not complete, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -37,8 +32,8 @@ from trainer.compose.compose import CONF_DIR
 from trainer.compose.prepare import PreparedRun, prepare
 from trainer.errors import UserError
 from trainer.record.attest import take_sign_key
-from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, HYDRA_FILES, INTERRUPTED, PLANNED, RUNNING,
-                                   RunDir, claim_run_dir)
+from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, INTERRUPTED, PLANNED, RUNNING, RunDir,
+                                   claim_run_dir, others_in)
 from trainer.redact import Redactor, guard, scrub_file, sweep
 
 SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
@@ -138,7 +133,7 @@ def guarded(prepared: PreparedRun, run_dir: Path, also: List[Path] = ()) -> None
     """:func:`run_one` in a run directory whose every file is scrubbed of the run's secrets (those of the
     overrides and of the environment block), Hydra's own files included, and so are the files ``also`` names.
     Refuses (exit 2) a directory Hydra chose that another run took in the meantime."""
-    left = sorted(p.name for p in run_dir.iterdir() if p.name not in HYDRA_FILES)
+    left = others_in(run_dir)
     if left and RUN_DIR_MODE == "new":
         print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
               file=sys.stderr)

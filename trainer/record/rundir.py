@@ -379,6 +379,12 @@ HYDRA_FILES = (".hydra", "train.log")
 CLAIM_MODES = ("new", "resume", "overwrite")
 
 
+def others_in(path: Path) -> List[str]:
+    """The names in the directory ``path`` that Hydra did not write (:data:`HYDRA_FILES` aside), sorted: a run
+    directory Hydra chose that holds any was taken by another run. Raises ``OSError`` when it cannot be read."""
+    return sorted(p.name for p in Path(path).iterdir() if p.name not in HYDRA_FILES)
+
+
 def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -> Optional[Path]:
     """The one owner of a run directory's place: refuse ``value`` unless a run may be written there.
 
@@ -408,10 +414,9 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -
         raise UserError(f"{field}={value}: exists and is not a directory")
     if path.is_dir():
         try:
-            entries = sorted(p.name for p in path.iterdir())
+            entries, others = sorted(p.name for p in path.iterdir()), others_in(path)
         except OSError as ex:
             raise UserError(f"{field}={value}: not readable ({ex.strerror})") from None
-        others = [name for name in entries if name not in HYDRA_FILES]
         if others and RECORD not in entries:
             raise UserError(f"{field}={value}: holds files that no run wrote ({', '.join(others[:3])}"
                             f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory")
