@@ -234,5 +234,16 @@ def test_done_when_layout_change_passes_and_lr_change_fails(tmp_path, capsys):
     assert code == 1 and "FAIL" in out and "numerics differ: --lr" in out
 
 
+
+def test_piped_tables_keep_whole_values(tmp_path):
+    """Promise: piped, `trainer converge --predict` prints whole argument names and keys (no cell cut to "…" at
+    rich's default 80 columns), one row per line."""
+    proc = helpers.run_trainer("converge", "--predict", "--candidate", "layout=tp8pp8ep8",
+                               "--reference", "layout=tp2pp4ep8", cwd=tmp_path, env={"COLUMNS": ""})
+    assert proc.returncode == 0, proc.stderr
+    assert "…" not in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if "--decoder-first-pipeline-num-layers" in line)
+    assert "layout.decoder_first_pipeline_num_layers" in row and "│ 4 " in row and "│ 11 " in row
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -77,6 +77,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     except UserError as err:
         print(f"trainer {name}: error: {err}", file=sys.stderr)
         return err.exit_code
+    except BrokenPipeError:  # the reader went away (`| head`): nothing more to say, as a tool killed by SIGPIPE
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
+        return 141
     except OSError as err:  # a path the user gave that cannot be read or written
         where = f"{err.filename}: " if err.filename else ""
         print(f"trainer {name}: error: {where}{err.strerror or err}", file=sys.stderr)

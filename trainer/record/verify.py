@@ -223,8 +223,9 @@ def main(argv: List[str]) -> int:
         print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad,
                           **({"signature": signed} if signed else {})}, indent=2))
     else:
-        from rich.console import Console
         from rich.table import Table
+
+        from trainer.console import table_console
 
         table = Table(title=f"verify {args.run_dir} against {lock_path.name}")
         for col in ("component", "locked", "recipe", "observed", "verdict"):
@@ -233,7 +234,7 @@ def main(argv: List[str]) -> int:
         for r in rows:
             table.add_row(*(str(r[c] or "") for c in ("component", "locked", "recipe", "observed")),
                           f"[{colours[r['verdict']]}]{r['verdict']}")
-        Console().print(table)
+        table_console().print(table)
         print("ok: nothing the lock pins drifted" if not bad else f"{len(bad)} locked component(s) drifted or absent: "
               + ", ".join(r["component"] for r in bad))
     return 0 if not bad else 1

@@ -26,6 +26,8 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
+from trainer.console import table_console
+
 from trainer.compose import numerics
 from trainer.report.convergence import DEFAULT_THRESHOLDS, check, load_thresholds
 from trainer.errors import UserError
@@ -124,7 +126,7 @@ def print_check(result: Dict[str, Any], cand: str, ref: str, console: Console) -
 def main(argv: List[str]) -> int:
     """Entry point of ``trainer converge``; returns 0 pass, 1 fail (UserError propagates: exit 2)."""
     args = parser().parse_args(argv)
-    console = Console()
+    console = table_console()
     if args.predict:
         if args.runs or args.candidate is None or args.reference is None:
             raise UserError("--predict takes --candidate OVERRIDES and --reference OVERRIDES and no RUN arguments")

@@ -17,6 +17,8 @@ from typing import Any, Dict, List, Optional
 from rich.console import Console
 from rich.table import Table
 
+from trainer.console import table_console
+
 from trainer.report import metrics
 from trainer.compose.params import count_params
 from trainer.record.record import write_json
@@ -94,7 +96,7 @@ def build_summary(run: Run, window: Optional[str] = None, usd_per_node_hour: Opt
 
 def print_summary(summary: Dict[str, Any], where: Path, console: Optional[Console] = None) -> None:
     """A rich table of the summary's figures, with their formulas and sources."""
-    console = console or Console()
+    console = console or table_console()
     run = summary["run"]
     table = Table(title=f"report: {run['model']} · {run['layout']} · {summary['gpus']} x {run['gpu_type']}", show_header=True)
     table.add_column("figure", style="bold")
