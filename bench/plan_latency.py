@@ -7,7 +7,8 @@ Every command runs as bin/train runs it: bytecode cached under ``PYTHONPYCACHEPR
 directory, warmed by one untimed run of each command), the baseline's included. The plan command is the
 user's, as typed: no ``hydra.run.dir``, so each run writes Hydra's default run
 directory (``outputs/DATE/TIME-tp2pp4ep8``) under one working directory; a run starts only in a new second
-(waited for untimed) so that no two runs meet in one directory. It is timed four ways, interleaved:
+(waited for untimed): the names are to the microsecond now, but a ``--before`` checkout older than that names
+them by the second. It is timed four ways, interleaved:
 
 - ``plan``: stdout a pipe, the composition cache warm (trainer/compose/cache.py; the first, untimed run fills
   it, as any earlier run of the same command line would);
@@ -72,8 +73,8 @@ def timed(cmd: list[str], cwd: str, env: dict, tty: bool = False) -> float:
 
 def plan_run(cmd: list[str], cwd: str, env: dict, last: list[int], tty: bool = False) -> float:
     """:func:`timed` for a plan run, started (after an untimed wait) in a second later than the one the previous
-    plan run ended in: Hydra names the run directory by the second, and a second run in one directory is
-    refused."""
+    plan run ended in: a checkout before 884a0a1 names the run directory by the second, and a second run in one
+    directory is refused."""
     while int(time.time()) <= last[0]:
         time.sleep(0.02)
     try:

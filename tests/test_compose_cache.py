@@ -189,11 +189,67 @@ def test_what_the_key_cannot_cover_is_composed_by_hydra_every_time(tmp_path, mon
         with session() as composer:
             assert composer.compose(copied, hydra_node=True).hydra.job.env_set.FOO == value
     secret = ["+env.HF_TOKEN=hf_0123456789abcdefghij"]
+    short = ["+env.hf_token=abc1234"]  # too short for the redactor to learn: refused by its key's name
     with session() as composer:
         composer.compose(secret)
         composer.compose(secret, hydra_node=True)
-    assert entries(root) == [] and len(hydra_calls) == 6
+        composer.compose(short)
+    assert entries(root) == [] and len(hydra_calls) == 7
     assert not any(b"hf_0123456789" in p.read_bytes() for p in root.rglob("*") if p.is_file())
+
+
+def test_the_cache_directory_setting(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    for off in ("off", "OFF", "0", "no", "False"):
+        monkeypatch.setenv("TRAINER_COMPOSE_CACHE", off)
+        assert cache_module.default_root() is None, off
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", "rel/cache")
+    assert cache_module.default_root() == tmp_path / "rel" / "cache"
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", "~/c")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_module.default_root() == tmp_path / "home" / "c"
+    monkeypatch.delenv("TRAINER_COMPOSE_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert cache_module.default_root() == tmp_path / "xdg" / "recipe-bundle" / "compose"
+
+
+def test_an_entry_renamed_to_another_key_is_not_read(tmp_path, monkeypatch, hydra_calls):
+    """Promise: an entry verifies only under its own key: the file of one command line copied to the name of
+    another is a miss, and that command line gets its own composition."""
+    root = tmp_path / "cache"
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
+    with session() as composer:
+        composer.compose(["optim.lr=1e-5"])
+        other = root / (composer.cache.key_of(["optim.lr=3e-5"], False) + cache_module.SUFFIX)
+    (entry,) = entries(root)
+    shutil.copy2(entry, other)
+    with session() as composer:
+        assert composer.compose(["optim.lr=3e-5"]).optim.lr == 3e-5
+    assert len(hydra_calls) == 2
+
+
+def test_a_cache_directory_others_may_write_is_not_used(tmp_path, monkeypatch, hydra_calls):
+    """Promise: this user's cache directory is made 0700; one owned by another account is not used."""
+    import os
+
+    root = tmp_path / "cache"
+    root.mkdir(mode=0o777)
+    root.chmod(0o777)
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
+    with session() as composer:
+        composer.compose([])
+    assert root.stat().st_mode & 0o777 == 0o700 and len(entries(root)) == 1
+    if os.getuid() != 0:
+        return  # making a directory another account owns needs root
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chown(shared, 65534, 65534)
+    shared.chmod(0o777)
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(shared))
+    for _ in range(2):
+        with session() as composer:
+            composer.compose([])
+    assert entries(shared) == [] and len(hydra_calls) == 3
 
 
 def test_entries_are_this_users_alone(tmp_path, monkeypatch, hydra_calls):

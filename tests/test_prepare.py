@@ -147,9 +147,6 @@ def test_the_smoke_source_command_makes_the_pinned_source(tmp_path):
     assert out["archive"].endswith(pinned["archive"]["filename"])
 
 
-if __name__ == "__main__":
-    raise SystemExit(helpers.main(__file__))
-
 
 def test_run_dir_begins_with_the_launch_and_hashes_what_is_on_disk(tmp_path):
     """Promise: every run starts with the miles launch written (argv.json, env.json = command.sh) and a record
@@ -191,3 +188,7 @@ def test_run_dir_finish_attests_an_ended_run_and_not_a_handed_off_one(tmp_path):
         assert on_disk["status"] == status and ("attestation" in on_disk) == (status == COMPLETE), name
         assert (rundir.path / "attestation.json").exists() == (status == COMPLETE)
         assert ("finished_utc" in on_disk, "pid" in on_disk) == ((True, True) if status == COMPLETE else (False, False))
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

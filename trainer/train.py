@@ -38,12 +38,13 @@ from trainer.redact import Redactor, guard, scrub_file, sweep
 
 SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
 RUN_DIR_MODE = "new"  # how a run directory that already holds a run is treated: new, resume, overwrite
+COMMAND_LINE: List[str] = []  # the overrides as typed (a multirun's sweeps unexpanded)
 
 
 def main() -> None:
     """Console entry point: prepare every job, claim the run directory, then run. Exit 2 with one line on bad
     input."""
-    global RUN_DIR_MODE, SIGNER
+    global COMMAND_LINE, RUN_DIR_MODE, SIGNER
     flags = {"--resume": "resume", "--overwrite": "overwrite"}
     modes = [flags[a] for a in sys.argv[1:] if a in flags]
     sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in flags)]
@@ -53,6 +54,7 @@ def main() -> None:
     RUN_DIR_MODE = modes[0] if modes else "new"
     try:
         sys.argv[1:], SIGNER = take_sign_key(sys.argv[1:])
+        COMMAND_LINE = list(sys.argv[1:])
         single = prepare_command_line(sys.argv[1:])
     except UserError as err:
         print(f"train: error: {err}", file=sys.stderr)
@@ -125,14 +127,24 @@ def run(cfg: DictConfig) -> None:
             print(f"train: error: {err}", file=sys.stderr)
             sys.exit(err.exit_code)
     hydra_cfg = HydraConfig.get()
-    sweep_record = [Path(hydra_cfg.sweep.dir) / "multirun.yaml"] if hydra_cfg.mode == RunMode.MULTIRUN else []
-    guarded(prepared, Path(hydra_cfg.runtime.output_dir), also=sweep_record)  # multirun.yaml: the sweep's overrides
+    if hydra_cfg.mode == RunMode.MULTIRUN:  # Hydra's record of the sweep, written before the first job
+        scrub_file(Path(hydra_cfg.sweep.dir) / "multirun.yaml", sweep_redactor())
+    guarded(prepared, Path(hydra_cfg.runtime.output_dir))
 
 
-def guarded(prepared: PreparedRun, run_dir: Path, also: List[Path] = ()) -> None:
+def sweep_redactor() -> Redactor:
+    """A redactor that knows the secrets of every job of the command line: the overrides as typed (a sweep
+    ``+env.HF_TOKEN=a,b`` whole) and as each prepared job got them, and each job's environment block."""
+    redactor = Redactor().learn_overrides(COMMAND_LINE)
+    for job in commandline.PREPARED.values():
+        redactor.learn_overrides(list(job.overrides)).learn_env(OmegaConf.to_container(job.cfg.env, resolve=True) or {})
+    return redactor
+
+
+def guarded(prepared: PreparedRun, run_dir: Path) -> None:
     """:func:`run_one` in a run directory whose every file is scrubbed of the run's secrets (those of the
-    overrides and of the environment block), Hydra's own files included, and so are the files ``also`` names.
-    Refuses (exit 2) a directory Hydra chose that another run took in the meantime."""
+    overrides and of the environment block), Hydra's own files included. Refuses (exit 2) a directory Hydra chose
+    that another run took in the meantime."""
     left = others_in(run_dir)
     if left and RUN_DIR_MODE == "new":
         print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
@@ -145,8 +157,6 @@ def guarded(prepared: PreparedRun, run_dir: Path, also: List[Path] = ()) -> None
         run_one(prepared, run_dir)
     finally:
         sweep(run_dir, redactor)
-        for path in also:
-            scrub_file(path, redactor)
 
 
 if __name__ == "__main__":

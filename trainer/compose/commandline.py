@@ -4,8 +4,9 @@ Hydra's run directory the way ``@hydra.main`` runs one.
 :func:`prepare_jobs` expands the overrides into jobs (a multirun sweep is one job per combination) and
 prepares each (:func:`trainer.compose.prepare.prepare`; the prepared runs are kept in :data:`PREPARED` for the
 jobs of a multirun, which Hydra's sweeper runs) and writes nothing: ``train`` claims the run directory the
-command line names only once every job was prepared. :func:`hydra_run` is where the writing starts. :func:`hydra_run` then runs a single job from its one composition
-(``hydra.core.utils.run_job``: Hydra makes the run directory, writes ``.hydra/`` and ``train.log``).
+command line names only once every job was prepared. :func:`hydra_run` is where the writing starts: it runs a
+single job from its one composition (``hydra.core.utils.run_job``: Hydra makes the run directory, writes
+``.hydra/`` and ``train.log``).
 """
 
 from __future__ import annotations

@@ -112,10 +112,13 @@ class RunDir:
         """The files every run starts with, before anything is launched: ``config.yaml`` (the resolved
         composition), ``command.sh`` (the launch as bash), ``plan.json``, ``argv.json`` (the miles argv) and
         ``env.json`` (its environment, secret values redacted): the files :data:`HYDRA_FILES` aside, the launch
-        as ``command.sh`` says it. A ``job.json`` an earlier run left here (``--resume``) is removed."""
+        as ``command.sh`` says it. A ``job.json`` and an ``attestation.json`` an earlier run left here
+        (``--resume``) are removed: neither describes this run."""
+        from trainer.record.attest import ATTESTATION
         from trainer.redact import redact_env
 
-        (self.path / JOB).unlink(missing_ok=True)
+        for stale in (JOB, ATTESTATION):
+            (self.path / stale).unlink(missing_ok=True)
         self.write(CONFIG, OmegaConf.to_yaml(prepared.cfg, resolve=True).encode())
         self.write(COMMAND, prepared.launch.shell_script().encode(), mode=0o777)
         self.write_json(PLAN, prepared.plan)

@@ -7,7 +7,8 @@ rendezvous in the run directory), streams rank 0's output, and finishes the run 
 ``record.json`` is written with status ``running`` (and the parent's pid) before the first process starts and
 rewritten at the end as ``complete``, ``failed`` (with the reason: which rank exited how, and the last line of
 its log) or ``interrupted`` (SIGINT/SIGTERM). A record still saying ``running`` whose pid is gone was killed
-(``trainer.record.record.effective_status``). ``env.json`` holds the workers' environment with secrets redacted.
+(``trainer.record.record.effective_status``). ``job.json`` holds rank 0's command and the workers' environment,
+secrets redacted (``argv.json``/``env.json`` are the miles launch, as for a plan).
 """
 
 from __future__ import annotations

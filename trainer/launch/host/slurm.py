@@ -251,7 +251,7 @@ def _sbatch_error(text: str) -> str:
 
 
 def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
-    """Write ``sbatch.sh`` (and ``job.json``/``env.json``); with ``launcher.submit`` submit it.
+    """Write ``sbatch.sh`` (and ``job.json``); with ``launcher.submit`` submit it.
 
     Returns the record ``rendered`` once the script is written, ``submitted`` (with ``slurm.job_id``) once Slurm
     accepts it (``train`` then exits 0: the run now belongs to Slurm; ``trainer status RUN_DIR`` follows it), or
