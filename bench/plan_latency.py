@@ -89,6 +89,8 @@ def main() -> int:
     parser.add_argument("--before", help="also time the plan of the checkout in this directory (same run)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a Markdown row")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats}: expected at least 1")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPATH"] = str(ROOT)
     baseline_cmd = [sys.executable, "-c", "import hydra, omegaconf"]

@@ -91,9 +91,8 @@ class Redactor:
     def learn_overrides(self, overrides: Iterable[str]) -> "Redactor":
         """Learn the secret values of Hydra overrides (``+env.HF_TOKEN=...``, URLs with credentials)."""
         for word in overrides:
-            key, sep, value = word.partition("=")
-            if sep and is_secret_name(key.lstrip("+~").rsplit(".", 1)[-1]):
-                self._keep(value)
+            if sets_secret(word):
+                self._keep(word.partition("=")[2])
             self.scrub(word)
         return self
 
@@ -140,14 +139,19 @@ def redact_env(env: Mapping[str, str]) -> Dict[str, str]:
     return {name: (REDACTED if is_secret_name(name) else redact_value(value)) for name, value in sorted(env.items())}
 
 
+def sets_secret(word: str) -> bool:
+    """Whether the ``NAME=VALUE`` word (a Hydra override, ``+env.HF_TOKEN=...``) sets a secret-named key: the last
+    dotted part of NAME, less Hydra's ``+``/``~`` prefixes, by :func:`is_secret_name`."""
+    key, sep, _ = word.partition("=")
+    return bool(sep) and is_secret_name(key.lstrip("+~").rsplit(".", 1)[-1])
+
+
 def redact_argv(argv: Iterable[str]) -> List[str]:
     """A command line with the values of secret-named ``NAME=VALUE`` words (``+env.HF_TOKEN=...``) and URL
     credentials redacted."""
     out = []
     for word in argv:
-        key, sep, _ = word.partition("=")
-        secret = sep and is_secret_name(key.lstrip("+~").rsplit(".", 1)[-1])
-        out.append(f"{key}={REDACTED}" if secret else redact_value(word))
+        out.append(f"{word.partition('=')[0]}={REDACTED}" if sets_secret(word) else redact_value(word))
     return out
 
 

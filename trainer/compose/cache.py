@@ -80,7 +80,7 @@ def cacheable(composed: DictConfig, conf_dir: Path, overrides: Sequence[str]) ->
     are the tree ``conf_dir``, Hydra's own package and the structured configs; it copies no environment variable
     into the job (``hydra.job.env_copy``); no override sets a secret-named key (``+env.HF_TOKEN=...``, whatever
     the value's length) and neither the overrides nor the composition carry a secret value."""
-    from trainer.redact import Redactor, is_secret_name
+    from trainer.redact import Redactor, sets_secret
 
     hydra_node = composed.hydra
     if list(hydra_node.job.env_copy):
@@ -92,8 +92,7 @@ def cacheable(composed: DictConfig, conf_dir: Path, overrides: Sequence[str]) ->
         if kind in (("pkg", "hydra"), ("structured", "schema")):
             continue
         return False
-    if any(sep and is_secret_name(key.lstrip("+~").rsplit(".", 1)[-1])
-           for key, sep, _ in (o.partition("=") for o in overrides)):
+    if any(sets_secret(o) for o in overrides):
         return False
     redactor = Redactor().learn_overrides(overrides)
     text = OmegaConf.to_yaml(composed)

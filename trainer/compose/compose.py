@@ -24,7 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from trainer import REPO_ROOT
 from trainer.compose import schema
-from trainer.compose.cache import CompositionCache, cacheable
+from trainer.compose.cache import CompositionCache, cacheable, default_root
 from trainer.errors import UserError
 from trainer.redact import redact_argv
 
@@ -178,8 +178,6 @@ def session(conf_dir: Path = CONF_DIR, cached: bool = True) -> Iterator[Composer
     """A :class:`Composer` on ``conf_dir`` (job name ``train``, as ``@hydra.main`` names it) for any number of
     compositions, through the composition cache unless ``cached`` is false or the cache is off; Hydra is
     initialised once, when a composition is not in the cache, and cleared on exit."""
-    from trainer.compose.cache import default_root
-
     root = default_root() if cached else None
     try:
         cache = CompositionCache(root, conf_dir, CONFIG_NAME, Path(schema.__file__)) if root is not None else None

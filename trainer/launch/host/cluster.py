@@ -2,9 +2,9 @@
 environment.
 
 The job (``job.json``) is the plan's miles launch (:func:`trainer.compose.render.render`: ``argv.json`` and
-``env.json``, the same as ``command.sh``) unless ``launcher.job`` names another command (a probe-only or smoke job). ``$VAR``
-references in argv and env stay symbolic here and are expanded on the cluster (by ``trainer.launch.ray_entry``),
-as the recipe's ``command.sh`` has bash do it.
+``env.json``, the same as ``command.sh``) unless ``launcher.job`` names another command (a probe-only or smoke
+job). ``$VAR`` references in argv and env stay symbolic here and are expanded on the cluster (by
+``trainer.launch.ray_entry``), as the recipe's ``command.sh`` has bash do it.
 """
 
 from __future__ import annotations
