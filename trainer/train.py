@@ -118,7 +118,8 @@ def fail(rundir: RunDir, record: dict, status: str, reason: str, line: str, code
 def run(cfg: DictConfig) -> None:
     """A job of a multirun (or of a command line :func:`main` leaves to Hydra): its prepared run, then
     :func:`guarded`."""
-    overrides = tuple(HydraConfig.get().overrides.task)
+    hydra_cfg = HydraConfig.get()
+    overrides = tuple(hydra_cfg.overrides.task)
     prepared = commandline.PREPARED.get(overrides)
     if prepared is None:
         try:
@@ -126,7 +127,6 @@ def run(cfg: DictConfig) -> None:
         except UserError as err:
             print(f"train: error: {err}", file=sys.stderr)
             sys.exit(err.exit_code)
-    hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:  # Hydra's record of the sweep, written before the first job
         scrub_file(Path(hydra_cfg.sweep.dir) / "multirun.yaml", sweep_redactor())
     guarded(prepared, Path(hydra_cfg.runtime.output_dir))
@@ -137,8 +137,14 @@ def sweep_redactor() -> Redactor:
     ``+env.HF_TOKEN=a,b`` whole) and as each prepared job got them, and each job's environment block."""
     redactor = Redactor().learn_overrides(COMMAND_LINE)
     for job in commandline.PREPARED.values():
-        redactor.learn_overrides(list(job.overrides)).learn_env(OmegaConf.to_container(job.cfg.env, resolve=True) or {})
+        learn_secrets(redactor, job)
     return redactor
+
+
+def learn_secrets(redactor: Redactor, prepared: PreparedRun) -> Redactor:
+    """``redactor`` taught the secrets of one job: its overrides and its environment block's secret-named values."""
+    env = OmegaConf.to_container(prepared.cfg.env, resolve=True) or {}
+    return redactor.learn_overrides(list(prepared.overrides)).learn_env(env)
 
 
 def guarded(prepared: PreparedRun, run_dir: Path) -> None:
@@ -150,8 +156,7 @@ def guarded(prepared: PreparedRun, run_dir: Path) -> None:
         print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
               file=sys.stderr)
         sys.exit(2)
-    env = OmegaConf.to_container(prepared.cfg.env, resolve=True) or {}
-    redactor = Redactor().learn_overrides(list(prepared.overrides)).learn_env(env)
+    redactor = learn_secrets(Redactor(), prepared)
     guard(run_dir, redactor)
     try:
         run_one(prepared, run_dir)
