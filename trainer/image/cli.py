@@ -104,8 +104,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_sbom(args: argparse.Namespace) -> int:
-    """``trainer image sbom IMAGE [--format spdx|cyclonedx]``: print the SBOM attached to the image (its bytes as
-    attached, digest-checked, its subject this image). Returns 0; raises :class:`UserError` otherwise."""
+    """``trainer image sbom IMAGE [--format spdx|cyclonedx]``: print the SBOM bound to the image (its bytes as
+    attached, digest-checked, its subject this image: :func:`trainer.image.referrers.find`). Returns 0; raises
+    :class:`UserError` (one line) when there is none or the layout's referrers do not bind (an extra,
+    duplicated, foreign or altered one, two provenances), or ``--validate`` fails."""
     from trainer.image import referrers, sbom
     from trainer.image.oci import open_image
 
@@ -119,8 +121,10 @@ def cmd_sbom(args: argparse.Namespace) -> int:
 
 
 def cmd_provenance(args: argparse.Namespace) -> int:
-    """``trainer image provenance IMAGE [--statement]``: print the attached SLSA provenance (the statement, or
-    its DSSE envelope when the build was signed; ``--statement`` prints the statement inside an envelope)."""
+    """``trainer image provenance IMAGE [--statement]``: print the SLSA provenance bound to the image (the
+    statement, or its DSSE envelope when the build was signed; ``--statement`` prints the statement inside an
+    envelope). Raises :class:`UserError` (one line) as :func:`cmd_sbom` does, and for a payload that is not a
+    statement; the signature is checked by ``trainer verify IMAGE --key``, not here."""
     from trainer.record import attest
     from trainer.image import provenance, referrers
     from trainer.image.oci import open_image

@@ -164,8 +164,9 @@ def _versions(a: Dict[str, str], b: Dict[str, str]) -> List[Dict[str, Optional[s
 def sbom_changes(a: ImageRef, b: ImageRef) -> Optional[List[Dict[str, Any]]]:
     """Packages whose version or sha256 differs between the SPDX SBOMs attached to ``a`` and ``b``:
     [{"package": purl without version, "old", "new", "old_sha256", "new_sha256"}]; None when either image
-    has no SBOM (a docker-archive, or an image built before SBOMs). Raises :class:`UserError` for an SBOM
-    that fails its digest or subject check."""
+    has no SBOM (a docker-archive, or an image built before SBOMs). Raises :class:`UserError` for a layout
+    whose referrers do not bind (:func:`trainer.image.referrers.bound`: a digest or subject check fails, an
+    extra or duplicated referrer)."""
     from trainer.image import referrers, sbom
 
     if not (referrers.listed(a) and referrers.listed(b)):

@@ -20,6 +20,12 @@ application/vnd.dsse.envelope…   the same in a DSSE envelope (``--sign-key``) 
 
 Provenance referrers carry the annotation ``in-toto.io/predicate-type`` (the statement's predicateType).
 Reading checks every blob's sha256 and that a referrer's ``subject`` is this image's manifest.
+
+What is bound to an image (:func:`bound`) is all of its layout's referrers or none: every referrer listed in
+``index.json`` must read back (:func:`read`), there must be exactly one per artifactType and at most one
+provenance (the signed and the unsigned type together count as one), else the layout is refused. So
+:func:`find` (``trainer image sbom``, ``trainer image provenance``) and ``trainer verify IMAGE --key`` see the
+same documents: an extra referrer inserted before or after the genuine one is refused, never picked.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from trainer.errors import UserError
 from trainer.image.oci import MT_MANIFEST, ImageRef, compact_json, digest_of, rfc3339
+from trainer.image.provenance import INTOTO_MEDIA_TYPE
 
 MT_EMPTY = "application/vnd.oci.empty.v1+json"
 EMPTY = b"{}"
@@ -38,6 +45,7 @@ MT_DSSE = "application/vnd.dsse.envelope.v1+json"
 PREDICATE_ANNOTATION = "in-toto.io/predicate-type"
 CREATED = "org.opencontainers.image.created"
 TITLE = "org.opencontainers.image.title"
+PROVENANCE_TYPES = (MT_DSSE, INTOTO_MEDIA_TYPE)  # one kind: an image carries at most one of them
 
 
 @dataclass
@@ -97,43 +105,94 @@ def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
 
 
 def listed(image: ImageRef) -> List[Dict[str, Any]]:
-    """The index descriptors of ``image``'s layout that are referrers (they have an ``artifactType``)."""
-    return [d for d in (image.index or {}).get("manifests") or [] if d.get("artifactType")]
+    """The index descriptors of ``image``'s layout that are referrers (they have an ``artifactType``), in
+    index order; ``[]`` for a docker-archive."""
+    return [d for d in (image.index or {}).get("manifests") or [] if isinstance(d, dict) and d.get("artifactType")]
 
 
 def read(image: ImageRef, descriptor: Dict[str, Any]) -> Tuple[Dict[str, Any], bytes]:
-    """The manifest and document bytes of the referrer ``descriptor``; checks every digest and that its
-    subject is ``image``'s manifest. Raises :class:`UserError` (one line) otherwise."""
+    """The manifest and document bytes of the referrer ``descriptor``; checks every digest, that it is an
+    artifact manifest with one layer of its artifactType, and that its subject is ``image``'s manifest.
+    Raises :class:`UserError` (one line naming the layout, the referrer and the digests) otherwise."""
     where = image.path
-    manifest_bytes = image.blob(descriptor["digest"])
+    digest = descriptor.get("digest")
+    manifest_bytes = image.blob(digest)
     try:
         manifest = json.loads(manifest_bytes)
         subject = manifest.get("subject") or {}
-        layer = manifest["layers"][0]
-    except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
-        raise UserError(f"{where}: referrer {descriptor['digest']} is not an artifact manifest with one layer") from None
+        layers = manifest["layers"]
+        layer = layers[0]
+        if len(layers) != 1 or layer.get("mediaType") != manifest.get("artifactType"):
+            raise ValueError
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        raise UserError(f"{where}: referrer {digest} ({descriptor.get('artifactType')}) is not an artifact manifest "
+                        "with one layer of its artifactType") from None
     if subject.get("digest") != image.manifest_digest:
-        raise UserError(f"{where}: referrer {descriptor['digest']} ({descriptor.get('artifactType')}) has subject "
+        raise UserError(f"{where}: referrer {digest} ({descriptor.get('artifactType')}) has subject "
                         f"{subject.get('digest')}, not this image's manifest {image.manifest_digest}")
     if manifest.get("artifactType") != descriptor.get("artifactType"):
-        raise UserError(f"{where}: referrer {descriptor['digest']}: artifactType {manifest.get('artifactType')!r} in the "
+        raise UserError(f"{where}: referrer {digest}: artifactType {manifest.get('artifactType')!r} in the "
                         f"manifest, {descriptor.get('artifactType')!r} in index.json")
-    return manifest, image.blob(layer["digest"])
+    return manifest, image.blob(layer.get("digest"))
+
+
+class Attached(NamedTuple):
+    """A referrer bound to an image: its index ``descriptor``, its ``manifest`` and its document ``data``."""
+
+    descriptor: Dict[str, Any]
+    manifest: Dict[str, Any]
+    data: bytes
+
+
+def bound(image: ImageRef) -> Dict[str, Attached]:
+    """artifactType -> :class:`Attached` for every referrer of ``image``'s layout (``{}`` for a docker-archive
+    or a layout without referrers).
+
+    Every referrer ``index.json`` lists must pass :func:`read` (blob digests, subject = this image's manifest);
+    there must be exactly one per artifactType, and at most one provenance (:data:`PROVENANCE_TYPES`: a DSSE
+    envelope and an unsigned statement both attached are refused). Raises :class:`UserError` (one line naming
+    the layout, the artifactType and the digests) otherwise: a layout with an extra, duplicated or altered
+    referrer binds nothing."""
+    out: Dict[str, Attached] = {}
+    digests: Dict[str, List[str]] = {}
+    for descriptor in listed(image):
+        manifest, data = read(image, descriptor)
+        kind = descriptor["artifactType"]
+        digests.setdefault(kind, []).append(str(descriptor.get("digest")))
+        out.setdefault(kind, Attached(descriptor, manifest, data))
+    for kind, found in digests.items():
+        if len(found) > 1:
+            raise UserError(f"{image.path}: index.json lists {len(found)} referrers of artifactType {kind} "
+                            f"({', '.join(found)}) for {image.manifest_digest}; exactly one is bound to an image")
+    provenances = [kind for kind in PROVENANCE_TYPES if kind in out]
+    if len(provenances) > 1:
+        both = ", ".join(f"{kind} {out[kind].descriptor.get('digest')}" for kind in provenances)
+        raise UserError(f"{image.path}: index.json lists two provenance referrers ({both}) for "
+                        f"{image.manifest_digest}; at most one is bound to an image")
+    return out
 
 
 def find(image: ImageRef, artifact_types: Tuple[str, ...], predicate_type: Optional[str] = None) -> Tuple[str, bytes]:
-    """(artifactType, document bytes) of the first referrer of ``image`` whose artifactType is one of
-    ``artifact_types`` (and, when given, whose ``in-toto.io/predicate-type`` is ``predicate_type``).
+    """(artifactType, document bytes) of the referrer of ``image`` bound to it (:func:`bound`) whose artifactType
+    is one of ``artifact_types``; when ``predicate_type`` is given its ``in-toto.io/predicate-type`` annotation
+    must be that.
 
-    Raises :class:`UserError` when there is none (an image built before SBOMs were attached, or a
-    docker-archive, which cannot hold referrers) or when it fails :func:`read`'s checks."""
-    for descriptor in listed(image):
-        if descriptor["artifactType"] not in artifact_types:
-            continue
-        if predicate_type and (descriptor.get("annotations") or {}).get(PREDICATE_ANNOTATION) != predicate_type:
-            continue
-        _, data = read(image, descriptor)
-        return descriptor["artifactType"], data
-    what = " or ".join(artifact_types)
-    raise UserError(f"{image.path}: no referrer of type {what} for {image.manifest_digest or image.config_digest} "
-                    "(rebuild the image with this version of `trainer image build`)")
+    Raises :class:`UserError` (one line) when the layout's referrers fail :func:`bound`, when ``artifact_types``
+    match more than one bound referrer or one with another predicate type, and when there is none (an image
+    built before SBOMs were attached, or a docker-archive, which cannot hold referrers)."""
+    attached = bound(image)
+    hits = [kind for kind in artifact_types if kind in attached]
+    if not hits:
+        what = " or ".join(artifact_types)
+        raise UserError(f"{image.path}: no referrer of type {what} for {image.manifest_digest or image.config_digest} "
+                        "(rebuild the image with this version of `trainer image build`)")
+    if len(hits) > 1:
+        both = ", ".join(f"{kind} {attached[kind].descriptor.get('digest')}" for kind in hits)
+        raise UserError(f"{image.path}: referrers {both} are both attached to {image.manifest_digest}; expected one")
+    kind = hits[0]
+    descriptor = attached[kind].descriptor
+    annotated = (descriptor.get("annotations") or {}).get(PREDICATE_ANNOTATION)
+    if predicate_type and annotated != predicate_type:
+        raise UserError(f"{image.path}: referrer {descriptor.get('digest')} ({kind}) has predicate type {annotated!r}, "
+                        f"not {predicate_type}")
+    return kind, attached[kind].data
