@@ -21,11 +21,22 @@ pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("b
 
 
 trainer = helpers.run_trainer
+SECRET = "hf_planted_secret_0123456789"
+WORDS = "the container runs in a terminal; username and password are asked for; sortedcontainers"
+PLANTED = f"SMB_PASSWORD=password\nUSERNAME: username\n{WORDS}\ntoken {SECRET}\n"
+
+
+@pytest.fixture(autouse=True)
+def rootfs_cache(tmp_path_factory, monkeypatch):
+    """Every test's unpacked images in one cache of this module's own (TRAINER_ROOTFS_CACHE), not the user's."""
+    monkeypatch.setenv("TRAINER_ROOTFS_CACHE", str(tmp_path_factory.getbasetemp() / "rootfs-cache"))
 
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
     root = tmp_path_factory.mktemp("image")
-    wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
+    # ordinary words a secret sweep that learnt from files once took for secrets (fsspec's smb.py says
+    # password=password), and a planted secret the run knows from its overrides (+env.HF_TOKEN)
+    wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n", "alpha/smb.conf": PLANTED.encode()})
     # stand-ins for the recipe's git sources, installed as the recipe's locks install miles and Megatron-LM
     sources, archives = [], []
     for name, files in (("miles", {"miles/__init__.py": b"NAME = 'miles'\n"}),
@@ -49,6 +60,7 @@ def image(tmp_path_factory):
 
 
 def launch(tmp_path, image, digest=None, *extra):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     run_dir = tmp_path / "run"
     result = run_train(["experiment=smoke", "launcher=local-image", f"launcher.image={digest or image['digest']}",
                         f"launcher.image_layout={image['layout']}", f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
@@ -116,6 +128,73 @@ def test_every_file_the_launcher_writes_is_hashed_in_the_record(tmp_path, image)
     assert {"sandbox.json", "argv.json", "job.json", "probes/image.json", "logs/unpack.log", "logs/probe.log"} <= set(hashes)
     for name, digest in hashes.items():
         assert hashlib.sha256((run_dir / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_the_run_directory_holds_records_and_the_image_stays_read_only(tmp_path, image, monkeypatch):
+    """Promise: the root file system is unpacked once per digest into the cache, outside the run directory, and
+    shown read-only; a second run re-hashes it and reuses it; a job cannot write into it."""
+    import os
+
+    from trainer.launch.host.rootfs import FILES, tree
+
+    monkeypatch.setenv("TRAINER_ROOTFS_CACHE", str(tmp_path / "own-cache"))
+
+    job = "launcher.job=[python3,-c,'open(\"/usr/written\",\"w\")']"
+    result, run_dir = launch(tmp_path / "a", image, None, job)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Read-only file system" in (run_dir / "logs" / "job.log").read_text()
+    record = json.loads((run_dir / "record.json").read_text())
+    cached = record["image"]["rootfs"]
+    entry = Path(cached["cache"])
+    assert entry.parent == Path(os.environ["TRAINER_ROOTFS_CACHE"]) and entry.name == image["digest"][7:]
+    assert cached["unpacked"] is True and cached["files"] > 10
+    assert not (entry / "bundle" / "rootfs" / "usr" / "written").exists()
+    assert tree(entry / "bundle") == json.loads((entry / FILES).read_text())["files"]  # unchanged by the run
+    assert not (run_dir / "image" / "bundle").exists()
+    assert sum(p.stat().st_size for p in run_dir.rglob("*") if p.is_file()) < 1 << 20
+    again, second = launch(tmp_path / "b", image)
+    assert again.returncode == 0, again.stderr
+    reused = json.loads((second / "record.json").read_text())["image"]["rootfs"]
+    assert reused["unpacked"] is False and reused["files_sha256"] == cached["files_sha256"]
+    assert "re-hashed and unchanged" in (second / "logs" / "unpack.log").read_text()
+    # a damaged entry is never used: it is unpacked anew
+    victim = next(p for p in (entry / "bundle" / "rootfs").rglob("*.py") if p.is_file())
+    victim.write_text("# changed in the cache\n")
+    third, run3 = launch(tmp_path / "c", image)
+    assert third.returncode == 0, third.stderr
+    assert json.loads((run3 / "record.json").read_text())["image"]["rootfs"]["unpacked"] is True
+    assert "was damaged" in (run3 / "logs" / "unpack.log").read_text()
+    assert victim.read_text() != "# changed in the cache\n"
+
+
+def test_secrets_in_the_image_are_redacted_its_words_are_not_and_every_hash_holds(tmp_path, image):
+    """Promise: the sweep learns secrets only from the run's overrides and environment, never from files: the planted
+    secret is redacted in the job's log, ordinary words (password, username, container, terminal) stay wherever a
+    pattern did not match, the copied stamp stays byte-exact, and the record's hashes and the signed attestation
+    hold for every file."""
+    assert trainer("keygen", "--out", tmp_path / "key").returncode == 0
+    job = "launcher.job=[python3,-c,'import alpha, pathlib; print(pathlib.Path(alpha.__file__).with_name(\"smb.conf\").read_text())']"
+    result, run_dir = launch(tmp_path, image, None, job, f"+env.HF_TOKEN={SECRET}", "--sign-key", str(tmp_path / "key"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (run_dir / "logs" / "job.log").read_text()
+    assert SECRET not in log and f"token <redacted>" in log
+    assert WORDS in log and "SMB_PASSWORD=<redacted>" in log and "USERNAME: username" in log  # not a secret name
+    texts = {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    assert not [name for name, data in texts.items() if SECRET.encode() in data]
+    # <redacted> only where a secret was: the job's log, and the overrides and environment naming HF_TOKEN
+    redacted = {name for name, data in texts.items() if b"<redacted>" in data}
+    assert "logs/job.log" in redacted and "image/lock.json" not in redacted and "probes/image.json" not in redacted
+    for name in redacted - {"logs/job.log"}:
+        assert all(b"HF_TOKEN" in line for line in texts[name].splitlines() if b"<redacted>" in line), name
+    record = json.loads(texts["record.json"])
+    assert hashlib.sha256(texts["image/lock.json"]).hexdigest() == record["image"]["stamp_sha256"]
+    stamp = Path(record["image"]["rootfs"]["cache"]) / "bundle" / "rootfs" / "etc" / "recipe-bundle" / "lock.json"
+    assert texts["image/lock.json"] == stamp.read_bytes()  # verbatim, whatever words it holds
+    assert set(record["files_sha256"]) == set(texts) - {"record.json", "attestation.json"}
+    for name, digest in record["files_sha256"].items():
+        assert hashlib.sha256(texts[name]).hexdigest() == digest, name
+    signed = trainer("verify", run_dir, "--key", tmp_path / "key.pub", "--json")
+    assert json.loads(signed.stdout)["signed"] is True, signed.stderr
 
 
 def test_a_digest_not_in_the_layout_is_refused(tmp_path, image):

@@ -66,16 +66,16 @@ def atomic_file(path: Path, mode: int = 0o666, umask_applies: bool = True,
         raise
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True) -> str:
+def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True, verbatim: bool = False) -> str:
     """Write ``data`` to ``path`` through :func:`atomic_file`; return the sha256 (hex) of the bytes written.
 
     ``mode`` is applied less the process umask (as ``open()`` would) unless ``umask`` is false. Under a run
     directory guarded by :func:`trainer.redact.guard` the bytes are scrubbed of secrets first (the hash is of
-    what was written).
+    what was written), unless ``verbatim`` (a copy of content verified by digest, which must stay byte-exact).
     """
     from trainer.redact import redactor_for
 
-    redactor = redactor_for(Path(path))
+    redactor = None if verbatim else redactor_for(Path(path))
     if redactor is not None:
         data = redactor.scrub_bytes(data)
     with atomic_file(path, mode, umask) as handle:

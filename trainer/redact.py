@@ -8,9 +8,12 @@ parameter (``?token=...``, ``&X-Amz-Signature=...``), or the value of a secret-n
 ``HF_TOKEN: ...``, ``"HF_TOKEN": "..."``).
 
 A :class:`Redactor` learns the secret values of a run (its overrides and its ``env`` block) and replaces them, and
-everything the patterns find, with ``<redacted>`` in any text. :func:`guard` makes every
-:func:`trainer.publish.atomic_write` under a run directory pass through it, and :func:`sweep` passes the files others
-wrote there (Hydra's ``.hydra/``, workers' logs) through it once more.
+everything the patterns find, with ``<redacted>`` in any text. Once taught, it is frozen (:meth:`Redactor.freeze`):
+from then on it learns nothing from the text it scrubs, so a word that a file happens to assign to a secret-named
+key (``password=password`` in a library's source) is redacted there, by the pattern, and nowhere else.
+:func:`guard` makes every :func:`trainer.publish.atomic_write` under a run directory pass through it, and
+:func:`sweep` passes the files others wrote there (Hydra's ``.hydra/``, workers' logs) through it once more, except
+the folders it is told are verbatim copies of content verified by digest (a run's ``image/``).
 """
 
 from __future__ import annotations
@@ -75,10 +78,17 @@ class Redactor:
 
     def __init__(self) -> None:
         self.known: Set[str] = set()
+        self.frozen = False
+
+    def freeze(self) -> "Redactor":
+        """Stop learning: later :meth:`scrub` calls redact what the patterns find in place but add no value to
+        :attr:`known` (the run's secrets come from its overrides and environment, never from files)."""
+        self.frozen = True
+        return self
 
     def _keep(self, value: str) -> None:
         value = value.strip("'\"")
-        if len(value) >= MIN_LEARNED and not _reference(value):
+        if not self.frozen and len(value) >= MIN_LEARNED and not _reference(value):
             self.known.add(value)
 
     def learn_env(self, env: Mapping[str, object]) -> "Redactor":
@@ -175,12 +185,20 @@ def redactor_for(path: Path) -> Optional[Redactor]:
 SWEEP_MAX_BYTES = 256 << 20
 
 
-def sweep(directory: Path, redactor: Redactor) -> List[str]:
-    """Pass every regular file under ``directory`` (not following links) through ``redactor``; rewrite the files
-    that changed (atomically, keeping their mode: :func:`scrub_file`). Returns their paths relative to
-    ``directory``, sorted."""
+def sweep(directory: Path, redactor: Redactor, verbatim: Iterable[str] = ()) -> List[str]:
+    """Pass every regular file under ``directory`` (not following links) through ``redactor``, except those under
+    the folders ``verbatim`` names (paths relative to ``directory``: copies of content verified by digest, which a
+    rewrite would make untrue); rewrite the files that changed (atomically, keeping their mode: :func:`scrub_file`).
+    Returns their paths relative to ``directory``, sorted."""
     directory = Path(directory)
-    return [str(path.relative_to(directory)) for path in sorted(directory.rglob("*")) if scrub_file(path, redactor)]
+    skipped = [directory / name for name in verbatim]
+    changed = []
+    for path in sorted(directory.rglob("*")):
+        if any(path == top or top in path.parents for top in skipped):
+            continue
+        if scrub_file(path, redactor):
+            changed.append(path.relative_to(directory).as_posix())
+    return changed
 
 
 def scrub_file(path: Path, redactor: Redactor) -> bool:
@@ -198,9 +216,9 @@ def scrub_file(path: Path, redactor: Redactor) -> bool:
     return clean != data
 
 
-def resweep(directory: Path) -> None:
-    """Pass the files others wrote into the guarded ``directory`` (Hydra's, the workers') through its redactor now,
-    so that hashes taken next are those of the files as they stay; nothing happens outside a guarded directory."""
+def resweep(directory: Path, verbatim: Iterable[str] = ()) -> List[str]:
+    """Pass the files others wrote into the guarded ``directory`` (Hydra's, the workers') through its redactor now
+    (:func:`sweep`, ``verbatim`` folders aside), so that hashes taken next are those of the files as they stay;
+    nothing happens outside a guarded directory. Returns the paths it rewrote."""
     redactor = redactor_for(directory)
-    if redactor is not None:
-        sweep(directory, redactor)
+    return sweep(directory, redactor, verbatim) if redactor is not None else []

@@ -32,8 +32,8 @@ from trainer.compose.compose import CONF_DIR
 from trainer.compose.prepare import PreparedRun, prepare
 from trainer.errors import UserError
 from trainer.record.attest import take_sign_key
-from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, INTERRUPTED, PLANNED, RUNNING, RunDir,
-                                   claim_run_dir, others_in)
+from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, INTERRUPTED, PLANNED, RUNNING, VERBATIM,
+                                   RunDir, claim_run_dir, others_in)
 from trainer.redact import Redactor, guard, scrub_file, sweep
 
 SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
@@ -53,9 +53,10 @@ def main() -> None:
         sys.exit(2)
     RUN_DIR_MODE = modes[0] if modes else "new"
     try:
-        sys.argv[1:], SIGNER = take_sign_key(sys.argv[1:])
-        COMMAND_LINE = list(sys.argv[1:])
-        single = prepare_command_line(sys.argv[1:])
+        argv, SIGNER = take_sign_key(sys.argv[1:])
+        COMMAND_LINE = list(argv)
+        single = prepare_command_line(argv)
+        sys.argv[1:] = argv  # the run directory's override made literal: what Hydra reads (a multirun, --cfg, ...)
     except UserError as err:
         print(f"train: error: {err}", file=sys.stderr)
         sys.exit(err.exit_code)
@@ -68,10 +69,19 @@ def main() -> None:
 
 def prepare_command_line(argv: List[str]):
     """:func:`trainer.compose.commandline.prepare_jobs`, then the run directory the command line names claimed
-    (:func:`trainer.record.rundir.claim_run_dir`). Raises :class:`UserError` (one line)."""
-    single, named = commandline.prepare_jobs(argv)
+    (:func:`trainer.record.rundir.claim_run_dir`, in :data:`RUN_DIR_MODE`; for ``--resume`` with the job's
+    ``composition_sha256``, :meth:`~trainer.compose.prepare.PreparedRun.record_fields`). ``argv`` is rewritten in
+    place: a run-directory override with an interpolation becomes the literal it resolved to, the directory
+    claimed and the one Hydra then uses. Returns the single plain run (or None: Hydra's entry point runs the
+    command line). Raises :class:`UserError` (one line)."""
+    single, named, literal = commandline.prepare_jobs(argv)
     if named:
-        claim_run_dir(named[1], RUN_DIR_MODE, named[0])
+        composition = None
+        if RUN_DIR_MODE == "resume":
+            jobs = list(commandline.PREPARED.values())
+            composition = jobs[0].record_fields()["composition_sha256"] if len(jobs) == 1 else None
+        claim_run_dir(named[1], RUN_DIR_MODE, named[0], composition=composition)
+    argv[:] = literal
     return single
 
 
@@ -134,11 +144,11 @@ def run(cfg: DictConfig) -> None:
 
 def sweep_redactor() -> Redactor:
     """A redactor that knows the secrets of every job of the command line: the overrides as typed (a sweep
-    ``+env.HF_TOKEN=a,b`` whole) and as each prepared job got them, and each job's environment block."""
+    ``+env.HF_TOKEN=a,b`` whole) and as each prepared job got them, and each job's environment block; frozen."""
     redactor = Redactor().learn_overrides(COMMAND_LINE)
     for job in commandline.PREPARED.values():
         learn_secrets(redactor, job)
-    return redactor
+    return redactor.freeze()
 
 
 def learn_secrets(redactor: Redactor, prepared: PreparedRun) -> Redactor:
@@ -156,12 +166,13 @@ def guarded(prepared: PreparedRun, run_dir: Path) -> None:
         print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
               file=sys.stderr)
         sys.exit(2)
-    redactor = learn_secrets(Redactor(), prepared)
+    redactor = learn_secrets(Redactor(), prepared).freeze()
     guard(run_dir, redactor)
     try:
         run_one(prepared, run_dir)
     finally:
-        sweep(run_dir, redactor)
+        if sweep(run_dir, redactor, VERBATIM):  # a late rewrite: the record's hashes and the attestation follow it
+            RunDir(run_dir).reseal(SIGNER)
 
 
 if __name__ == "__main__":

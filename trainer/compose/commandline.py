@@ -7,45 +7,63 @@ jobs of a multirun, which Hydra's sweeper runs) and writes nothing: ``train`` cl
 command line names only once every job was prepared. :func:`hydra_run` is where the writing starts: it runs a
 single job from its one composition (``hydra.core.utils.run_job``: Hydra makes the run directory, writes
 ``.hydra/`` and ``train.log``).
+
+A run directory named on the command line with an interpolation (``hydra.run.dir='${oc.env:PWD}'``,
+``outputs/${now:%H-%M-%S}``) is resolved once, here (:func:`resolve_run_dir`), and the override replaced by the
+literal it resolved to, on the command line Hydra then reads and in the composition :func:`hydra_run` runs: the
+directory ``train`` claims is the one Hydra writes.
 """
 
 from __future__ import annotations
 
+import pickle
+import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+from omegaconf.errors import OmegaConfBaseException
 
-from trainer.compose.compose import expand_sweep, session
+from trainer.compose.compose import describe_error, expand_sweep, session
 from trainer.compose.prepare import PreparedRun, prepare
 from trainer.errors import UserError
+from trainer.redact import redact_argv
 
 # The jobs of the command line, prepared before any runs: their task overrides -> PreparedRun.
 PREPARED: Dict[Tuple[str, ...], PreparedRun] = {}
 
 
-def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, PreparedRun]], Optional[Tuple[str, str]]]:
-    """Prepare every job of a command line before any runs (into :data:`PREPARED`).
+def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, PreparedRun]], Optional[Tuple[str, str]],
+                                          List[str]]:
+    """Prepare every job of a command line before any runs (into :data:`PREPARED`, emptied first).
 
-    Returns (``single``, ``named``): ``single`` is (the composition with its ``hydra`` node, Hydra's config
-    loader or None when every composition came from the cache, the prepared run) of a single plain run, which
-    :func:`hydra_run` then runs, or None when Hydra's own entry point is to run the command line (a multirun,
-    also one chosen by ``hydra.mode=MULTIRUN``; ``--cfg``, ``--help``, ...); ``named`` is (``hydra.run.dir`` or
-    ``hydra.sweep.dir``, its value) when the command line names the run directory, else None.
+    Returns (``single``, ``named``, ``argv``): ``single`` is (the composition with its ``hydra`` node, Hydra's
+    config loader or None when every composition came from the cache, the prepared run) of a single plain run,
+    which :func:`hydra_run` then runs, or None when Hydra's own entry point is to run the command line (a
+    multirun, also one chosen by ``hydra.mode=MULTIRUN``; ``--cfg``, ``--help``, ...); ``named`` is
+    (``hydra.run.dir``, or ``hydra.sweep.dir`` for a multirun, and its value as Hydra will use it: interpolations
+    resolved, :func:`resolve_run_dir`) when the command line names the run directory, else None; ``argv`` is the
+    command line to hand to Hydra: ``argv`` itself, or a copy whose run-directory override is that literal value
+    (the composition in ``single`` has it too).
 
-    Raises :class:`UserError` (one line) on a bad override, composition or check.
+    Raises :class:`UserError` (one line) on a bad override, composition or check, and on a run directory whose
+    value cannot be resolved (naming the field).
     """
     from hydra._internal.utils import get_args_parser
 
+    PREPARED.clear()
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
-        return None, None
+        return None, None, list(argv)
     jobs = expand_sweep(args.overrides)
     if len(jobs) > 1 and not args.multirun:
         raise UserError(f"{' '.join(args.overrides)}: a sweep needs multirun (-m)")
+    modes = [o.partition("=")[2] for o in args.overrides if o.lstrip("+").startswith("hydra.mode=")]
+    multirun = bool(args.multirun or (modes and modes[-1] == "MULTIRUN"))
     plain = not args.multirun and not (args.config_path or args.config_name or args.config_dir
-                                       or args.experimental_rerun
-                                       or any(o.startswith("hydra.mode=") for o in args.overrides))
-    single = None
+                                       or args.experimental_rerun or modes)
+    field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    given = [o for o in args.overrides if _override_key(o) == field]
+    single, named, argv = None, None, list(argv)
     with session() as composer:
         for job in jobs:
             try:
@@ -56,9 +74,114 @@ def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, Prepa
             except UserError as err:
                 raise UserError(f"{' '.join(job) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)) from None
             single = (full, composer.config_loader, prepared) if plain else None
-    field = "hydra.sweep.dir" if args.multirun else "hydra.run.dir"
-    given = [o.partition("=")[2] for o in args.overrides if o.lstrip("+").startswith(f"{field}=")]
-    return single, ((field, given[-1]) if given else None)
+        if given:
+            if any(_is_sweep(o) for o in given):
+                raise UserError(f"{redact_argv(given)[-1]}: a sweep over {field} (one run directory per command "
+                                "line: name one)")
+            # the directory as Hydra will use it: from the composition of the (first) job with the hydra node
+            composed = single[0] if single is not None else composer.compose(
+                [*jobs[0], f"hydra.mode={'MULTIRUN' if multirun else 'RUN'}"], hydra_node=True)
+            raw, literal = resolve_run_dir(composed, field, given[-1])
+            if raw != literal:  # an interpolation: Hydra gets the literal, resolved once
+                argv = literal_override(argv, given, field, literal)
+                if single is not None:
+                    literal_composition(single[0], field, literal)
+            named = (field, literal)
+    return single, named, argv
+
+
+def _is_sweep(override: str) -> bool:
+    """Whether Hydra reads ``override`` as a sweep (``a,b``, ``range(...)``, ``choice(...)``, ``glob(...)``)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    return OverridesParser.create().parse_override(override).is_sweep_override()  # it parsed once already
+
+
+def _override_key(override: str) -> str:
+    """The key an override sets (``+hydra.run.dir=x`` -> ``hydra.run.dir``; spaces around ``=`` dropped)."""
+    return override.partition("=")[0].strip().lstrip("+~").strip()
+
+
+def resolve_run_dir(composed: DictConfig, field: str, override: str) -> Tuple[str, str]:
+    """The value of ``field`` (``hydra.run.dir`` or ``hydra.sweep.dir``) in ``composed`` (a composition with its
+    ``hydra`` node) as typed and as Hydra will use it: every interpolation resolved once, with Hydra's resolvers
+    (``now``, ``hydra:``, with :class:`~hydra.core.hydra_config.HydraConfig` set to a copy of the composition for
+    the time it takes; ``oc.env``, ...). ``override`` (the override that set it) names it in errors. Nothing is
+    changed: ``composed`` and Hydra's global state are left as they were.
+
+    Raises :class:`UserError` (one line naming ``field``) when the value cannot be resolved, resolves to null or
+    to a value that holds an interpolation again.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    shown = redact_argv([override])[0]
+    parent_key, _, leaf = field.rpartition(".")
+    raw = OmegaConf.to_container(OmegaConf.select(composed, parent_key), resolve=False).get(leaf)
+    if raw is None:
+        raise UserError(f"{shown}: {field} is null (a run needs its own directory)")
+    if not isinstance(raw, str) or "${" not in raw:
+        return str(raw), str(raw)
+    probe = pickle.loads(pickle.dumps(composed, protocol=pickle.HIGHEST_PROTOCOL))  # HydraConfig makes it read-only
+    instance = HydraConfig.instance()
+    before = instance.cfg
+    try:
+        instance.set_config(probe)
+        value = OmegaConf.select(probe, field, throw_on_resolution_failure=True)
+    except (OmegaConfBaseException, ValueError, KeyError, TypeError) as ex:
+        raise UserError(f"{shown}: {field} cannot be resolved ({describe_error(ex)})") from None
+    finally:
+        instance.cfg = before
+    if value is None:
+        raise UserError(f"{shown}: {field} resolves to null (a run needs its own directory)")
+    value = str(value)
+    if "${" in value:
+        raise UserError(f"{shown}: {field} resolves to {value!r}, which holds an interpolation again")
+    return raw, value
+
+
+def quote_override_value(value: str) -> str:
+    """``value`` as a single-quoted value of Hydra's override grammar: quotes and the backslashes before them (or
+    before the closing quote) escaped, so that the override parses back to ``value`` exactly."""
+    body = re.sub(r"(\\*)'", lambda m: m.group(1) * 2 + "\\'", value)
+    trailing = len(body) - len(body.rstrip("\\"))
+    return "'" + body + "\\" * trailing + "'"
+
+
+def literal_override(words: List[str], given: List[str], field: str, literal: str) -> List[str]:
+    """A copy of ``words`` (a command line) whose overrides ``given`` (those that set ``field``) set it to
+    ``literal`` instead, each with its own ``+``/``++`` prefix (:func:`quote_override_value`). Raises
+    :class:`UserError` when Hydra would not read the override back as ``literal`` (a value the override grammar
+    cannot carry)."""
+    return [_literal(word, field, literal) if word in given else word for word in words]
+
+
+def _literal(override: str, field: str, literal: str) -> str:
+    """``override`` (one that sets ``field``) setting it to ``literal``, checked by Hydra's parser."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    prefix = override[:len(override) - len(override.lstrip("+"))]
+    new = f"{prefix}{field}={quote_override_value(literal)}"
+    try:
+        parsed = OverridesParser.create().parse_override(new)
+        same = not parsed.is_sweep_override() and parsed.value() == literal
+    except HydraException:
+        same = False
+    if not same:
+        raise UserError(f"{field}: resolves to {literal!r}, which a Hydra override cannot carry; "
+                        "name the directory without an interpolation")
+    return new
+
+
+def literal_composition(composed: DictConfig, field: str, literal: str) -> None:
+    """Set ``field`` of ``composed`` (a composition with its ``hydra`` node) to ``literal``, and in Hydra's record
+    of the overrides (``hydra.overrides.hydra``, which ``.hydra/hydra.yaml`` keeps; Hydra stores them escaped)
+    replace each that sets ``field`` by the literal override (:func:`literal_override`)."""
+    with read_write(composed.hydra), open_dict(composed.hydra):
+        OmegaConf.update(composed, field, literal, merge=False)
+        typed = OmegaConf.to_container(composed.hydra.overrides, resolve=False).get("hydra") or []
+        composed.hydra.overrides.hydra = [_literal(word, field, literal) if _override_key(word) == field else word
+                                          for word in typed]
 
 
 def hydra_run(composed: DictConfig, config_loader: Any, prepared: PreparedRun,

@@ -56,10 +56,24 @@ class PreparedRun:
 
     def record_fields(self) -> Dict[str, Any]:
         """What every ``record.json`` of this run says about its composition: ``kind`` (``plan`` or ``run``), the
-        launcher, the overrides (secrets redacted), the chosen options, the resolved stack pins and the
-        launcher lock's path."""
-        from trainer.redact import redact_argv
+        launcher, the overrides (secrets redacted), the chosen options, the resolved stack pins, the launcher
+        lock's path and ``composition_sha256``: the sha256 of the canonical JSON
+        (:func:`trainer.record.record.canonical_json`) of the resolved composition
+        (``OmegaConf.to_container(cfg, resolve=True)``), its secrets redacted as ``config.yaml`` has them (the
+        values of the overrides' and the environment block's secret-named keys, URL credentials: a hash of known
+        text and a short secret would give the secret away), so that a run of another composition is known
+        (``--resume``, :func:`trainer.record.rundir.claim_run_dir`). Nothing time-varying is in the composition
+        (Hydra's node, with its run directory and ``now``, is not part of it), so the same command line gives
+        the same hash; a field the user sets from ``${now:...}`` or ``${oc.env:...}`` makes it follow that value.
+        Raises what resolving the composition raises (it was resolved once already, by :func:`prepare`)."""
+        import hashlib
 
+        from trainer.record.record import canonical_json
+        from trainer.redact import Redactor, redact_argv
+
+        resolved = OmegaConf.to_container(self.cfg, resolve=True)
+        secrets = Redactor().learn_overrides(list(self.overrides)).learn_env(resolved.get("env") or {}).freeze()
+        text = secrets.scrub(canonical_json(resolved).decode())
         return dict(
             kind="plan" if self.launcher == "plan" else "run",
             launcher=self.launcher,
@@ -67,6 +81,7 @@ class PreparedRun:
             choices=self.choices,
             stack=OmegaConf.to_container(self.cfg.stack, resolve=True),
             lock={"path": "lockfiles/launcher.lock"},
+            composition_sha256=hashlib.sha256(text.encode()).hexdigest(),
         )
 
 

@@ -11,23 +11,33 @@ Envelopes: DSSE v1 (github.com/secure-systems-lab/dsse, envelope.md, protocol.md
 ``dsse.Envelope`` and ``CryptoSigner``; the payload is an in-toto Statement v1.
 
 The run attestation (``attestation.json`` in a run directory, written at the end of every executed run):
-an in-toto Statement v1 whose subjects are the files that say what the run did and the image it ran in::
+an in-toto Statement v1 that names every file of the run directory, so that it vouches for the whole record::
 
-    subject:   metrics.jsonl, config.yaml, the data manifest (data/rows/manifest.json, or the rows directory's
-               manifest.json named by paths.prompt_data), and "oci-image" (the image's manifest digest) when
-               the run happened inside a bundle image; names are paths relative to the run directory
-               (absolute for a data manifest outside it), digests sha256
-    predicateType: https://github.com/recipe-bundle/recipe-bundle/attestation/run/v1   (RUN_PREDICATE)
-    predicate: {"run":   {"status", "reason", "launcher", "created_utc", "finished_utc", "host", "bundle"},
+    subject:   every regular file under the run directory but attestation.json itself (record.json, config.yaml,
+               argv.json, env.json, job.json, plan.json, command.sh, metrics.jsonl, probes/, logs/, .hydra/, the
+               rows data/rows/ built for the run, ...), by relative path; the rows a run read from outside it
+               (paths.prompt_data: manifest.json and the files beside it), by absolute path; and "oci-image" (the
+               image's manifest digest) when the run happened inside a bundle image; digests sha256
+    predicateType: https://github.com/recipe-bundle/recipe-bundle/attestation/run/v2   (RUN_PREDICATE)
+    predicate: {"run":   {"status", "reason", "launcher", "created_utc", "finished_utc", "host", "bundle", "steps"},
                 "probes": {"ranks": [the probe of every rank, record.json's probe.ranks],
                            "nodes": {NODE: the probe of each node, probes/NODE.json}},
-                "verify": {"lock": the lock verified against, "ok": bool, "rows": [trainer verify's rows]}}
+                "verify": {"lock": {"path", "base": "bundle" | "run" | "absolute", "sha256"}, "ok": bool,
+                           "rows": [trainer verify's rows]},
+                "unsigned": ["attestation.json"]}
+
+A run directory is sealed in one order (:meth:`trainer.record.rundir.RunDir.seal`): the files others wrote are
+scrubbed of secrets, ``record.json`` gets the sha256 of every other file and the attestation's path and key id,
+and is saved; then the statement is made from the files as they stay and written. Nothing is written after it; a
+later change (a Slurm job's late log) fails verification until the run is attested again.
 
 With a signing key (``train ... --sign-key KEY``) the file is the DSSE envelope of that statement; without
 one, the bare statement (``trainer attest RUN_DIR [--sign-key KEY]`` writes it for a run that ended outside
-``train``, a Slurm job). ``trainer verify RUN_DIR --key KEY.pub`` checks the signature with the public key
-and every file subject's sha256; ``trainer verify IMAGE --key KEY.pub`` checks an image's signed provenance
-(subject = the image's manifest digest) and that its SBOM referrers are the byproducts it names.
+``train``, a Slurm job). ``trainer verify RUN_DIR --key KEY.pub`` checks the signature with the public key, that
+the directory holds exactly the files named (none added, removed, changed or made a link) and the outside rows,
+and then computes its verdict from what was signed (:func:`check_run`, :mod:`trainer.record.verify`);
+``trainer verify IMAGE --key KEY.pub`` checks an image's signed provenance (subject = the image's manifest
+digest) and that its SBOM referrers are the byproducts it names.
 """
 
 from __future__ import annotations
@@ -36,6 +46,8 @@ import binascii
 import hashlib
 import json
 import os
+import stat
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -44,8 +56,9 @@ from trainer.errors import UserError
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
-RUN_PREDICATE = f"{PROJECT_URL}/attestation/run/v1"
+RUN_PREDICATE = f"{PROJECT_URL}/attestation/run/v2"
 ATTESTATION = "attestation.json"
+UNSIGNED = (ATTESTATION,)  # the files of a run directory its attestation does not name: only itself
 IMAGE_SUBJECT = "oci-image"
 KEY_TYPES = ("ed25519", "ecdsa")
 
@@ -242,11 +255,76 @@ def data_manifest(run_dir: Path) -> Optional[Path]:
     return None
 
 
-def _subject_name(run_dir: Path, path: Path) -> str:
+def walk(root: Path) -> Tuple[List[str], List[str]]:
+    """(the regular files under ``root``, every other entry that is not a directory: symbolic links, fifos,
+    sockets, devices), each as a POSIX path relative to ``root``, sorted; links are not followed."""
+    files: List[str] = []
+    odd: List[str] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        base = Path(dirpath)
+        for name in list(dirnames):
+            if (base / name).is_symlink():
+                dirnames.remove(name)
+                odd.append((base / name).relative_to(root).as_posix())
+        for name in filenames:
+            path = base / name
+            rel = path.relative_to(root).as_posix()
+            (files if stat.S_ISREG(os.lstat(path).st_mode) else odd).append(rel)
+    return sorted(files), sorted(odd)
+
+
+def run_files(run_dir: Path) -> List[str]:
+    """The files of ``run_dir`` its attestation names: every regular file under it but ``attestation.json``
+    (:data:`UNSIGNED`), as relative POSIX paths, sorted. Raises :class:`UserError` for a symbolic link or another
+    entry that is neither a file nor a directory: a signed run directory holds regular files only."""
+    files, odd = walk(run_dir)
+    if odd:
+        raise UserError(f"{run_dir / odd[0]}: a symbolic link or special file; a run directory holds regular files only")
+    return [name for name in files if name not in UNSIGNED]
+
+
+def external_rows(run_dir: Path) -> List[Path]:
+    """The files of the rows directory a run read from outside its run directory (``paths.prompt_data``: its
+    ``manifest.json`` and every regular file beside it, the parquet rows among them), absolute, sorted; [] when
+    the rows are the run's own (``data/rows/``, named with the run directory's files) or there are none."""
+    manifest = data_manifest(run_dir)
+    if manifest is None:
+        return []
+    rows_dir = manifest.parent.resolve()
     try:
-        return path.resolve().relative_to(run_dir.resolve()).as_posix()
+        rows_dir.relative_to(run_dir.resolve())
+        return []
     except ValueError:
-        return str(path.resolve())
+        pass
+    files, _ = walk(rows_dir)
+    return [rows_dir / name for name in files]
+
+
+def lock_subject(lock_path: Path, run_dir: Path) -> Dict[str, Any]:
+    """How a statement names the lock a run was verified against: ``{"path", "base", "sha256"}``, ``base``
+    ``run`` (a path inside the run directory: an image's stamped lock), ``bundle`` (inside this bundle's tree,
+    ``lockfiles/launcher.lock``) or ``absolute``. Raises :class:`UserError` when the lock cannot be read."""
+    from trainer import REPO_ROOT
+
+    try:
+        digest = _sha256(lock_path)
+    except OSError as ex:
+        raise UserError(f"{lock_path}: lock not readable ({ex.strerror})") from None
+    resolved = lock_path.resolve()
+    for base, root in (("run", run_dir.resolve()), ("bundle", REPO_ROOT.resolve())):
+        try:
+            return {"path": resolved.relative_to(root).as_posix(), "base": base, "sha256": digest}
+        except ValueError:
+            continue
+    return {"path": str(resolved), "base": "absolute", "sha256": digest}
+
+
+def lock_path_of(lock: Dict[str, Any], run_dir: Path) -> Path:
+    """The file a statement's lock (:func:`lock_subject`) names, for the run directory ``run_dir``."""
+    from trainer import REPO_ROOT
+
+    root = {"run": run_dir, "bundle": REPO_ROOT}.get(str(lock.get("base")))
+    return root / str(lock.get("path")) if root is not None else Path(str(lock.get("path")))
 
 
 def run_probes(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -262,30 +340,37 @@ def run_probes(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     return {"ranks": ranks, "nodes": nodes}
 
 
+def count_steps(data: bytes) -> int:
+    """The number of steps in ``metrics.jsonl`` bytes: its non-empty lines."""
+    return sum(1 for line in data.splitlines() if line.strip())
+
+
 def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
-    """The run attestation statement of ``run_dir`` (see the module docstring) from its files and ``record``."""
+    """The run attestation statement of ``run_dir`` (see the module docstring) from its files and ``record``
+    (which must be saved as ``record.json`` already: it is one of the subjects). Raises :class:`UserError` when
+    the directory holds a link or special file, or its lock cannot be read."""
     from trainer.image.diff import record_image
-    from trainer.record.rundir import CONFIG, METRICS
+    from trainer.record.rundir import METRICS
     from trainer.record.verify import verdict
 
-    subjects = []
-    files = [run_dir / METRICS, run_dir / CONFIG, data_manifest(run_dir)]
-    for path in files:
-        if path is not None and path.is_file():
-            subjects.append({"name": _subject_name(run_dir, path), "digest": {"sha256": _sha256(path)}})
+    subjects = [{"name": name, "digest": {"sha256": _sha256(run_dir / name)}} for name in run_files(run_dir)]
+    subjects += [{"name": str(path), "digest": {"sha256": _sha256(path)}} for path in external_rows(run_dir)]
     image = record_image(record).get("digest")
     if isinstance(image, str) and image.startswith("sha256:"):
         subjects.append({"name": IMAGE_SUBJECT, "digest": {"sha256": image[7:]}})
     if not subjects:
-        raise UserError(f"{run_dir}: nothing to attest (no metrics.jsonl, config.yaml or data manifest)")
+        raise UserError(f"{run_dir}: nothing to attest (an empty run directory)")
     try:
-        checked = verdict(record, None) if record.get("probe") else {"ok": None, "reason": "no probe"}
+        checked = verdict(record, None, run_dir) if record.get("probe") else {"ok": None, "reason": "no probe"}
     except UserError as err:
         checked = {"ok": None, "reason": str(err)}
     run = {k: record.get(k) for k in ("status", "reason", "launcher", "created_utc", "finished_utc", "host", "bundle")
            if record.get(k) is not None}
+    metrics = run_dir / METRICS
+    run["steps"] = count_steps(metrics.read_bytes()) if metrics.is_file() else 0
     return {"_type": STATEMENT_TYPE, "subject": subjects, "predicateType": RUN_PREDICATE,
-            "predicate": {"run": run, "probes": run_probes(run_dir, record), "verify": checked}}
+            "predicate": {"run": run, "probes": run_probes(run_dir, record), "verify": checked,
+                          "unsigned": list(UNSIGNED)}}
 
 
 def take_sign_key(argv: List[str]) -> Tuple[List[str], Any]:
@@ -307,25 +392,18 @@ def take_sign_key(argv: List[str]) -> Tuple[List[str], Any]:
     return out, (load_signer(Path(key)) if key is not None else None)
 
 
-def attest_run(run_dir: Path, record: Dict[str, Any], signer=None) -> None:
-    """Write the run's ``attestation.json`` (:func:`write_run_attestation`, signed by ``signer`` when given) and name
-    it in ``record``; a failure to attest is recorded there, never fatal. The files under a guarded run directory
-    are redacted first (:func:`trainer.redact.resweep`): the attestation hashes them as they stay."""
-    from trainer.redact import resweep
-
-    resweep(run_dir)
-    try:
-        record["attestation"] = write_run_attestation(run_dir, record, signer)
-    except (UserError, OSError, ValueError) as err:
-        record["attestation"] = {"error": " ".join(str(err).split())}
-
-
 def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) -> Dict[str, Any]:
     """Write ``run_dir/attestation.json`` (the statement, or its DSSE envelope when ``signer`` is given),
-    atomically; return ``{"path", "sha256", "signed_by"}`` for the run record."""
+    atomically, from the files as they are now (``record`` must be saved as ``record.json`` already: the sealing
+    order is :meth:`trainer.record.rundir.RunDir.seal`'s). The statement passes through the run directory's
+    redactor before it is signed, so no secret reaches the signed payload either. Returns ``{"path", "sha256",
+    "signed_by"}``."""
     from trainer.publish import atomic_write
+    from trainer.redact import redactor_for
 
-    data = (json.dumps(run_statement(run_dir, record), indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    text = json.dumps(run_statement(run_dir, record), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    redactor = redactor_for(run_dir)
+    data = (redactor.scrub(text) if redactor is not None else text).encode()
     if signer is not None:
         data = sign(data, signer)
     atomic_write(run_dir / ATTESTATION, data)
@@ -333,9 +411,34 @@ def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) ->
             "signed_by": signer.public_key.keyid if signer is not None else None}
 
 
-def check_run(run_dir: Path, key) -> Dict[str, Any]:
-    """Verify ``run_dir/attestation.json`` with the public ``key``: the signature, then every file subject's
-    sha256 against the file now. Returns the statement; raises :class:`VerificationFailed` (one line)."""
+@dataclass
+class SignedRun:
+    """A run directory whose attestation verified: the signed ``statement`` and the bytes of the files a verdict
+    reads (``record.json``, ``metrics.jsonl`` where present), as they were hashed."""
+
+    statement: Dict[str, Any]
+    files: Dict[str, bytes]
+
+    @property
+    def record(self) -> Dict[str, Any]:
+        """The signed ``record.json``, parsed."""
+        return json.loads(self.files[RECORD_NAME])
+
+    @property
+    def predicate(self) -> Dict[str, Any]:
+        """The statement's predicate (run, probes, verify)."""
+        return self.statement.get("predicate") or {}
+
+
+READ_BACK = ("record.json", "metrics.jsonl")  # the subjects check_run keeps the bytes of
+RECORD_NAME = READ_BACK[0]
+
+
+def check_run(run_dir: Path, key) -> SignedRun:
+    """Verify ``run_dir/attestation.json`` with the public ``key``: the signature, then that the run directory holds
+    exactly the files the statement names (one added, removed, changed, or turned into a link fails; only
+    ``attestation.json`` itself is unsigned) and that the outside rows it names are intact. Returns the
+    :class:`SignedRun`; raises :class:`VerificationFailed` (one line)."""
     path = run_dir / ATTESTATION
     try:
         data = path.read_bytes()
@@ -343,49 +446,113 @@ def check_run(run_dir: Path, key) -> Dict[str, Any]:
         raise UserError(f"{path}: no attestation (runs write one when they end; this run predates it or did not end)") from None
     statement = open_envelope(data, key, str(path))
     if statement.get("predicateType") != RUN_PREDICATE:
-        raise VerificationFailed(f"{path}: predicateType {statement.get('predicateType')!r}, expected {RUN_PREDICATE}")
+        raise VerificationFailed(f"{path}: predicateType {statement.get('predicateType')!r}, expected {RUN_PREDICATE} "
+                                 "(an attestation of an older bundle names only some files; attest the run again)")
+    inside: Dict[str, str] = {}
+    outside: Dict[str, str] = {}
     for subject in statement["subject"]:
-        name, want = subject["name"], subject["digest"].get("sha256")
+        name, want = str(subject["name"]), subject["digest"].get("sha256")
         if name == IMAGE_SUBJECT:
             continue
-        target = Path(name) if Path(name).is_absolute() else run_dir / name
-        if not target.is_file():
+        if Path(name).is_absolute():
+            outside[name] = want
+        elif name in UNSIGNED or ".." in Path(name).parts or name != Path(name).as_posix() or name in ("", "."):
+            raise VerificationFailed(f"{path}: subject {name!r} is not a file path inside the run directory")
+        else:
+            inside[name] = want
+    if RECORD_NAME not in inside:
+        raise VerificationFailed(f"{path}: the statement does not name {RECORD_NAME}")
+    files, odd = walk(run_dir)
+    if odd:
+        raise VerificationFailed(f"{path}: {odd[0]} is a symbolic link or special file; the attestation names "
+                                 "regular files only")
+    present = set(files) - set(UNSIGNED)
+    added = sorted(present - set(inside))
+    if added:
+        raise VerificationFailed(f"{path}: {added[0]} is not named by the attestation (added after signing"
+                                 + (f"; {len(added) - 1} more)" if len(added) > 1 else ")"))
+    kept: Dict[str, bytes] = {}
+    for name, want in sorted(inside.items()):
+        target = run_dir / name
+        if name not in present:
             raise VerificationFailed(f"{path}: subject {name} is missing ({target})")
-        have = _sha256(target)
+        content = target.read_bytes()
+        have = hashlib.sha256(content).hexdigest()
         if have != want:
             raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
                                      "(the file changed after the run)")
-    return statement
+        if name in READ_BACK:
+            kept[name] = content
+    for name, want in sorted(outside.items()):
+        target = Path(name)
+        if target.is_symlink() or not target.is_file():
+            raise VerificationFailed(f"{path}: subject {name} is missing or not a regular file")
+        have = _sha256(target)
+        if have != want:
+            raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
+                                     "(the rows changed after the run)")
+    try:
+        record = json.loads(kept[RECORD_NAME])
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise VerificationFailed(f"{path}: the signed {RECORD_NAME} is not valid JSON") from None
+    if not isinstance(record, dict) or record.get("status") != (statement.get("predicate") or {}).get("run", {}).get("status"):
+        raise VerificationFailed(f"{path}: the signed {RECORD_NAME} and the statement disagree on the run's status")
+    return SignedRun(statement, kept)
 
 
 def check_image(image_path: Path, key) -> Dict[str, Any]:
-    """Verify an image's signed provenance with the public ``key``: the signature, subject = the image's
-    manifest digest, and each SBOM referrer's sha256 = the byproduct the provenance names. Returns the
-    statement; raises :class:`VerificationFailed` / :class:`UserError` (one line)."""
+    """Verify an image's signed provenance with the public ``key``: the layout's referrers bind
+    (:func:`trainer.image.referrers.bound`: each reads back, one per artifactType, one provenance), the
+    signature, subject = the image's manifest digest, predicateType SLSA provenance; then every byproduct it
+    names with a document media type (the SBOMs) is the referrer attached with that sha256, every attached
+    referrer is named, and every layer it names (by diff_id) is one of the image's. Returns the statement;
+    raises :class:`VerificationFailed` (exit 1, one line) for a layout that fails any of these and
+    :class:`UserError` for one that cannot be read (a docker-archive, a corrupt image blob)."""
     from trainer.image import provenance, referrers
     from trainer.image.oci import digest_of, open_image
 
     image = open_image(Path(image_path))
     if image.index is None:
         raise UserError(f"{image_path}: a docker-archive cannot carry referrers; verify the OCI layout or oci-archive")
-    _, data = referrers.find(image, (referrers.MT_DSSE, provenance.INTOTO_MEDIA_TYPE), provenance.SLSA_PROVENANCE)
+    try:
+        attached = referrers.bound(image)
+    except UserError as err:
+        raise VerificationFailed(str(err)) from None
+    kinds = [kind for kind in referrers.PROVENANCE_TYPES if kind in attached]
+    if not kinds:
+        raise VerificationFailed(f"{image_path}: no provenance referrer ({' or '.join(referrers.PROVENANCE_TYPES)}) is "
+                                 f"attached to {image.manifest_digest}")
     where = f"{image_path} provenance"
-    statement = open_envelope(data, key, where)
+    statement = open_envelope(attached[kinds[0]].data, key, where)
     digests = [s["digest"].get("sha256") for s in statement["subject"]]
     if image.manifest_digest[7:] not in digests:
         raise VerificationFailed(f"{where}: subject sha256 {', '.join(map(str, digests))} is not this image's manifest "
                                  f"{image.manifest_digest}")
-    attached = {}
-    for descriptor in referrers.listed(image):
-        if descriptor["artifactType"] in (referrers.MT_DSSE, provenance.INTOTO_MEDIA_TYPE):
+    if statement.get("predicateType") != provenance.SLSA_PROVENANCE:
+        raise VerificationFailed(f"{where}: predicateType {statement.get('predicateType')!r}, not "
+                                 f"{provenance.SLSA_PROVENANCE}")
+    byproducts = ((statement.get("predicate") or {}).get("runDetails") or {}).get("byproducts") or []
+    if not isinstance(byproducts, list) or not all(isinstance(b, dict) for b in byproducts):
+        raise VerificationFailed(f"{where}: runDetails.byproducts is not a list of resource descriptors")
+    layers = {layer.diff_id[7:] for layer in image.layers}
+    named = set()
+    for item in byproducts:
+        media, sha = item.get("mediaType"), (item.get("digest") or {}).get("sha256")
+        if str(media).startswith(("application/vnd.oci.image.layer.", "application/vnd.docker.image.rootfs.")):
+            if sha not in layers:  # the layers the build made, by diff_id (= digest: they are uncompressed)
+                raise VerificationFailed(f"{where}: the signed provenance names {item.get('name', 'a layer')} "
+                                         f"sha256 {sha}; the image {image.manifest_digest} has no such layer")
             continue
-        _, doc = referrers.read(image, descriptor)
-        attached[descriptor["artifactType"]] = digest_of(doc)[7:]
-    for item in statement["predicate"].get("runDetails", {}).get("byproducts", []):
-        media = item.get("mediaType")
-        if media in attached and attached[media] != item.get("digest", {}).get("sha256"):
-            raise VerificationFailed(f"{where}: the attached {media} has sha256 {attached[media]}, the signed provenance "
-                                     f"names {item['digest'].get('sha256')}")
+        named.add(media)
+        if media not in attached:
+            raise VerificationFailed(f"{where}: the signed provenance names {media} sha256 {sha}; none is attached")
+        if digest_of(attached[media].data)[7:] != sha:
+            raise VerificationFailed(f"{where}: the attached {media} has sha256 {digest_of(attached[media].data)[7:]}, "
+                                     f"the signed provenance names {sha}")
+    for media, found in attached.items():
+        if media not in named and media not in referrers.PROVENANCE_TYPES:
+            raise VerificationFailed(f"{where}: a {media} referrer {found.descriptor.get('digest')} (document sha256 "
+                                     f"{digest_of(found.data)[7:]}) is attached; the signed provenance names none")
     return statement
 
 
@@ -411,7 +578,8 @@ def main(argv: List[str]) -> int:
         raise UserError(f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)")
     if (args.run_dir / ATTESTATION).exists():
         raise UserError(f"{args.run_dir / ATTESTATION}: exists (an attestation is written once)")
-    record["attestation"] = write_run_attestation(args.run_dir, record, signer)
-    rundir.save_record(record)
+    record = rundir.seal(record, signer)
+    if "error" in record["attestation"]:
+        raise UserError(f"{args.run_dir}: not attested: {record['attestation']['error']}")
     print(f"{args.run_dir / ATTESTATION}: " + (f"signed by {signer.public_key.keyid}" if signer else "unsigned"))
     return 0

@@ -46,6 +46,9 @@ JOB = "job.json"  # the job a launcher runs or submits: {"argv", "env"} (a worke
 # any launch; job.json is what a launcher runs or submits (RunDir.write_job). The launchers write through RunDir
 # (hashed as written); the files the workers write are hashed once the launch has handed back.
 WORKER_FILES = (METRICS,)
+# Folders of a run directory that hold verbatim copies of content verified by digest (a local-image run's stamped
+# lock, image/lock.json): the secret sweep never rewrites them, so the hashes that cover them stay true.
+VERBATIM = ("image",)
 
 
 
@@ -87,9 +90,10 @@ class RunDir:
         self.path = Path(path)
         self.hashes: Dict[str, str] = {}
 
-    def write(self, name: str, data: bytes, mode: int = 0o666) -> str:
-        """Write ``data`` to ``name`` atomically (:func:`trainer.publish.atomic_write`); keep and return its sha256."""
-        self.hashes[name] = atomic_write(self.path / name, data, mode=mode)
+    def write(self, name: str, data: bytes, mode: int = 0o666, verbatim: bool = False) -> str:
+        """Write ``data`` to ``name`` atomically (:func:`trainer.publish.atomic_write`; ``verbatim``: not scrubbed,
+        for copies of content verified by digest, under :data:`VERBATIM`); keep and return its sha256."""
+        self.hashes[name] = atomic_write(self.path / name, data, mode=mode, verbatim=verbatim)
         return self.hashes[name]
 
     def write_json(self, name: str, obj: Any) -> str:
@@ -146,14 +150,54 @@ class RunDir:
         self.save_record(record)
         return record
 
-    def seal(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
-        """Attest the ended run (``attestation.json``, signed by ``signer`` when given:
-        :func:`trainer.record.attest.attest_run`) and save ``record``; returns it."""
-        from trainer.record.attest import attest_run
+    def hash_tree(self) -> Dict[str, str]:
+        """The sha256 of every regular file of the run directory but ``record.json`` and ``attestation.json``, by
+        relative POSIX path. Raises :class:`UserError` for a link or special file in it
+        (:func:`trainer.record.attest.run_files`)."""
+        import hashlib
 
-        attest_run(self.path, record, signer)
+        from trainer.record.attest import run_files
+
+        return {name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+                for name in run_files(self.path) if name != RECORD}
+
+    def seal(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
+        """Seal the ended run and return its record, saved: the files others wrote scrubbed
+        (:func:`trainer.redact.resweep`; :data:`VERBATIM` aside), ``files_sha256`` re-derived for every file,
+        the attestation named (path, key id) in the record and the record saved, then ``attestation.json``
+        written from the files as they stay (signed by ``signer`` when given:
+        :func:`trainer.record.attest.write_run_attestation`). A failure to attest is recorded as
+        ``attestation.error``, never fatal, and leaves no attestation."""
+        from trainer.record.attest import ATTESTATION, write_run_attestation
+        from trainer.redact import resweep
+
+        resweep(self.path, VERBATIM)
+        (self.path / ATTESTATION).unlink(missing_ok=True)
+        try:
+            record["files_sha256"] = self.hash_tree()
+        except (UserError, OSError) as err:
+            record["attestation"] = {"error": " ".join(str(err).split())}
+            self.save_record(record)
+            return record
+        record["attestation"] = {"path": ATTESTATION,
+                                 "signed_by": signer.public_key.keyid if signer is not None else None}
         self.save_record(record)
+        try:
+            write_run_attestation(self.path, record, signer)
+        except (UserError, OSError, ValueError) as err:
+            (self.path / ATTESTATION).unlink(missing_ok=True)
+            record["attestation"] = {"error": " ".join(str(err).split())}
+            self.save_record(record)
         return record
+
+    def reseal(self, signer: Any = None) -> Optional[Dict[str, Any]]:
+        """Seal an ended run again after a late change to its files (train's last sweep rewrote one): every hash
+        re-derived, the attestation written anew. Returns the record, or None when the run was not sealed (no
+        final record with an attestation), in which case nothing is done."""
+        record = self.load_record()
+        if not record or record.get("status") not in FINAL or "attestation" not in record:
+            return None
+        return self.seal(record, signer)
 
     def finish(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
         """The record of a launch that handed back, completed and saved: what others wrote into the directory
@@ -162,7 +206,7 @@ class RunDir:
         from trainer.redact import resweep
 
         handed_off = record["status"] in HANDED_OFF  # as the launcher says: a submitted job may have moved on since
-        resweep(self.path)
+        resweep(self.path, VERBATIM)
         self.hash_written()
         record = self.hand_back(record)
         if handed_off:
@@ -380,6 +424,16 @@ def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -
 # What `train` itself writes into a run directory before the task runs (Hydra's log and record of the composition).
 HYDRA_FILES = (".hydra", "train.log")
 CLAIM_MODES = ("new", "resume", "overwrite")
+# What a run writes into its directory besides the files its record hashes (files_sha256): the names --overwrite
+# removes (:func:`run_entries`). Folders, removed whole: the job logs, the per-node probes, the rows built for the
+# run (local-cpu), a local-image run's stamped lock, the JIT kernel caches' fallback, Hydra's record.
+DATA, KERNELS, RENDEZVOUS = "data", "kernels", ".rendezvous"  # rows built for a run, kernel caches, gloo's file
+RUN_FOLDERS = (LOGS, PROBES, DATA, "image", KERNELS, HYDRA_FILES[0])
+# Files: the plan's, the launchers', the workers', the record and its attestation, Hydra's log (and probe-rank-N.json,
+# :func:`probe_rank`, one per local rank).
+RUN_FILES = (RECORD, "attestation.json", METRICS, HYDRA_FILES[1], CONFIG, COMMAND, PLAN, ARGV, ENV, JOB, SBATCH, SUBMIT,
+             RUNTIME_ENV, MEGATRON, PROFILE, SANDBOX, PREFLIGHT, RENDEZVOUS)
+RECORD_STATES = (PLANNED, RUNNING, *HANDED_OFF, *FINAL)  # every state a run's record.json can be in
 
 
 def others_in(path: Path) -> List[str]:
@@ -388,15 +442,123 @@ def others_in(path: Path) -> List[str]:
     return sorted(p.name for p in Path(path).iterdir() if p.name not in HYDRA_FILES)
 
 
-def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -> Optional[Path]:
+def run_record(path: Path, where: str) -> Dict[str, Any]:
+    """The record of the run the directory ``path`` holds: a ``record.json`` that is a JSON object of the record's
+    types (:func:`check_record_types`) with a known ``status`` (:data:`RECORD_STATES`) and a ``files_sha256``
+    object. Raises :class:`UserError` (one line starting with ``where``) for a missing, unreadable or other
+    ``record.json`` (one no run wrote)."""
+    try:
+        record = load_record(Path(path))
+    except UserError as ex:
+        raise UserError(f"{where}: its {RECORD} is not a run's record ({ex}); choose a new directory") from None
+    if record is None:
+        raise UserError(f"{where}: holds no {RECORD}; choose a new directory")
+    if record.get("status") not in RECORD_STATES or not isinstance(record.get("files_sha256"), dict):
+        what = (f"status {json.dumps(record.get('status'))[:40]}" if record.get("status") not in RECORD_STATES
+                else "no files_sha256 object")
+        raise UserError(f"{where}: its {RECORD} is not a run's record ({what}); choose a new directory")
+    return record
+
+
+def _probe_rank_file(name: str) -> bool:
+    """Whether ``name`` is a local worker's probe file, ``probe-rank-N.json`` (:func:`probe_rank`)."""
+    rank = name[len("probe-rank-"):-len(".json")] if name.startswith("probe-rank-") and name.endswith(".json") else ""
+    return rank.isdigit() and rank.isascii()
+
+
+def _listed(record: Dict[str, Any]) -> set:
+    """The files ``record`` hashes (``files_sha256``'s keys) that name a place inside the directory: relative POSIX
+    paths without ``..`` (normalised: ``./a`` is ``a``)."""
+    from pathlib import PurePosixPath
+
+    names = set()
+    for key in record.get("files_sha256") or {}:
+        if isinstance(key, str) and key and not key.startswith("/") and "\0" not in key:
+            path = PurePosixPath(key)
+            if ".." not in path.parts and path.as_posix() not in ("", "."):
+                names.add(path.as_posix())
+    return names
+
+
+def run_entries(path: Path, record: Dict[str, Any]) -> tuple[List[Path], List[Path], List[str]]:
+    """What of the directory ``path`` its run ``record`` (:func:`run_record`) accounts for, never following a link:
+    (the entries a run wrote: :data:`RUN_FILES`, ``probe-rank-N.json``, :data:`RUN_FOLDERS` whole, and every file
+    ``files_sha256`` lists; the folders that hold only listed files, deepest first; everything else, as relative
+    paths, a folder with a trailing ``/``). Raises ``OSError`` when a folder cannot be read."""
+    listed = _listed(record)
+    removable: List[Path] = []
+    folders: List[Path] = []
+    foreign: List[str] = []
+
+    def walk(directory: Path, rel: str) -> bool:  # True when every entry of the folder is the run's
+        clean = True
+        for entry in sorted(directory.iterdir()):
+            name = f"{rel}{entry.name}"
+            real_dir = entry.is_dir() and not entry.is_symlink()
+            if not rel and ((entry.name in RUN_FILES or _probe_rank_file(entry.name)) and not real_dir
+                            or entry.name in RUN_FOLDERS and (real_dir or entry.is_symlink())):
+                removable.append(entry)
+            elif name in listed and not real_dir:
+                removable.append(entry)
+            elif real_dir and any(key.startswith(f"{name}/") for key in listed) and walk(entry, f"{name}/"):
+                folders.append(entry)
+            else:
+                clean = False
+                if not (real_dir and any(key.startswith(f"{name}/") for key in listed)):
+                    foreign.append(name + ("/" if real_dir else ""))
+        return clean
+
+    walk(Path(path), "")
+    return removable, folders, foreign
+
+
+def _removal(path: Path, record: Dict[str, Any], where: str) -> tuple[List[Path], List[Path]]:
+    """What --overwrite removes of the run ``record`` describes in ``path``: (the entries, the emptied folders) of
+    :func:`run_entries`. Raises :class:`UserError` (one line starting with ``where``, naming up to 3 of them) when
+    the directory holds anything else, so that nothing at all is removed."""
+    try:
+        removable, folders, foreign = run_entries(path, record)
+    except OSError as ex:
+        raise UserError(f"{where}: not readable ({ex.strerror})") from None
+    if foreign:
+        raise UserError(f"{where}: holds files its run's {RECORD} does not list ({', '.join(foreign[:3])}"
+                        f"{', ...' if len(foreign) > 3 else ''}); --overwrite removes only a run's files: move "
+                        "them away or choose a new directory")
+    return removable, folders
+
+
+def _remove(plan: tuple[List[Path], List[Path]], where: str) -> None:
+    """Remove what :func:`_removal` planned, never following a link. Raises :class:`UserError` when an entry
+    cannot be removed."""
+    import shutil
+
+    removable, folders = plan
+    try:
+        for entry in removable:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+        for folder in folders:  # deepest first: each holds nothing now
+            folder.rmdir()
+    except OSError as ex:
+        raise UserError(f"{where}: cannot remove the old run's {ex.filename} ({ex.strerror})") from None
+
+
+def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir",
+                  composition: Optional[str] = None) -> Path:
     """The one owner of a run directory's place: refuse ``value`` unless a run may be written there.
 
-    ``mode`` ``new`` (default) needs a missing or empty directory (Hydra's own ``.hydra/`` and ``train.log`` aside);
-    ``resume`` also accepts a directory holding a run (a ``record.json``) and writes into it; ``overwrite`` removes
-    that run's files first. A directory holding files that no run wrote is refused in every mode, as are an empty
-    value, the filesystem root, a file, and a place that cannot be written. Returns the path, or None for a value
-    that is only known once Hydra resolves it (an interpolation). Raises :class:`UserError` (one line naming
-    ``field``); nothing is created.
+    ``value`` is the literal directory (interpolations resolved before:
+    :func:`trainer.compose.commandline.resolve_run_dir`). ``mode`` ``new`` (default) needs a missing or empty
+    directory (Hydra's own ``.hydra/`` and ``train.log`` aside); ``resume`` also accepts a directory holding a run
+    (a ``record.json`` of a run: :func:`run_record`) of the same composition (its ``composition_sha256`` equal to
+    ``composition``, the command line's) and writes into it; ``overwrite`` accepts a directory holding a run and
+    nothing else (:func:`run_entries`) and removes that run's files first, only those. A directory holding
+    files that no run wrote is refused in every mode, as are an empty value, an unresolved interpolation, the
+    filesystem root, the current directory, one above it, the home directory, a file, and a place that cannot be
+    written. Returns the path. Raises :class:`UserError` (one line naming ``field``); nothing is created, and
+    nothing is removed unless every check passed.
     """
     import shutil
     import tempfile
@@ -406,22 +568,25 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -
     if not value.strip():
         raise UserError(f"{field}: empty (a run needs its own directory, e.g. {field}=outputs/my-run)")
     if "${" in value:
-        return None
+        raise UserError(f"{field}={value}: an interpolation, unresolved (a run directory is claimed as Hydra will "
+                        "use it, every interpolation resolved)")
+    where = f"{field}={value}"
     path = Path(value).expanduser()
     resolved = path.resolve()
     if resolved == Path(resolved.anchor):
-        raise UserError(f"{field}={value}: the filesystem root cannot be a run directory")
+        raise UserError(f"{where}: the filesystem root cannot be a run directory")
     if resolved in (Path.cwd().resolve(), *Path.cwd().resolve().parents, Path.home().resolve()):
-        raise UserError(f"{field}={value}: the current directory, one above it or the home directory cannot be a run directory")
+        raise UserError(f"{where}: the current directory, one above it or the home directory cannot be a run directory")
     if path.exists() and not path.is_dir():
-        raise UserError(f"{field}={value}: exists and is not a directory")
+        raise UserError(f"{where}: exists and is not a directory")
+    record, removal = None, None
     if path.is_dir():
         try:
             entries, others = sorted(p.name for p in path.iterdir()), others_in(path)
         except OSError as ex:
-            raise UserError(f"{field}={value}: not readable ({ex.strerror})") from None
+            raise UserError(f"{where}: not readable ({ex.strerror})") from None
         if others and RECORD not in entries:
-            raise UserError(f"{field}={value}: holds files that no run wrote ({', '.join(others[:3])}"
+            raise UserError(f"{where}: holds files that no run wrote ({', '.join(others[:3])}"
                             f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory")
         if others and mode == "new":
             status = "unreadable"
@@ -429,17 +594,26 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir") -
                 status = str((load_record(path) or {}).get("status", "unknown"))
             except UserError:
                 pass
-            raise UserError(f"{field}={value}: holds another run (status {status}); pass --resume to write into it "
+            raise UserError(f"{where}: holds another run (status {status}); pass --resume to write into it "
                             "or --overwrite to replace it, or choose a new directory")
+        if others:
+            record = run_record(path, where)
+        if record is not None and mode == "resume" and (composition is None
+                                                        or record.get("composition_sha256") != composition):
+            theirs = record.get("composition_sha256")
+            raise UserError(f"{where}: holds a run of another composition (composition sha256 "
+                            f"{theirs if isinstance(theirs, str) else 'none recorded'}, this command line's "
+                            f"{composition or 'none: several jobs'}); choose a new directory or --overwrite")
+        if record is not None and mode == "overwrite":
+            removal = _removal(path, record, where)  # refuses before anything is removed
     # the nearest existing directory must take a new entry (read-only file systems and permissions alike)
     parent = path if path.is_dir() else next((p for p in path.absolute().parents if p.exists()), Path("/"))
     if not parent.is_dir():
-        raise UserError(f"{field}={value}: {parent} is not a directory")
+        raise UserError(f"{where}: {parent} is not a directory")
     try:
         shutil.rmtree(tempfile.mkdtemp(prefix=".train-probe-", dir=parent))
     except OSError as ex:
-        raise UserError(f"{field}={value}: cannot write in {parent} ({ex.strerror})") from None
-    if mode == "overwrite" and path.is_dir():
-        for entry in path.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+        raise UserError(f"{where}: cannot write in {parent} ({ex.strerror})") from None
+    if removal is not None:
+        _remove(removal, where)
     return path

@@ -14,8 +14,11 @@ lock with ``name==version`` lines (``lockfiles/launcher.lock``) or a JSON stack 
 ``--recipe`` compares against a recipe YAML's ``stack`` block instead of the composed one.
 
 ``--key KEY.pub`` first checks the run's signed ``attestation.json`` (:mod:`trainer.record.attest`: the signature, then
-every subject file's sha256), or, given an image instead of a run directory, the image's signed provenance;
-a failed check is one line on stderr and exit 1.
+that the run directory holds exactly the files it names, each with its sha256) and then takes every answer from
+what was signed: the record's bytes as hashed, the probes, the lock by its signed sha256 (``--lock`` must be that
+same file), the status and the steps. Given an image instead of a run directory, it checks the image's signed
+provenance. A failed check is one line on stderr and exit 1. Without ``--key`` the answer is computed from the
+files as they are, and the output says that nothing was checked against a signature.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 
 from trainer import REPO_ROOT
@@ -60,13 +63,29 @@ def _dig(data: Any, path) -> Optional[str]:
 
 
 def read_lock(path: Path) -> Dict[str, str]:
-    """Pins of a lock as ``component -> version``; raises :class:`UserError` for a missing or unreadable lock."""
+    """Pins of a lock as ``component -> version`` (:func:`parse_lock`); raises :class:`UserError` for a missing or
+    unreadable lock, or one that pins nothing."""
     try:
         text = read_text(path, "lock")
     except FileNotFoundError:
         raise UserError(f"{path}: lock not found") from None
     except OSError as ex:
         raise UserError(f"{path}: not readable ({ex.strerror})") from None
+    return parse_lock(text, path)
+
+
+def parse_lock(text: str, path: Path) -> Dict[str, str]:
+    """Pins of the lock ``text`` read from ``path`` (its suffix tells the format: ``.json`` a stack lock or an
+    image's stamped lock, else requirements ``name==version`` lines). Raises :class:`UserError` when it pins
+    none of the components verify knows: a verdict against an empty lock would say ok about anything."""
+    pins = _parse_lock(text, path)
+    if not pins:
+        raise UserError(f"{path}: the lock pins none of the components verify compares ({', '.join(COMPONENTS)}); "
+                        "expected a requirements lock (NAME==VERSION lines), a stack lock or an image's stamp")
+    return pins
+
+
+def _parse_lock(text: str, path: Path) -> Dict[str, str]:
     pins: Dict[str, str] = {}
     if path.suffix == ".json":
         data = parse_json(text, str(path))
@@ -148,32 +167,75 @@ def lock_of(record: Dict[str, Any], lock: Optional[Path] = None) -> Path:
     return lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
 
 
-def verdict(record: Dict[str, Any], lock: Optional[Path] = None) -> Dict[str, Any]:
+def verdict(record: Dict[str, Any], lock: Optional[Path] = None, run_dir: Optional[Path] = None) -> Dict[str, Any]:
     """The verify verdict of a run ``record`` (with ``probe``) against its lock (or ``lock``) and the
-    recipe's stack as composed: ``{"lock", "ok", "rows"}`` (``ok``: nothing locked drifted or is absent)."""
+    recipe's stack as composed: ``{"lock": {"path", "base", "sha256"}, "ok", "rows"}`` (``ok``: nothing locked
+    drifted or is absent; ``lock`` as :func:`trainer.record.attest.lock_subject` names it, relative to ``run_dir``
+    when it lies there)."""
+    from trainer.record.attest import lock_subject
+
     lock_path = lock_of(record, lock)
     rows = verify(record, read_lock(lock_path), {k: str(v) for k, v in (record.get("stack") or {}).items()})
+    return {"lock": lock_subject(lock_path, Path(run_dir or lock_path.parent)), "ok": not bad_rows(rows), "rows": rows}
+
+
+def bad_rows(rows: List[Dict[str, Optional[str]]]) -> List[Dict[str, Optional[str]]]:
+    """The rows whose component drifted or is absent: what makes a verdict fail."""
+    return [r for r in rows if r["verdict"] in ("drift", "absent")]
+
+
+def signed_lock(signed, run_dir: Path, given: Optional[Path]) -> Tuple[Path, str]:
+    """(the lock's path, its text) for a verdict from the signed run ``signed``: the lock whose sha256 the
+    attestation signed, read from where it named it, or ``given`` (``--lock``) when that file has the same
+    sha256. Raises :class:`trainer.record.attest.VerificationFailed` (one line) otherwise."""
+    import hashlib
+
+    from trainer.record.attest import ATTESTATION, VerificationFailed, lock_path_of
+
+    where = run_dir / ATTESTATION
+    lock = (signed.predicate.get("verify") or {}).get("lock")
+    if not isinstance(lock, dict) or not isinstance(lock.get("sha256"), str):
+        raise VerificationFailed(f"{where}: the attestation signed no lock (the run had no probe to verify: "
+                                 f"{(signed.predicate.get('verify') or {}).get('reason', 'unknown')})")
+    path = given or lock_path_of(lock, run_dir)
     try:
-        label = lock_path.relative_to(REPO_ROOT).as_posix()
-    except ValueError:
-        label = str(lock_path)
-    return {"lock": label, "ok": not [r for r in rows if r["verdict"] in ("drift", "absent")], "rows": rows}
+        data = path.read_bytes()
+    except OSError as ex:
+        raise VerificationFailed(f"{where}: the signed lock {path} is not readable ({ex.strerror})") from None
+    have = hashlib.sha256(data).hexdigest()
+    if have != lock["sha256"]:
+        what = f"--lock {path}" if given else f"the lock {path}"
+        raise VerificationFailed(f"{where}: {what} has sha256 {have}; the attestation signed the lock "
+                                 f"{lock.get('path')} with sha256 {lock['sha256']}")
+    return path, data.decode("utf-8", "replace")
 
 
-def check_signed(path: Path, key: Path) -> str:
+def check_signed(path: Path, key: Path):
     """``--key``: verify the signed attestation of a run directory, or the signed provenance of an image
-    (an OCI layout or oci-archive), with the public key; return the one-line verdict. Raises
+    (an OCI layout or oci-archive), with the public key. Returns (the one-line verdict, the
+    :class:`trainer.record.attest.SignedRun` of a run or None for an image). Raises
     :class:`trainer.record.attest.VerificationFailed` (exit 1) or :class:`UserError` on failure."""
     from trainer.record import attest
     from trainer.record.rundir import RECORD
 
     public = attest.load_public_key(key)
     if (path / RECORD).is_file() or (path / attest.ATTESTATION).is_file():
-        statement = attest.check_run(path, public)
-        return (f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; "
-                f"{len(statement['subject'])} subjects match ({', '.join(s['name'] for s in statement['subject'])})")
+        signed = attest.check_run(path, public)
+        subjects = signed.statement["subject"]
+        files = sum(1 for s in subjects if not Path(s["name"]).is_absolute() and s["name"] != attest.IMAGE_SUBJECT)
+        rows = sum(1 for s in subjects if Path(s["name"]).is_absolute())
+        image = [s for s in subjects if s["name"] == attest.IMAGE_SUBJECT]
+        return (f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; {files} files of the run "
+                f"directory match, none added or removed"
+                + (f", {rows} files of its rows" if rows else "")
+                + (f", image sha256:{image[0]['digest']['sha256']}" if image else "")), signed
     statement = attest.check_image(path, public)
-    return f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}"
+    return (f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}",
+            None)
+
+
+UNSIGNED_NOTE = ("unsigned: nothing above was checked against a signature; record.json and the lock were read as "
+                 "they are (--key KEY.pub verifies the run's attestation and takes every answer from it)")
 
 
 def main(argv: List[str]) -> int:
@@ -182,30 +244,44 @@ def main(argv: List[str]) -> int:
     image's signed provenance only."""
     parser = argparse.ArgumentParser(prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, help="run directory (or, with --key, an image: OCI layout or oci-archive)")
-    parser.add_argument("--lock", type=Path, help="lock to verify against (default: the run's own)")
+    parser.add_argument("--lock", type=Path, help="lock to verify against (default: the run's own; with --key it must "
+                        "be the lock the attestation signed)")
     parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--key", type=Path, help="public key (KEY.pub from `trainer keygen`): first verify the run's "
-                        "signed attestation.json (signature and every subject's sha256) or an image's signed provenance")
+    parser.add_argument("--key", type=Path, help="public key (KEY.pub from `trainer keygen`): verify the run's signed "
+                        "attestation.json (the signature, every file of the run directory, the lock by digest) and "
+                        "take the verdict from it; or an image's signed provenance")
     args = parser.parse_args(argv)
-    from trainer.record.rundir import RECORD, load_record
+    from trainer.record.attest import count_steps
+    from trainer.record.rundir import METRICS, RECORD, check_record_types, load_record
 
-    signed = check_signed(args.run_dir, args.key) if args.key is not None else None
+    signed, run = check_signed(args.run_dir, args.key) if args.key is not None else (None, None)
     if signed and not args.json:
         print(signed)
-    if signed and not (args.run_dir / RECORD).is_file():
+    if signed and run is None:
         if args.json:
             print(json.dumps({"signature": signed}, indent=2))
         return 0
 
     record_path = args.run_dir / RECORD
-    record = load_record(args.run_dir)
-    if record is None:
-        raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")
+    if run is not None:  # every answer from what was signed: the record's bytes as hashed, the lock by digest
+        record = run.record
+        check_record_types(record, f"{record_path} (signed)")
+        lock_path, lock_text = signed_lock(run, args.run_dir, args.lock)
+        lock = parse_lock(lock_text, lock_path)
+        status = run.predicate.get("run", {}).get("status")
+        steps = count_steps(run.files.get(METRICS, b""))
+    else:
+        record = load_record(args.run_dir)
+        if record is None:
+            raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")
+        lock_path = lock_of(record, args.lock)
+        lock = read_lock(lock_path)
+        status = record.get("status")
+        metrics = args.run_dir / METRICS
+        steps = count_steps(metrics.read_bytes()) if metrics.is_file() else 0
     if not record.get("probe"):
         raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
-    lock_path = lock_of(record, args.lock)
-    lock = read_lock(lock_path)
     if args.recipe:
         try:
             data = read_yaml(args.recipe, "recipe file") or {}
@@ -218,10 +294,10 @@ def main(argv: List[str]) -> int:
     else:
         recipe = {k: str(v) for k, v in (record.get("stack") or {}).items()}
     rows = verify(record, lock, recipe)
-    bad = [r for r in rows if r["verdict"] in ("drift", "absent")]
+    bad = bad_rows(rows)
     if args.json:
-        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad,
-                          **({"signature": signed} if signed else {})}, indent=2))
+        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad, "signed": run is not None,
+                          "status": status, "steps": steps, **({"signature": signed} if signed else {})}, indent=2))
     else:
         from rich.table import Table
 
@@ -235,6 +311,9 @@ def main(argv: List[str]) -> int:
             table.add_row(*(str(r[c] or "") for c in ("component", "locked", "recipe", "observed")),
                           f"[{colours[r['verdict']]}]{r['verdict']}")
         table_console().print(table)
+        print(f"run {status}, {steps} steps in {METRICS}" + (" (as signed)" if run is not None else ""))
         print("ok: nothing the lock pins drifted" if not bad else f"{len(bad)} locked component(s) drifted or absent: "
               + ", ".join(r["component"] for r in bad))
+        if run is None:
+            print(UNSIGNED_NOTE)
     return 0 if not bad else 1

@@ -2,10 +2,13 @@
 
 1. The image is ``launcher.image`` (``sha256:<64 hex>``, or ``NAME@sha256:...``) in the OCI image layout
    ``launcher.image_layout``: its manifest blob must hash to that digest and be named in the layout's
-   ``index.json`` (``org.opencontainers.image.ref.name``); ``umoci unpack`` then unpacks it into
-   ``RUN_DIR/image/bundle`` and checks every layer blob against its digest.
-2. The probe (``python -m trainer.probe --distributions``) runs inside the unpacked root file system with
-   bubblewrap: ``bwrap --bind ROOTFS / --proc /proc --dev /dev --tmpfs /tmp`` with new PID, IPC, network, UTS
+   ``index.json`` (``org.opencontainers.image.ref.name``); its root file system comes from the cache of unpacked
+   images outside the run directory (:mod:`trainer.launch.host.rootfs`: ``umoci unpack`` the first time, which
+   checks every layer blob against its digest; every file re-hashed against the entry's record each time after).
+   The run directory holds records only.
+2. The probe (``python -m trainer.probe --distributions``) runs inside that root file system, read-only, with
+   bubblewrap: each entry of the root bound read-only (:func:`trainer.launch.host.rootfs.readonly_view`),
+   ``--proc /proc --dev /dev --tmpfs /tmp``, with new PID, IPC, network, UTS
    and cgroup namespaces (and a user namespace when not root), ``--cap-drop ALL --clearenv``, no network, ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if
    given, runs the same way (its log is ``logs/job.log``).
 3. The record carries the image (digest, layout, tag, the stamped ``/etc/recipe-bundle/lock.json`` copied to
@@ -39,7 +42,10 @@ from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
+from trainer.launch.host import rootfs as rootfs_cache
 from trainer.record.rundir import COMPLETE, FAILED, LOGS, PROBES, SANDBOX, RunDir
+
+IMAGE_DIR = "image"  # the run directory's copy of the image's stamped lock: image/lock.json
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -180,28 +186,33 @@ def pth_directories(rootfs: Path, site_packages: Optional[str]) -> List[str]:
 
 
 def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], List[str]]:
-    """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``; see the module docstring.
+    """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``, which stays read-only and
+    unchanged; see the module docstring.
 
     Raises :class:`UserError` when the image itself uses ``HOST_MOUNT`` (binding there would hide it)."""
+    from trainer.launch.host.rootfs import readonly_view
+
     # every namespace but, for root, the user namespace (--unshare-all tries one): a new procfs may not be mounted
     # in a user namespace where /proc has parts covered (inside another sandbox: bwrap, a container); root's
     # process keeps no capability anyway (--cap-drop ALL)
     unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if os.geteuid() != 0:
         unshare.append("--unshare-user-try")
-    args = ["bwrap", "--bind", str(rootfs), "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            *unshare, "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv",
-            "--ro-bind", str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer"]
+    binds: List[Tuple[str, str]] = [(str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer")]
     python_path = [LAUNCHER_MOUNT] + ([site_packages] if site_packages else [])
     interpreter: List[str] = []
     if host_python:
         if os.path.lexists(rootfs / HOST_MOUNT.lstrip("/")):
             raise UserError(f"the image has {HOST_MOUNT}, where this machine's Python would be bound; "
                             "use an image with its own Python")
-        binds, interpreter = host_interpreter()
-        for path in binds:
-            args += ["--ro-bind", path, f"{HOST_MOUNT}{path}"]
+        host_dirs, interpreter = host_interpreter()
+        binds += [(path, f"{HOST_MOUNT}{path}") for path in host_dirs]
         python_path += pth_directories(rootfs, site_packages)
+    view = readonly_view(rootfs, ["/proc", "/dev", "/tmp", *(inside for _, inside in binds)])
+    args = ["bwrap", *view, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            *unshare, "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv"]
+    for source, inside in binds:
+        args += ["--ro-bind", source, inside]
     args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
              "--setenv", "PYTHONPATH", ":".join(python_path), "--setenv", cluster.DIGEST_ENV, digest,
              "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
@@ -215,26 +226,24 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     digest = _digest(cfg)
     layout = Path(cfg.launcher.image_layout).absolute()
     tag = find_tag(layout, digest)
-    image_dir = run_dir / "image"
-    bundle = image_dir / "bundle"
     logs = run_dir / LOGS
     logs.mkdir(exist_ok=True)
-    image_dir.mkdir(exist_ok=True)
     record["image"] = {"digest": digest, "layout": str(layout), "tag": tag}
     record["probe"] = None
-    unpack = ["umoci", "unpack"] + (["--rootless"] if os.geteuid() != 0 else []) + ["--image", f"{layout}:{tag}", str(bundle)]
-    out = subprocess.run(unpack, capture_output=True, text=True, timeout=600)
-    rundir.write(f"{LOGS}/unpack.log", (out.stdout + out.stderr).encode())
-    if out.returncode != 0:
-        return rundir.end(record, FAILED, f"umoci unpack {layout}:{tag} failed: {cluster.last_line(out.stderr)}")
+    cached = rootfs_cache.unpacked(layout, tag, digest)
+    record["image"]["rootfs"] = cached.as_record()
+    rundir.write(f"{LOGS}/unpack.log", (cached.log or f"{digest}: the cached root file system, {cached.files:,} "
+                                        f"entries re-hashed and unchanged ({cached.bundle})\n").encode())
+    bundle = cached.bundle
     rootfs = bundle / "rootfs"
     stamp_path = rootfs / STAMP
     stamp: Dict[str, Any] = {}
     if stamp_path.is_file():
-        shutil.copyfile(stamp_path, image_dir / "lock.json")
-        stamp = json.loads(stamp_path.read_text())
-        record["image"]["stamp_sha256"] = hashlib.sha256(stamp_path.read_bytes()).hexdigest()
-        record["lock"] = {"path": str(image_dir / "lock.json"), "kind": "image stamp"}
+        stamp_bytes = stamp_path.read_bytes()
+        rundir.write(f"{IMAGE_DIR}/lock.json", stamp_bytes, verbatim=True)  # rundir.VERBATIM: no sweep either
+        stamp = json.loads(stamp_bytes)
+        record["image"]["stamp_sha256"] = hashlib.sha256(stamp_bytes).hexdigest()
+        record["lock"] = {"path": str(run_dir / IMAGE_DIR / "lock.json"), "kind": "image stamp"}
     site_packages = (stamp.get("python") or {}).get("site_packages")
     own = _image_interpreter(bundle)
     prefix, interpreter = sandbox(rootfs, digest, site_packages, host_python=own is None)
