@@ -166,6 +166,13 @@ def test_trainer_attest_writes_the_attestation_of_an_ended_run_once(run, tmp_pat
     before = (work / "attestation.json").read_bytes()
     one_line(trainer("attest", work, "--sign-key", key), 2, "exists")
     assert (work / "attestation.json").read_bytes() == before
+    # a late log line (Slurm's output after the job marked its end): refused until attested again
+    with (work / "logs" / "rank-0.log").open("a") as log:
+        log.write("late line\n")
+    one_line(trainer("verify", work, "--key", run["pub"]), 1, "subject logs/rank-0.log", "--again")
+    assert trainer("attest", work, "--sign-key", key, "--again").returncode == 0
+    assert trainer("verify", work, "--key", run["pub"]).returncode == 0
+    assert b"late line" in (work / "logs" / "rank-0.log").read_bytes()
     record = json.loads((work / "record.json").read_text())
     (work / "attestation.json").unlink()
     (work / "record.json").write_text(json.dumps({**record, "status": "submitted"}))

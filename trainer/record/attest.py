@@ -480,7 +480,8 @@ def check_run(run_dir: Path, key) -> SignedRun:
         have = hashlib.sha256(content).hexdigest()
         if have != want:
             raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
-                                     "(the file changed after the run)")
+                                     "(the file changed after the run; a late log is attested again with "
+                                     "`trainer attest RUN_DIR --again --sign-key KEY`)")
         if name in READ_BACK:
             kept[name] = content
     for name, want in sorted(outside.items()):
@@ -557,8 +558,10 @@ def check_image(image_path: Path, key) -> Dict[str, Any]:
 
 
 def main(argv: List[str]) -> int:
-    """``trainer attest RUN_DIR [--sign-key KEY]``: write the attestation of a run that ended outside ``train``
-    (a Slurm job: after ``trainer status --wait``); refuses a run that has not ended or already has one."""
+    """``trainer attest RUN_DIR [--sign-key KEY] [--again]``: write the attestation of a run that ended outside
+    ``train`` (a Slurm job: after ``trainer status --wait``); refuses a run that has not ended, or one that has an
+    attestation already unless ``--again`` (a file written after the seal, Slurm's last log lines: the record's
+    hashes and the attestation are made anew from the files as they are now)."""
     import argparse
 
     from trainer.record.record import effective_status
@@ -567,6 +570,8 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainer attest", description=main.__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--sign-key", type=Path, help="private key (`trainer keygen`): write a signed DSSE envelope")
+    parser.add_argument("--again", action="store_true", help="replace an existing attestation (after a late log: "
+                        "what the files are now is what the new one vouches for)")
     args = parser.parse_args(argv)
     signer = load_signer(args.sign_key) if args.sign_key else None
     rundir = RunDir(args.run_dir)
@@ -576,8 +581,9 @@ def main(argv: List[str]) -> int:
     status = effective_status(record)
     if status not in FINAL:
         raise UserError(f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)")
-    if (args.run_dir / ATTESTATION).exists():
-        raise UserError(f"{args.run_dir / ATTESTATION}: exists (an attestation is written once)")
+    if (args.run_dir / ATTESTATION).exists() and not args.again:
+        raise UserError(f"{args.run_dir / ATTESTATION}: exists (an attestation is written once; --again replaces it "
+                        "with one of the files as they are now)")
     record = rundir.seal(record, signer)
     if "error" in record["attestation"]:
         raise UserError(f"{args.run_dir}: not attested: {record['attestation']['error']}")
