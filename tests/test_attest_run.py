@@ -10,6 +10,7 @@ import base64
 import hashlib
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -293,6 +294,33 @@ def test_an_edited_record_cannot_turn_drift_or_a_failure_into_ok(run, tmp_path):
     refused(run, work, "subject record.json has sha256")
 
 
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) is not installed")
+def test_a_directory_the_verifier_cannot_read_fails(run, tmp_path):
+    """Promise: files hidden in a directory the verifier cannot list are not 'none added': verification fails.
+    As root, the read override is dropped from the verifying process's capabilities (setpriv), as a user or root
+    on a root-squashed NFS mount would be."""
+    import os
+    import subprocess
+
+    work = copy(run, tmp_path / "run")
+    (work / "hidden").mkdir()
+    (work / "hidden" / "evil.txt").write_text("planted\n")
+    (work / "hidden").chmod(0)
+    try:
+        prefix = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] if os.geteuid() == 0 else []
+        probe = subprocess.run([*prefix, "ls", str(work / "hidden")], capture_output=True, text=True)
+        if probe.returncode == 0:
+            pytest.skip(f"this process can list a mode-000 directory even without its read override ({probe.stderr})")
+        if "Permission denied" not in probe.stderr:
+            pytest.skip(f"cannot drop the read override here: {probe.stderr.strip()}")
+        command = [*prefix, sys.executable, "-m", "trainer", "verify", str(work), "--key", str(run["pub"])]
+        env = {**os.environ, "PYTHONPATH": str(helpers.REPO_ROOT)}
+        r = subprocess.run(command, capture_output=True, text=True, env=env, cwd=helpers.REPO_ROOT, timeout=120)
+        one_line(r, 1, "hidden cannot be read")
+    finally:
+        (work / "hidden").chmod(0o755)
+
+
 def test_the_lock_is_the_one_whose_digest_was_signed(run, tmp_path):
     """Promise: --key verifies against the lock the attestation signed by sha256; another --lock is refused, a
     byte-identical copy is accepted."""
@@ -323,6 +351,9 @@ def test_outside_rows_are_named_and_checked(run, tmp_path):
     names = {x["name"] for x in statement(work)["subject"]}
     assert {str(rows / "manifest.json"), str(rows / "rows.parquet")} <= names
     assert trainer("verify", work, "--key", run["pub"]).returncode == 0
+    (rows / "extra.parquet").write_bytes(b"PAR1")
+    refused(run, work, f"{rows / 'extra.parquet'} is not named by the attestation (added to the rows")
+    (rows / "extra.parquet").unlink()
     data = bytearray((rows / "rows.parquet").read_bytes())
     data[len(data) // 2] ^= 1
     (rows / "rows.parquet").write_bytes(bytes(data))

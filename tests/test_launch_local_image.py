@@ -197,6 +197,31 @@ def test_secrets_in_the_image_are_redacted_its_words_are_not_and_every_hash_hold
     assert json.loads(signed.stdout)["signed"] is True, signed.stderr
 
 
+def test_a_link_in_the_image_never_reads_a_file_of_this_machine(tmp_path):
+    """Promise: the image's stamped lock is read as the image sees it: a link to an absolute path resolves inside
+    the image's root, never to this machine's file of that name (which would become the run's lock, unredacted)."""
+    import subprocess
+
+    host_file = tmp_path / "host-secret.json"
+    host_file.write_text('{"lock": "forged", "python": {"version": "3.11.7"}, "distributions": {}, "sources": {}}')
+    layout, bundle = tmp_path / "layout", tmp_path / "bundle"
+    for command in (["umoci", "init", "--layout", layout], ["umoci", "new", "--image", f"{layout}:t"],
+                    ["umoci", "unpack", "--image", f"{layout}:t", bundle]):
+        subprocess.run([str(c) for c in command], check=True, capture_output=True)
+    stamp = bundle / "rootfs" / "etc" / "recipe-bundle" / "lock.json"
+    stamp.parent.mkdir(parents=True)
+    stamp.symlink_to(host_file)
+    subprocess.run(["umoci", "repack", "--image", f"{layout}:t", str(bundle)], check=True, capture_output=True)
+    index = json.loads((layout / "index.json").read_text())
+    digest = next(m["digest"] for m in index["manifests"] if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == "t")
+    result, run_dir = launch(tmp_path / "run", {"layout": layout}, digest)
+    assert result.returncode == 0, result.stdout + result.stderr
+    record = json.loads((run_dir / "record.json").read_text())
+    assert "stamp_sha256" not in record["image"] and not (run_dir / "image" / "lock.json").exists()
+    assert record["lock"] == {"path": "lockfiles/launcher.lock"}
+    assert not [p for p in run_dir.rglob("*") if p.is_file() and b"forged" in p.read_bytes()]
+
+
 def test_a_digest_not_in_the_layout_is_refused(tmp_path, image):
     other = "sha256:" + "0" * 64
     result, run_dir = launch(tmp_path, image, other)

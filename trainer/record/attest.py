@@ -257,10 +257,15 @@ def data_manifest(run_dir: Path) -> Optional[Path]:
 
 def walk(root: Path) -> Tuple[List[str], List[str]]:
     """(the regular files under ``root``, every other entry that is not a directory: symbolic links, fifos,
-    sockets, devices), each as a POSIX path relative to ``root``, sorted; links are not followed."""
+    sockets, devices), each as a POSIX path relative to ``root``, sorted; links are not followed. Raises
+    ``OSError`` for a directory that cannot be listed (``os.walk`` would skip it, and what it holds, silently)."""
     files: List[str] = []
     odd: List[str] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+
+    def unreadable(err: OSError) -> None:
+        raise err
+
+    for dirpath, dirnames, filenames in os.walk(root, onerror=unreadable):
         base = Path(dirpath)
         for name in list(dirnames):
             if (base / name).is_symlink():
@@ -277,7 +282,10 @@ def run_files(run_dir: Path) -> List[str]:
     """The files of ``run_dir`` its attestation names: every regular file under it but ``attestation.json``
     (:data:`UNSIGNED`), as relative POSIX paths, sorted. Raises :class:`UserError` for a symbolic link or another
     entry that is neither a file nor a directory: a signed run directory holds regular files only."""
-    files, odd = walk(run_dir)
+    try:
+        files, odd = walk(run_dir)
+    except OSError as ex:
+        raise UserError(f"{ex.filename}: cannot be read ({ex.strerror}); every file of a run directory is attested") from None
     if odd:
         raise UserError(f"{run_dir / odd[0]}: a symbolic link or special file; a run directory holds regular files only")
     return [name for name in files if name not in UNSIGNED]
@@ -296,7 +304,10 @@ def external_rows(run_dir: Path) -> List[Path]:
         return []
     except ValueError:
         pass
-    files, _ = walk(rows_dir)
+    try:
+        files, _ = walk(rows_dir)
+    except OSError as ex:
+        raise UserError(f"{ex.filename}: cannot be read ({ex.strerror}); the rows a run read are attested") from None
     return [rows_dir / name for name in files]
 
 
@@ -462,7 +473,11 @@ def check_run(run_dir: Path, key) -> SignedRun:
             inside[name] = want
     if RECORD_NAME not in inside:
         raise VerificationFailed(f"{path}: the statement does not name {RECORD_NAME}")
-    files, odd = walk(run_dir)
+    try:
+        files, odd = walk(run_dir)
+    except OSError as ex:
+        raise VerificationFailed(f"{path}: {ex.filename} cannot be read ({ex.strerror}); a run directory is verified "
+                                 "only when every file in it can be read") from None
     if odd:
         raise VerificationFailed(f"{path}: {odd[0]} is a symbolic link or special file; the attestation names "
                                  "regular files only")
@@ -476,7 +491,10 @@ def check_run(run_dir: Path, key) -> SignedRun:
         target = run_dir / name
         if name not in present:
             raise VerificationFailed(f"{path}: subject {name} is missing ({target})")
-        content = target.read_bytes()
+        try:
+            content = target.read_bytes()
+        except OSError as ex:
+            raise VerificationFailed(f"{path}: subject {name} cannot be read ({ex.strerror})") from None
         have = hashlib.sha256(content).hexdigest()
         if have != want:
             raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
@@ -484,11 +502,22 @@ def check_run(run_dir: Path, key) -> SignedRun:
                                      "`trainer attest RUN_DIR --again --sign-key KEY`)")
         if name in READ_BACK:
             kept[name] = content
+    for rows_dir in sorted({Path(name).parent for name in outside if Path(name).name == "manifest.json"}):
+        try:  # the outside rows directory holds exactly the files named: one added beside them fails too
+            listed, odd = walk(rows_dir)
+        except OSError as ex:
+            raise VerificationFailed(f"{path}: {ex.filename} cannot be read ({ex.strerror})") from None
+        extra = sorted(str(rows_dir / n) for n in listed + odd if str(rows_dir / n) not in outside)
+        if extra:
+            raise VerificationFailed(f"{path}: {extra[0]} is not named by the attestation (added to the rows after signing)")
     for name, want in sorted(outside.items()):
         target = Path(name)
         if target.is_symlink() or not target.is_file():
             raise VerificationFailed(f"{path}: subject {name} is missing or not a regular file")
-        have = _sha256(target)
+        try:
+            have = _sha256(target)
+        except OSError as ex:
+            raise VerificationFailed(f"{path}: subject {name} cannot be read ({ex.strerror})") from None
         if have != want:
             raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
                                      "(the rows changed after the run)")

@@ -109,8 +109,8 @@ def _image_interpreter(bundle: Path) -> Optional[str]:
         return None
     if not args:
         return None
-    candidate = bundle / "rootfs" / args[0].lstrip("/")
-    return args[0] if os.path.lexists(candidate) and os.path.exists(candidate) else None
+    candidate = rootfs_cache.image_path(bundle / "rootfs", args[0])
+    return args[0] if candidate.is_file() else None
 
 
 def elf_interpreter(path: Path) -> Optional[str]:
@@ -173,14 +173,14 @@ def pth_directories(rootfs: Path, site_packages: Optional[str]) -> List[str]:
     if not site_packages:
         return []
     out: List[str] = []
-    for pth in sorted((rootfs / site_packages.lstrip("/")).glob("*.pth")):
+    for pth in sorted(rootfs_cache.image_path(rootfs, site_packages).glob("*.pth")):
         try:
-            lines = pth.read_text().splitlines()
+            lines = rootfs_cache.image_path(rootfs, f"{site_packages}/{pth.name}").read_text().splitlines()
         except (OSError, UnicodeDecodeError):
             continue
         for line in lines:
             line = line.strip()
-            if line.startswith("/") and (rootfs / line.lstrip("/")).is_dir() and line not in out:
+            if line.startswith("/") and rootfs_cache.image_path(rootfs, line).is_dir() and line not in out:
                 out.append(line)
     return out
 
@@ -236,7 +236,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
                                         f"entries re-hashed and unchanged ({cached.bundle})\n").encode())
     bundle = cached.bundle
     rootfs = bundle / "rootfs"
-    stamp_path = rootfs / STAMP
+    stamp_path = rootfs_cache.image_path(rootfs, STAMP)  # the image's own file: never one of this machine
     stamp: Dict[str, Any] = {}
     if stamp_path.is_file():
         stamp_bytes = stamp_path.read_bytes()

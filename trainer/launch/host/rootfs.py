@@ -56,9 +56,14 @@ def _own_dir(root: Path) -> Path:
 
 def tree(bundle: Path) -> Dict[str, List[Any]]:
     """What :data:`FILES` records of the tree ``bundle``: every entry by relative POSIX path, regular files with
-    mode, size (bytes) and sha256, directories with mode, links with their target, anything else with its mode."""
+    mode, size (bytes) and sha256, directories with mode, links with their target, anything else with its mode.
+    Raises ``OSError`` for an entry that cannot be read (a directory ``os.walk`` would otherwise skip)."""
     out: Dict[str, List[Any]] = {}
-    for dirpath, dirnames, filenames in os.walk(bundle):
+
+    def unreadable(err: OSError) -> None:
+        raise err
+
+    for dirpath, dirnames, filenames in os.walk(bundle, onerror=unreadable):
         base = Path(dirpath)
         for name in sorted(dirnames + filenames):
             path = base / name
@@ -152,6 +157,38 @@ def unpacked(layout: Path, tag: str, digest: str, root: Optional[Path] = None) -
     size = sum(v[2] for v in files.values() if v[0] == "f")
     return Rootfs(entry / "bundle", hashlib.sha256(data).hexdigest(), len(files), size, True,
                   note + out.stdout + out.stderr)
+
+
+def image_path(rootfs: Path, path: str) -> Path:
+    """The host path of ``path`` as the image sees it: each link inside the tree ``rootfs`` followed the way a
+    process whose root is ``rootfs`` would (an absolute target starts again at ``rootfs``, ``..`` stops there),
+    so the result is always under ``rootfs`` and holds no link; its last part may not exist. Read what the
+    launcher takes from an image (its stamped lock, ``.pth`` files, its interpreter) through this, never through
+    the host's own resolution, which would follow an image's link to a file of this machine. Raises
+    :class:`UserError` after 40 links (a loop)."""
+    parts: List[str] = [p for p in PurePosixPath(path).parts if p != "/"]
+    current: List[str] = []
+    links = 0
+    while parts:
+        name = parts.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":
+            if current:
+                current.pop()
+            continue
+        candidate = Path(rootfs).joinpath(*current, name)
+        if candidate.is_symlink():
+            links += 1
+            if links > 40:
+                raise UserError(f"the image's {path}: more than 40 links to follow (a loop)")
+            target = os.readlink(candidate)
+            if target.startswith("/"):
+                current = []
+            parts = [p for p in PurePosixPath(target).parts if p != "/"] + parts
+        else:
+            current.append(name)
+    return Path(rootfs).joinpath(*current)
 
 
 def readonly_view(rootfs: Path, mounts: Sequence[str]) -> List[str]:
