@@ -89,7 +89,9 @@ def build_root(root: Path) -> None:
 
 
 def provision(root: Path, python: str) -> Tuple[List[str], Dict[str, str]]:
-    """Copy the host's package access and a clone into ``root``; return (read-only binds, pip variables)."""
+    """Copy the host's package access and a clone into ``root``; return (read-only binds, pip variables). The
+    directory ``$RECIPE_BUNDLE_SOURCES`` names (archives of the locked Megatron-LM and miles commits, test data
+    the Megatron-LM parse tests seed their cache from) is bound read-only and named there too."""
     files, named, env = pip_access(python)
     copies = ["/etc/ssl/certs/ca-certificates.crt", *glob.glob("/usr/local/share/ca-certificates/*"), *files]
     binds = []
@@ -104,6 +106,10 @@ def provision(root: Path, python: str) -> Tuple[List[str], Dict[str, str]]:
         shutil.copy2(path, target)
     if run(["git", "clone", "--quiet", "--no-hardlinks", str(REPO), str(root / INSIDE.lstrip("/"))]) != 0:
         raise SystemExit("fresh-root: git clone failed")
+    sources = os.environ.get("RECIPE_BUNDLE_SOURCES")
+    if sources and os.path.isdir(sources):  # test data: archives of the locked commits, checked by tree id there
+        binds.append(os.path.abspath(sources))
+        env["RECIPE_BUNDLE_SOURCES"] = os.path.abspath(sources)
     return binds, env
 
 

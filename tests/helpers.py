@@ -148,3 +148,23 @@ def main(test_file: str) -> int:
     if os.environ.get("XML_OUTPUT_FILE"):
         args.append(f"--junitxml={os.environ['XML_OUTPUT_FILE']}")
     return pytest.main(args)
+
+
+SOURCES_ENV = "RECIPE_BUNDLE_SOURCES"
+_SEEDED: List[str] = []
+
+
+def seed_sources() -> List[str]:
+    """Seed this test run's cache (the confined ``$XDG_CACHE_HOME``) with every archive in the directory
+    ``$RECIPE_BUNDLE_SOURCES`` names (``git archive`` tarballs of the locked Megatron-LM and miles commits; CI sets
+    it), each checked by the git tree id ``lockfiles/stack.json`` pins (``trainer cache add-archive``); once per
+    process. Returns the names of the sources seeded ([] when the variable is unset)."""
+    if _SEEDED or not os.environ.get(SOURCES_ENV):
+        return list(_SEEDED)
+    from trainer.image.cas import Cache
+    from trainer.image.sources import add_archive, pins_for
+
+    pins = pins_for([REPO_ROOT / "lockfiles" / "stack.json"])
+    for archive in sorted(Path(os.environ[SOURCES_ENV]).glob("*.tar*")):
+        _SEEDED.append(add_archive(Cache(), archive, pins)["name"])
+    return list(_SEEDED)

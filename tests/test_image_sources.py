@@ -443,5 +443,31 @@ def test_the_probe_never_hashes_a_site_directory(tmp_path):
         sys.path.remove(str(site))
 
 
+def test_add_archive_takes_an_archive_of_a_pinned_tree_and_refuses_any_other(tmp_path):
+    """Promise: `trainer cache add-archive` stores a source from an archive of its tree only when the files hash to a
+    tree a lock pins (or --tree names); a changed file, another tree, or no pin is refused in one line, nothing
+    stored."""
+    from image_fixtures import make_git_source
+    from trainer.errors import UserError
+    from trainer.image.cas import Cache
+    from trainer.image.sources import add_archive, cached_archive
+
+    archive, commit, tree = make_git_source(tmp_path / "git", "demo", {"demo/a.py": b"A = 1\n"}, 1767225600)
+    pins = [{"name": "demo", "url": "https://example.invalid/demo", "commit": commit, "tree": tree, "where": "x.lock.json"}]
+    cache = Cache(tmp_path / "cache")
+    with pytest.raises(UserError, match=f"hash to git tree {tree}, which no lock given pins"):
+        add_archive(cache, archive, [])
+    with pytest.raises(UserError, match="--tree says " + "0" * 40):
+        add_archive(cache, archive, [], tree="0" * 40)
+    assert cache.tree_record(tree) is None
+    stored = add_archive(cache, archive, pins)
+    assert (stored["name"], stored["commit"], stored["tree"], stored["files"]) == ("demo", commit, tree, 1)
+    assert cached_archive(cache, {"name": "demo", "commit": commit, "tree": tree, "url": pins[0]["url"]}).is_file()
+    # one changed byte inside the archive: another tree, refused
+    other, _, other_tree = make_git_source(tmp_path / "git2", "demo", {"demo/a.py": b"A = 2\n"}, 1767225600)
+    r = helpers.run_trainer("cache", "--cache", tmp_path / "cache2", "add-archive", other, "--tree", tree)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"hash to git tree {other_tree}" in r.stderr, r.stderr
+    assert not (tmp_path / "cache2" / "trees").exists() or not list((tmp_path / "cache2" / "trees").iterdir())
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -158,13 +158,14 @@ def megatron_parser(monkeypatch):
     cache, verified by tree hash as the launcher does), importable on CPU: ``megatron.training``'s package
     ``__init__`` is not run (it imports ``initialize``, which needs triton, absent from a CPU torch); its
     modules are the checkout's own. ``validate_args`` asks the GPU's compute capability for a grouped GEMM: the
-    H200's (9, 0) is given. Skips when neither checkout is given nor cached."""
+    H200's (9, 0) is given. Skips when neither checkout is given nor cached nor in ``$RECIPE_BUNDLE_SOURCES``."""
     import sys
     import types
 
     import torch
     from trainer.errors import UserError
 
+    helpers.seed_sources()  # $RECIPE_BUNDLE_SOURCES: the locked commits' archives (CI sets it)
     try:
         lock = helpers.REPO_ROOT / "lockfiles" / "stack.json"
         paths = verify_checkouts(compose("experiment=proxy-h200").launcher, lock)
@@ -219,7 +220,7 @@ WORKER_READ_BEFORE = {
                                  "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")},
     "distributed_timeout_minutes": "launcher.distributed_timeout_minutes", "seed": "launcher.seed",
     **{n: f"optim.{n}" for n in ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
-                                 "global_batch_size", "lr_warmup_fraction", "moe_router_freeze_gate",
+                                 "global_batch_size", "lr_warmup_fraction", "lr_decay_style", "moe_router_freeze_gate",
                                  "freeze_e_score_correction_bias")},
     "micro_batch_size": "layout.micro_batch_size", "seq_length": "data.seq_length",
     "num_experts": "model.num_experts", "train_iters": "megatron.train_iters",
@@ -244,6 +245,48 @@ def test_what_the_worker_reads_from_megatron_args_equals_the_config_field(megatr
     assert got["lr"] == ("float", 3e-4) and got["tensor_model_parallel_size"] == ("int", 1)
     # with these experiments' values the fields the worker keeps from the config agree too
     assert {n: getattr(args, n) for n in CONFIG_NOT_ARGS} == {n: _field(cfg, n) for n in CONFIG_NOT_ARGS}
+
+
+@pytest.mark.parametrize("impl", ["transformer_engine", "local"])
+@pytest.mark.parametrize("experiment", ["proxy-h200", "dsv4-tiny-h200"])
+def test_every_flag_of_the_argv_lands_where_the_worker_reads_it(megatron_parser, experiment, impl):
+    """Promise: each flag the worker's argv shows lands in a config the worker builds from the namespace, is read by
+    name, or is documented as consumed by the parse; none is ignored (an ignored flag would be refused)."""
+    from trainer.launch.megatron_worker import REFUSED, flag_landing
+
+    cfg, args = megatron_parser(f"experiment={experiment}", impl=impl)
+    flags = megatron_argv(cfg, impl, cfg.launcher.attention_backend, STEPS)
+    landing = flag_landing(flags, args)
+    assert {f for f, where in landing.items() if where == REFUSED} == set()
+    assert set(landing) == {w for w in flags if w.startswith("--")}
+    assert landing["--lr"] == "worker" and landing["--hidden-size"] == "transformer_config"
+    assert landing["--adam-beta2"] == "worker" and landing["--num-attention-heads"] == "transformer_config"
+
+
+def test_a_flag_no_part_of_the_worker_reads_is_refused_and_ddp_and_optimizer_flags_take_effect(megatron_parser):
+    """Promise: a DDP or optimizer flag added to the argv reaches the config the worker builds (the configs take
+    every declared field from the namespace, as Megatron-LM's training does); a flag nothing reads is refused."""
+    from trainer.launch.megatron_worker import REFUSED, ddp_config, flag_landing, megatron_args, optimizer_config
+
+    cfg, args = megatron_parser("experiment=proxy-h200", impl="local")
+    flags = megatron_argv(cfg, "local", cfg.launcher.attention_backend, STEPS)
+    extra = flags + ["--overlap-grad-reduce", "--adam-eps", "1e-6", "--ddp-bucket-size", "1000",
+                     "--log-interval", "7", "--no-such-flag-anywhere"]
+    parsed = megatron_args(extra, cfg.cluster.nodes * cfg.cluster.gpus_per_node)
+    landing = flag_landing(extra, parsed)
+    assert landing["--overlap-grad-reduce"] == "ddp_config" and landing["--adam-eps"] == "optimizer_config"
+    assert landing["--ddp-bucket-size"] == "parse"
+    assert landing["--log-interval"] == REFUSED and landing["--no-such-flag-anywhere"] == REFUSED
+    ddp = ddp_config(parsed, 10_000, 1, cfg)
+    assert (ddp.overlap_grad_reduce, ddp.bucket_size) == (True, 1000)
+    assert ddp.use_distributed_optimizer is bool(cfg.layout.use_distributed_optimizer)
+    assert ddp.grad_reduce_in_fp32 is bool(cfg.optim.accumulate_allreduce_grads_in_fp32)
+    plain = ddp_config(args, 10_000, 1, cfg)
+    assert (plain.overlap_grad_reduce, plain.bucket_size) == (False, None)
+    opt, _ = optimizer_config(parsed, cfg)
+    assert opt.adam_eps == 1e-6 and opt.lr == args.lr and opt.clip_grad == args.clip_grad
+    assert (opt.adam_beta1, opt.adam_beta2, opt.weight_decay) == (args.adam_beta1, args.adam_beta2, args.weight_decay)
+    assert opt.bf16 is bool(cfg.optim.bf16)
 
 
 def test_the_router_freeze_flags_parse_off_when_the_config_turns_them_off(megatron_parser):

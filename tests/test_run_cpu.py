@@ -276,6 +276,11 @@ def test_megatron_learning_rate_schedule():
     assert megatron_lr(20, 20, lr, low, 0.1) == pytest.approx(low)
     # a fractional warm-up (0.1 x 25 = 2.5 steps) is not rounded: step 2 is still warming up
     assert megatron_lr(2, 25, lr, low, 0.1) == pytest.approx(lr * 2 / 2.5)
+    # the other --lr-decay-style values the workers follow; Megatron's others are refused
+    assert megatron_lr(11, 20, lr, low, 0.1, "linear") == pytest.approx(low + (lr - low) * 0.5)
+    assert megatron_lr(15, 20, lr, low, 0.1, "constant") == lr and megatron_lr(1, 20, lr, low, 0.1, "constant") == lr / 2
+    with pytest.raises(ValueError, match="lr_decay_style 'WSD'"):
+        megatron_lr(3, 20, lr, low, 0.1, "WSD")
 
 
 if __name__ == "__main__":

@@ -94,6 +94,9 @@ POSITIVE = (
     "optim.lr", "optim.global_batch_size", "optim.num_rollout", "optim.rollout_batch_size", "data.seq_length",
 )
 SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# The --lr-decay-style values the workers' schedule follows (trainer.launch.cpu_worker.megatron_lr, after
+# Megatron-LM's OptimizerParamScheduler.get_lr); its inverse-square-root and WSD styles are not followed.
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 def _numbers(node: Any, prefix: str) -> Iterator[Tuple[str, float]]:
@@ -246,6 +249,9 @@ def check(cfg: TrainConfig) -> Parallelism:
         )
     if not 0.0 <= optim.lr_warmup_fraction <= 1.0:
         raise CheckError(f"optim.lr_warmup_fraction must be in [0, 1] (got {optim.lr_warmup_fraction})")
+    if optim.lr_decay_style not in LR_DECAY_STYLES:
+        raise CheckError(f"optim.lr_decay_style {optim.lr_decay_style!r}: expected one of {', '.join(LR_DECAY_STYLES)} "
+                         "(the styles the workers' learning-rate schedule follows)")
     if optim.min_lr > optim.lr:
         raise CheckError(f"optim.min_lr {optim.min_lr} > optim.lr {optim.lr}")
     return Parallelism(

@@ -6,6 +6,8 @@ cannot be downloaded) into the cache; with ``--sha256`` a mismatch is refused an
 an OCI layout or an oci-archive of the image; its manifest must hash to the lock's ``base.digest`` and the
 manifest(s), config and every layer blob are stored, each hash-checked (see :mod:`trainer.image.base`);
 prints the resolved ``base`` block (config digest, layers with diff_ids) for the lock.
+``add-archive FILE [--lock L ...] [--tree T]`` seeds a git source from an archive of its tree (``git archive
+--prefix=NAME/``, GitHub's tarball): the files' git tree id must be one a lock pins (the commit is then the lock's).
 ``add-git GITDIR --commit C [--lock L ...] [--tree T]`` seeds a git source from a local clone or bare
 repository: the commit's files are read from git's objects, their git tree id recomputed and checked against
 the tree the locks pin for that commit (default: every ``lockfiles/*.lock.json`` and ``stack.json`` of the
@@ -57,12 +59,12 @@ def main(argv: List[str]) -> int:
                         epilog="e.g. trainer cache add-git ../Megatron-LM --commit 37f91617b95c1ef4f01fc66210e502572ad97fda")
     ag.add_argument("repo", help="a git work tree or bare repository holding the commit")
     ag.add_argument("--commit", required=True, help="the commit (full or abbreviated) to export")
-    ag.add_argument("--lock", action="append", default=[],
-                    help="lock(s) whose pin the commit must match (default: the bundle's lockfiles/*.lock.json and "
-                         "stack.json)")
-    ag.add_argument("--tree", help="the expected git tree id, for a commit no lock pins")
-    ag.add_argument("--json", action="store_true")
-    ag.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+    _pin_options(ag, "the commit")
+    aa = sub.add_parser("add-archive", help="seed a git source from an archive of its tree (git archive, GitHub's "
+                                            "tarball), checked by the git tree id the locks pin",
+                        epilog="e.g. trainer cache add-archive Megatron-LM-37f91617.tar.gz")
+    aa.add_argument("archive", help="a tar (any compression) or zip with one top-level directory")
+    _pin_options(aa, "the archive's tree")
     f = sub.add_parser("fetch", help="download every input of a lock into the cache (hash-checked)")
     f.add_argument("--lock", required=True)
     f.add_argument("--json", action="store_true")
@@ -89,7 +91,7 @@ def main(argv: List[str]) -> int:
                 raise UserError(f"--allow-host {host!r}: expected a URL prefix ending with the host's '/', "
                                 "e.g. http://127.0.0.1:8000/")
         return _fetch(cache, Path(args.lock), args.json, tuple(args.allow_host))
-    if args.command == "add-git":
+    if args.command in ("add-git", "add-archive"):
         return _add_git(cache, args)
     if args.command == "add-image":
         return _add_image(cache, args)
@@ -143,9 +145,20 @@ def _add_image(cache: Cache, args: argparse.Namespace) -> int:
     return 0
 
 
+def _pin_options(parser: argparse.ArgumentParser, what: str) -> None:
+    """The options ``add-git`` and ``add-archive`` share: the locks whose pins ``what`` must match, ``--tree``,
+    ``--json``."""
+    parser.add_argument("--lock", action="append", default=[],
+                        help=f"lock(s) whose pin {what} must match (default: the bundle's lockfiles/*.lock.json and "
+                             "stack.json)")
+    parser.add_argument("--tree", help=f"the expected git tree id, for {what} when no lock pins it")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+
+
 def _add_git(cache: Cache, args: argparse.Namespace) -> int:
     from trainer import REPO_ROOT
-    from trainer.image.sources import add_git, pins_for
+    from trainer.image.sources import add_archive, add_git, pins_for
 
     if args.tree is not None and not re.match(r"^[0-9a-f]{40}$", args.tree):
         raise UserError(f"--tree: expected a full 40-hex git tree id, got {args.tree!r}")
@@ -154,11 +167,14 @@ def _add_git(cache: Cache, args: argparse.Namespace) -> int:
     for lock in locks:
         if not lock.is_file():
             raise UserError(f"--lock {lock}: not found")
-    stored = add_git(cache, Path(args.repo), args.commit, pins_for(locks), args.tree)
+    if args.command == "add-archive":
+        stored = add_archive(cache, Path(args.archive), pins_for(locks), args.tree)
+    else:
+        stored = add_git(cache, Path(args.repo), args.commit, pins_for(locks), args.tree)
     if args.json:
         print(json.dumps(stored, indent=2, sort_keys=True))
     else:
-        print(f"added {stored['name']} {stored['commit']} tree {stored['tree']} ({stored['files']} files, "
+        print(f"added {stored['name']} {stored['commit'] or '(commit unknown)'} tree {stored['tree']} ({stored['files']} files, "
               f"{stored['bytes']:,} bytes) as sha256:{stored['sha256']}")
     return 0
 

@@ -367,6 +367,33 @@ def add_git(cache: Any, repo: Path, commit: str, pins: List[Dict[str, Any]], tre
             "bytes": sum(len(data) for _, data in files.values())}
 
 
+def add_archive(cache: Any, archive: Path, pins: List[Dict[str, Any]], tree: Optional[str] = None) -> Dict[str, Any]:
+    """Seed the cache with a source tree from ``archive`` (a tar of any compression :mod:`tarfile` reads, or a
+    zip, holding one top-level directory: ``git archive --prefix=NAME/ COMMIT``, GitHub's tarball of a commit).
+
+    The archive's files are hashed as git hashes a tree (:func:`git_tree_id`) and the result must be a tree that
+    ``pins`` (:func:`pins_for`) name, or ``tree`` when given: the tree id is what a lock pins, so any archive of
+    that tree serves. Returns {"name", "commit", "tree", "sha256", "files", "bytes"}. Raises :class:`UserError`
+    (nothing stored) for an unreadable archive, refused members, or a tree no pin names."""
+    label = f"archive {archive}"
+    files = tree_files(archive_entries(Path(archive), label), label)
+    _check_paths(files, label)
+    computed = labelled_tree_id(files, label)
+    if tree is not None:
+        pinned = [{"name": "(--tree)", "url": str(archive), "commit": None, "tree": tree, "where": "--tree"}]
+    else:
+        pinned = [p for p in pins if p["tree"] == computed]
+    if not pinned:
+        raise UserError(f"{label}: its files hash to git tree {computed}, which no lock given pins "
+                        "(pass --lock LOCK, or --tree TREE for a tree no lock names)")
+    pin = pinned[0]
+    if pin["tree"] != computed:
+        raise UserError(f"{label}: its files hash to git tree {computed}, --tree says {pin['tree']} (refused)")
+    sha = cache.put_tree(computed, canonical_entries(files, computed), {"commit": pin["commit"], "source": pin["url"]})
+    return {"name": pin["name"], "commit": pin["commit"], "tree": computed, "sha256": sha, "files": len(files),
+            "bytes": sum(len(data) for _, data in files.values())}
+
+
 GITHUB = "https://github.com/"
 FETCH_HOSTS = ("https://github.com/", "https://codeload.github.com/")
 

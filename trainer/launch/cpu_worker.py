@@ -32,21 +32,32 @@ from trainer.publish import atomic_write
 from trainer.record.record import canonical_json
 
 
-def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float) -> float:
-    """Learning rate after ``step_done`` completed steps (Megatron ``OptimizerParamScheduler.get_lr``, cosine).
+def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float,
+                style: str = "cosine") -> float:
+    """Learning rate after ``step_done`` completed steps (Megatron-LM 37f91617
+    ``megatron/core/optimizer_param_scheduler.py`` ``OptimizerParamScheduler.get_lr``, for the decay ``style`` of
+    ``--lr-decay-style``: ``constant``, ``linear`` or ``cosine``).
 
     Warm-up: ``lr x step_done / warmup`` for ``step_done <= warmup`` with ``warmup = fraction x steps`` (a
     float, as Megatron's ``lr_warmup_steps = lr_warmup_fraction x lr_decay_steps``; the first step runs at 0
-    when there is warm-up); then ``min_lr + (lr - min_lr) x 0.5 x (1 + cos(pi x r))`` with
-    ``r = (step_done - warmup) / (steps - warmup)``.
+    when there is warm-up); then ``lr`` (constant), or ``min_lr + (lr - min_lr) x c`` with
+    ``r = (step_done - warmup) / (steps - warmup)`` and ``c = 1 - r`` (linear) or ``0.5 x (1 + cos(pi x r))``
+    (cosine). Raises ``ValueError`` for another style (Megatron's inverse-square-root and WSD are not followed).
     """
+    from trainer.compose.checks import LR_DECAY_STYLES
+
+    if style not in LR_DECAY_STYLES:
+        raise ValueError(f"lr_decay_style {style!r}: expected one of {', '.join(LR_DECAY_STYLES)}")
     warmup = warmup_fraction * steps
     if warmup > 0 and step_done <= warmup:
         return lr * step_done / warmup
+    if style == "constant":
+        return lr
     if steps <= warmup:
         return min_lr
     ratio = min(1.0, (step_done - warmup) / (steps - warmup))
-    return min_lr + (lr - min_lr) * 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    return min_lr + (lr - min_lr) * coeff
 
 
 def main(argv=None) -> int:
@@ -109,7 +120,8 @@ def main(argv=None) -> int:
     metrics = (run_dir / METRICS).open("a") if rank == 0 else None
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        lr = megatron_lr(step - 1, steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_fraction)
+        lr = megatron_lr(step - 1, steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_fraction,
+                         cfg.optim.lr_decay_style)
         for group in optimizer.param_groups:
             group["lr"] = lr
         microbatches = step_batches(step - 1)

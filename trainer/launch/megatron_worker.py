@@ -17,9 +17,9 @@ checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.host.checkout`). The story of 
    checkpoint given initial values (:func:`init_checkpoint_only`: the recipe loads a checkpoint, this runs
    from random init);
 4. router gates frozen; bf16 weights as Megatron's ``get_model`` makes them (``Float16Module``, miles'
-   ``enforce_marked_param_dtypes``); megatron-core's DDP (fp32 grad reduction with ``accumulate_allreduce_grads_in_fp32``)
-   and optimizer (Adam, distributed optimizer from the layout, clip from ``--clip-grad``); the learning
-   rate of :func:`trainer.launch.cpu_worker.megatron_lr` set before every step;
+   ``enforce_marked_param_dtypes``); megatron-core's DDP and optimizer with every field of their configs from the
+   namespace, as Megatron-LM's own training makes them (:func:`ddp_config`, :func:`optimizer_config`); the
+   learning rate of :func:`trainer.launch.cpu_worker.megatron_lr` set before every step;
 5. per step: this DP rank's microbatches from the fixed rows (:class:`trainer.data.Rows`),
    ``get_forward_backward_func()`` (1F1B when PP > 1), ``optimizer.step()``; one ``metrics.jsonl`` line
    written by the first rank of the last pipeline stage.
@@ -73,8 +73,8 @@ def main(argv=None) -> int:
     atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -87,11 +87,16 @@ def main(argv=None) -> int:
         stand_ins = hadamard_stand_in()
     flags = megatron_argv(cfg, impl, cfg.launcher.attention_backend, run_steps(cfg))
     args = megatron_args(flags, world)
+    landing = flag_landing(flags, args)
+    ignored = [flag for flag, where in landing.items() if where == REFUSED]
+    if ignored:  # a flag the argv shows and nothing reads: refuse rather than train as if it applied
+        raise SystemExit(f"megatron worker: {', '.join(ignored)}: no part of the worker reads "
+                         f"{'this flag' if len(ignored) == 1 else 'these flags'} (see flag_landing); refused")
     steps = args.train_iters
     if rank == 0:
         atomic_write(run_dir / MEGATRON, canonical_json(
             {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend,
-             "spec": args.spec, "argv": flags,
+             "spec": args.spec, "argv": flags, "landing": landing,
              "stand_ins": stand_ins}))
 
     # parallel sizes, seed and optimizer settings from Megatron-LM's namespace of the rendered argv (WORKER_ARGS)
@@ -123,30 +128,16 @@ def main(argv=None) -> int:
 
         model = Float16Module(config, model)
         enforce_marked_param_dtypes([model])
+    # every field of Megatron's DDP and optimizer configs from the namespace, as Megatron-LM's training makes them;
     # the config, not args, for the three CONFIG_NOT_ARGS fields: miles and Megatron-LM overwrite them in args
+    dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
     model = DistributedDataParallel(
         config=config,
-        ddp_config=DistributedDataParallelConfig(
-            grad_reduce_in_fp32=optim.accumulate_allreduce_grads_in_fp32,
-            overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.layout.use_distributed_optimizer,
-        ),
+        ddp_config=ddp_config(args, sum(p.numel() for p in model.parameters()), dp_size, cfg),
         module=model,
     )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer=args.optimizer,
-            lr=args.lr,
-            min_lr=args.min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            bf16=optim.bf16,
-            use_distributed_optimizer=cfg.layout.use_distributed_optimizer,
-            clip_grad=args.clip_grad,
-        ),
-        [model],
-    )
+    opt_config, overrides = optimizer_config(args, cfg)
+    optimizer = get_megatron_optimizer(opt_config, [model], config_overrides=overrides)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
 
@@ -183,7 +174,7 @@ def main(argv=None) -> int:
     for step in range(1, steps + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
-        lr = megatron_lr(step - 1, steps, args.lr, args.min_lr, args.lr_warmup_fraction)
+        lr = megatron_lr(step - 1, steps, args.lr, args.min_lr, args.lr_warmup_fraction, args.lr_decay_style)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = []
@@ -355,7 +346,8 @@ WORKER_ARGS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
     "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes", "seed",
     "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
-    "micro_batch_size", "global_batch_size", "seq_length", "lr_warmup_fraction", "train_iters", "num_experts",
+    "micro_batch_size", "global_batch_size", "seq_length", "lr_warmup_fraction", "lr_decay_style", "train_iters",
+    "num_experts",
     "moe_router_freeze_gate", "freeze_e_score_correction_bias",
 )
 # Read from the config instead (``layout.use_distributed_optimizer``, ``optim.bf16``,
@@ -364,6 +356,142 @@ WORKER_ARGS = (
 # Megatron-LM 37f91617's ``validate_args`` sets ``accumulate_allreduce_grads_in_fp32`` under bf16. The worker
 # honours the config (the one-GPU convergence pair turns the distributed optimizer off).
 CONFIG_NOT_ARGS = ("use_distributed_optimizer", "bf16", "accumulate_allreduce_grads_in_fp32")
+
+
+def ddp_config(args, num_parameters: int, dp_size: int, cfg):
+    """megatron-core's ``DistributedDataParallelConfig`` as Megatron-LM 37f91617's ``get_model``
+    (``megatron/training/training.py``) makes it from the namespace ``args``: every field the dataclass declares
+    that the namespace has, then the fields it names otherwise there (``grad_reduce_in_fp32`` from
+    ``accumulate_allreduce_grads_in_fp32``, ``check_for_nan_in_grad`` from ``check_for_nan_in_loss_and_grad``,
+    ``check_for_large_grads``, ``bucket_size`` from ``ddp_num_buckets`` (``num_parameters`` // it) or
+    ``ddp_bucket_size``, and the ``ddp_``-prefixed ``pad_buckets_for_high_nccl_busbw``,
+    ``reduce_scatter_with_fp32_accumulation``, ``average_in_collective``), the default bucket of
+    max(40,000,000, 1,000,000 x ``dp_size``) parameters, none without ``overlap_grad_reduce``. The two of
+    :data:`CONFIG_NOT_ARGS` it holds come from the composed ``cfg``. ``num_parameters``: this rank's parameters."""
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
+              if hasattr(args, f.name)}
+    kwargs.update(check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+                  check_for_large_grads=args.check_for_large_grads,
+                  pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
+                  reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
+                  average_in_collective=args.ddp_average_in_collective)
+    if args.ddp_num_buckets is not None:
+        if args.ddp_bucket_size is not None or args.ddp_num_buckets <= 0:
+            raise ValueError("--ddp-num-buckets: expected a positive count and no --ddp-bucket-size")
+        kwargs["bucket_size"] = num_parameters // args.ddp_num_buckets
+    else:
+        kwargs["bucket_size"] = args.ddp_bucket_size
+    kwargs["grad_reduce_in_fp32"] = bool(cfg.optim.accumulate_allreduce_grads_in_fp32)
+    kwargs["use_distributed_optimizer"] = bool(cfg.layout.use_distributed_optimizer)
+    config = DistributedDataParallelConfig(**kwargs)
+    if config.bucket_size is None:
+        config.bucket_size = max(40_000_000, 1_000_000 * dp_size)
+    if not config.overlap_grad_reduce:
+        config.bucket_size = None
+    return config
+
+
+def optimizer_config(args, cfg):
+    """(megatron-core's optimizer config, its per-parameter overrides) as Megatron-LM 37f91617's
+    ``get_megatron_optimizer_config`` (``megatron/training/training.py``) makes them from the namespace ``args``:
+    ``AdamOptimizerConfig`` (Adam; muon too, as there) or ``SGDOptimizerConfig``, every field the dataclass declares
+    that the namespace has; the overrides from ``megatron.core.optimizer.get_standard_config_overrides``. The two of
+    :data:`CONFIG_NOT_ARGS` it holds (``bf16``, ``use_distributed_optimizer``) come from the composed ``cfg``.
+    Raises ``ValueError`` for another optimizer."""
+    import dataclasses
+
+    from megatron.core.optimizer import AdamOptimizerConfig, SGDOptimizerConfig, get_standard_config_overrides
+
+    if args.optimizer == "adam" or "muon" in args.optimizer:
+        cls = AdamOptimizerConfig
+    elif args.optimizer == "sgd":
+        cls = SGDOptimizerConfig
+    else:
+        raise ValueError(f"--optimizer {args.optimizer!r}: expected adam or sgd")
+    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kwargs.update(bf16=bool(cfg.optim.bf16), use_distributed_optimizer=bool(cfg.layout.use_distributed_optimizer))
+    config = cls(**kwargs)
+    return config, get_standard_config_overrides(config=config)
+
+
+# Megatron arguments core_transformer_config_from_args (megatron/training/arguments.py at 37f91617) reads by name
+# into TransformerConfig fields of other names (num_experts -> num_moe_experts, no_persist_layer_norm ->
+# persist_layer_norm, ...), besides the fields the config declares.
+CORE_TRANSLATED = (
+    "bias_gelu_fusion", "bias_swiglu_fusion", "cp_comm_type", "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers", "fp8_param_gather", "group_query_attention", "init_method_xavier_uniform",
+    "multi_latent_attention", "no_persist_layer_norm", "num_experts", "num_query_groups", "overlap_p2p_comm",
+    "params_dtype", "post_mlp_layernorm", "post_self_attn_layernorm", "quick_geglu", "rope_type",
+    "rotary_interleaved", "squared_relu", "swiglu", "moe_latent_size",
+)
+# Megatron arguments :func:`build_model` passes to GPTModel or the layer spec (as miles' model provider does).
+MODEL_ARGS = (
+    "spec", "padded_vocab_size", "max_position_embeddings", "fp16_lm_cross_entropy",
+    "untie_embeddings_and_output_weights", "position_embedding_type", "rotary_percent", "rotary_base",
+    "use_rope_scaling", "mtp_num_layers", "transformer_impl",
+)
+# Megatron arguments whose whole effect is inside the parse (:func:`megatron_args`: Megatron's validate_args and
+# miles' set_default_megatron_args derive what the worker then reads), each with what it derives.
+PARSE_ONLY = {
+    "vocab_size": "padded_vocab_size (with make_vocab_size_divisible_by and TP)",
+    "make_vocab_size_divisible_by": "padded_vocab_size",
+    "tokenizer_type": "padded_vocab_size: miles' set_default_megatron_args pads the given vocabulary",
+    "bf16": "params_dtype (validate_args), the bf16 the worker takes from the config (CONFIG_NOT_ARGS)",
+    "use_distributed_optimizer": "kept from the config (CONFIG_NOT_ARGS)",
+    "accumulate_allreduce_grads_in_fp32": "kept from the config (CONFIG_NOT_ARGS)",
+    "check_for_nan_in_loss_and_grad": "DistributedDataParallelConfig.check_for_nan_in_grad (ddp_config)",
+    "ddp_bucket_size": "DistributedDataParallelConfig.bucket_size (ddp_config)",
+    "ddp_num_buckets": "DistributedDataParallelConfig.bucket_size (ddp_config)",
+    "ddp_pad_buckets_for_high_nccl_busbw": "DistributedDataParallelConfig (ddp_config)",
+    "ddp_reduce_scatter_with_fp32_accumulation": "DistributedDataParallelConfig (ddp_config)",
+    "ddp_average_in_collective": "DistributedDataParallelConfig (ddp_config)",
+    "attention_backend": "TransformerConfig.attention_backend (an enum validate_args converts)",
+}
+REFUSED = "refused"
+
+
+def flag_landing(flags, args) -> dict:
+    """Where each ``--flag`` of the rendered Megatron argv ``flags`` lands once parsed into ``args``
+    (:func:`megatron_args`): ``transformer_config``, ``ddp_config``, ``optimizer_config`` (a field the worker's
+    configs take from the namespace: :func:`build_model`'s ``core_transformer_config_from_args`` with
+    :data:`CORE_TRANSLATED`, :func:`ddp_config`, :func:`optimizer_config`), ``worker`` (read by name:
+    :data:`WORKER_ARGS`, :data:`MODEL_ARGS`), ``parse`` (:data:`PARSE_ONLY`), or :data:`REFUSED`: a flag no part of
+    the worker reads, which would show in the argv and change nothing (``main`` refuses to train with one). A flag
+    Megatron-LM's parser does not know is refused too: the worker runs Megatron-LM, not miles. Returns
+    ``{flag: landing}`` in argv order. Needs the pinned Megatron-LM importable."""
+    import argparse
+    import dataclasses
+
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import AdamOptimizerConfig, SGDOptimizerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    dest = {option: action.dest for action in parser._actions for option in action.option_strings}
+    fields = {
+        "transformer_config": {f.name for c in (TransformerConfig, MLATransformerConfig) for f in dataclasses.fields(c)}
+        | set(CORE_TRANSLATED),
+        "ddp_config": {f.name for f in dataclasses.fields(DistributedDataParallelConfig)},
+        "optimizer_config": {f.name for c in (AdamOptimizerConfig, SGDOptimizerConfig) for f in dataclasses.fields(c)},
+    }
+    out = {}
+    for flag in (word.split("=", 1)[0] for word in flags if word.startswith("--")):
+        name = dest.get(flag)
+        if name is None:
+            out[flag] = REFUSED
+        elif name in WORKER_ARGS or name in MODEL_ARGS:
+            out[flag] = "worker"
+        elif name in PARSE_ONLY or name in CONFIG_NOT_ARGS:
+            out[flag] = "parse"
+        else:
+            out[flag] = next((where for where, names in fields.items() if name in names and hasattr(args, name)),
+                             REFUSED)
+    return out
 
 
 def megatron_args(argv, world: int):
