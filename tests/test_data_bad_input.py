@@ -215,5 +215,67 @@ def test_command_line_prints_one_line_without_traceback(tmp_path):
     assert "Traceback" not in proc.stderr and not (tmp_path / "out").exists()
 
 
+def verify(capsys, *args):
+    code = cli.main(["data", "verify", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def refused_verify(capsys, expected, *args):
+    code, out, err = verify(capsys, *args)
+    assert (code, out) == (2, "") and err.startswith("trainer data: error: ") and err.count("\n") == 1, err
+    assert expected in err, err
+    return err
+
+
+def test_rederive_refuses_missing_or_changed_inputs_and_old_manifests(capsys, tmp_path):
+    src = tmp_path / "c.jsonl"
+    synthetic.write(src, 3, seed=4)
+    out = tmp_path / "rows"
+    assert cli.main(["data", "build", "--input", str(src), "--out", str(out), "--row-tokens", "256", "--json"]) == 0
+    manifest = json.loads(capsys.readouterr().out)["manifest"]
+    sha = hashlib.sha256(src.read_bytes()).hexdigest()
+    assert verify(capsys, out, "--rederive", 4, "--input", src)[0] == 0
+    # no inputs named: the line lists what the manifest records
+    refused_verify(capsys, f"--rederive 4: give the build's inputs with --input FILE ... (the manifest names them by file name "
+                   f"and sha256 only: c.jsonl (sha256 {sha[:12]}…))", out, "--rederive", 4)
+    # missing: the files given hold other bytes under other names
+    other = tmp_path / "other.jsonl"
+    synthetic.write(other, 3, seed=5)
+    refused_verify(capsys, f"input c.jsonl (sha256 {sha}): missing, no --input file has its bytes; cannot re-derive",
+                   out, "--rederive", 4, "--input", other)
+    refused_verify(capsys, f"--input {tmp_path / 'gone.jsonl'}: no such file", out, "--rederive", 4, "--input", tmp_path / "gone.jsonl")
+    # changed: the file of that name now has other bytes
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    synthetic.write(moved / "c.jsonl", 4, seed=4)
+    changed = hashlib.sha256((moved / "c.jsonl").read_bytes()).hexdigest()
+    refused_verify(capsys, f"input c.jsonl: {moved / 'c.jsonl'} has sha256 {changed}, the build read sha256 {sha} (changed since the build)",
+                   out, "--rederive", 4, "--input", moved / "c.jsonl")
+    # the same bytes under another name are the build's input (matched by sha256)
+    (moved / "renamed.jsonl").write_bytes(src.read_bytes())
+    assert verify(capsys, out, "--rederive", 4, "--input", moved / "renamed.jsonl", moved / "c.jsonl")[0] == 0
+    # another tokenizer
+    tokenizer = tmp_path / "tokenizer.json"
+    tokenizer.write_text(json.dumps(json.loads(shipped_tokenizer_path().read_text()), indent=1))
+    digest = hashlib.sha256(tokenizer.read_bytes()).hexdigest()
+    refused_verify(capsys, f"tokenizer {tokenizer}: sha256 {digest}, the build used sha256 {manifest['tokenizer_sha256']}; "
+                   "pass --tokenizer PATH of that file to re-derive", out, "--rederive", 4, "--input", src, "--tokenizer", tokenizer)
+    refused_verify(capsys, "--rederive 0: expected a positive number of rows to re-derive", out, "--rederive", 0, "--input", src)
+    refused_verify(capsys, "--input and --tokenizer are for --rederive N", out, "--input", src)
+    # a manifest from before row_anchors: still verifies, cannot be re-derived, and says so in one line
+    old = json.loads((out / "manifest.json").read_text())
+    del old["row_anchors"]
+    (out / "manifest.json").write_text(json.dumps(old, indent=2))
+    code, text, _ = verify(capsys, out)
+    assert code == 0 and f"rows_sha256 {manifest['rows_sha256']}" in text
+    refused_verify(capsys, f"{out / 'manifest.json'}: records no row_anchors (a build from before verify --rederive existed), so its "
+                   "rows cannot be re-derived; plain verify still checks its hashes", out, "--rederive", 4, "--input", src)
+    old["row_anchors"] = {"every_rows": 16, "starts": [[0]]}
+    (out / "manifest.json").write_text(json.dumps(old, indent=2))
+    refused_verify(capsys, "manifest.json: cannot re-derive from this manifest (ValueError: row_anchors: expected every_rows >= 1 and "
+                   f"{-(-manifest['rows'] // 16)} [position, offset] pairs)", out, "--rederive", 4, "--input", src)
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -10,7 +10,7 @@ import pytest
 
 import helpers
 from trainer.data import Rows, chat, synthetic
-from trainer.data.build import BuildConfig, build, default_config, load_tokenizer, shipped_tokenizer_path
+from trainer.data.build import BuildConfig, RowWriter, build, default_config, load_tokenizer, sample_rows, shipped_tokenizer_path
 from trainer.errors import UserError
 
 REQUIRED_KEYS = {"rows", "row_tokens", "padding_tokens", "supervised_token_ratio", "seed", "tokenizer_sha256",
@@ -109,6 +109,40 @@ def test_conversation_longer_than_a_row_continues_with_its_mask(tmp_path, tok):
     assert masks[1][0] == 1 and masks[1].all()  # row 1 starts inside the answer: supervised from token 0 on
     assert all(s == ["long"] for s in sources)
     assert manifest["tail_tokens_dropped"] == len(ids) - full * 16 and manifest["padding_tokens"] == 0
+
+
+def without_eos(cid, *turns, system=None):
+    row = conv(cid, *turns, system=system)
+    row["messages"][-1]["wo_eos"] = True
+    return row
+
+
+def test_wo_eos_conversation_leaves_the_next_prompt_unsupervised(tmp_path, tok):
+    # issue 26 point 1: after a conversation ending without EOS, the next one in the same tokenizer batch had its
+    # BOS, system, <｜User｜>, user text and <｜Assistant｜> set to 1 (3,206 prompt tokens in a 2,128-conversation build)
+    tokenizer, special = tok
+    rows_in = []
+    for i in range(12):
+        rows_in.append(without_eos(f"open-{i}", f"Continue {i}:", "and then" + " more" * i) if i % 3 == 0 else
+                       conv(f"plain-{i}", f"Question {i}?", "Answer" + " yes" * i, system="You are concise." if i % 2 else None))
+    src = write_jsonl(tmp_path / "w.jsonl", rows_in)
+    for loss_mask in chat.LOSS_MASKS:
+        manifest = build([str(src)], tmp_path / loss_mask, BuildConfig(row_tokens=16, loss_mask=loss_mask))
+        rows, masks, _ = read_rows(tmp_path / loss_mask)
+        assert manifest["rows"] == len(rows) > 10
+        stream, mask = np.concatenate(rows), np.concatenate(masks)
+        # every BOS (a conversation's first token) and the run up to its first <｜Assistant｜> is prompt: mask 0
+        checked = 0
+        for at in np.flatnonzero(stream == special.bos).tolist():
+            after = np.flatnonzero(stream[at:] == special.assistant)
+            if after.size:
+                assert mask[at : at + int(after[0]) + 1].tolist() == [0] * (int(after[0]) + 1), (loss_mask, at)
+                checked += 1
+        assert checked >= 8
+    # and the rows are the one-by-one rule's (reference_rows encodes each conversation alone)
+    want_rows, want_masks, _, _ = reference_rows(tok, [src], 42, 16)
+    rows, masks, _ = read_rows(tmp_path / "deepseek_v4")
+    assert [r.tolist() for r in rows] == want_rows and [m.tolist() for m in masks] == want_masks
 
 
 def test_rows_without_targets_are_skipped(tmp_path, tok):
@@ -314,6 +348,122 @@ def test_command_line_summary_and_json(tmp_path, capsys, monkeypatch):
     assert chosen["dropped_by_drop_thinking"]["reasoning_content"] == 0 and chosen["tokens_encoded"] > default["tokens_encoded"]
     assert cli.main([*args, "--out", str(tmp_path / "e"), "--thinking-mode", "chat"]) == 2  # chat mode cannot show the reasoning
     assert "messages[1].reasoning_content: chat mode renders no reasoning" in capsys.readouterr().err
+
+
+def forge(out, row, position):
+    """Flip loss_mask[row][position] in out/rows.parquet, then rewrite the parquet and the manifest's hashes so that
+    they agree (a forger who rehashes); return the value stored after the flip."""
+    rows, masks, sources = read_rows(out)
+    masks[row][position] ^= 1
+    writer = RowWriter(out / "rows.parquet", len(rows[0]))
+    for r, m, ids in zip(rows, masks, sources):
+        writer.add(r.astype(np.int32), m.astype(np.uint8), ids)
+    rows_sha256 = writer.close()
+    data = (out / "rows.parquet").read_bytes()
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.update(rows_sha256=rows_sha256, parquet_sha256=hashlib.sha256(data).hexdigest(), parquet_bytes=len(data))
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+    return int(masks[row][position])
+
+
+def verify(capsys, *args):
+    from trainer import cli
+
+    code = cli.main(["data", "verify", *map(str, args)])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def rederive_corpus(tmp_path):
+    """Inputs with what re-derivation must reproduce: wo_eos endings, a bad row (skipped), a prompt long enough for
+    rows without targets, conversations longer than a row."""
+    a = tmp_path / "a.jsonl"
+    synthetic.write(a, 6, seed=3)
+    b = write_jsonl(tmp_path / "b.jsonl", [
+        without_eos("open-1", "Continue:", "and then"), conv("sys-1", "Hi?", "Hello.", system="You are concise."),
+        {"id": "bad-1", "messages": [{"role": "user", "content": "q"}], "source": "t"},
+        conv("long-prompt", " ".join(["prompt"] * 400), "ok"), without_eos("open-2", "More:", "yes " * 30),
+        conv("multi", "1?", "one", "2?", "two"),
+    ])
+    return [a, b]
+
+
+def test_verify_rederive_reproduces_rows_and_catches_a_rehashed_forgery(tmp_path, capsys, monkeypatch):
+    from trainer.data import build as builder
+
+    inputs = rederive_corpus(tmp_path)
+    out = tmp_path / "rows"
+    manifest = build([str(p) for p in inputs], out, BuildConfig(row_tokens=64, skip_bad_rows=True))
+    rows = manifest["rows"]
+    assert rows > 60 and manifest["skipped"]["unsupervised_rows"] >= 3 and manifest["skipped"]["bad_rows"] == 1
+    anchors = manifest["row_anchors"]
+    assert anchors["every_rows"] == 16 and len(anchors["starts"]) == -(-rows // 16)
+    assert anchors["starts"] == sorted(anchors["starts"]) and all(o >= -1 for _, o in anchors["starts"])
+    code, text, err = verify(capsys, out, "--rederive", rows, "--input", *inputs)
+    assert (code, err) == (0, "")
+    assert text == (f"{out}: ok, {rows} rows x 64 tokens, rows_sha256 {manifest['rows_sha256']}; "
+                    f"{rows} sampled rows re-derived from the inputs: tokens and loss_mask match\n")
+
+    # a forger flips one mask bit and rehashes: plain verify passes, re-derivation names the row and position
+    token = int(read_rows(out)[0][21][5])
+    now = forge(out, 21, 5)
+    assert verify(capsys, out)[0] == 0
+    code, text, err = verify(capsys, out, "--rederive", rows, "--input", *inputs)
+    assert (code, text) == (1, "")
+    assert err == (f"trainer data verify: {out}: row 21: first difference at position 5: stored token {token} mask {now}, "
+                   f"re-derived token {token} mask {1 - now} (1 of 64 positions differ); 1 of {rows} re-derived rows differ "
+                   "(the hashes match: the rows were rewritten with consistent hashes, or built by other code)\n")
+    code, text, _ = verify(capsys, out, "--rederive", rows, "--input", *inputs, "--json")
+    result = json.loads(text)
+    assert code == 1 and result["ok"] is False and result["rederived"]["mismatched"] == 1
+    assert (result["rederived"]["first"]["row"], result["rederived"]["first"]["position"]) == (21, 5)
+    assert result["rederived"]["first"]["stored"] == [token, now] and result["rederived"]["first"]["derived"] == [token, 1 - now]
+    # a sample that misses row 21 passes; the sample is a function of (rows, N, seed)
+    sample = sample_rows(rows, 5, 3)
+    assert sample == sample_rows(rows, 5, 3) == sorted(sample) and len(set(sample)) == 5 and sample != sample_rows(rows, 5, 4)
+    seed = next(s for s in range(50) if 21 not in sample_rows(rows, 5, s))
+    assert verify(capsys, out, "--rederive", 5, "--sample-seed", seed, "--input", *inputs)[0] == 0
+    assert sample_rows(3, 10) == [0, 1, 2]
+
+    # flipping a bit without rehashing is caught by the hash check first (exit 1 either way)
+    path = out / "rows.parquet"
+    build([str(p) for p in inputs], out, BuildConfig(row_tokens=64, skip_bad_rows=True))
+    table = pq.read_table(path)
+    masks = table.column("loss_mask").to_pylist()
+    masks[3][7] ^= 1
+    pq.write_table(table.set_column(1, "loss_mask", pa_list(masks, table.schema.field("loss_mask").type)), path)
+    for extra in ([], ["--rederive", rows, "--input", *inputs]):
+        code, _, err = verify(capsys, out, *extra)
+        assert code == 1 and "rows.parquet: " in err and "the manifest says" in err and err.count("\n") == 1
+
+    # every row an anchor (rows starting deep inside a conversation longer than a row)
+    monkeypatch.setattr(builder, "ANCHOR_ROWS", 1)
+    dense = build([str(p) for p in inputs], tmp_path / "dense", BuildConfig(row_tokens=64, skip_bad_rows=True))
+    assert dense["row_anchors"]["every_rows"] == 1 and len(dense["row_anchors"]["starts"]) == rows
+    assert dense["rows_sha256"] == manifest["rows_sha256"] and max(o for _, o in dense["row_anchors"]["starts"]) > 64
+    assert verify(capsys, tmp_path / "dense", "--rederive", rows, "--input", *inputs)[0] == 0
+    forge(tmp_path / "dense", rows - 1, 63)
+    code, _, err = verify(capsys, tmp_path / "dense", "--rederive", rows, "--input", *inputs)
+    assert code == 1 and f": row {rows - 1}: first difference at position 63: " in err
+
+
+def pa_list(values, type_):
+    import pyarrow as pa
+
+    return pa.array(values, type=type_)
+
+
+def test_verify_rederive_for_the_official_mask_and_the_separator_anchor(tmp_path, capsys, monkeypatch):
+    from trainer.data import build as builder
+
+    # rows of 7 tokens over conversations of 8 or 7 tokens (+1 separator): rows start at every kind of place
+    src = write_jsonl(tmp_path / "s.jsonl", [conv(f"c{i}", "Q", "A" if i % 2 else "B", system="S") for i in range(30)]
+                      + [without_eos(f"w{i}", "Q", "A") for i in range(10)])
+    monkeypatch.setattr(builder, "ANCHOR_ROWS", 1)
+    manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=7, loss_mask="deepseek_v4_official"))
+    assert {-1, 0} <= {o for _, o in manifest["row_anchors"]["starts"]}  # at a separator, at a conversation's BOS
+    code, text, _ = verify(capsys, tmp_path / "out", "--rederive", manifest["rows"], "--input", src)
+    assert code == 0 and text.endswith("tokens and loss_mask match\n")
 
 
 def test_defaults_come_from_the_data_config():

@@ -1,11 +1,14 @@
 """DeepSeek-V4 rendering and its loss masks: the official fixtures byte for byte, our own cases token by token
 with the real tokenizer, and the refusals."""
 
+import functools
 import hashlib
 import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import helpers
 from helpers import GOLDEN
@@ -25,6 +28,12 @@ CALL_TEXT = (f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_time">\n<{DSML}pa
 
 @pytest.fixture(scope="module")
 def tok():
+    tokenizer, special, _ = load_tokenizer()
+    return tokenizer, special
+
+
+@functools.lru_cache(maxsize=None)
+def shipped():
     tokenizer, special, _ = load_tokenizer()
     return tokenizer, special
 
@@ -192,6 +201,83 @@ def test_mask_scan_on_a_stream_with_separators(tok):
     # BOS u A m c EOS | sep EOS | BOS u A m EOS
     stream = np.array([0, 5, 128804, 128822, 7, 1, 1, 0, 5, 128804, 128822, 1])
     assert chat.deepseek_v4_mask(stream, special).tolist() == [0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 1, 1]
+
+
+def test_mask_scan_restarts_at_each_conversation(tok):
+    _, special = tok
+    # conversation 1 ends inside an assistant turn (wo_eos): BOS u A m c | conversation 2: BOS u A m EOS
+    stream = np.array([0, 5, 128804, 128822, 7, 0, 5, 128804, 128822, 1])
+    assert chat.deepseek_v4_mask(stream, special, [5, 5]).tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]
+    # one scan scope over both (what encode did before issue 26): conversation 2's BOS and prompt were supervised
+    assert chat.deepseek_v4_mask(stream, special).tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+    assert chat.deepseek_v4_mask(stream, special, [5, 0, 5]).tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1, 1]  # empty: no scope
+    with pytest.raises(ValueError, match="lengths: 2 conversations of 9 tokens in all; expected >= 0 each and 10 in all"):
+        chat.deepseek_v4_mask(stream, special, [5, 4])
+
+
+def test_conversation_without_final_eos_does_not_leak_into_the_next(tok):
+    # issue 26 point 1: the next conversation of the batch had its BOS, system, <｜User｜>, user text and
+    # <｜Assistant｜> supervised because the batch scan was still "inside" the wo_eos assistant turn
+    tokenizer, special = tok
+    first = [{"role": "user", "content": "Continue:"}, {"role": "assistant", "content": "partial", "wo_eos": True}]
+    second = [{"role": "system", "content": "You are concise."}, {"role": "user", "content": "First?"},
+              {"role": "assistant", "content": "One."}]
+    for loss_mask, opener in (("deepseek_v4", 1), ("deepseek_v4_official", 0)):
+        ids, mask, lengths = chat.encode(tokenizer, special, [chat.render(first), chat.render(second)], loss_mask)
+        want_first = expected(tokenizer, [(f"{BOS}{USER}Continue:{ASSISTANT}", 0), (END_THINK, opener), ("partial", 1)])
+        want_second = expected(tokenizer, [(f"{BOS}You are concise.{USER}First?{ASSISTANT}", 0), (END_THINK, opener), (f"One.{EOS}", 1)])
+        assert lengths.tolist() == [len(want_first[0]), 13]
+        assert ids.tolist() == want_first[0] + want_second[0]
+        assert mask.tolist() == want_first[1] + want_second[1], loss_mask
+        # the docstring's worked example: 9 prompt tokens (BOS .. <｜Assistant｜>) unsupervised
+        assert mask[lengths[0]:].tolist() == [0] * 9 + [opener, 1, 1, 1]
+
+
+MESSAGE_TEXTS = ["", "a", " lead", "x\ny", "中文 🙂", "naïve", f"{ASSISTANT}inside", f"e{EOS}", f"{BOS}b", f"{USER}u", "</think>t", "<think>"]
+texts = st.lists(st.sampled_from(MESSAGE_TEXTS), min_size=1, max_size=3).map("".join)
+
+
+@st.composite
+def conversations(draw):
+    """A rendered conversation: optional system prompt, 1-3 user/assistant exchanges (reasoning, tool calls, a
+    later system message, wo_eos on any assistant turn, the last one included), one of the rendering modes."""
+    messages = [{"role": "system", "content": draw(texts)}] if draw(st.booleans()) else []
+    for k in range(draw(st.integers(1, 3))):
+        if k and draw(st.integers(0, 4)) == 0:
+            messages.append({"role": "system", "content": "S" + draw(texts)})
+        messages.append({"role": "user", "content": draw(texts)})
+        answer = {"role": "assistant", "content": "r" + draw(texts)}
+        if draw(st.integers(0, 3)) == 0:
+            answer["tool_calls"] = [{"id": "c0", "function": {"name": "f", "arguments": json.dumps({"k": draw(texts)})}}]
+            messages += [answer, {"role": "tool", "tool_call_id": "c0", "content": draw(texts)}]
+            answer = {"role": "assistant", "content": "r" + draw(texts)}
+        if draw(st.booleans()):
+            answer["reasoning_content"] = draw(texts)
+        if draw(st.booleans()):
+            answer["wo_eos"] = True
+        messages.append(answer)
+    encoding = chat.Encoding(thinking_mode=draw(st.sampled_from(["auto", "thinking"])), drop_thinking=draw(st.booleans()))
+    try:
+        return chat.render(messages, encoding)
+    except chat.ConversationError:
+        return chat.render([{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "wo_eos": draw(st.booleans())}])
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(conversations(), min_size=1, max_size=6))
+def test_property_a_batch_encodes_as_its_conversations_one_by_one(batch):
+    tokenizer, special = shipped()  # not a fixture argument: hypothesis would print the tokenizer with a failing example
+    for loss_mask in chat.LOSS_MASKS:
+        ids, mask, lengths = chat.encode(tokenizer, special, batch, loss_mask)
+        assert ids.dtype == np.int32 and mask.dtype == np.uint8 and lengths.tolist() == [len(ids_of(tokenizer, r.text)) for r in batch]
+        alone = [chat.encode(tokenizer, special, [r], loss_mask) for r in batch]
+        assert ids.tolist() == [t for one in alone for t in one[0].tolist()]
+        assert mask.tolist() == [m for one in alone for m in one[1].tolist()], loss_mask
+        for r, one in zip(batch, alone):  # and each alone is the role-based mask of its pieces
+            piece_ids, piece_mask = chat.mask_from_pieces(tokenizer, r, loss_mask)
+            assert (one[0].tolist(), one[1].tolist()) == (piece_ids, piece_mask.tolist())
+            assert one[1][0] == 0  # BOS is never a target, whatever the conversation before ended with
 
 
 def tools_section(*tools):

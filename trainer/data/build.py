@@ -30,6 +30,13 @@ The build, step by step (``build()``):
    that a failed build leaves nothing behind and an earlier build in ``DIR`` intact until the new one is
    complete.
 
+**Re-derivation.** Each conversation's tokens and mask depend on that conversation alone (the batch is
+only for speed), so a row can be re-derived from where it starts. The manifest's ``row_anchors`` record,
+for every ``ANCHOR_ROWS``-th row, the conversation (its index in the packing order) and token offset where
+the row starts; :func:`rederive` (``trainer data verify DIR --rederive N --input ...``) re-renders and
+re-encodes sampled rows from the inputs (matched by sha256) and compares tokens and mask with the
+stored rows. Manifests written before ``row_anchors`` existed stay readable; they cannot be re-derived.
+
 ``rows_sha256`` (the content hash of a build, independent of the parquet encoding): sha256 over the rows
 in file order; for each row, its ``row_tokens`` token ids as little-endian int32 (4 bytes each), then its
 ``row_tokens`` mask values as uint8 (1 byte each, 0 or 1). No separators, no header. ``parquet_sha256``
@@ -71,6 +78,13 @@ ROW_GROUP_ROWS = 64  # parquet rows per row group (64 x 8,192 tokens ~ 2 MiB of 
 ZSTD_LEVEL = 3
 BATCH_CONVERSATIONS = 256  # conversations per tokenizer call (small enough to pipeline, large enough for all cores)
 MAX_REASONS = 10  # skipped-input reasons kept in the manifest
+ANCHOR_ROWS = 16  # the manifest records where every ANCHOR_ROWS-th row starts (trainer data verify --rederive)
+ROW_ANCHORS_DEFINITION = (
+    "starts[j] = [position, offset] of kept row every_rows * j: position = index in the packing order (the seeded "
+    "permutation of all conversations of the usable inputs, bad rows included) of the first conversation with a "
+    "token at or after the row's first token; offset = the row's first token minus that conversation's first token "
+    "(-1: the row starts at the separator EOS before it)"
+)
 INPUT_SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 LOSS_MASK_DEFINITIONS = {  # the manifest's one-line statement of each convention (trainer.data.chat)
     "deepseek_v4": "supervised: from right after each <｜Assistant｜> (the mode token <think>/</think> included) through "
@@ -319,6 +333,7 @@ class Stats:
     tail_tokens_dropped: int = 0
     reasoning_dropped: int = 0  # reasoning_content removed by the format's drop-thinking rule
     developer_dropped: int = 0  # developer messages removed by that rule
+    row_anchors: List[List[int]] = field(default_factory=list)  # [position, offset] of kept rows 0, ANCHOR_ROWS, ...
 
     def skip(self, reason: str) -> None:
         """Keep ``reason`` (one line naming file and row) among the first ``MAX_REASONS``."""
@@ -327,19 +342,20 @@ class Stats:
 
 
 def conversations(
-    inputs: Sequence[InputFile], order: Sequence[Tuple[int, int]], config: BuildConfig, stats: Stats
-) -> Iterator[List[Tuple[str, chat.Rendered]]]:
-    """Batches of ``(id, rendered)`` in packing order; bad rows raise or are skipped (``stats``)."""
+    inputs: Sequence[InputFile], order: Sequence[Tuple[int, int]], config: BuildConfig, stats: Stats, start: int = 0,
+) -> Iterator[List[Tuple[str, chat.Rendered, int]]]:
+    """Batches of ``(id, rendered, position)`` in packing order from ``order[start]`` on (``position``: the
+    conversation's index in ``order``); bad rows raise :class:`UserError` or are skipped (``stats``)."""
     size = config.batch_conversations
     encoding = config.encoding()
-    for start in range(0, len(order), size):
-        chunk = order[start : start + size]
+    for lo in range(start, len(order), size):
+        chunk = order[lo : lo + size]
         by_file: Dict[int, List[int]] = {}
         for index, row in chunk:
             by_file.setdefault(index, []).append(row)
         fetched = {index: dict(zip(rows, inputs[index].fetch(rows))) for index, rows in by_file.items()}
         batch = []
-        for index, row in chunk:
+        for position, (index, row) in enumerate(chunk, start=lo):
             item = fetched[index][row]
             try:
                 if isinstance(item, ValueError):
@@ -350,7 +366,7 @@ def conversations(
                 if not isinstance(conv_id, str):
                     raise chat.ConversationError(f"id: expected a string, got {'missing' if conv_id is None else type(conv_id).__name__}")
                 rendered = chat.render(messages, encoding)
-                batch.append((conv_id, rendered))
+                batch.append((conv_id, rendered, position))
                 stats.reasoning_dropped += rendered.reasoning_dropped
                 stats.developer_dropped += rendered.developer_dropped
             except ValueError as err:
@@ -420,7 +436,7 @@ class RowWriter:
 
 
 def pack(
-    batches: Iterator[List[Tuple[str, chat.Rendered]]],
+    batches: Iterator[List[Tuple[str, chat.Rendered, int]]],
     tokenizer: Any,
     special: chat.SpecialIds,
     config: BuildConfig,
@@ -430,18 +446,19 @@ def pack(
 ) -> None:
     """Tokenize batches, join conversations with one EOS between them, cut rows, write the kept ones.
 
-    ``progress(conversations, rows)`` is called after every batch with the increments.
+    ``progress(conversations, rows)`` is called after every batch with the increments. Every
+    ``ANCHOR_ROWS``-th kept row's start is appended to ``stats.row_anchors`` (see :func:`rederive`).
     """
     width = config.row_tokens
     buf_ids = np.zeros(0, dtype=np.int32)
     buf_mask = np.zeros(0, dtype=np.uint8)
     buf_start = 0  # stream offset of buf[0]
-    spans: Deque[Tuple[int, int, str]] = deque()  # (stream start, stream end, id) of conversations not yet fully cut
+    spans: Deque[Tuple[int, int, str, int]] = deque()  # (stream start, end, id, position) of conversations not yet fully cut
     stream = 0
     for batch in batches:
         if not batch:
             continue
-        ids, mask, lengths = chat.encode(tokenizer, special, [r for _, r in batch], config.loss_mask)
+        ids, mask, lengths = chat.encode(tokenizer, special, [r for _, r, _ in batch], config.loss_mask)
         stats.tokens_encoded += int(ids.shape[0])
         # one separator EOS before every conversation but the stream's first
         first = 1 if stream > 0 else 0
@@ -451,7 +468,7 @@ def pack(
         mask = np.insert(mask, insert_at, 0)
         stats.separator_tokens += len(insert_at)
         conv_starts = stream + starts + np.arange(first, first + len(lengths))
-        spans.extend([(s, s + n, cid) for s, n, (cid, _) in zip(conv_starts.tolist(), lengths.tolist(), batch)])
+        spans.extend([(s, s + n, cid, p) for s, n, (cid, _, p) in zip(conv_starts.tolist(), lengths.tolist(), batch)])
         stream += int(ids.shape[0])
         stats.conversations_packed += len(batch)
         buf_ids = np.concatenate([buf_ids, ids])
@@ -473,10 +490,12 @@ def pack(
                 stats.unsupervised_rows_skipped += 1
                 continue
             sources = []
-            for s, e, cid in spans:
+            for s, e, cid, _ in spans:
                 if s >= row_hi:
                     break
                 sources.append(cid)
+            if stats.rows % ANCHOR_ROWS == 0:  # spans[0]: the first conversation with a token at or after row_lo
+                stats.row_anchors.append([spans[0][3], row_lo - spans[0][0]])  # -1: the row starts at its separator
             writer.add(buf_ids[lo:hi], row_mask, sources)
             stats.rows += 1
             stats.supervised_tokens += supervised
@@ -532,6 +551,7 @@ def manifest_fields(config: BuildConfig, stats: Stats, inputs: Sequence[InputFil
         "tokens_encoded": stats.tokens_encoded,
         "separator_tokens": stats.separator_tokens,
         "tail_tokens_dropped": stats.tail_tokens_dropped,
+        "row_anchors": {"every_rows": ANCHOR_ROWS, "definition": ROW_ANCHORS_DEFINITION, "starts": stats.row_anchors},
         "skipped": {
             "unsupervised_rows": stats.unsupervised_rows_skipped,
             "bad_rows": stats.bad_rows_skipped,
@@ -672,3 +692,202 @@ def default_config(data: Optional[str] = None) -> Tuple[BuildConfig, Dict[str, A
         "parquet_bytes": build_node["parquet_bytes"],
     }
     return config, expected
+
+
+# ---------------------------------------------------------------------------------------------------------
+# re-derivation (trainer data verify --rederive)
+
+
+def sample_rows(rows: int, count: int, seed: int = 0) -> List[int]:
+    """The ``count`` rows (of ``rows``) ``verify --rederive`` checks, ascending: those with the smallest
+    ``sha256(f"{seed}:rederive:{row}")``; all rows when ``count >= rows``. Raises :class:`UserError` for
+    ``count < 1``."""
+    if count < 1:
+        raise UserError(f"--rederive {count}: expected a positive number of rows to re-derive")
+    keys = {row: hashlib.sha256(f"{seed}:rederive:{row}".encode("ascii")).digest() for row in range(rows)}
+    return sorted(sorted(keys, key=keys.__getitem__)[:count])
+
+
+def _rederive_config(manifest: Dict[str, Any], where: str) -> Tuple[BuildConfig, List[Dict[str, Any]], int, List[List[int]]]:
+    """The build's config, usable input entries, anchor spacing and anchors, read from its manifest."""
+    anchors = manifest.get("row_anchors")
+    if anchors is None:
+        raise UserError(f"{where}: records no row_anchors (a build from before verify --rederive existed), so its rows cannot "
+                        "be re-derived; plain verify still checks its hashes, and a rebuild records the anchors")
+    try:
+        if manifest["format"] != FORMAT:
+            raise UserError(f"{where}: format {manifest['format']!r}; this builder re-derives {FORMAT!r} only")
+        encoding = manifest["chat_encoding"]
+        if encoding["format"] != chat.FORMAT_SOURCE:
+            raise UserError(f"{where}: chat format {encoding['format']!r}; this builder renders {chat.FORMAT_SOURCE!r}")
+        config = BuildConfig(row_tokens=int(manifest["row_tokens"]), seed=int(manifest["seed"]), loss_mask=str(manifest["loss_mask"]),
+                             thinking_mode=encoding["thinking_mode"], drop_thinking=bool(encoding["drop_thinking"]),
+                             reasoning_effort=encoding["reasoning_effort"], skip_bad_rows=bool(manifest["skipped"]["skip_bad_rows"]),
+                             batch_conversations=16)
+        config.encoding()  # an unknown mode raises UserError
+        if config.loss_mask not in chat.LOSS_MASKS:
+            raise UserError(f"{where}: loss_mask {config.loss_mask!r}: unknown (known: {', '.join(chat.LOSS_MASKS)})")
+        every, starts = int(anchors["every_rows"]), anchors["starts"]
+        rows = int(manifest["rows"])
+        if every < 1 or not isinstance(starts, list) or len(starts) != -(-rows // every) or not all(
+                isinstance(a, list) and len(a) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in a) for a in starts):
+            raise ValueError(f"row_anchors: expected every_rows >= 1 and {-(-rows // every) if every >= 1 else '?'} [position, offset] pairs")
+        entries = [e for e in manifest["inputs"] if not e.get("skipped")]
+        if not all(isinstance(e["name"], str) and isinstance(e["sha256"], str) and int(e["conversations"]) >= 1 for e in entries):
+            raise ValueError("inputs: expected name, sha256 and conversations for every input")
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise UserError(f"{where}: cannot re-derive from this manifest ({type(err).__name__}: {err})") from None
+    return config, entries, every, starts
+
+
+def _rederive_inputs(entries: List[Dict[str, Any]], patterns: Sequence[str]) -> List[InputFile]:
+    """The usable inputs in the manifest's order, read from the files ``patterns`` name, matched by sha256."""
+    by_sha: Dict[str, Path] = {}
+    by_name: Dict[str, Tuple[Path, str]] = {}
+    for path in resolve_inputs(patterns):
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+        except OSError as err:
+            raise UserError(f"--input {path}: cannot read ({err.strerror or err})") from None
+        by_sha.setdefault(digest.hexdigest(), path)
+        by_name.setdefault(path.name, (path, digest.hexdigest()))
+    read: Dict[str, InputFile] = {}
+    out = []
+    for e in entries:
+        path = by_sha.get(e["sha256"])
+        if path is None:
+            if e["name"] in by_name:
+                other, sha = by_name[e["name"]]
+                raise UserError(f"input {e['name']}: {other} has sha256 {sha}, the build read sha256 {e['sha256']} "
+                                "(changed since the build); cannot re-derive")
+            raise UserError(f"input {e['name']} (sha256 {e['sha256']}): missing, no --input file has its bytes; cannot re-derive")
+        if e["sha256"] not in read:
+            read[e["sha256"]] = read_input(path)
+        entry = read[e["sha256"]]
+        if entry.rows != int(e["conversations"]):
+            raise UserError(f"input {e['name']}: {entry.rows} conversations, the manifest says {e['conversations']}; cannot re-derive")
+        out.append(entry)
+    return out
+
+
+def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, tokenizer: Optional[Path] = None) -> Dict[str, Any]:
+    """Re-render and re-encode ``count`` sampled rows of a build from its inputs; compare with the stored rows.
+
+    ``rows``: an opened :class:`trainer.data.Rows` (its manifest, ``tokens`` and ``mask``, ``(R, S)``);
+    ``patterns``: files or globs holding the build's inputs (matched to the manifest's entries by sha256;
+    other files are ignored); ``count``, ``seed``: the sample (:func:`sample_rows`); ``tokenizer``: the
+    tokenizer.json (default: the shipped one), checked against the manifest's ``tokenizer_sha256``.
+
+    A row is re-derived from the manifest's nearest ``row_anchors`` entry at or before it: the packing
+    order is recomputed from the manifest's seed and input hashes, the conversations from the anchor's on
+    are rendered and encoded each on its own (their masks do not depend on their neighbours), joined
+    with the separator EOS, cut into rows of ``row_tokens`` and rows without targets skipped, as the build
+    does. Returns ``{"checked": [row, ...], "mismatched": n, "first": None or {"row", "position",
+    "stored", "derived", "message"}}``: ``position`` the first index where tokens or loss_mask differ
+    (``stored``/``derived``: ``[token, mask]`` there; position None when the inputs give no such row).
+    Raises :class:`UserError` (one line) when the manifest cannot be re-derived (no ``row_anchors``: a
+    build older than re-derivation), an input is missing or changed, or the tokenizer has another hash.
+    """
+    where = str(Path(rows.directory) / "manifest.json")
+    manifest = rows.manifest
+    config, entries, every, starts = _rederive_config(manifest, where)
+    sample = sample_rows(len(rows), count, seed)
+    expected_tokenizer = str(manifest.get("tokenizer_sha256", ""))
+    path = Path(tokenizer) if tokenizer is not None else shipped_tokenizer_path()
+    try:
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as err:
+        raise UserError(f"tokenizer {path}: cannot read ({err.strerror or err})") from None
+    if actual != expected_tokenizer:
+        raise UserError(f"tokenizer {path}: sha256 {actual}, the build used sha256 {expected_tokenizer}; "
+                        "pass --tokenizer PATH of that file to re-derive")
+    tok, special, _ = load_tokenizer(path, expected_tokenizer)
+    usable = _rederive_inputs(entries, patterns)
+    order = permutation(usable, config.seed)
+    width = config.row_tokens
+    result: Dict[str, Any] = {"checked": sample, "mismatched": 0, "first": None}
+
+    def differ(row: int, position: Optional[int], stored: Any, derived: Any, message: str) -> None:
+        result["mismatched"] += 1
+        if result["first"] is None:
+            result["first"] = {"row": row, "position": position, "stored": stored, "derived": derived, "message": message}
+
+    groups: Dict[int, List[int]] = {}
+    for row in sample:
+        groups.setdefault(row // every, []).append(row)
+    for j, targets in groups.items():
+        position, offset = starts[j]
+        for row, derived in _rows_from(usable, order, config, tok, special, position, offset, j * every, targets[-1]):
+            if derived is None:
+                for missing in [r for r in targets if r >= row]:
+                    differ(missing, None, None, None, f"row {missing}: the inputs give no such row (re-derivation from "
+                           f"conversation {position} of the packing order ends before it)")
+                break
+            if row not in targets:
+                continue
+            tokens, mask = derived
+            stored_tokens, stored_mask = rows.tokens[row].astype(np.int64), rows.mask[row].astype(np.int64)
+            bad = np.flatnonzero((stored_tokens != tokens) | (stored_mask != mask))
+            if bad.size:
+                k = int(bad[0])
+                stored, again = [int(stored_tokens[k]), int(stored_mask[k])], [int(tokens[k]), int(mask[k])]
+                differ(row, k, stored, again, f"row {row}: first difference at position {k}: stored token {stored[0]} mask {stored[1]}, "
+                       f"re-derived token {again[0]} mask {again[1]} ({bad.size} of {width} positions differ)")
+    return result
+
+
+def _rows_from(usable: List[InputFile], order: List[Tuple[int, int]], config: BuildConfig, tok: Any, special: chat.SpecialIds,
+               position: int, offset: int, first_row: int, last_row: int) -> Iterator[Tuple[int, Optional[Tuple[np.ndarray, np.ndarray]]]]:
+    """Kept rows ``first_row..last_row`` as ``(row, (tokens, mask))`` (int64 ``(S,)`` each), the stream starting
+    ``offset`` tokens into conversation ``position`` of ``order``; ``(row, None)`` where the inputs end first
+    or the anchor does not name a packed conversation."""
+    width = config.row_tokens
+    if not 0 <= position < len(order) or offset < -1:
+        yield first_row, None
+        return
+    stats = Stats()
+    ids_parts: List[np.ndarray] = []
+    mask_parts: List[np.ndarray] = []
+    buffered = 0
+    row = first_row
+    first = True
+    for batch in conversations(usable, order, config, stats, start=position):
+        if not batch:
+            continue
+        if first and batch[0][2] != position:  # the anchor's conversation was skipped as bad: not a row start
+            yield row, None
+            return
+        ids, mask, lengths = chat.encode(tok, special, [r for _, r, _ in batch], config.loss_mask)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        if first:
+            if offset >= int(lengths[0]):
+                yield row, None
+                return
+            if offset == -1:
+                ids, mask = np.insert(ids, starts, special.eos), np.insert(mask, starts, 0)
+            else:
+                ids, mask = np.insert(ids, starts[1:], special.eos)[offset:], np.insert(mask, starts[1:], 0)[offset:]
+            first = False
+        else:
+            ids, mask = np.insert(ids, starts, special.eos), np.insert(mask, starts, 0)
+        ids_parts.append(ids.astype(np.int64))
+        mask_parts.append(mask.astype(np.int64))
+        buffered += ids.shape[0]
+        if buffered < width:
+            continue
+        stream_ids, stream_mask = np.concatenate(ids_parts), np.concatenate(mask_parts)
+        cut = 0
+        while cut + width <= stream_ids.shape[0]:
+            row_mask = stream_mask[cut : cut + width]
+            if row_mask[1:].any():  # rows without targets are skipped, as the build does
+                yield row, (stream_ids[cut : cut + width], row_mask)
+                if row == last_row:
+                    return
+                row += 1
+            cut += width
+        ids_parts, mask_parts = [stream_ids[cut:]], [stream_mask[cut:]]
+        buffered = int(ids_parts[0].shape[0])
+    yield row, None

@@ -87,7 +87,10 @@ pretokenized_sft_rollout.generate_rollout`` (not a module of miles 78527b91, who
 came from its own builder. So the default stays ``deepseek_v4``, and a build names its convention.
 
 Everything else is 0: BOS, system, user/tool/developer/reminder text, ``<｜User｜>``, ``<｜Assistant｜>``
-itself, and the EOS the builder inserts between conversations. Training uses the label-aligned form
+itself, and the EOS the builder inserts between conversations. A conversation's mask depends on that
+conversation only: one that ends inside an assistant turn (``wo_eos``) leaves the next conversation's BOS,
+system and user tokens at 0 (:func:`encode` masks a batch as the concatenation of its conversations
+masked one by one). Training uses the label-aligned form
 (``trainer.data``): ``labels[i] = tokens[i + 1]`` and ``loss_mask[i] = mask[i + 1]``; the last position of
 a row has no label (``labels = -100``, ``loss_mask = 0``), so the first token of a row is never a target.
 
@@ -580,24 +583,36 @@ def _finish(pieces: List[Tuple[str, int, int]], turns: List[_Turn], thinking: bo
 # ---------------------------------------------------------------------------------------------- masks
 
 
-def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds) -> np.ndarray:
-    """The ``deepseek_v4`` token mask of a token stream, computed from marker ids alone.
+def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Optional[Sequence[int]] = None) -> np.ndarray:
+    """The ``deepseek_v4`` token mask of a token stream, computed from marker ids alone, per conversation.
 
-    ``ids``: int array of shape ``(n,)``, one or more rendered conversations (with separator EOS tokens
-    between them). Returns a ``uint8`` array of shape ``(n,)``: 1 for the tokens after each
-    ``<｜Assistant｜>`` through the next EOS inclusive, 0 elsewhere. Exact for a conversation whose
-    :attr:`Rendered.scan_exact` is true; :func:`encode` uses :func:`mask_from_pieces` for the others.
+    ``ids``: int array of shape ``(n,)``; ``lengths``: tokens per conversation (int, summing to ``n``), the
+    conversations lying back to back in ``ids`` (None: ``ids`` is one scan scope, e.g. one conversation).
+    Returns a ``uint8`` array of shape ``(n,)``: ``mask[i] = 1`` iff the last ``<｜Assistant｜>`` or EOS
+    strictly before ``i`` *within i's conversation* is ``<｜Assistant｜>``, i.e. 1 for the tokens after each
+    ``<｜Assistant｜>`` through the next EOS inclusive, 0 elsewhere. The scan restarts at every conversation
+    boundary, so a conversation ending inside an assistant turn (``wo_eos``) never carries "supervised" into
+    the next one: the mask of a conversation is a function of that conversation only. Exact for a
+    conversation whose :attr:`Rendered.scan_exact` is true; :func:`encode` uses :func:`mask_from_pieces` for
+    the others. Raises ``ValueError`` if ``lengths`` is negative somewhere or does not sum to ``n``.
     """
     ids = np.asarray(ids)
     n = ids.shape[0]
     mask = np.zeros(n, dtype=np.uint8)
+    if lengths is None:
+        lengths = [n]
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if (lengths < 0).any() or int(lengths.sum()) != n:
+        raise ValueError(f"lengths: {lengths.size} conversations of {int(lengths.sum())} tokens in all; expected >= 0 each and {n} in all")
     if n < 2:
         return mask
     is_assistant = ids == special.assistant
     last = np.where(is_assistant | (ids == special.eos), np.arange(n, dtype=np.int64), -1)
     np.maximum.accumulate(last, out=last)  # last[i]: index of the last marker at or before i (-1: none)
     before = last[:-1]  # for token i >= 1: the last marker strictly before i
-    mask[1:] = is_assistant[before] & (before >= 0)
+    conversation_start = np.repeat(np.cumsum(lengths) - lengths, lengths)  # per token: where its conversation starts
+    # a marker before the token's own conversation does not count (before = -1 fails this too: starts are >= 0)
+    mask[1:] = is_assistant[before] & (before >= conversation_start[1:])
     return mask
 
 
@@ -626,7 +641,9 @@ def encode(tokenizer: Any, special: SpecialIds, conversations: Sequence[Rendered
     Returns ``(ids, mask, lengths)``: ``ids`` an ``int32`` array of shape ``(n,)``, the token ids of every
     ``rendered.text`` back to back (no BOS/EOS added by the tokenizer: the text carries them); ``mask`` the
     ``uint8`` mask of the same shape; ``lengths`` an ``int64`` array of shape ``(len(conversations),)``,
-    tokens per conversation (``n = lengths.sum()``). Raises ``ValueError`` for an unknown ``loss_mask``.
+    tokens per conversation (``n = lengths.sum()``). Each conversation's ids and mask are a function of that
+    conversation alone: ``encode(convs)`` is the concatenation of ``encode([c])`` over ``c`` in ``convs``
+    (the batch is only for speed). Raises ``ValueError`` for an unknown ``loss_mask``.
     """
     if loss_mask not in LOSS_MASKS:
         raise ValueError(f"loss_mask {loss_mask!r}: expected one of {', '.join(LOSS_MASKS)}")
@@ -634,7 +651,8 @@ def encode(tokenizer: Any, special: SpecialIds, conversations: Sequence[Rendered
     id_lists = [encoding.ids for encoding in encodings]
     lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
     ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum()))
-    mask = deepseek_v4_mask(ids, special)
+    # per-conversation scan (restarts at each boundary); the official mask comes from the pieces throughout
+    mask = deepseek_v4_mask(ids, special, lengths) if loss_mask == "deepseek_v4" else np.zeros(ids.shape[0], dtype=np.uint8)
     start = 0
     for k, (rendered, length) in enumerate(zip(conversations, lengths.tolist())):
         if loss_mask != "deepseek_v4" or not rendered.scan_exact:  # follow the roles, not the marker ids

@@ -4,12 +4,17 @@
 
     trainer data build --input FILE [FILE ...] --out DIR [--data NAME] [--row-tokens N] [--seed N] [--rows N]
                        [--tokenizer PATH --tokenizer-sha256 HEX] [--skip-bad-rows] [--skip-bad-files] [--json]
-    trainer data verify DIR [--json]
+    trainer data verify DIR [--rederive N --input FILE [FILE ...] [--sample-seed N] [--tokenizer PATH]] [--json]
     trainer data example --out FILE.jsonl|FILE.parquet [--conversations N] [--seed N]
 
 ``build`` takes its defaults (row tokens, seed, tokenizer sha256, loss mask) from the composed data config
 ``conf/data/NAME.yaml`` (``--data``; default: the option ``conf/train.yaml`` selects), flags override them.
-Exit codes: 0 ok; 1 ``verify`` found a mismatch; 2 refused input (one line on stderr naming the file and row).
+``verify`` checks the files against the manifest's hashes; with ``--rederive N`` it also re-renders and
+re-encodes N sampled rows (seeded by ``--sample-seed``) from the inputs, which catches rows whose parquet
+and hashes were both rewritten (:func:`trainer.data.build.rederive`).
+Exit codes: 0 ok; 1 ``verify`` found a mismatch (one line naming the row and first differing position);
+2 refused input (one line on stderr naming the file and row; for ``--rederive``: an input missing or changed,
+another tokenizer, or a manifest that cannot be re-derived).
 """
 
 from __future__ import annotations
@@ -57,8 +62,16 @@ def _parser() -> argparse.ArgumentParser:
     build.add_argument("--skip-bad-files", action="store_true", help="skip empty or unreadable files (counted in the manifest) instead of failing")
     build.add_argument("--json", action="store_true", help="print the manifest and timings as JSON on stdout (no progress bar, no table)")
 
-    verify = sub.add_parser("verify", help="check a build directory against its manifest (parquet and rows hashes)")
+    verify = sub.add_parser("verify", help="check a build directory against its manifest (parquet and rows hashes); "
+                            "--rederive N re-derives N sampled rows from the inputs")
     verify.add_argument("dir", type=Path, metavar="DIR")
+    verify.add_argument("--rederive", type=int, metavar="N", help="re-render and re-encode N sampled rows from the inputs "
+                        "(--input) and compare tokens and loss_mask with the stored rows")
+    verify.add_argument("--input", nargs="+", metavar="FILE", help="with --rederive: the build's input files or globs "
+                        "(matched to the manifest's inputs by sha256)")
+    verify.add_argument("--sample-seed", type=int, default=0, metavar="N", help="with --rederive: which rows are sampled (default 0)")
+    verify.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --rederive: tokenizer.json (default: the shipped "
+                        "one; its sha256 must be the manifest's)")
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
 
     example = sub.add_parser("example", help="write generated conversations in the Tulu 3 schema (for trying a build)")
@@ -194,6 +207,10 @@ def _summary(console: Any, out: Path, manifest: Dict[str, Any], seconds: float, 
 def _verify(args: argparse.Namespace) -> int:
     from trainer.data import Rows
 
+    if args.rederive is None and (args.input or args.tokenizer):
+        raise UserError("--input and --tokenizer are for --rederive N (re-derive N sampled rows from the inputs)")
+    if args.rederive is not None and args.rederive < 1:
+        raise UserError(f"--rederive {args.rederive}: expected a positive number of rows to re-derive")
     try:
         rows = Rows(args.dir, verify=True)
     except UserError as err:
@@ -202,8 +219,29 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             print(f"trainer data verify: {err}", file=sys.stderr)
         return 1
-    result = {"dir": str(args.dir), "ok": True, "rows": len(rows), "row_tokens": rows.row_tokens,
-              "rows_sha256": rows.manifest["rows_sha256"], "parquet_sha256": rows.manifest["parquet_sha256"]}
-    print(json.dumps(result, indent=2) if args.json else
-          f"{args.dir}: ok, {len(rows):,} rows x {rows.row_tokens:,} tokens, rows_sha256 {result['rows_sha256']}")
+    result: Dict[str, Any] = {"dir": str(args.dir), "ok": True, "rows": len(rows), "row_tokens": rows.row_tokens,
+                              "rows_sha256": rows.manifest["rows_sha256"], "parquet_sha256": rows.manifest["parquet_sha256"]}
+    line = f"{args.dir}: ok, {len(rows):,} rows x {rows.row_tokens:,} tokens, rows_sha256 {result['rows_sha256']}"
+    if args.rederive is not None:
+        from trainer.data import build as builder
+
+        if not args.input:
+            names = ", ".join(f"{e.get('name')} (sha256 {str(e.get('sha256'))[:12]}…)" for e in rows.manifest.get("inputs") or []
+                              if isinstance(e, dict) and not e.get("skipped"))
+            raise UserError(f"--rederive {args.rederive}: give the build's inputs with --input FILE ... (the manifest names "
+                            f"them by file name and sha256 only: {names or 'none recorded'})")
+        found = builder.rederive(rows, args.input, args.rederive, args.sample_seed, args.tokenizer)
+        result["rederived"] = {"rows": len(found["checked"]), "sample_seed": args.sample_seed, "mismatched": found["mismatched"],
+                               "first": found["first"]}
+        if found["first"] is not None:
+            result["ok"] = False
+            first = found["first"]["message"]
+            if args.json:
+                print(json.dumps(result, indent=2))
+            else:
+                print(f"trainer data verify: {args.dir}: {first}; {found['mismatched']} of {len(found['checked'])} re-derived rows "
+                      "differ (the hashes match: the rows were rewritten with consistent hashes, or built by other code)", file=sys.stderr)
+            return 1
+        line += f"; {len(found['checked']):,} sampled rows re-derived from the inputs: tokens and loss_mask match"
+    print(json.dumps(result, indent=2) if args.json else line)
     return 0
