@@ -154,6 +154,28 @@ def test_bad_metrics_files(tmp_path, text, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
+def test_a_raw_log_is_refused_with_the_command_to_run(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("[2026-10-13 10:00:01] startup\n iteration 1/ 20 | lm loss: 2.0 |\n")
+    with pytest.raises(UserError) as err:
+        read_metrics(path)
+    assert str(err.value) == (f"{path}: a training log, not metrics.jsonl (line 2 is a Megatron iteration line); run "
+                              f"`trainer logs {path} -o DIR` first (add --run RUN_DIR for tokens per step) and pass DIR")
+    path.write_text("hello\nworld\n")  # not JSON and no step line: the JSON error, as before
+    with pytest.raises(UserError, match=r"metrics.jsonl line 1: not valid JSON \(Expecting value at line 1 column 1\)$"):
+        read_metrics(path)
+
+
+def test_window_without_tokens_says_how_to_get_them():
+    rows = recipe_rows()
+    rows[4]["tokens"] = None
+    with pytest.raises(UserError) as err:
+        select_window([Step(**r) for r in rows], (5, 19))
+    assert str(err.value).startswith("metrics.jsonl step 5: tokens is None, expected a positive number; a log without a "
+                                     "global batch size (miles prints none) gives no tokens: make metrics.jsonl with "
+                                     "`trainer logs LOG --run RUN_DIR`")
+
+
 def test_nan_loss_is_read(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "lm_loss": NaN, "grad_norm": Infinity}\n')  # bare tokens of older files

@@ -46,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="examples:\n"
         "  trainer converge runs/tp2pp4ep8 runs/tp8pp8ep8\n"
         "  trainer converge cand/metrics.jsonl ref/metrics.jsonl --set final_loss_tolerance=0.03 --json\n"
+        "  trainer logs cand.log -o cand.jsonl && trainer converge cand.jsonl ref/metrics.jsonl   # from a raw log\n"
         "  trainer converge --predict --candidate 'layout=tp2pp4ep8' --reference 'layout=tp8pp8ep8'\n"
         "exit codes: 0 pass (or numerics-equivalent), 1 fail (or numerics differ), 2 refused input",
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -1,7 +1,7 @@
 """``trainer logs LOG``: per-step loss, grad norm and iteration time from a training log, as ``metrics.jsonl``.
 
 Two line formats are read; anything else in the log is ignored (timestamps, Ray prefixes such as
-``(MegatronTrainRayActor pid=123)``, other output).
+``(MegatronTrainRayActor pid=123)``, ANSI colour codes, other output).
 
 Megatron-LM ``training_log`` (``megatron/training/training.py``), fields separated by ``|``::
 
@@ -10,48 +10,155 @@ Megatron-LM ``training_log`` (``megatron/training/training.py``), fields separat
   ``iteration N/ M`` is the 1-based step N (the step just finished); ``elapsed time per iteration (ms)``
   gives ``step_time_s`` (ms / 1000; with ``--log-interval`` > 1 it is the mean over the interval, and
   only every interval-th step is logged); ``lm loss``, ``grad norm`` (``nan``/``inf`` kept),
-  ``learning rate``, ``global batch size``, ``number of skipped iterations`` and ``number of nan
+  ``learning rate``, ``global batch size`` (rows), ``number of skipped iterations`` and ``number of nan
   iterations`` are read where present; other fields are ignored.
 
-  Every iteration line is a step. Megatron prints ``lm loss`` only when the interval's mean loss is
-  > 0 (``training_log``: ``if avg > 0.0``), so an iteration whose loss was NaN, or that the optimizer
-  skipped (its loss is then not summed), has a line without a loss: it becomes a step with
-  ``lm_loss`` NaN (written ``"NaN"`` in metrics.jsonl) and the two counts, and fails ``trainer
-  converge`` as a step without a finite loss, instead of disappearing from the run.
+  Every complete iteration line is a step. Megatron prints ``lm loss`` only when the interval's mean loss
+  is > 0 (``training_log``: ``if avg > 0.0``), so an iteration whose loss was NaN, or that the optimizer
+  skipped (its loss is then not summed), has a line without a loss: it becomes a step with ``lm_loss``
+  NaN (written ``"NaN"`` in metrics.jsonl) and the two counts, and fails ``trainer converge`` as a step
+  without a finite loss, instead of disappearing from the run.
 
-miles / slime (``backends/megatron_utils/model.py``), a Python dict per step and per rollout::
+miles (``miles/backends/training_utils/log_utils.py`` ``log_train_step``, called by
+``backends/megatron_utils/model.py``; ``miles/utils/train_metric_utils.py`` ``log_perf_data_raw``), a
+Python dict per optimizer step and one per rollout, as miles 78527b91 prints them::
 
-    step 4: {'train/loss': 1.2345, 'train/grad_norm': 0.987, 'train/lr-pg_0': 9e-06, 'train/global_batch_size': 128, 'train/step': 4}
-    perf 4: {'perf/actor_train_time': 20.27, 'perf/step_time': 21.0}
+    (MegatronTrainRayActor pid=4711) [2026-10-13 12:00:00.123 actor_cell0_rank0] log_utils.py:542 - step 4: {'train/loss': 1.2345, 'train/grad_norm': 0.987, 'train/lr-pg_0': 9e-06, 'train/step': 4}
+    (MegatronTrainRayActor pid=4711) [2026-10-13 12:00:01.456 actor_cell0_rank0] train_metric_utils.py:56 - perf 4: {'perf/actor_train_time': 20.27, 'perf/train_wait_time': 0.7, 'perf/train_time': 20.3, 'perf/step_time': 21.0}
 
-  ``step K`` is 0-based (``rollout_id x steps_per_rollout + step_id``), so the step is K + 1; the loss is
-  ``train/loss`` (or ``train/lm_loss``), the grad norm ``train/grad_norm``, the learning rate
-  ``train/lr-pg_0``. ``perf R`` (0-based rollout R) gives the step time from ``perf/actor_train_time``
-  (seconds); it is used only where a rollout holds one optimizer step (the recipe's SFT launch:
-  ``--global-batch-size`` = ``--rollout-batch-size``), as step R + 1.
+  The step dict holds the loss function's metrics (``train/loss`` for ``--loss-type sft_loss``), the grad
+  norm ``train/grad_norm``, the learning rate of each parameter group ``train/lr-pg_N``, ``train/mtp_loss``
+  with MTP training, and ``train/step``: no global batch size, no tokens and no time. Tokens per step
+  therefore come from the run's composition (``--run RUN_DIR`` or ``--global-batch-size`` with
+  ``--seq-length``); a ``train/global_batch_size`` key, should another version print one, is read as
+  the log's global batch size. ``step K`` is 0-based (``rollout_id x steps_per_rollout + step_id``), so the step is
+  K + 1. miles prints a step line only for a step whose outcome is NORMAL (a step discarded for a retry
+  prints none, and is then a missing step). ``perf R`` (0-based rollout R) gives the step time from
+  ``perf/actor_train_time`` (seconds); it is used only where a rollout holds one optimizer step (the
+  recipe's SFT launch: ``--global-batch-size`` = ``--rollout-batch-size``), as step R + 1. A
+  ``critic-step K`` line (another role) has no ``train/loss`` and is not a step.
 
-``tokens`` = global batch size x ``--seq-length`` when both are known (fixed-length rows), else null;
-``supervised_tokens`` and ``max_memory_bytes`` are null (the logs do not print them per step).
+  Values are Python reprs: numbers, ``nan``, ``inf``; a numpy scalar as numpy >= 2 prints it
+  (``np.float64(0.5)``, ``np.int64(3)``, ``np.True_``) and a torch scalar tensor (``tensor(0.5)``,
+  ``tensor(0.5, device='cuda:0')``) are read as the number. miles 78527b91 turns the step dict's values
+  into Python floats (``.item()``, ``float()``, ``tolist()``), but its rollout-side metrics keep some
+  numpy scalars (``np.mean`` without ``.item()``). Another value that is not a literal makes only its key
+  unreadable (an error only when that key is read).
+
+Lines never made into steps, counted and reported (the summary line; ``--json``):
+
+* truncated lines: a Megatron iteration line that does not end with ``|`` (every field of
+  ``training_log`` is followed by `` |``; for a fork whose iteration lines all end otherwise, only a last
+  line the text ends without a newline), or a miles ``step``/``perf`` line whose dict is not closed (a
+  job killed while writing, a log copied while it grew). A line cut just after a field's ``|`` cannot
+  be told from a complete one.
+* Ray-deduplicated lines: with Ray's log deduplication on (its default; ``RAY_DEDUP_LOGS=0`` turns it
+  off), lines of one pattern (words containing digits ignored) printed by more than one process within
+  ``RAY_DEDUP_LOGS_AGG_WINDOW_S`` (5 s) are held back and printed once, as the latest of them followed by
+  ``[repeated Nx across cluster]``. Such a line stands for N lines whose numbers may differ, of which
+  only the last one's text is shown, so it is not read as a step: the lines and the N they stand for are
+  counted, training-step lines among them apart (their steps may then be missing from metrics.jsonl).
+
+``tokens`` (per step, whole job) = global batch size (rows) x sequence length (tokens per row), fixed-length
+rows: the global batch size from the log where it prints one (Megatron), else from the composition; the
+sequence length from ``--seq-length`` or the run's ``data.seq_length``; else null. A log's global batch
+size that differs from the composition's is refused (the log of another run?). ``supervised_tokens``
+and ``max_memory_bytes`` are null (the logs do not print them per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import json
 import math
 import re
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
-from trainer.record.rundir import METRICS, RECORD
+from trainer.record.rundir import CONFIG, METRICS, RECORD
 from trainer.report.metrics import Step, write_metrics
 
 MEGATRON_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 MILES_STEP = re.compile(r"\bstep (\d+): (\{.*\})\s*$")
 MILES_PERF = re.compile(r"\bperf (\d+): (\{.*\})\s*$")
-NONFINITE = re.compile(r"(?<![\w'\"])(-?)(nan|inf)(?![\w'\"])", re.IGNORECASE)
+MILES_START = re.compile(r"\b(step|perf) (\d+): \{(.*)$")  # a miles dict line, closed or not
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours its dedup marker (colorama)
+RAY_REPEATED = re.compile(r"\[repeated (\d{1,18})x across cluster\]")
 LOSS_KEYS = ("train/loss", "train/lm_loss")
+LISTED = 20  # line numbers listed per kind in the summary and --json (the counts are complete)
+
+# numpy >= 2 reprs of scalars (np.float64(0.5)) and torch's of a scalar tensor (tensor(0.5, device='cuda:0'))
+_NUMPY_SCALARS = {f"{kind}{bits}" for kind, sizes in (("float", (16, 32, 64, 128)), ("int", (8, 16, 32, 64)),
+                                                        ("uint", (8, 16, 32, 64))) for bits in sizes}
+_NUMPY_SCALARS |= {"longdouble", "double", "single", "half", "intc", "intp", "uintp", "longlong", "ulonglong", "bool_", "bool"}
+SCALAR_CALLS = {f"{prefix}.{name}" for prefix in ("np", "numpy") for name in _NUMPY_SCALARS} | {"tensor", "torch.tensor"}
+NAMED_CONSTANTS = {"nan": math.nan, "inf": math.inf, "np.nan": math.nan, "np.inf": math.inf,
+                   "np.True_": True, "np.False_": False, "numpy.True_": True, "numpy.False_": False}
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A value of a miles dict that is not a literal nor a known number repr (its source text)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class SkippedLine:
+    """A log line that looked like a step line but was not made into one: ``line`` (1-based line number),
+    ``kind`` (``"megatron step"``, ``"miles step"``, ``"miles perf"`` or ``"other"``), ``step`` (1-based,
+    the step the line names, when it names one) and ``repeats`` (for a Ray-deduplicated line: the N of
+    ``[repeated Nx across cluster]``, the lines it stands for; else 1)."""
+
+    line: int
+    kind: str
+    step: Optional[int] = None
+    repeats: int = 1
+
+    @property
+    def is_step(self) -> bool:
+        """True for a training-step line (Megatron iteration or miles ``step`` with a loss), not ``perf``."""
+        return self.kind in ("megatron step", "miles step")
+
+
+@dataclass
+class LogRead:
+    """What :func:`read_log` made of a log: the steps, the lines it left out, and where tokens came from.
+
+    ``truncated`` and ``deduplicated`` hold the lines counted but never made into steps (module
+    docstring); ``tokens_from`` names the source of the rows per step (``"log"``, ``"composition"``, both
+    joined by ``" and "``, or ``""`` when no step has tokens)."""
+
+    steps: List[Step]
+    truncated: List[SkippedLine] = field(default_factory=list)
+    deduplicated: List[SkippedLine] = field(default_factory=list)
+    tokens_from: str = ""
+
+    def summary(self) -> Dict[str, Any]:
+        """The counts as a JSON-able dict (``--json``): truncated lines, Ray-deduplicated lines and the lines
+        they stand for (all, and step lines only), with the first :data:`LISTED` line numbers of each."""
+        dedup_steps = [d for d in self.deduplicated if d.is_step]
+        return {
+            "truncated_lines": {
+                "count": len(self.truncated),
+                "step_lines": sum(t.is_step for t in self.truncated),
+                "lines": [_skipped_json(t) for t in self.truncated[:LISTED]],
+            },
+            "ray_deduplicated": {
+                "count": len(self.deduplicated),
+                "stands_for_lines": sum(d.repeats for d in self.deduplicated),
+                "step_lines": len(dedup_steps),
+                "step_lines_stand_for": sum(d.repeats for d in dedup_steps),
+                "lines": [_skipped_json(d) for d in (dedup_steps + [d for d in self.deduplicated if not d.is_step])[:LISTED]],
+            },
+        }
+
+
+def _skipped_json(s: SkippedLine) -> Dict[str, Any]:
+    return {"line": s.line, "kind": s.kind, "step": s.step, "repeats": s.repeats}
 
 
 def _float(text: str, where: str, field: str) -> float:
@@ -62,8 +169,9 @@ def _float(text: str, where: str, field: str) -> float:
 
 
 def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
-    """One Megatron ``training_log`` line -> {step, lm_loss, grad_norm, lr, global_batch_size, step_time_s,
-    skipped_iterations, nan_iterations} (those present; ``lm_loss`` NaN when the line has none), or None."""
+    """One Megatron ``training_log`` line -> {step, lm_loss, grad_norm, lr, global_batch_size (rows),
+    step_time_s (seconds), skipped_iterations, nan_iterations} (those present; ``lm_loss`` NaN when the
+    line has none), or None when it is no iteration line. The caller checks that the line is complete."""
     match = MEGATRON_ITERATION.search(line)
     if not match:
         return None
@@ -74,12 +182,12 @@ def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
             fields[key.strip()] = value.strip()
     loss = _float(fields["lm loss"], where, "lm loss") if "lm loss" in fields else math.nan  # NaN or skipped
     row: Dict[str, Any] = {"step": int(match.group(1)), "lm_loss": loss}
-    for field, key in (("number of skipped iterations", "skipped_iterations"), ("number of nan iterations", "nan_iterations")):
-        if field in fields:
+    for field_name, key in (("number of skipped iterations", "skipped_iterations"), ("number of nan iterations", "nan_iterations")):
+        if field_name in fields:
             try:
-                row[key] = int(fields[field])
+                row[key] = int(fields[field_name])
             except ValueError:
-                raise UserError(f"{where}: {field} {fields[field]!r} is not an integer") from None
+                raise UserError(f"{where}: {field_name} {fields[field_name]!r} is not an integer") from None
     if "grad norm" in fields:
         row["grad_norm"] = _float(fields["grad norm"], where, "grad norm")
     if "learning rate" in fields:
@@ -91,50 +199,184 @@ def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
     return row
 
 
+def _dotted(node: ast.AST) -> Optional[str]:
+    if isinstance(node, ast.Name):
+        return node.id
+    if isinstance(node, ast.Attribute):
+        base = _dotted(node.value)
+        return f"{base}.{node.attr}" if base else None
+    return None
+
+
+def _value(node: ast.AST, text: str) -> Any:
+    """A miles dict value: a literal, ``nan``/``inf``, or a numpy/torch scalar repr as the number; anything
+    else is :class:`Unreadable`."""
+    if isinstance(node, ast.Constant):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        inner = _value(node.operand, text)
+        if isinstance(inner, (int, float)) and not isinstance(inner, bool):
+            return -inner if isinstance(node.op, ast.USub) else inner
+    elif isinstance(node, (ast.Name, ast.Attribute)):
+        name = _dotted(node)
+        if name in NAMED_CONSTANTS:
+            return NAMED_CONSTANTS[name]
+    elif isinstance(node, ast.Call) and _dotted(node.func) in SCALAR_CALLS and len(node.args) == 1:
+        name = _dotted(node.func)
+        if name.startswith(("np.", "numpy.")) and node.keywords:
+            return Unreadable(ast.get_source_segment(text, node) or name)
+        inner = _value(node.args[0], text)
+        if isinstance(inner, str):  # np.longdouble('0.5')
+            try:
+                inner = float(inner)
+            except ValueError:
+                pass
+        if isinstance(inner, (int, float)):
+            if name.endswith(("bool_", ".bool")):
+                return bool(inner)
+            if "float" in name or name.endswith(("double", "single", "half")):
+                try:
+                    return float(inner)
+                except OverflowError:  # an integer beyond a float's range
+                    return Unreadable(ast.get_source_segment(text, node) or name)
+            return inner
+    elif isinstance(node, (ast.List, ast.Tuple)):
+        return [_value(item, text) for item in node.elts]
+    elif isinstance(node, ast.Dict):
+        return {_value(k, text): _value(v, text) for k, v in zip(node.keys, node.values)
+                if k is not None and isinstance(_value(k, text), str)}
+    return Unreadable(ast.get_source_segment(text, node) or type(node).__name__)
+
+
 def _literal_dict(text: str, where: str) -> Dict[str, Any]:
-    quoted = NONFINITE.sub(lambda m: f"'{m.group(1)}{m.group(2).lower()}'", text)
+    """The dict a miles line prints (``{'train/loss': 1.2, ...}``) with its values read by :func:`_value`.
+
+    Raises :class:`UserError` naming ``where`` when the text is not a dict expression."""
     try:
-        value = ast.literal_eval(quoted)
-    except (ValueError, SyntaxError):
-        raise UserError(f"{where}: not a Python dict literal: {text[:80]}") from None
-    if not isinstance(value, dict):
+        tree = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        raise UserError(f"{where}: not a Python dict: {text[:80]}") from None
+    if not isinstance(tree, ast.Dict):
         raise UserError(f"{where}: expected a dict after the colon")
-    return {k: (float(v) if isinstance(v, str) and v.lstrip("-") in ("nan", "inf") else v) for k, v in value.items()}
+    try:
+        value = _value(tree, text.strip())
+    except RecursionError:
+        raise UserError(f"{where}: dict nested too deeply") from None
+    return value
 
 
-def parse_log(text: str, name: str = "log", seq_length: Optional[int] = None) -> List[Step]:
-    """All steps of a log (both formats), sorted by step.
+def _number(values: Dict[str, Any], key: str, where: str) -> Optional[float]:
+    """``values[key]`` as a float, None when absent; :class:`UserError` naming ``where`` when not a number."""
+    if key not in values:
+        return None
+    value = values[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        shown = value.text if isinstance(value, Unreadable) else repr(value)
+        raise UserError(f"{where}: {key} is {shown[:60]}, not a number")
+    try:
+        return float(value)
+    except OverflowError:
+        raise UserError(f"{where}: {key} is an integer of {len(str(value)):,} digits, too large for a number") from None
 
-    Raises :class:`UserError` naming the log and line when no step line is found, a value is not a
-    number, or a step appears twice with different values.
+
+def _dedup_kind(text: str) -> Tuple[str, Optional[int]]:
+    """What a Ray-deduplicated (or truncated) line would have been: its kind and the 1-based step it names."""
+    match = MEGATRON_ITERATION.search(text)
+    if match:
+        return "megatron step", int(match.group(1))
+    match = MILES_START.search(text)
+    if match:
+        if match.group(1) == "perf":
+            return "miles perf", int(match.group(2)) + 1
+        if any(f"'{k}'" in match.group(3) or f'"{k}"' in match.group(3) for k in LOSS_KEYS):
+            return "miles step", int(match.group(2)) + 1
+        if _miles_partial(match.group(3)) and not match.group(3).rstrip().endswith("}"):
+            return "miles step", int(match.group(2)) + 1  # cut before its loss key
+    return "other", None
+
+
+def step_line_kind(line: str) -> Optional[str]:
+    """``"Megatron iteration"`` or ``"miles step"`` when ``line`` is a training step line of a log (complete or
+    not), else None: how a reader of metrics.jsonl tells a raw log it was given by mistake."""
+    line = ANSI.sub("", line)
+    if MEGATRON_ITERATION.search(line):
+        return "Megatron iteration"
+    match = MILES_START.search(line)
+    if match and match.group(1) == "step" and _miles_partial(match.group(3)):
+        return "miles step"
+    return None
+
+
+def _miles_partial(rest: str) -> bool:
+    """True when ``rest`` (after ``step K: {``) can be the start of a miles metrics dict (``'train/...``)."""
+    return any(rest.startswith(p) or p.startswith(rest) for p in ("'train/", '"train/', "'perf/", '"perf/'))
+
+
+def read_log(text: str, name: str = "log", seq_length: Optional[int] = None,
+             global_batch_size: Optional[int] = None) -> LogRead:
+    """All steps of a log (both formats), sorted by step, with the lines left out (:class:`LogRead`).
+
+    ``seq_length``: tokens per row; ``global_batch_size``: rows per step of the run's composition, used
+    where the log prints none (miles); tokens per step = rows x ``seq_length``. Raises
+    :class:`UserError` naming the log and line when no complete step line is found, a value is not a
+    number, a step appears twice with different values, or the log's global batch size differs from
+    ``global_batch_size``.
     """
     rows: Dict[int, Dict[str, Any]] = {}
     seen_at: Dict[int, int] = {}
     perf: Dict[int, float] = {}
     miles_steps = set()
-    for number, line in enumerate(text.splitlines(), start=1):
+    read = LogRead(steps=[])
+    all_lines = text.splitlines()
+    # Megatron-LM ends every field with " |"; a fork whose lines end otherwise (no iteration line ends with "|")
+    # has only its last line, when the text stops without a newline, taken as cut
+    pipe_ended = any(ANSI.sub("", line).rstrip().endswith("|") and MEGATRON_ITERATION.search(line) for line in all_lines)
+    cut_at_end = bool(text) and not text.endswith(("\n", "\r"))
+    for number, raw in enumerate(all_lines, start=1):
+        line = ANSI.sub("", raw)
         where = f"{name} line {number}"
+        repeated = RAY_REPEATED.search(line)
+        if repeated:
+            kind, step = _dedup_kind(line[:repeated.start()])
+            read.deduplicated.append(SkippedLine(number, kind, step, int(repeated.group(1))))
+            continue
         row = parse_megatron(line, where)
-        if row is None:
-            match = MILES_STEP.search(line)
-            if match:
-                values = _literal_dict(match.group(2), where)
-                loss_key = next((k for k in LOSS_KEYS if k in values), None)
-                if loss_key is None:
-                    continue  # another role's step or a dict without a loss
-                row = {"step": int(match.group(1)) + 1, "lm_loss": float(values[loss_key])}
-                for src, dst in (("train/grad_norm", "grad_norm"), ("train/lr-pg_0", "lr"),
-                                 ("train/global_batch_size", "global_batch_size")):
-                    if isinstance(values.get(src), (int, float)):
-                        row[dst] = float(values[src])
-                miles_steps.add(row["step"])
-            else:
-                match = MILES_PERF.search(line)
-                if match:
-                    values = _literal_dict(match.group(2), where)
-                    if isinstance(values.get("perf/actor_train_time"), (int, float)):
-                        perf[int(match.group(1)) + 1] = float(values["perf/actor_train_time"])
+        if row is not None:
+            if not line.rstrip().endswith("|") and (pipe_ended or (cut_at_end and number == len(all_lines))):
+                read.truncated.append(SkippedLine(number, "megatron step", row["step"]))
                 continue
+        else:
+            start = MILES_START.search(line)
+            if start is None:
+                continue
+            full = (MILES_STEP if start.group(1) == "step" else MILES_PERF).search(line)
+            if full is None:
+                if _miles_partial(start.group(3)):
+                    read.truncated.append(SkippedLine(number, "miles perf" if start.group(1) == "perf" else "miles step",
+                                                      int(start.group(2)) + 1))
+                continue
+            values = _literal_dict(full.group(2), where)
+            if start.group(1) == "perf":
+                time_s = _number(values, "perf/actor_train_time", where)
+                if time_s is not None:
+                    perf[int(full.group(1)) + 1] = time_s
+                continue
+            loss_key = next((k for k in LOSS_KEYS if k in values), None)
+            if loss_key is None:
+                continue  # another role's step or a dict without a loss
+            row = {"step": int(full.group(1)) + 1, "lm_loss": _number(values, loss_key, where)}
+            for src, dst in (("train/grad_norm", "grad_norm"), ("train/lr-pg_0", "lr"),
+                             ("train/global_batch_size", "global_batch_size")):
+                value = _number(values, src, where)
+                if value is not None:
+                    row[dst] = value
+            miles_steps.add(row["step"])
+        logged = row.get("global_batch_size")
+        if logged is not None and global_batch_size is not None and logged != global_batch_size:
+            raise UserError(
+                f"{where}: global batch size {logged:g} in the log, {global_batch_size} in the run's composition "
+                "(optim.global_batch_size or --global-batch-size): is this the run's log?"
+            )
         step = row["step"]
         if step in rows and _differs(rows[step], row):
             raise UserError(
@@ -144,21 +386,34 @@ def parse_log(text: str, name: str = "log", seq_length: Optional[int] = None) ->
         rows[step] = row
         seen_at[step] = number
     if not rows:
+        left_out = _left_out_text(read)
         raise UserError(
             f"{name}: no training step lines found (expected Megatron 'iteration N/ M | ...' "
-            "or miles 'step N: {...}' lines; see `trainer logs --help`)"
+            "or miles 'step N: {...}' lines; see `trainer logs --help`)" + (f"; {left_out}" if left_out else "")
         )
     # a rollout's time is a step's time only when each rollout is one step (steps numbered like rollouts)
     one_step_per_rollout = miles_steps and max(miles_steps) <= max(perf, default=0) + 1
-    steps = []
+    sources = set()
     for step in sorted(rows):
         row = rows[step]
         if "step_time_s" not in row and one_step_per_rollout and step in perf:
             row["step_time_s"] = perf[step]
         gbs = row.pop("global_batch_size", None)
-        tokens = gbs * seq_length if gbs is not None and seq_length else None
-        steps.append(Step(tokens=tokens, **row))
-    return steps
+        source = "log"
+        if gbs is None:
+            gbs, source = global_batch_size, "composition"
+        tokens = float(gbs * seq_length) if gbs is not None and seq_length else None
+        if tokens is not None:
+            sources.add(source)
+        read.steps.append(Step(tokens=tokens, **row))
+    read.tokens_from = " and ".join(s for s in ("log", "composition") if s in sources)
+    return read
+
+
+def parse_log(text: str, name: str = "log", seq_length: Optional[int] = None,
+              global_batch_size: Optional[int] = None) -> List[Step]:
+    """The steps of :func:`read_log` (``seq_length`` in tokens per row, ``global_batch_size`` in rows)."""
+    return read_log(text, name, seq_length, global_batch_size).steps
 
 
 def _differs(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
@@ -171,39 +426,124 @@ def _differs(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return False
 
 
+def _lines(items: List[SkippedLine]) -> str:
+    shown = ", ".join(str(s.line) for s in items[:5])
+    return f"line{'s' if len(items) > 1 else ''} {shown}{', ...' if len(items) > 5 else ''}"
+
+
+def _left_out_text(read: LogRead) -> str:
+    """The summary's words for the lines left out (empty when none)."""
+    parts = []
+    if read.truncated:
+        steps = sum(t.is_step for t in read.truncated)
+        parts.append(f"{len(read.truncated)} truncated line{'s' if len(read.truncated) > 1 else ''} not read "
+                     f"({_lines(read.truncated)}; {steps} of them step lines)")
+    if read.deduplicated:
+        dedup_steps = [d for d in read.deduplicated if d.is_step]
+        text = (f"{len(read.deduplicated)} Ray-deduplicated line{'s' if len(read.deduplicated) > 1 else ''} not read "
+                f"(standing for {sum(d.repeats for d in read.deduplicated)} lines")
+        if dedup_steps:
+            text += (f"; {len(dedup_steps)} of them step lines standing for {sum(d.repeats for d in dedup_steps)} "
+                     f"step lines, {_lines(dedup_steps)}: steps may be missing, rerun with RAY_DEDUP_LOGS=0")
+        parts.append(text + ")")
+    return "; ".join(parts)
+
+
 def parser() -> argparse.ArgumentParser:
-    """The argument parser of ``trainer logs`` (``--seq-length`` in tokens per row)."""
+    """The argument parser of ``trainer logs`` (``--seq-length`` in tokens per row, ``--global-batch-size``
+    in rows per optimizer step)."""
     p = argparse.ArgumentParser(
         prog="trainer logs",
         description="Read per-step LM loss, grad norm, learning rate and iteration time from a Megatron-LM or miles "
-        "training log and write them as metrics.jsonl (the form `trainer report` and `trainer converge` read).",
+        "training log and write them as metrics.jsonl (the form `trainer report` and `trainer converge` read). "
+        "Tokens per step = global batch size x sequence length: a miles log prints no global batch size, so give "
+        "the run (--run RUN_DIR: its config.yaml) or --global-batch-size with --seq-length.",
         epilog=__doc__.split("\n\n", 1)[1] if __doc__ else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("log", type=Path, help="training log (stdout of the training job)")
-    p.add_argument("-o", "--output", type=Path, required=True, help="metrics.jsonl to write (or a directory)")
+    p.add_argument("-o", "--output", type=Path,
+                   help="metrics.jsonl to write (or a directory); default with --run: RUN_DIR/metrics.jsonl")
+    p.add_argument("--run", type=Path, metavar="RUN_DIR",
+                   help="the run the log is of: rows per step from its config.yaml optim.global_batch_size, tokens per "
+                   "row from data.seq_length")
+    p.add_argument("--global-batch-size", type=int, metavar="ROWS",
+                   help="rows per optimizer step, for a log that prints none (miles); needs --seq-length")
+    p.add_argument("--seq-length", type=int, metavar="TOKENS",
+                   help="tokens per row; with the log's (or --global-batch-size's) rows gives tokens per step")
     p.add_argument("--force", action="store_true", help="replace an existing metrics.jsonl")
-    p.add_argument("--seq-length", type=int, metavar="TOKENS", help="tokens per row; with the logged global batch size gives tokens per step")
+    p.add_argument("--json", action="store_true",
+                   help="print what was read as JSON (steps, tokens, truncated and Ray-deduplicated lines)")
     return p
 
 
+def composition(args: argparse.Namespace) -> Tuple[Optional[int], Optional[int], str]:
+    """``(global batch size in rows, sequence length in tokens, source)`` from ``--run`` or the flags.
+
+    Raises :class:`UserError` on a flag that is not positive, ``--run`` with the flags, ``--global-batch-size``
+    without ``--seq-length``, or a run directory without a readable ``config.yaml``."""
+    for flag, value in (("--seq-length", args.seq_length), ("--global-batch-size", args.global_batch_size)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} {value}: expected a positive number")
+    if args.run is not None:
+        if args.seq_length is not None or args.global_batch_size is not None:
+            raise UserError("--run takes the global batch size and sequence length from RUN_DIR/config.yaml; "
+                            "leave out --seq-length and --global-batch-size")
+        if not args.run.is_dir():
+            raise UserError(f"{args.run}: no such run directory (--run RUN_DIR)")
+        if not (args.run / CONFIG).is_file():
+            raise UserError(f"{args.run}: no config.yaml (not a run directory written by `train`)")
+        from trainer.record.rundir import load_config
+
+        cfg = load_config(args.run / CONFIG)
+        return (int(cfg.optim.global_batch_size), int(cfg.data.seq_length),
+                f"{args.run / CONFIG} optim.global_batch_size x data.seq_length")
+    if args.global_batch_size is not None and args.seq_length is None:
+        raise UserError("--global-batch-size needs --seq-length (tokens per step = rows x tokens per row)")
+    return args.global_batch_size, args.seq_length, "--global-batch-size x --seq-length"
+
+
 def main(argv: List[str]) -> int:
-    """Entry point of ``trainer logs``; writes metrics.jsonl atomically and prints what it read."""
+    """Entry point of ``trainer logs``; writes metrics.jsonl atomically and prints what it read (and left out)."""
     args = parser().parse_args(argv)
     if not args.log.is_file():
         raise UserError(f"{args.log}: no such log file")
-    if args.seq_length is not None and args.seq_length <= 0:
-        raise UserError(f"--seq-length {args.seq_length}: expected a positive number of tokens")
-    steps = parse_log(args.log.read_text(encoding="utf-8", errors="replace"), str(args.log), args.seq_length)
+    gbs, seq_length, source = composition(args)
+    if args.output is None:
+        if args.run is None:
+            raise UserError("where to write? pass -o metrics.jsonl (or a directory), or --run RUN_DIR to write "
+                            "RUN_DIR/metrics.jsonl")
+        args.output = args.run
+    read = read_log(args.log.read_text(encoding="utf-8", errors="replace"), str(args.log), seq_length, gbs)
+    steps = read.steps
     out = args.output / METRICS if args.output.is_dir() else args.output
     if out.exists() and not args.force:
         whose = " (a run's own metrics)" if (out.parent / RECORD).is_file() else ""
         raise UserError(f"{out}: exists{whose}; pass --force to replace it, or write to another file")
     write_metrics(out, steps)
     timed = sum(s.step_time_s is not None for s in steps)
+    with_tokens = sum(s.tokens is not None for s in steps)
     lossless = [s.step for s in steps if not math.isfinite(s.lm_loss)]
-    print(f"{out}: {len(steps)} steps ({steps[0].step}..{steps[-1].step}), {timed} with a step time, "
-          f"{sum(s.tokens is not None for s in steps)} with tokens"
+    tokens_from = {"log": "the log's global batch size x --seq-length", "composition": source,
+                   "log and composition": f"the log's global batch size where printed, else {source}"}.get(read.tokens_from)
+    if args.json:
+        print(json.dumps({
+            "metrics": str(out), "steps": len(steps), "first_step": steps[0].step, "last_step": steps[-1].step,
+            "steps_with_step_time": timed,
+            "tokens": {"steps": with_tokens, "from": tokens_from, "global_batch_size": gbs, "seq_length": seq_length},
+            "nonfinite_loss_steps": lossless,
+            **read.summary(),
+        }, indent=2, sort_keys=True))
+        return 0
+    tokens_text = f"{with_tokens} with tokens"
+    if tokens_from:
+        tokens_text += f" (from {tokens_from})"
+    elif not with_tokens:
+        tokens_text += " (pass --run RUN_DIR, or --seq-length and, for a miles log, --global-batch-size)"
+    print(f"{out}: {len(steps)} steps ({steps[0].step}..{steps[-1].step}), {timed} with a step time, {tokens_text}"
           + (f", {len(lossless)} without a finite loss (steps {', '.join(map(str, lossless[:5]))}"
              f"{', ...' if len(lossless) > 5 else ''})" if lossless else ""))
+    left_out = _left_out_text(read)
+    if left_out:
+        print(f"{args.log}: {left_out}")
     return 0

@@ -166,12 +166,14 @@ def read_metrics(path: Path) -> List[Step]:
 
     Returns the steps in file order. Raises :class:`UserError` naming the file and line for: a missing or
     empty file, a line that is not JSON (a truncated last line included), a bad row (:func:`parse_row`),
-    and steps that do not strictly increase.
+    and steps that do not strictly increase. A file whose first line is not JSON and that holds training
+    step lines (a raw Megatron or miles log) is refused with the command that makes metrics.jsonl of it.
     """
     target = metrics_path(path)
     steps: List[Step] = []
     pending: Optional[Tuple[int, str]] = None  # a line that is not JSON: an error unless it is the last one
-    for number, line in lines(target, "metrics.jsonl"):
+    stream = lines(target, "metrics.jsonl")
+    for number, line in stream:
         if not line.strip():
             continue
         if pending is not None:
@@ -180,6 +182,12 @@ def read_metrics(path: Path) -> List[Step]:
         try:
             obj = parse_json(line, where, walk=False)
         except UserError as ex:
+            if not steps:  # the first line: a training log given where metrics.jsonl was expected?
+                found, more = _step_line(number, line, stream)
+                if found is not None:
+                    raise UserError(raw_log_hint(target, *found)) from None
+                if more:
+                    raise UserError(str(ex)) from None
             pending = (number, f"{ex}")
             continue
         row = parse_row(obj, where)
@@ -195,6 +203,39 @@ def read_metrics(path: Path) -> List[Step]:
     if not steps:
         raise UserError(f"{target}: empty (no steps)")
     return steps
+
+
+LOG_SCAN_LINES = 200_000  # lines of a file that is not metrics.jsonl searched for a training step line
+
+
+def _step_line(number: int, line: str, rest: Any) -> Tuple[Optional[Tuple[int, str]], bool]:
+    """Search ``line`` (line ``number``) and up to :data:`LOG_SCAN_LINES` lines of the ``rest`` of a
+    :func:`trainer.inputs.lines` stream for a training step line: ``((line number, kind) or None, whether
+    any non-blank line followed)``."""
+    from trainer.report.logs import step_line_kind
+
+    kind = step_line_kind(line)
+    if kind:
+        return (number, kind), False
+    more = False
+    try:
+        for count, (n, text) in enumerate(rest):
+            more = more or bool(text.strip())
+            kind = step_line_kind(text)
+            if kind:
+                return (n, kind), True
+            if count >= LOG_SCAN_LINES:
+                break
+    except UserError:  # a later line unreadable (not UTF-8, too long): not a metrics.jsonl either way
+        return None, True
+    return None, more
+
+
+def raw_log_hint(path: Path, number: int, kind: str) -> str:
+    """The one-line refusal of a training log given where metrics.jsonl is expected, naming the command
+    that makes metrics.jsonl of it (``number``: the line of a step line, ``kind``: its format)."""
+    return (f"{path}: a training log, not metrics.jsonl (line {number} is a {kind} line); run "
+            f"`trainer logs {path} -o DIR` first (add --run RUN_DIR for tokens per step) and pass DIR")
 
 
 def write_metrics(path: Path, steps: Sequence[Step]) -> None:
@@ -256,7 +297,12 @@ def select_window(steps: Sequence[Step], window: Tuple[int, int], source: str = 
         for key in ("tokens", "step_time_s"):
             value = getattr(s, key)
             if value is None or not math.isfinite(value) or value <= 0:
-                raise UserError(f"{source} step {s.step}: {key} is {value!r}, expected a positive number")
+                hint = ""
+                if key == "tokens" and value is None:
+                    hint = ("; a log without a global batch size (miles prints none) gives no tokens: make "
+                            "metrics.jsonl with `trainer logs LOG --run RUN_DIR` (or --global-batch-size ROWS "
+                            "--seq-length TOKENS)")
+                raise UserError(f"{source} step {s.step}: {key} is {value!r}, expected a positive number{hint}")
     return chosen
 
 

@@ -124,9 +124,34 @@ def print_summary(summary: Dict[str, Any], where: Path, console: Optional[Consol
     console.print(f"written: {where}")
 
 
+def refuse_raw_log(path: Path) -> None:
+    """Raise :class:`UserError` naming the commands to run when ``path`` (given as RUN_DIR) is a training
+    log; return quietly for any other file (the run loader then refuses it)."""
+    from trainer.errors import UserError
+    from trainer.inputs import lines
+    from trainer.report.logs import step_line_kind
+
+    found = None
+    try:
+        for number, text in lines(path, "training log"):
+            kind = step_line_kind(text)
+            if kind or number >= metrics.LOG_SCAN_LINES:
+                found = (number, kind) if kind else None
+                break
+    except UserError:  # not text this reads: not a log to hint at
+        return
+    if found:
+        raise UserError(
+            f"{path}: a training log (line {found[0]} is a {found[1]} line), and `trainer report` reads a run "
+            f"directory: run `trainer logs {path} --run RUN_DIR` first, then `trainer report RUN_DIR`"
+        )
+
+
 def main(argv: List[str]) -> int:
     """Entry point of ``trainer report``; returns the exit code (UserError propagates to the dispatcher)."""
     args = parser().parse_args(argv)
+    if args.run_dir.is_file():
+        refuse_raw_log(args.run_dir)
     run = load_run(args.run_dir, need_config=True)
     summary = build_summary(run, args.window, args.usd_per_node_hour, cost=not args.no_cost)
     out = args.out or run.path
