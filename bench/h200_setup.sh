@@ -62,7 +62,9 @@ print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE',
       check="import hydra, omegaconf"
     else
       pip_target tilelang-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-*.whl z3_solver-*.whl
-      check="import tilelang, tile_kernels; print('tilelang', tilelang.__version__)"
+      # as the worker imports them: TileKernels 1.0.0 under tilelang 0.1.15 needs the worker's module alias
+      check="import sys; sys.path.insert(0, '$here/..'); from trainer.launch.megatron_worker import tilelang_compat; \
+tilelang_compat(); import tilelang, tile_kernels; print('tilelang', tilelang.__version__)"
     fi
     LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):${LD_LIBRARY_PATH:-} PYTHONPATH=$site python3 -c "$check"
     ;;
