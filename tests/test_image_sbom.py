@@ -3,8 +3,13 @@ referrers that skopeo and umoci leave alone, signed offline, and refused when al
 
 The image is built offline from fixtures (two .debs for a debian-rootfs base, wheels on PyPI and on another
 index, a github.com git source); the README's smoke lock is built too when PyPI can be reached. (An image's
-sdists are built by build steps, which need a real build root: the sdist SBOM entries are checked on the
-repository locks below, and a built sdist's image in tests/test_image_native.py.)
+sdists are built by build steps, which need a real build root: the sdist and build-step SBOM entries are
+checked on the repository locks below, a built sdist's image in tests/test_image_native.py, and an image
+whose two build steps' outputs are in the cache, as a previous build leaves them, is built here.)
+
+Both SBOMs are also validated against the formats' official JSON schemas with ``jsonschema``: SPDX 2.3's
+from spdx/spdx-spec tag v2.3 (``tests/golden/schemas/``, see its README), CycloneDX 1.6's as shipped in
+cyclonedx-python-lib.
 """
 
 import helpers
@@ -52,6 +57,35 @@ def make_world(root: Path, beta: str = "2.0"):
 
 def sha(path: Path) -> str:
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+SPDX_SCHEMA = REPO_ROOT / "tests" / "golden" / "schemas" / "spdx-schema-2.3.json"
+SPDX_SCHEMA_SHA256 = "239208b7ac287b3cf5d9a9af23f9d69863971102a5e1587a27a398b43490b89b"  # spdx-spec v2.3
+
+
+def schema_errors(kind: str, data) -> list:
+    """Every error of the SBOM ``data`` (bytes or str) against the official JSON schema of ``kind`` ("spdx":
+    SPDX 2.3, the stored copy, its sha256 checked; "cyclonedx": CycloneDX 1.6 as cyclonedx-python-lib ships it,
+    with the SPDX-license and JSF schemas it references), as "path: message" strings (draft-07, jsonschema;
+    ``format`` is an annotation there, as jsonschema treats it by default)."""
+    import cyclonedx
+    import jsonschema
+    import referencing
+    from referencing.jsonschema import DRAFT7
+
+    if kind == "spdx":
+        assert sha(SPDX_SCHEMA) == SPDX_SCHEMA_SHA256
+        validator = jsonschema.Draft7Validator(json.loads(SPDX_SCHEMA.read_text()))
+    else:
+        res = Path(cyclonedx.__file__).parent / "schema" / "_res"
+        schema = json.loads((res / "bom-1.6.SNAPSHOT.schema.json").read_text())
+        assert schema["$id"] == "http://cyclonedx.org/schema/bom-1.6.schema.json"
+        registry = referencing.Registry()
+        for name in ("spdx.SNAPSHOT.schema.json", "jsf-0.82.SNAPSHOT.schema.json"):  # as the bom schema names them
+            registry = registry.with_resource(f"http://cyclonedx.org/schema/{name}",
+                                              DRAFT7.create_resource(json.loads((res / name).read_text())))
+        validator = jsonschema.Draft7Validator(schema, registry=registry)
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in validator.iter_errors(json.loads(data))]
 
 
 def build(lock, out, cache, bundle, *extra):
@@ -127,6 +161,7 @@ def test_validators_accept_the_sboms_and_they_list_every_input(world):
     cdx = trainer("image", "sbom", world["root"] / "b.tar", "--format", "cyclonedx", "--validate")
     assert cdx.returncode == 0, cdx.stderr
     sbom.validate_cyclonedx(cdx.stdout.encode(), "cyclonedx")
+    assert schema_errors("spdx", spdx.stdout) == [] and schema_errors("cyclonedx", cdx.stdout) == []
     lock = json.loads(world["lock"].read_text())
     packages = {p["SPDXID"]: p for p in json.loads(spdx.stdout)["packages"]}
     purls = {p["externalRefs"][0]["referenceLocator"]: p for p in packages.values()}
@@ -171,6 +206,7 @@ def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
         assert spdx == sbom.spdx_json(lock, digest) and cdx == sbom.cyclonedx_json(lock, digest)
         sbom.validate_spdx(spdx, name)
         sbom.validate_cyclonedx(cdx, name)
+        assert schema_errors("spdx", spdx) == [] and schema_errors("cyclonedx", cdx) == []
         purls = {c["purl"] for c in json.loads(cdx)["components"]}
         assert "pkg:github/radixark/miles@78527b9102b3a5f15891128cbec3ac6c2dc4089e" in purls
         miles = [c for c in json.loads(cdx)["components"] if c["name"] == "miles"][0]
@@ -182,6 +218,287 @@ def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
         else:
             assert f"pkg:deb/debian/{lock['base']['debs'][0]['name']}@{lock['base']['debs'][0]['version']}" \
                    f"?arch={lock['base']['debs'][0]['architecture']}&distro=bookworm" in {p.replace("%2B", "+") for p in purls}
+
+
+def step_layers(lock) -> list:
+    """(name, diff_id) of an image of ``lock`` as the build passes them on, with made-up digests: its build
+    steps' layers ``build-<name>`` (``sha256:<one byte per step, 32 times>``) between ``sources`` and ``bundle``."""
+    steps = [(f"build-{b['name']}", "sha256:" + f"{0xa1 + i:02x}" * 32) for i, b in enumerate(lock["builds"])]
+    return [("base", "sha256:" + "01" * 32), ("sources", "sha256:" + "02" * 32), *steps, ("bundle", "sha256:" + "03" * 32)]
+
+
+def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sboms_and_the_provenance():
+    """debian-full as locked (4 build steps, a build root of 179 .debs and 6 wheels), with its layers' digests:
+    each step's output has its layer's sha256, every build-root package is a build dependency of each step that
+    used it, each output is generated from its input, and both documents pass their official schemas."""
+    from trainer.image import buildroot, provenance
+    from trainer.image.imagelock import canonical_name, load_lock
+
+    lock = load_lock(REPO_ROOT / "lockfiles" / "debian-full.lock.json")
+    layers, digest = step_layers(lock), "sha256:" + "cd" * 32
+    outputs = {name[6:]: d[7:] for name, d in layers if name.startswith("build-")}
+    assert sorted(outputs) == ["antlr4-python3-runtime", "aws-ofi-nccl", "deepep", "transformer-engine-torch"]
+    root_debs, root_wheels = lock["build_root"]["debs"], lock["build_root"]["wheels"]
+    assert (len(root_debs), len(root_wheels)) == (179, 6)
+    spdx_bytes, cdx_bytes = sbom.spdx_json(lock, digest, layers), sbom.cyclonedx_json(lock, digest, layers)
+    assert spdx_bytes == sbom.spdx_json(lock, digest, layers) and cdx_bytes == sbom.cyclonedx_json(lock, digest, layers)
+    assert schema_errors("spdx", spdx_bytes) == [] and schema_errors("cyclonedx", cdx_bytes) == []
+    sbom.validate_spdx(spdx_bytes, "spdx")  # spdx-tools still reads the 2.3 spelling back
+    # (cyclonedx-python-lib's validator also checks every URL's iri-reference format, 40 ms each with its lark
+    # parser: 16 s for these 386 components; it runs on the smaller documents of the other tests)
+
+    spdx = json.loads(spdx_bytes)
+    packages = {p["SPDXID"]: p for p in spdx["packages"]}
+    purl_of = {i: p["externalRefs"][0]["referenceLocator"] for i, p in packages.items()}
+    by_purl = {u: i for i, u in purl_of.items()}
+    assert len(by_purl) == len(packages)  # one package per purl: a build-root .deb identical to a base .deb is that one
+    assert {r["referenceCategory"] for p in spdx["packages"] for r in p["externalRefs"]} == {"PACKAGE-MANAGER"}
+
+    def sha256_of(spdx_id):
+        return [c["checksumValue"] for c in packages[spdx_id]["checksums"] if c["algorithm"] == "SHA256"]
+
+    for step, hex_ in outputs.items():
+        assert sha256_of(f"SPDXRef-build-{step}") == [hex_]
+        assert f"diff_id of the image layer build-{step}" in packages[f"SPDXRef-build-{step}"]["comment"]
+    # every file-producing package has its sha256; only the git sources pinned by commit and tree alone do not
+    assert sorted(packages[i]["name"] for i in packages if not sha256_of(i)) == ["megatron_lm", "miles"]
+    n_wheels = len(lock["wheels"])
+    assert (len(lock["base"]["debs"]), n_wheels, len(lock["sdists"]), len(lock["sources"])) == (110, 191, 2, 4)
+    assert sum(d["sha256"] in {b["sha256"] for b in lock["base"]["debs"]} for d in root_debs) == 110  # all of the base
+    # image, base .debs, wheels, sdists, sources, builds, the build-root .debs that are not the base's, build-root wheels
+    assert len(packages) == 1 + 110 + n_wheels + 2 + 4 + 4 + (179 - 110) + 6 == 387
+
+    relations = {}
+    for r in spdx["relationships"]:
+        relations.setdefault(r["relationshipType"], set()).add((r["spdxElementId"], r["relatedSpdxElement"]))
+    deb_purl = lambda d: f"pkg:deb/debian/{d['name']}@{d['version']}?arch={d['architecture']}&distro=bookworm"
+    for step in lock["builds"]:
+        out = f"SPDXRef-build-{step['name']}"
+        used = {purl_of[a] for a, b in relations["BUILD_DEPENDENCY_OF"] if b == out}
+        wheels = buildroot.wheel_items(lock, step["wheels"], step["name"])
+        assert used == {deb_purl(d).replace("+", "%2B") for d in root_debs} | {
+            f"pkg:pypi/{canonical_name(w['name'])}@{w['version'].replace('+', '%2B')}?file_name={w['filename']}"
+            for w in wheels}, step["name"]
+        assert len(used) == 179 + len(wheels)
+        source = step["input"].get("source") or step["input"]["sdist"]
+        (generated,) = [b for a, b in relations["GENERATED_FROM"] if a == out]
+        assert packages[generated]["name"] == canonical_name(source) if "sdist" in step["input"] else source
+        assert packages[generated]["comment"] == f"recipe-bundle lock: {'source' if 'source' in step['input'] else 'sdist'}"
+    assert by_purl["pkg:github/deepseek-ai/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee"] in {
+        b for a, b in relations["GENERATED_FROM"] if a == "SPDXRef-build-deepep"}
+    assert len(relations["BUILD_DEPENDENCY_OF"]) == 4 * 179 + 3 + 3 + 36 + 36
+    contained = {b for a, b in relations["CONTAINS"] if a == "SPDXRef-image"}
+    assert {f"SPDXRef-build-{s}" for s in outputs} <= contained
+    assert not {i for i in contained if i.startswith(("SPDXRef-build-root-", "SPDXRef-sdist-"))}  # not in the image
+    assert len(contained) == 110 + n_wheels + 4 + 4
+
+    cdx = json.loads(cdx_bytes)
+    components = {c["bom-ref"]: c for c in cdx["components"]}
+    for step, hex_ in outputs.items():
+        assert components[f"build:{step}"]["hashes"] == [{"alg": "SHA-256", "content": hex_}]
+    (formula,) = cdx["formulation"]
+    transient = {c["bom-ref"]: c for c in formula["components"]}
+    assert len(transient) == 69 + 6 + 2 and not set(transient) & set(components)
+    assert {r for r in transient if r.startswith("sdist:")} == {"sdist:antlr4-python3-runtime", "sdist:transformer-engine-torch"}
+    assert all(c["hashes"][0]["alg"] == "SHA-256" for c in transient.values())
+    every_ref = set(components) | set(transient)
+    workflows = {w["bom-ref"]: w for w in formula["workflows"]}
+    assert sorted(workflows) == [f"build-step:{s}" for s in sorted(outputs)]
+    deepep = workflows["build-step:deepep"]
+    assert deepep["taskTypes"] == ["build"] and deepep["outputs"] == [{"resource": {"ref": "build:deepep"}, "type": "artifact"}]
+    refs = [i["resource"]["ref"] for i in deepep["inputs"] if "resource" in i]
+    assert refs[0] == "source:deepep" and len(refs) == 1 + 179 + 36 and set(refs) <= every_ref
+    assert {"name": "TORCH_CUDA_ARCH_LIST", "value": "9.0"} in deepep["inputs"][-1]["environmentVars"]
+    assert "TORCH_CUDA_ARCH_LIST" not in json.dumps(deepep["steps"]) and "pip wheel" in deepep["steps"][0]["commands"][0]["executed"]
+    (image_deps,) = [d for d in cdx["dependencies"] if d["ref"] == "image"]
+    assert set(image_deps["dependsOn"]) == set(components)  # the image holds what is in its layers, not its build roots
+
+    statement = provenance.statement(lock, digest, "test", layers, [], REPO_ROOT)
+    resolved = statement["predicate"]["buildDefinition"]["resolvedDependencies"]
+    assert all(d.get("digest") for d in resolved)  # no empty digest: a build step's output is no resolved input
+    assert not [d for d in resolved if d["name"].startswith("pkg:generic/")]
+    shas = {d["digest"].get("sha256") for d in resolved}
+    assert {d["sha256"] for d in root_debs + root_wheels} <= shas
+    assert sum(1 for d in resolved if (d.get("annotations") or {}).get("buildRoot") == "build_root.debs") == 69
+    byproducts = {b["name"]: b for b in statement["predicate"]["runDetails"]["byproducts"]}
+    assert byproducts["layer build-deepep"] == {
+        "name": "layer build-deepep", "digest": {"sha256": outputs["deepep"]},
+        "mediaType": "application/vnd.oci.image.layer.v1.tar",
+        "annotations": {"buildStep": "deepep", "purl": "pkg:generic/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee",
+                        "builtFrom": "pkg:github/deepseek-ai/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee"}}
+    assert byproducts["layer build-transformer-engine-torch"]["annotations"]["builtFrom"] == (
+        "pkg:pypi/transformer-engine-torch@2.17.0?file_name=transformer_engine_torch-2.17.0.tar.gz")
+
+
+def test_the_stored_spdx_schema_refuses_the_spelling_spdx_tools_writes():
+    """The check is not vacuous: spdx-tools' own spelling PACKAGE_MANAGER (what these SBOMs had) fails SPDX 2.3's
+    schema once per package; a CycloneDX document without its specVersion fails CycloneDX 1.6's."""
+    from trainer.image.imagelock import load_lock
+
+    lock = load_lock(REPO_ROOT / "lockfiles" / "debian-smoke.lock.json")
+    spdx = sbom.spdx_json(lock, "sha256:" + "cd" * 32, step_layers(lock))
+    old = spdx.replace(b'"PACKAGE-MANAGER"', b'"PACKAGE_MANAGER"')
+    errors = schema_errors("spdx", old)
+    assert len(errors) == len(json.loads(spdx)["packages"]) > 1
+    assert all(e.startswith("packages/") and "'PACKAGE_MANAGER' is not one of" in e for e in errors)
+    cdx = json.loads(sbom.cyclonedx_json(lock, "sha256:" + "cd" * 32, step_layers(lock)))
+    del cdx["specVersion"]
+    assert schema_errors("cyclonedx", json.dumps(cdx)) == [": 'specVersion' is a required property"]
+
+
+def make_step_world(root: Path):
+    """:func:`make_world`'s lock plus a build root and two build steps: ``demo-ext`` builds the git source ``demo``
+    into a wheel (distribution demo-ext 0.3, a name the lock has nowhere else, as DeepEP's deep-ep), ``gamma``
+    the sdist ``gamma`` 0.5. The build root: base-passwd (the very .deb of the base), cc-fake (only in the
+    build root), the image's wheel alpha and the build root's own wheel pip. Returns (lock path, files to add to
+    the cache, bundle root, {step: the wheel it builds})."""
+    import io
+    import tarfile
+
+    lock_path, files, bundle = make_world(root)
+    lock = json.loads(lock_path.read_text())
+    cc = make_deb(root, "cc-fake", "1.0", {"/usr/bin/cc-fake": (b"#!/bin/sh\nexit 0\n", 0o755)})
+    pip = make_wheel(root, "pip", "25.3", {"pip/__init__.py": b""})
+    sdist = root / "gamma-0.5.tar.gz"
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        info = tarfile.TarInfo("gamma-0.5/setup.py")
+        info.size, info.mtime = 5, EPOCH
+        tar.addfile(info, io.BytesIO(b"pass\n"))
+    import gzip
+
+    sdist.write_bytes(gzip.compress(buf.getvalue(), mtime=0))
+    python = {"version": "3.11", "platform": "x86_64-manylinux_2_36", "prefix": "/usr/local",
+              "site_packages": "/usr/local/lib/python3.11/dist-packages", "interpreter": "/usr/bin/python3.11"}
+    lock["build_root"] = {
+        "suite": "bookworm", "variant": "essential", "include": ["cc-fake"], "links": {}, "python": python,
+        "debs": [dict(lock["base"]["debs"][0]), debian_base([(cc, "cc-fake", "1.0")])["debs"][0]],
+        "wheels": [{"name": "pip", "version": "25.3", "filename": pip.name, "sha256": sha(pip),
+                    "url": f"https://files.pythonhosted.org/packages/test/{pip.name}"}],
+        "requirements": ["pip==25.3"]}
+    lock["sdists"] = [{"name": "gamma", "version": "0.5", "filename": sdist.name, "group": "rest", "sha256": sha(sdist),
+                       "url": f"https://files.pythonhosted.org/packages/test/{sdist.name}"}]
+    wheel_step = ["/bin/sh", "-euc", 'python3 -m pip wheel --no-index --no-deps --wheel-dir "$BUILD_OUT" .']
+    lock["builds"] = [
+        {"name": "demo-ext", "input": {"source": "demo"}, "wheels": ["alpha", "pip"], "command": wheel_step,
+         "env": {"CC": "cc-fake"}, "install": {"type": "wheel"}},
+        {"name": "gamma", "input": {"sdist": "gamma"}, "wheels": ["pip"], "command": wheel_step, "env": {},
+         "install": {"type": "wheel"}}]
+    lock_path.write_text(json.dumps(lock, indent=1))
+    (root / "built").mkdir()
+    wheels = {"demo-ext": make_wheel(root / "built", "demo-ext", "0.3", {"demo_ext/__init__.py": b"V = 3\n"}),
+              "gamma": make_wheel(root / "built", "gamma", "0.5", {"gamma/__init__.py": b"V = 5\n"})}
+    return lock_path, files + [cc, pip, sdist], bundle, wheels
+
+
+def seed_step_outputs(lock_path: Path, cache_dir: Path, wheels, work: Path):
+    """Put each build step's output layer into the cache under its key, as a previous build of the step leaves
+    it (its wheel installed by :func:`trainer.image.native.output_entries`, the layer written and recorded): the
+    build then takes the layer from the cache and runs no sandbox. Returns {step: diff_id}."""
+    from trainer.image import native
+    from trainer.image.cas import Cache
+    from trainer.image.imagelock import load_lock
+    from trainer.image.layer import write_layer
+
+    lock, cache = load_lock(lock_path), Cache(cache_dir)
+    keys, made = native.step_keys(lock), {}
+    for step in lock["builds"]:
+        out, spool = work / f"out-{step['name']}", work / f"spool-{step['name']}"
+        out.mkdir(parents=True)
+        spool.mkdir()
+        shutil.copy(wheels[step["name"]], out)
+        handles: list = []
+        entries = native.output_entries(lock, step, out, cache, spool, handles)
+        tmp = cache.new_temp()
+        with open(tmp, "wb") as handle:
+            info = write_layer(entries, handle, lock["epoch"])
+        for h in handles:
+            h.close()
+        cache.commit(tmp, info.diff_id[7:])
+        cache.put_layer_record(keys[step["name"]], {"diff_id": info.diff_id, "size": info.size,
+                                                    "layer": f"build-{step['name']}"})
+        made[step["name"]] = info.diff_id
+    return made
+
+
+@pytest.fixture(scope="module")
+def stepped(tmp_path_factory):
+    """An image of :func:`make_step_world`'s lock built with its steps' outputs in the cache."""
+    root = tmp_path_factory.mktemp("steps")
+    lock, files, bundle, wheels = make_step_world(root / "in")
+    cache = root / "cas"
+    for f in files:
+        assert trainer("cache", "--cache", cache, "add", f).returncode == 0
+    outputs = seed_step_outputs(lock, cache, wheels, root / "work")
+    built = build(lock, root / "s.oci", cache, bundle)
+    return {"root": root, "lock": lock, "layout": root / "s.oci", "outputs": outputs, "built": built}
+
+
+def test_an_image_with_build_steps_names_their_outputs_build_roots_and_built_distributions(stepped):
+    layout, outputs = stepped["layout"], stepped["outputs"]
+    layers = {l["name"]: l for l in stepped["built"]["layers"]}
+    assert [l["name"] for l in stepped["built"]["layers"]] == ["base", "torch", "rest", "sources", "build-demo-ext",
+                                                               "build-gamma", "bundle"]
+    for step, diff_id in outputs.items():
+        assert (layers[f"build-{step}"]["diff_id"], layers[f"build-{step}"]["status"]) == (diff_id, "cached")
+    spdx = trainer("image", "sbom", layout, "--validate")
+    cdx = trainer("image", "sbom", layout, "--format", "cyclonedx", "--validate")
+    assert (spdx.returncode, cdx.returncode) == (0, 0), (spdx.stderr, cdx.stderr)
+    assert schema_errors("spdx", spdx.stdout) == [] and schema_errors("cyclonedx", cdx.stdout) == []
+    doc = json.loads(spdx.stdout)
+    packages = {p["SPDXID"]: p for p in doc["packages"]}
+    assert packages["SPDXRef-build-demo-ext"]["checksums"] == [{"algorithm": "SHA256",
+                                                                 "checksumValue": outputs["demo-ext"][7:]}]
+    assert packages["SPDXRef-build-gamma"]["checksums"] == [{"algorithm": "SHA256", "checksumValue": outputs["gamma"][7:]}]
+    commit = json.loads(stepped["lock"].read_text())["sources"][0]["commit"]
+    assert packages["SPDXRef-build-demo-ext"]["externalRefs"][0]["referenceLocator"] == f"pkg:generic/demo-ext@{commit}"
+    assert packages["SPDXRef-build-root-deb-cc-fake"]["comment"].startswith("recipe-bundle lock: build_root.debs")
+    relations = {(r["spdxElementId"], r["relationshipType"], r["relatedSpdxElement"]) for r in doc["relationships"]}
+    built_from = {(a, b) for a, t, b in relations if t == "GENERATED_FROM"}
+    assert built_from == {("SPDXRef-build-demo-ext", "SPDXRef-source-demo"), ("SPDXRef-build-gamma", "SPDXRef-sdist-gamma")}
+    assert {(a, b) for a, t, b in relations if t == "BUILD_DEPENDENCY_OF"} == {
+        ("SPDXRef-deb-base-passwd", "SPDXRef-build-demo-ext"), ("SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-demo-ext"),
+        ("SPDXRef-wheel-alpha", "SPDXRef-build-demo-ext"), ("SPDXRef-build-root-wheel-pip", "SPDXRef-build-demo-ext"),
+        ("SPDXRef-deb-base-passwd", "SPDXRef-build-gamma"), ("SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-gamma"),
+        ("SPDXRef-build-root-wheel-pip", "SPDXRef-build-gamma")}
+    assert {b for a, t, b in relations if t == "CONTAINS"} == set(packages) - {
+        "SPDXRef-image", "SPDXRef-sdist-gamma", "SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-root-wheel-pip"}
+    bom = json.loads(cdx.stdout)
+    assert sorted(c["bom-ref"] for c in bom["formulation"][0]["components"]) == [
+        "build-root-deb:cc-fake", "build-root-wheel:pip", "sdist:gamma"]
+    (workflow,) = [w for w in bom["formulation"][0]["workflows"] if w["bom-ref"] == "build-step:demo-ext"]
+    assert workflow["inputs"] == [{"resource": {"ref": r}} for r in (
+        "source:demo", "deb:base-passwd", "build-root-deb:cc-fake", "wheel:alpha", "build-root-wheel:pip")] + [
+        {"environmentVars": [{"name": "CC", "value": "cc-fake"}]}]
+    statement = json.loads(trainer("image", "provenance", layout).stdout)
+    resolved = statement["predicate"]["buildDefinition"]["resolvedDependencies"]
+    assert all(d.get("digest") for d in resolved)
+    lock = json.loads(stepped["lock"].read_text())
+    assert {d["sha256"] for d in lock["build_root"]["debs"] + lock["build_root"]["wheels"]} <= {
+        d["digest"].get("sha256") for d in resolved}
+    byproduct = [b for b in statement["predicate"]["runDetails"]["byproducts"] if b["name"] == "layer build-gamma"]
+    assert byproduct == [{"name": "layer build-gamma", "digest": {"sha256": outputs["gamma"][7:]},
+                          "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                          "annotations": {"buildStep": "gamma", "purl": "pkg:generic/gamma@0.5",
+                                          "builtFrom": "pkg:pypi/gamma@0.5?file_name=gamma-0.5.tar.gz"}}]
+
+
+def test_image_diff_against_its_lock_counts_the_distributions_its_build_steps_installed(stepped, tmp_path):
+    layout = stepped["layout"]
+    same = trainer("image", "diff", layout, stepped["lock"])
+    assert (same.returncode, same.stdout.strip()) == (0, "identical"), same.stdout  # demo-ext 0.3 and gamma 0.5 are the lock's
+    lock = json.loads(stepped["lock"].read_text())
+    lock["builds"] = [b for b in lock["builds"] if b["name"] != "demo-ext"]  # a lock without the step
+    other = tmp_path / "other.lock.json"
+    other.write_text(json.dumps(lock))
+    r = trainer("image", "diff", layout, other)
+    assert r.returncode == 1
+    lines = r.stdout.splitlines()
+    assert "python demo-ext: 0.3 -> (absent)" in lines
+    assert f"build demo-ext: layer {stepped['outputs']['demo-ext']} -> (absent)" in lines
+    data = json.loads(trainer("image", "diff", "--json", layout, other).stdout)
+    assert data["distributions"] == [{"name": "demo-ext", "old": "0.3", "new": None}]
+    assert data["builds"] == [{"name": "demo-ext", "old": f"layer {stepped['outputs']['demo-ext']}", "new": None}]
 
 
 def test_provenance_names_the_image_the_lock_and_every_input(world):

@@ -16,7 +16,13 @@ a bundle image; or ``probe.ranks[0].image``) against the image's manifest digest
 
 Image vs lock: the image's distributions, Debian packages and stamped sources against the lock's wheels,
 base .debs and sources, and the lock's sha256 against the image's ``dev.recipe-bundle.lock.sha256`` label;
-identical when all agree.
+identical when all agree. A distribution a build step installed counts as the lock's: a step that builds an
+sdist pins that sdist's version; a step that builds a git source into a wheel (DeepEP) pins what its layer
+``build-<name>`` holds (the lock pins the step's input, command and build root, not the version its build
+writes), whichever version that is. Which layer is whose comes from the stamp's layer list (name, diff_id),
+else from the layer's history (``recipe-bundle layer NAME``). The lock's build steps and the image's
+``build-<name>`` layers must match one to one (``builds``: a step without its layer, or a layer of a step the
+lock does not have).
 """
 
 from __future__ import annotations
@@ -103,9 +109,15 @@ def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str,
     distributions (canonical name -> version, from dist-info METADATA), Debian packages (name -> version,
     the ``install ok installed`` entries of the dpkg status file) and each distribution's directory (canonical
     name -> the site directory holding its dist-info, relative, e.g. ``usr/local/lib/python3.11/dist-packages``)."""
+    dists, debs, where, _ = _scan(image)
+    return dists, debs, where
 
+
+def _scan(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str, str], Dict[str, str]]:
+    """:func:`contents` and, fourth, canonical name -> the diff_id of the layer its (top-most) dist-info is in."""
     dists: Dict[str, str] = {}
     where: Dict[str, str] = {}
+    layer_of: Dict[str, str] = {}
     status: Optional[bytes] = None
     for layer in image.layers:
         if layer.media_type.endswith("+zstd"):
@@ -119,9 +131,26 @@ def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str,
                         if headers.get("Name"):
                             dists[_canonical(headers["Name"])] = headers.get("Version", "")
                             where[_canonical(headers["Name"])] = name.rsplit("/", 2)[0]
+                            layer_of[_canonical(headers["Name"])] = layer.diff_id
                     elif member.isreg() and name == DPKG_STATUS:
                         status = tar.extractfile(member).read()
-    return dists, _dpkg_installed(status or b""), where
+    return dists, _dpkg_installed(status or b""), where, layer_of
+
+
+def layer_names(image: ImageRef, stamp: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
+    """diff_id -> layer name (``base``, ``torch``, ``build-deepep``, ...) of ``image``'s layers: from the stamped
+    lock's ``layers`` list (``stamp``, else read from the image), else from a layer's history
+    (``recipe-bundle layer NAME``); layers named by neither are left out."""
+    stamp = stamped(image) if stamp is None else stamp
+    names: Dict[str, str] = {}
+    for layer in image.layers:
+        match = re.fullmatch(r"recipe-bundle layer (\S+)", layer.history or "")
+        if match:
+            names[layer.diff_id] = match.group(1)
+    for entry in stamp.get("layers") or []:
+        if isinstance(entry, dict) and isinstance(entry.get("diff_id"), str) and isinstance(entry.get("name"), str):
+            names[entry["diff_id"]] = entry["name"]
+    return names
 
 
 def _dpkg_installed(status: bytes) -> Dict[str, str]:
@@ -209,25 +238,36 @@ def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
 
 
 def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
-    """Image ``a`` against a loaded lock: distributions, sources and the lock hash label."""
+    """Image ``a`` against a loaded lock: distributions (the built ones included, see the module docstring),
+    Debian packages, sources, build steps and the lock hash label."""
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
     wheels = {_canonical(w["name"]): w["version"] for w in lock.get("wheels", [])}
-    installed, installed_debs, where = contents(a)
+    installed, installed_debs, where, layer_of = _scan(a)
+    stamp = stamped(a)
+    names = layer_names(a, stamp)
     # every distribution in the lock's site directory is the lock's to pin (one added there is named); those
     # elsewhere (a base image's, Debian's python3-* packages) are not
     for sd in lock.get("sdists", []):  # an sdist is pinned as installed once a build step has made it a wheel
         if _canonical(sd["name"]) in installed:
             wheels[_canonical(sd["name"])] = sd["version"]
+    steps = {s["name"]: s for s in lock.get("builds", []) if isinstance(s, dict) and s.get("name")}
+    for dist, diff_id in layer_of.items():  # a wheel a build step built from a git source: what its layer holds
+        step = steps.get(names.get(diff_id, "")[len("build-"):]) if names.get(diff_id, "").startswith("build-") else None
+        if step is not None and "source" in (step.get("input") or {}) and dist not in wheels:
+            wheels[dist] = installed[dist]
     site = lock["python"]["site_packages"].strip("/")
     dists = _versions({n: v for n, v in installed.items() if where.get(n) == site or n in wheels}, wheels)
     base = lock.get("base", {})
     debs = (_versions(installed_debs, {d["name"]: d["version"] for d in base.get("debs", [])})
             if base.get("type") == "debian-rootfs" else [])
-    sources = _versions(_source_pins(stamped(a).get("sources")), _source_pins(lock.get("sources", [])))
+    sources = _versions(_source_pins(stamp.get("sources")), _source_pins(lock.get("sources", [])))
+    layers = {n[len("build-"):]: d for d, n in names.items() if n.startswith("build-")}
+    builds = _versions({n: f"layer {d}" for n, d in layers.items()},
+                       {n: f"layer {layers[n]}" if n in layers else "a build step" for n in steps})
     result: Dict[str, Any] = {"a": a.manifest_digest or a.config_digest, "b": str(lock["_path"]),
                               "lock_sha256": {"image": label, "lock": lock["_sha256"]},
-                              "distributions": dists, "debs": debs, "sources": sources}
-    result["identical"] = not dists and not debs and not sources and label == lock["_sha256"]
+                              "distributions": dists, "debs": debs, "sources": sources, "builds": builds}
+    result["identical"] = not dists and not debs and not sources and not builds and label == lock["_sha256"]
     return result
 
 
@@ -300,6 +340,8 @@ def render(result: Dict[str, Any]) -> str:
         lines.append(f"deb {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
     for s in result.get("sources", []):
         lines.append(f"source {s['name']}: {s['old'] or '(absent)'} -> {s['new'] or '(absent)'}")
+    for b in result.get("builds", []):
+        lines.append(f"build {b['name']}: {b['old'] or '(absent)'} -> {b['new'] or '(absent)'}")
     for p in result.get("sbom") or []:
         same = p["old"] == p["new"]
         lines.append(f"sbom {p['package']}: {p['old'] or '(absent)'} -> {p['new'] or '(absent)'}"

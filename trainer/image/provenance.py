@@ -18,9 +18,15 @@ and SLSA Provenance v1 (slsa.dev/spec/v1.0/provenance). Layout of what this bund
          "byproducts": [{"name", "digest", "mediaType"}, ...]}}}   # the SBOMs and the layers built
 
 ``resolvedDependencies`` holds every input of the lock (:func:`trainer.image.sbom.inventory`: .debs, the
-base image, wheels, sdists, git sources by commit and archive sha256, native builds) and the bundle layer
-(``conf/``, the lock and the stamp, by diff_id). The lock's ``path`` is relative to the bundle root when the
-lock lies under it, else its file name, so the statement does not depend on where the checkout lives.
+base image, wheels, sdists, git sources by commit and archive sha256), the build root the build steps ran in
+(``build_root.debs`` and ``build_root.wheels`` not already listed as the image's, annotated ``buildRoot``) and
+the bundle layer (``conf/``, the lock and the stamp, by diff_id). A build step's output is made by this build,
+not resolved, so it is a byproduct: the layer ``build-<name>`` by diff_id, annotated with the step's purl
+(``pkg:generic/NAME@VERSION``, as in the SBOMs) and the purl of its input. No descriptor has an empty
+``digest`` (SLSA v1 ResourceDescriptor: at least one of uri, digest, content); one with neither a digest nor a
+uri is left out.
+The lock's ``path`` is relative to the bundle root when the lock lies under it, else its file name, so the
+statement does not depend on where the checkout lives.
 """
 
 from __future__ import annotations
@@ -50,34 +56,60 @@ def lock_path_label(lock: Dict[str, Any], bundle_root: Optional[Path]) -> str:
     return path.name
 
 
-def resolved_dependencies(lock: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _descriptor(item: "sbom.Item") -> Optional[Dict[str, Any]]:
+    """The ResourceDescriptor of ``item`` (see :func:`resolved_dependencies`), None when it has neither a digest
+    nor a uri."""
+    digest: Dict[str, str] = {}
+    if item.sha256:
+        digest["sha256"] = item.sha256
+    if item.commit:
+        digest["gitCommit"] = item.commit
+    entry: Dict[str, Any] = {"name": item.purl}
+    if digest:
+        entry["digest"] = digest
+    if item.url:
+        entry["uri"] = f"git+{item.url}@{item.commit}" if item.kind == "source" else item.url
+    annotations: Dict[str, str] = {}
+    if item.tree:
+        annotations["gitTree"] = item.tree
+    if item.kind.startswith("build-root-"):
+        annotations["buildRoot"] = "build_root.debs" if item.kind == "build-root-deb" else "build_root.wheels"
+    if annotations:
+        entry["annotations"] = annotations
+    return entry if digest or item.url else None  # SLSA: a descriptor needs a uri or a digest
+
+
+def resolved_dependencies(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
     """One SLSA ResourceDescriptor per input of ``lock``: ``name`` = its purl, ``uri`` = where it comes from,
-    ``digest`` = its sha256 (and ``gitCommit`` for git sources)."""
-    out = []
-    for item in sbom.inventory(lock):
-        digest: Dict[str, str] = {}
-        if item.sha256:
-            digest["sha256"] = item.sha256
-        if item.commit:
-            digest["gitCommit"] = item.commit
-        entry: Dict[str, Any] = {"name": item.purl, "digest": digest}
-        if item.url:
-            entry["uri"] = f"git+{item.url}@{item.commit}" if item.kind == "source" else item.url
-        if item.tree:
-            entry["annotations"] = {"gitTree": item.tree}
-        out.append(entry)
-    return out
+    ``digest`` = its sha256 (and ``gitCommit`` for git sources); then each build-root package that is not
+    also an input of the image. The native builds whose output ``outputs`` (step -> sha256 hex,
+    :func:`trainer.image.sbom.build_outputs`) names were made by this build: they are byproducts, not here."""
+    found = sbom.graph(lock, outputs)
+    items = [i for i in found.items() if not (i.kind == "build" and i.name in (outputs or {}))]
+    return [d for d in map(_descriptor, items) if d is not None]
 
 
 def statement(lock: Dict[str, Any], manifest_digest: str, revision: str, layers: List[Tuple[str, str]],
               byproducts: List[Dict[str, Any]], bundle_root: Optional[Path] = None) -> Dict[str, Any]:
     """The provenance statement of image ``manifest_digest`` (``sha256:<hex>``) built from ``lock`` at
-    ``revision``; ``layers`` (name, diff_id) as built, ``byproducts`` SLSA ResourceDescriptors of the SBOMs."""
+    ``revision``; ``layers`` (name, diff_id) as built (each is a byproduct; a ``build-<name>`` layer is also
+    that build step's output), ``byproducts`` SLSA ResourceDescriptors of the SBOMs."""
     bundle_layers = [{"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
                       "annotations": {"contents": "conf/, the lock and its stamp"}}
                      for name, diff_id in layers if name == "bundle"]
-    built = [{"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
-              "mediaType": "application/vnd.oci.image.layer.v1.tar"} for name, diff_id in layers]
+    outputs = sbom.build_outputs(layers)
+    found = sbom.graph(lock, outputs)
+    purls = {i.ref: i.purl for i in found.items()}
+    steps = {s.name: s for s in found.steps}
+    built = []
+    for name, diff_id in layers:
+        entry: Dict[str, Any] = {"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
+                                 "mediaType": "application/vnd.oci.image.layer.v1.tar"}
+        step = steps.get(name[len("build-"):]) if name.startswith("build-") else None
+        if step is not None:  # the output of a build step, named as the SBOMs name it
+            entry["annotations"] = {"buildStep": step.name, "purl": purls[step.output],
+                                    **({"builtFrom": purls[step.input]} if step.input in purls else {})}
+        built.append(entry)
     return {
         "_type": STATEMENT_TYPE,
         "subject": [{"name": lock["name"], "digest": {"sha256": manifest_digest.split(":", 1)[1]}}],
@@ -89,7 +121,7 @@ def statement(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
                                        "revision": revision},
                 "internalParameters": {"epoch": lock["epoch"], "platform": lock.get("platform", {}),
                                        "layer_format": _layer_format()},
-                "resolvedDependencies": resolved_dependencies(lock) + bundle_layers,
+                "resolvedDependencies": resolved_dependencies(lock, outputs) + bundle_layers,
             },
             "runDetails": {
                 "builder": {"id": BUILDER_ID, "version": {PROJECT: __version__}},

@@ -82,12 +82,13 @@ def referrer(doc: Document, subject: Dict[str, Any], epoch: int) -> Tuple[Dict[s
 def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers: List[Tuple[str, str]],
               bundle_root: Optional[Path], signer=None) -> List[Document]:
     """The SBOMs and provenance of the image ``manifest_digest`` built from ``lock`` (in index order:
-    SPDX, CycloneDX, provenance); the provenance is a DSSE envelope signed by ``signer`` when given (see
-    :func:`trainer.record.attest.load_signer`), else the bare statement."""
+    SPDX, CycloneDX, provenance), whose layers are ``layers`` ((name, diff_id) as built: the SBOMs take the
+    build steps' output sha256 from the ``build-<name>`` ones); the provenance is a DSSE envelope signed by
+    ``signer`` when given (see :func:`trainer.record.attest.load_signer`), else the bare statement."""
     from trainer.image import provenance, sbom
 
-    spdx = sbom.spdx_json(lock, manifest_digest)
-    cdx = sbom.cyclonedx_json(lock, manifest_digest)
+    spdx = sbom.spdx_json(lock, manifest_digest, layers)  # the build-<name> layers: the build steps' outputs
+    cdx = sbom.cyclonedx_json(lock, manifest_digest, layers)
     name = lock["name"]
     docs = [Document(sbom.SPDX_MEDIA_TYPE, spdx, f"{name}.spdx.json"),
             Document(sbom.CYCLONEDX_MEDIA_TYPE, cdx, f"{name}.cdx.json")]
