@@ -447,6 +447,52 @@ def test_verify_rederive_reproduces_rows_and_catches_a_rehashed_forgery(tmp_path
     assert code == 1 and f": row {rows - 1}: first difference at position 63: " in err
 
 
+def rewrite(out, rows, masks, sources, starts):
+    """Write ``rows``/``masks``/``sources`` and the anchors ``starts`` into out/ with hashes and counts that agree
+    (a forger who rewrites the manifest too)."""
+    writer = RowWriter(out / "rows.parquet", len(rows[0]))
+    for r, m, ids in zip(rows, masks, sources):
+        writer.add(np.asarray(r).astype(np.int32), np.asarray(m).astype(np.uint8), ids)
+    rows_sha256 = writer.close()
+    data = (out / "rows.parquet").read_bytes()
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest.update(rows_sha256=rows_sha256, parquet_sha256=hashlib.sha256(data).hexdigest(), parquet_bytes=len(data),
+                    rows=len(rows))
+    manifest["row_anchors"]["starts"] = starts
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
+
+
+def test_verify_rederive_checks_the_anchors_it_starts_from(tmp_path, capsys):
+    """Promise: forged anchors do not make forged rows pass: a group replaced by a copy of another with its anchor
+    copied too, a group removed with its anchor, the build cut short with its anchors, and a first anchor moved, each
+    rehashed consistently, fail a full re-derivation (plain verify passes them all)."""
+    import shutil
+
+    inputs = rederive_corpus(tmp_path)
+    good = tmp_path / "rows"
+    manifest = build([str(p) for p in inputs], good, BuildConfig(row_tokens=64, skip_bad_rows=True))
+    total, starts = manifest["rows"], manifest["row_anchors"]["starts"]
+    assert total >= 48
+    rows, masks, sources = read_rows(good)
+    rows, masks = [list(r) for r in rows], [list(m) for m in masks]
+    cases = {
+        "copied": (rows[:16] + rows[:16] + rows[32:], masks[:16] + masks[:16] + masks[32:], sources[:16] + sources[:16] + sources[32:],
+                   [starts[0], starts[0], *starts[2:]], "row 16: first difference"),
+        "removed": (rows[:16] + rows[32:], masks[:16] + masks[32:], sources[:16] + sources[32:], [starts[0], *starts[2:]],
+                    "row 16: first difference"),
+        "cut": (rows[:32], masks[:32], sources[:32], starts[:2], "row 32: the inputs give more rows than the 32 stored"),
+        "moved": (rows[16:], masks[16:], sources[16:], starts[1:], "row 0: first difference"),
+    }
+    for name, (r, m, src, st, expected) in cases.items():
+        out = tmp_path / name
+        shutil.copytree(good, out)
+        rewrite(out, r, m, src, st)
+        assert verify(capsys, out)[0] == 0, name
+        code, _, err = verify(capsys, out, "--rederive", total * 2, "--input", *inputs)
+        assert code == 1 and expected in err and err.count("\n") == 1, (name, err)
+    assert verify(capsys, good, "--rederive", total * 2, "--input", *inputs)[0] == 0
+
+
 def pa_list(values, type_):
     import pyarrow as pa
 

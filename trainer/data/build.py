@@ -788,8 +788,13 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
     does. Returns ``{"checked": [row, ...], "mismatched": n, "first": None or {"row", "position",
     "stored", "derived", "message"}}``: ``position`` the first index where tokens or loss_mask differ
     (``stored``/``derived``: ``[token, mask]`` there; position None when the inputs give no such row).
-    Raises :class:`UserError` (one line) when the manifest cannot be re-derived (no ``row_anchors``: a
-    build older than re-derivation), an input is missing or changed, or the tokenizer has another hash.
+    The anchors are checked, not trusted (a forger rewrites them with the rows): one per group, group 0 re-derived
+    from the packing order's first packable conversation itself, and each sampled group re-derived on into the next group's
+    first row (the last group one row past the end, which must not exist unless the build stopped at
+    ``max_rows``); groups 0 and last are always among those re-derived. The ``source_ids`` column is neither
+    hashed nor re-derived. Raises :class:`UserError` (one line) when the manifest cannot be re-derived (no
+    ``row_anchors``: a build older than re-derivation), an input is missing or changed, or the tokenizer has
+    another hash.
     """
     where = str(Path(rows.directory) / "manifest.json")
     manifest = rows.manifest
@@ -815,14 +820,33 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
         if result["first"] is None:
             result["first"] = {"row": row, "position": position, "stored": stored, "derived": derived, "message": message}
 
+    total = len(rows)
+    # the anchors are the manifest's, which a forger rewrites with the rows: they are checked, not trusted. There is
+    # one per group; group 0 starts from the packing order's first packable conversation itself; re-deriving a
+    # sampled group runs on into the next group's first row (or, for the last group, one row past the end), which
+    # must be the stored one (or not exist, unless the build stopped at max_rows): a group duplicated, dropped or cut
+    # off with its anchor fails wherever a neighbouring group is sampled, and the first and last groups always are
+    if len(starts) != -(-total // every):
+        differ(0, None, None, None, f"row_anchors: {len(starts)} anchors for {total:,} rows of {every} "
+               f"(expected {-(-total // every)})")
+        return result
+    # group 0 is re-derived from the stream's true start, whatever the first anchor says
+    first_packed = next((batch[0][2] for batch in conversations(usable, order, config, Stats(), start=0) if batch), -1)
     groups: Dict[int, List[int]] = {}
-    for row in sample:
+    for row in sorted({*sample, 0, total - 1} if total else sample):
         groups.setdefault(row // every, []).append(row)
     for j, targets in groups.items():
-        position, offset = starts[j]
-        for row, derived in _rows_from(usable, order, config, tok, special, position, offset, j * every, targets[-1]):
+        position, offset = (first_packed, 0) if j == 0 else starts[j]
+        beyond = min((j + 1) * every, total)  # the next group's first row, or one past the last row
+        targets = [*targets, beyond] if beyond not in targets else targets
+        for row, derived in _rows_from(usable, order, config, tok, special, position, offset, j * every, beyond):
+            if row == beyond == total:
+                if derived is not None and not (config.max_rows is not None and total >= config.max_rows):
+                    differ(row, None, None, None, f"row {row}: the inputs give more rows than the {total:,} stored "
+                           "(a build cut short, or rows removed with their anchors)")
+                break
             if derived is None:
-                for missing in [r for r in targets if r >= row]:
+                for missing in [r for r in targets if r >= row and r < total]:
                     differ(missing, None, None, None, f"row {missing}: the inputs give no such row (re-derivation from "
                            f"conversation {position} of the packing order ends before it)")
                 break
