@@ -1,5 +1,6 @@
 """bin/python-env: where the launcher's torch CPU build comes from (it is not on PyPI)."""
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -46,6 +47,66 @@ def test_the_environment_is_the_one_running_the_tests():
     out = subprocess.run([str(REPO_ROOT / "bin" / "python-env")], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stderr == ""
     assert Path(out.stdout.strip()).parent == Path(sys.executable).parent
+
+
+def _fast_path_setup(tmp_path):
+    """An environment root holding a complete environment for the lock, and TRAINER_PYTHON a wrapper that logs
+    every start of the interpreter it wraps (the Python running the tests)."""
+    key = hashlib.sha256((REPO_ROOT / "lockfiles" / "launcher.lock").read_bytes()).hexdigest()[:16]
+    version = "%d.%d" % sys.version_info[:2]
+    env_dir = tmp_path / "envs" / f"{key}-py{version}"
+    (env_dir / "bin").mkdir(parents=True)
+    (env_dir / "bin" / "python").symlink_to(sys.executable)
+    (env_dir / ".complete").touch()
+    log = tmp_path / "starts.log"
+    wrapper = tmp_path / "bin" / "python-wrapped"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f"#!/bin/sh\necho start >> {log}\nexec {sys.executable} \"$@\"\n")
+    wrapper.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    env = dict(os.environ, TRAINER_ENV_ROOT=str(tmp_path / "envs"), TRAINER_PYTHON=str(wrapper))
+    return env_dir, wrapper, log, work, env
+
+
+def _python_env(env, cwd):
+    return subprocess.run([str(REPO_ROOT / "bin" / "python-env")], capture_output=True, text=True, env=env,
+                          cwd=cwd, timeout=60)
+
+
+def _starts(log):
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_a_complete_environment_is_found_without_starting_python(tmp_path):
+    env_dir, wrapper, log, work, env = _fast_path_setup(tmp_path)
+    first = _python_env(env, work)
+    assert (first.returncode, first.stdout.strip(), first.stderr) == (0, str(env_dir / "bin" / "python"), "")
+    assert _starts(log) == 2  # the slow path: choose the interpreter, name its version
+    for _ in range(3):
+        again = _python_env(env, work)
+        assert (again.returncode, again.stdout, again.stderr) == (0, first.stdout, "")
+    assert _starts(log) == 2  # the fast path started no Python
+
+
+def test_the_fast_path_follows_the_interpreter_its_version_files_and_the_environment(tmp_path):
+    env_dir, wrapper, log, work, env = _fast_path_setup(tmp_path)
+    assert _python_env(env, work).returncode == 0
+    starts = _starts(log)
+    wrapper.write_text(wrapper.read_text())  # the same interpreter name, replaced: its ctime changes
+    assert _python_env(env, work).returncode == 0 and _starts(log) == starts + 2
+    starts += 2
+    (work / ".python-version").write_text("3.99\n")  # a version manager's shim would now choose another one
+    assert _python_env(env, work).returncode == 0 and _starts(log) == starts + 2
+    starts += 2
+    assert _python_env(env, work).returncode == 0 and _starts(log) == starts  # that state is the stamp's now
+    other = dict(env, PYENV_VERSION="3.98")
+    assert _python_env(other, work).returncode == 0 and _starts(log) == starts + 2
+    # an environment no longer complete is never answered from the stamp: the slow path runs, and here refuses
+    (env_dir / ".complete").unlink()
+    broken = dict(env, TRAINER_PYTHON=str(tmp_path / "no-such-python"))
+    out = _python_env(broken, work)
+    assert out.returncode == 2 and out.stdout == "" and "need Python >= 3.11" in out.stderr
 
 
 if __name__ == "__main__":
