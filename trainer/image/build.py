@@ -244,7 +244,7 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
     lock alone), the bundle layer is rebuilt in memory from ``bundle_root``'s ``conf/``, then the config and
     manifest are made as :func:`build_image` makes them (with ``recorded["revision"]``).
 
-    Returns {"bundle", "config_digest", "manifest_digest"} ("sha256:<hex>" each). Raises :class:`UserError`
+    Returns {"bundle", "config_digest", "manifest_digest"} ("sha256:<hex>" each) and "bundle_size" (bytes). Raises :class:`UserError`
     for an ``oci`` base (its config comes from the base image's blobs) or a record whose layers do not match
     the lock's layer plan.
     """
@@ -267,7 +267,49 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
                         diff_id=info.diff_id))
     config_bytes = compact_json(make_config(lock, layers, recorded.get("revision", "unknown")))
     manifest = compact_json(image_manifest(config_bytes, layers, {}))
-    return {"bundle": info.diff_id, "config_digest": digest_of(config_bytes), "manifest_digest": digest_of(manifest)}
+    return {"bundle": info.diff_id, "bundle_size": info.size, "config_digest": digest_of(config_bytes),
+            "manifest_digest": digest_of(manifest)}
+
+
+def layer_keys(lock: Dict[str, Any], bundle_root: Path) -> Dict[str, str]:
+    """Layer name -> its cache key (:func:`layer_key`: the hash of everything that determines its bytes) for
+    every layer of ``lock``, computed from the lock alone (nothing is read from a cache or downloaded)."""
+    plans = plan_layers(lock, Cache(Path(tempfile.gettempdir()) / "unused-cache"), bundle_root, offline=True)
+    return {plan.name: layer_key(lock, plan) for plan in plans}
+
+
+def predicted_record(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path) -> Dict[str, Any]:
+    """An ``expected-digests.json`` entry for the lock at ``lock_path`` as a build would record it now, made
+    without building (:func:`predict_digests`): ``recorded`` (the entry of an earlier build, or of an earlier
+    prediction) with the lock's sha256, the new bundle layer, config and manifest digests and every layer's key.
+
+    Only the bundle layer may have changed: every other layer's key (:func:`layer_keys`) must equal the one
+    ``recorded`` holds, so that its recorded diff_id is still the one a build gives. An entry that records no
+    keys yet is taken for the lock it records (its ``lock_sha256`` must be this lock's), and its keys are
+    added. Raises :class:`UserError` naming the first layer whose inputs changed (build it instead) or a
+    record made for another lock without keys.
+    """
+    lock = imagelock.load_lock(lock_path)
+    keys = layer_keys(lock, bundle_root)
+    layers = recorded.get("layers", [])
+    if any("key" not in layer for layer in layers[:-1]):
+        if recorded.get("lock_sha256") != lock["_sha256"]:
+            raise UserError(f"{lock_path}: the recorded build of {lock['name']!r} names no layer keys and was made "
+                            f"from lock sha256 {str(recorded.get('lock_sha256'))[:12]}, not this lock's "
+                            f"{lock['_sha256'][:12]}: build the image and record it")
+    else:
+        for layer in layers[:-1]:
+            if keys.get(layer["name"]) != layer["key"]:
+                raise UserError(f"{lock_path}: layer {layer['name']}'s inputs changed since its build was recorded "
+                                f"(key {str(keys.get(layer['name']))[:12]}, recorded {layer['key'][:12]}): only the "
+                                f"bundle layer can be predicted; build the image and record it")
+    predicted = predict_digests(lock_path, recorded, bundle_root)
+    new_layers = [{**layer, "key": keys[layer["name"]]} for layer in layers[:-1]]
+    new_layers.append({"name": layers[-1]["name"], "diff_id": predicted["bundle"], "size": predicted["bundle_size"],
+                       "key": keys[layers[-1]["name"]]})
+    return {**recorded, "lock": Path(lock_path).name, "lock_sha256": lock["_sha256"],
+            "manifest_digest": predicted["manifest_digest"], "config_digest": predicted["config_digest"],
+            "layers": new_layers, "recorded_by": "prediction"}
 def realize_layer(lock: Dict[str, Any], plan: LayerPlan, cache: Cache, spool: Path, console=None,
                   verify_cache: bool = False) -> Tuple[str, int, str]:
     """The layer of ``plan``: the cached one under its key (:func:`layer_key`) when intact, else made, written

@@ -28,6 +28,7 @@ EPILOG = """examples:
   trainer image diff build/smoke.oci lockfiles/smoke.lock.json
   trainer image diff build/smoke.oci runs/RUN/record.json   # the image a run record names
   trainer image check --lock lockfiles/debian-full.lock.json build/debian-full.oci
+  trainer image check --lock lockfiles/debian-full.lock.json --predict --record   # after a conf/ change
   trainer image sbom build/smoke.oci [--format cyclonedx]   # the SBOM attached to the image
   trainer image provenance build/smoke.oci [--statement]    # its SLSA provenance (a DSSE envelope when signed)
 """
@@ -55,6 +56,12 @@ def cmd_build(args: argparse.Namespace) -> int:
 
     from trainer.image.build import build_image
 
+    if not args.frozen:
+        from trainer.image.imagelock import load_lock, stale_inputs
+
+        stale = stale_inputs(load_lock(Path(args.lock)))
+        if stale:
+            raise UserError(stale)
     console = Console(stderr=True, highlight=False)
     result = build_image(Path(args.lock), Path(args.out), Cache(args.cache), Path(args.bundle_root),
                          Path(args.archive) if args.archive else None, _revision(args.revision), args.offline,
@@ -158,22 +165,30 @@ def cmd_check(args: argparse.Namespace) -> int:
     from trainer.publish import atomic_write
 
     lock = load_lock(Path(args.lock))
-    image = open_image(Path(args.image))
-    labels = (image.config.get("config") or {}).get("Labels") or {}
     expected_path = Path(args.expected)
     try:
         table = json.loads(expected_path.read_text()) if expected_path.exists() else {}
     except json.JSONDecodeError as ex:
         raise UserError(f"{expected_path}: not valid JSON ({ex})") from None
+    if args.predict:
+        return _check_predicted(args, lock, table, expected_path)
+    if args.image is None:
+        raise UserError("trainer image check: name the IMAGE to check (or pass --predict to check without one)")
+    image = open_image(Path(args.image))
+    labels = (image.config.get("config") or {}).get("Labels") or {}
     layers = [{"name": n, "diff_id": l.diff_id, "size": l.size} for n, l in zip(_layer_names(image), image.layers)]
     if args.record:
         if labels.get(LOCK_LABEL) != lock["_sha256"]:
             raise UserError(f"{args.image}: built from lock sha256 {labels.get(LOCK_LABEL)}, not {args.lock} ({lock['_sha256']})")
+        from trainer.image.build import layer_keys
+
         builds = (table.get(lock["name"]) or {}).get("builds")
+        keys = layer_keys(lock, Path(args.bundle_root))
         table[lock["name"]] = {"lock": Path(args.lock).name, "lock_sha256": lock["_sha256"],
                                "manifest_digest": image.manifest_digest, "config_digest": image.config_digest,
-                               "revision": labels.get("org.opencontainers.image.revision"), "layers": layers,
-                               **({"builds": builds} if builds else {})}
+                               "revision": labels.get("org.opencontainers.image.revision"),
+                               "layers": [{**layer, "key": keys.get(layer["name"], "")} for layer in layers],
+                               "recorded_by": "build", **({"builds": builds} if builds else {})}
         atomic_write(expected_path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode(), 0o644)
         print(f"recorded {image.manifest_digest} for {lock['name']} in {expected_path}")
         return 0
@@ -221,6 +236,35 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 1
 
 
+def _check_predicted(args: argparse.Namespace, lock: dict, table: dict, expected_path: Path) -> int:
+    """``trainer image check --predict``: the digests a build of the lock would give now, made without building
+    (:func:`trainer.image.build.predicted_record`), compared with the recorded ones (exit 0 same, 1 not) or,
+    with ``--record``, recorded in their place."""
+    from trainer.image.build import predicted_record
+    from trainer.publish import atomic_write
+
+    entry = table.get(lock["name"])
+    if entry is None or "manifest_digest" not in entry:
+        raise UserError(f"{expected_path}: no recorded build of lock {lock['name']!r} to predict from (build the "
+                        "image and record it with `trainer image check --lock LOCK IMAGE --record`)")
+    predicted = predicted_record(Path(args.lock), entry, Path(args.bundle_root))
+    if args.record:
+        table[lock["name"]] = predicted
+        atomic_write(expected_path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode(), 0o644)
+        print(f"recorded {predicted['manifest_digest']} for {lock['name']} in {expected_path} (predicted: bundle "
+              f"layer {predicted['layers'][-1]['diff_id']}, every other layer as built)")
+        return 0
+    same = predicted["manifest_digest"] == entry["manifest_digest"]
+    if args.json:
+        print(json.dumps({"ok": same, "predicted": predicted["manifest_digest"],
+                          "expected": entry["manifest_digest"]}, indent=2))
+    else:
+        print(f"ok: a build now gives {predicted['manifest_digest']}, the expected digest" if same else
+              f"different: a build now gives {predicted['manifest_digest']}, expected {entry['manifest_digest']} "
+              "(record the prediction with --record)")
+    return 0 if same else 1
+
+
 def cmd_smoke_source(args: argparse.Namespace) -> int:
     """``trainer image smoke-source DIR``: :func:`trainer.image.smoke.smoke_source`, printed as one JSON line."""
     from trainer.image.smoke import smoke_source
@@ -252,6 +296,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                    help="parallel jobs of build steps (BUILD_JOBS inside; not part of any cache key; default: the cores)")
     b.add_argument("--json", action="store_true", help="print digests and layers as JSON")
+    b.add_argument("--frozen", action="store_true",
+                   help="build the lock as it is even when its requirements file changed since it was resolved")
     b.add_argument("-q", "--quiet", action="store_true", help="no per-layer lines or progress bars")
     b.set_defaults(func=cmd_build)
     d = sub.add_parser("digest", help="print an image's manifest digest (last line: sha256:<hex>)")
@@ -273,10 +319,14 @@ def parser() -> argparse.ArgumentParser:
     v.add_argument("--statement", action="store_true", help="the in-toto statement even when it is signed (the DSSE payload)")
     v.set_defaults(func=cmd_provenance)
     c = sub.add_parser("check", help="compare an image with the expected digest recorded for its lock (exit 0 match, 1 not)")
-    c.add_argument("image", help="OCI layout directory or oci-archive")
+    c.add_argument("image", nargs="?", help="OCI layout directory or oci-archive (none with --predict)")
     c.add_argument("--lock", required=True, help="the lock the image was built from")
     c.add_argument("--expected", default=str(EXPECTED), help="expected digests (default lockfiles/expected-digests.json)")
     c.add_argument("--record", action="store_true", help="record this image's digests as the expected ones for the lock")
+    c.add_argument("--predict", action="store_true",
+                   help="no image: the digests a build would give now, from the recorded build and this checkout's "
+                        "conf/ (only the bundle layer may have changed); with --record, record them")
+    c.add_argument("--bundle-root", default=str(REPO_ROOT), help="directory whose conf/ goes into the bundle layer")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
     m = sub.add_parser("smoke-source", help="write the smoke lock's git source archive into DIR; print path, commit, "

@@ -28,8 +28,15 @@ writes it, ``trainer lock verify`` checks it offline. Format (``schema_version``
       "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
       "image": {"env": {...}, "entrypoint": [...], "cmd"?: [...], "working_dir": "...",
                 "labels": {"org.opencontainers.image.source": "...", ...}},
-      "stack": "lockfiles/stack.json"          # optional: the stack pins this lock must agree with
+      "stack": "lockfiles/stack.json",         # optional: the stack pins this lock must agree with
+      "resolved_from": {"requirements": "smoke.in", "sha256": "...",   # what `trainer lock resolve` read: the
+                        "python_version": "3.12", "python_platform": "x86_64-manylinux_2_28",   # requirements
+                        "index_url": "https://pypi.org/simple"}   # (path from the lock's folder) and its options
     }
+
+``resolved_from`` makes a lock know its inputs (as uv's ``--locked`` does): :func:`stale_inputs` says when the
+requirements file changed since the lock was resolved, and ``trainer lock verify``, ``trainer image build`` and
+``train`` refuse such a lock (``--frozen`` uses it as it is, on purpose).
 
 ``group`` puts a wheel or sdist into one of the Python layers, in this order: ``cuda-runtime``, ``torch``,
 ``te``, ``rest``. Layers, bottom to top: base, the Python groups (only those with entries), ``sources``
@@ -40,12 +47,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any, Dict, List
 
 from trainer.errors import UserError
-from trainer.inputs import decode, parse_json
+from trainer.inputs import decode, open_regular, parse_json, read_bytes, read_text
 
 SCHEMA_VERSION = 1
 KIND = "recipe-bundle.image-lock"
@@ -68,7 +76,7 @@ def load_lock(path: Path) -> Dict[str, Any]:
     """
     path = Path(path)
     try:
-        raw = path.read_bytes()
+        raw = read_bytes(path, "lock")  # a FIFO refused without blocking, 64 MiB at most
     except FileNotFoundError:
         raise UserError(f"{path}: lock not found") from None
     except IsADirectoryError:
@@ -227,6 +235,8 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
     from trainer.image.native import validate_builds
 
     validate_builds(lock, where)  # build_root and builds (trainer.image.buildroot, trainer.image.native)
+    if RESOLVED_FROM in lock:
+        _validate_resolved_from(lock, where)
 
 
 def public(lock: Dict[str, Any]) -> Dict[str, Any]:
@@ -287,3 +297,88 @@ def inputs_of(lock: Dict[str, Any], sources: bool = True) -> List[Dict[str, Any]
     for w in root.get("wheels", []):
         out.append({"label": f"wheel {w['filename']} (build root)", "sha256": w["sha256"], "url": w["url"], "size": None})
     return out
+
+
+RESOLVED_FROM = "resolved_from"
+RESOLVER_OPTIONS = ("python_version", "python_platform", "index_url")
+
+
+def resolved_from(requirements: Path, lock_path: Path, python_version: str, python_platform: str,
+                  index_url: str) -> Dict[str, str]:
+    """The ``resolved_from`` block of a lock written to ``lock_path`` by resolving ``requirements``: the
+    requirements file's path relative to the lock's folder (so a clone anywhere checks it), its sha256 and the
+    resolver's options. Raises ``OSError`` when the requirements file cannot be read."""
+    requirements, lock_dir = Path(requirements).absolute(), Path(lock_path).absolute().parent
+    return {"requirements": os.path.relpath(requirements, lock_dir),
+            "sha256": hashlib.sha256(requirements.read_bytes()).hexdigest(), "python_version": python_version,
+            "python_platform": python_platform, "index_url": index_url}
+
+
+def resolve_command(lock_path: Path, inputs: Dict[str, str]) -> str:
+    """The command that re-resolves the lock at ``lock_path`` from its ``resolved_from`` ``inputs``."""
+    requirements = Path(lock_path).parent / inputs["requirements"]
+    return (f"trainer lock resolve --requirements {os.path.normpath(requirements)} --template {lock_path} "
+            f"--out {lock_path} --python-version {inputs['python_version']} "
+            f"--python-platform {inputs['python_platform']}")
+
+
+def stale_inputs(lock: Dict[str, Any]) -> Any:
+    """Why the lock (as :func:`load_lock` returns it) no longer follows its inputs, as one line naming the
+    requirements file, both sha256s and the command that re-resolves it; None when it does, and None for a
+    lock that records no ``resolved_from`` (one written by hand: nothing to compare)."""
+    inputs = lock.get(RESOLVED_FROM)
+    if inputs is None:
+        return None
+    lock_path = Path(lock["_path"])
+    requirements = lock_path.parent / inputs["requirements"]
+    try:
+        have = hashlib.sha256(read_text(requirements, "requirements file").encode()).hexdigest()
+    except FileNotFoundError:
+        return (f"{lock_path}: resolved from {os.path.normpath(requirements)}, which is missing "
+                f"(restore it, or pass --frozen to use the lock as it is)")
+    if have == inputs["sha256"]:
+        return None
+    return (f"{lock_path}: {os.path.normpath(requirements)} changed since the lock was resolved (sha256 "
+            f"{have[:12]}, the lock's {inputs['sha256'][:12]}): re-resolve with `{resolve_command(lock_path, inputs)}`"
+            f", or pass --frozen to use the lock as it is")
+
+
+def _validate_resolved_from(lock: Dict[str, Any], where: str) -> None:
+    inputs = _need(lock, RESOLVED_FROM, dict, where)
+    w = f"{where}.{RESOLVED_FROM}"
+    rel = _need(inputs, "requirements", str, w)
+    if rel.startswith("/") or "\0" in rel:
+        raise UserError(f"{w}.requirements: expected a path relative to the lock's folder, got {rel!r}")
+    _sha(inputs, "sha256", w)
+    for key in RESOLVER_OPTIONS:
+        _need(inputs, key, str, w)
+
+
+# The first line of a requirements-format lock (lockfiles/launcher.lock, written by bin/lock-launcher): what it was
+# resolved from, so that it knows its inputs as an image lock's resolved_from does.
+REQUIREMENTS_HEADER = re.compile(r"^# resolved from (?P<requirements>\S+) sha256:(?P<sha256>[0-9a-f]{64})"
+                                 r" with: (?P<command>.+)$")
+
+
+def stale_requirements_lock(path: Path) -> Any:
+    """Why the requirements-format lock at ``path`` (pip's ``--require-hashes`` format, first line
+    :data:`REQUIREMENTS_HEADER`) no longer follows the requirements file it was resolved from, as one line with
+    the command that re-resolves it; None when it does. Raises :class:`UserError` for a lock without that first
+    line (it cannot be checked) and ``OSError`` when it cannot be read."""
+    path = Path(path)
+    with open_regular(path, "lock", None) as handle:  # a FIFO refused without blocking
+        first = handle.readline(4096).decode("utf-8", "replace").rstrip("\n")
+    header = REQUIREMENTS_HEADER.match(first)
+    if header is None:
+        raise UserError(f"{path}: line 1 does not say what the lock was resolved from (expected '# resolved from "
+                        f"FILE.in sha256:<hex> with: COMMAND'; re-resolve it with bin/lock-launcher)")
+    requirements = path.parent / header["requirements"]
+    try:
+        have = hashlib.sha256(read_text(requirements, "requirements file").encode()).hexdigest()
+    except FileNotFoundError:
+        return f"{path}: resolved from {os.path.normpath(requirements)}, which is missing"
+    if have == header["sha256"]:
+        return None
+    return (f"{path}: {os.path.normpath(requirements)} changed since the lock was resolved (sha256 {have[:12]}, "
+            f"the lock's {header['sha256'][:12]}): re-resolve with `{header['command']}`, or pass --frozen to use "
+            "the lock as it is")

@@ -31,6 +31,7 @@ from trainer.image import imagelock
 
 REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
+INDEX_URL = "https://pypi.org/simple"  # the only index a lock is resolved from (URLs then come from its JSON API)
 GROUP_RULES = (
     ("torch", re.compile(r"^(torch|triton)$")),
     ("te", re.compile(r"^transformer-engine")),
@@ -114,7 +115,7 @@ def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_6
     glibc = (int(target.group(1)), int(target.group(2))) if target else (9, 99)
     cmd = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--generate-hashes", "--no-header",
            "--python-version", python_version, "--python-platform", platform, "--index-url",
-           "https://pypi.org/simple", str(requirements)]
+           INDEX_URL, str(requirements)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["uv failed"])[-1]
@@ -145,11 +146,16 @@ def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_6
     return lock
 
 
-def verify(path: Path, stack_path: Path) -> Dict[str, Any]:
-    """Load and check the lock at ``path`` against ``stack_path``; return the lock. Raises :class:`UserError`."""
+def verify(path: Path, stack_path: Path, frozen: bool = False) -> Dict[str, Any]:
+    """Load and check the lock at ``path`` against ``stack_path`` and, unless ``frozen``, against the
+    requirements file it was resolved from (:func:`trainer.image.imagelock.stale_inputs`); return the lock.
+    Raises :class:`UserError`."""
     from trainer.compose.stackpins import load_stack_lock
 
     lock = imagelock.load_lock(path)
+    stale = None if frozen else imagelock.stale_inputs(lock)
+    if stale:
+        raise UserError(stale)
     stack_rel = lock.get("stack")
     if stack_rel:
         stack_path = REPO_ROOT / stack_rel if not Path(stack_rel).is_absolute() else Path(stack_rel)
@@ -167,6 +173,8 @@ def main(argv: List[str]) -> int:
     v.add_argument("lock")
     v.add_argument("--stack", default=str(REPO_ROOT / "lockfiles" / "stack.json"), help="stack pins (default lockfiles/stack.json)")
     v.add_argument("--json", action="store_true")
+    v.add_argument("--frozen", action="store_true",
+                   help="use the lock as it is even when its requirements file changed since it was resolved")
     r = sub.add_parser("resolve", help="network: resolve requirements with uv, URLs from PyPI, write a lock")
     r.add_argument("--requirements", default=str(REPO_ROOT / "lockfiles" / "full.in"))
     r.add_argument("--template", required=True, help="a lock whose non-Python fields (base, sources, image...) are kept")
@@ -194,19 +202,33 @@ def main(argv: List[str]) -> int:
         atomic_write(Path(args.lock), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
         print(f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, {len(lock['build_root']['wheels'])} wheels")
         return 0
+    if args.command == "verify" and not args.lock.endswith(".json"):  # a requirements-format lock (launcher.lock)
+        stale = None if args.frozen else imagelock.stale_requirements_lock(Path(args.lock))
+        if stale:
+            raise UserError(stale)
+        pins = sum(1 for line in Path(args.lock).read_text().splitlines() if REQ_LINE.match(line))
+        print(f"ok: {args.lock} ({pins} pinned packages; inputs: "
+              + ("not compared: --frozen)" if args.frozen else "as resolved)"))
+        return 0
     if args.command == "verify":
-        lock = verify(Path(args.lock), Path(args.stack))
+        lock = verify(Path(args.lock), Path(args.stack), frozen=args.frozen)
+        inputs = lock.get(imagelock.RESOLVED_FROM)
+        resolved = ("not recorded" if inputs is None else
+                    f"{inputs['requirements']} as resolved" + (" (not compared: --frozen)" if args.frozen else ""))
         summary = {"lock": args.lock, "sha256": lock["_sha256"], "wheels": len(lock.get("wheels", [])),
                    "sdists": len(lock.get("sdists", [])), "sources": len(lock.get("sources", [])),
-                   "base": lock["base"]["type"]}
+                   "base": lock["base"]["type"], "inputs": resolved}
         print(json.dumps(summary, indent=2) if args.json else
               f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, {summary['sources']} sources, "
-              f"base {summary['base']}) sha256:{lock['_sha256']}")
+              f"base {summary['base']}; inputs: {resolved}) sha256:{lock['_sha256']}")
         return 0
     template = json.loads(Path(args.template).read_text())
-    lock = resolve(Path(args.requirements), template, args.python_platform,
-                   args.python_version or template.get("python", {}).get("version", "3.12"))
+    python_version = args.python_version or template.get("python", {}).get("version", "3.12")
+    lock = resolve(Path(args.requirements), template, args.python_platform, python_version)
     lock["python"]["platform"] = args.python_platform
+    lock[imagelock.RESOLVED_FROM] = imagelock.resolved_from(Path(args.requirements), Path(args.out),
+                                                            python_version, args.python_platform,
+                                                            INDEX_URL)
     imagelock.validate_lock(lock, args.out)
     from trainer.publish import atomic_write
 
