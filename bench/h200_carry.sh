@@ -11,14 +11,35 @@
 # Then carry bench/.scratch/carry/cN, one device call each and back to back (a machine idle 30 s is given back,
 # losing /tmp), each call starting with `python3 bench/carry_parts.py stash DIR` (DIR = the carried folder as
 # the call's working tree holds it); once the `te` group is complete, `bash bench/h200_setup.sh te` (TE for the
-# machine's Python, its torch extension compiled there in about 100 s) and `bash bench/h200_setup.sh native`
-# (the image's TE extension, DeepEP and aws-ofi-nccl); once the `run` group is there, `bash bench/h200_setup.sh
-# install run` (enough for the proxy models), and with the `v4` group `bash bench/h200_setup.sh install v4`.
+# machine's Python, its torch extension compiled there in about 100 s) and `bash bench/native_h200.sh` (the
+# image's TE extension, DeepEP and aws-ofi-nccl, from the kit); once the `run` group is there, `bash
+# bench/h200_setup.sh install run` (enough for the proxy models), and with the `v4` group `bash bench/h200_setup.sh
+# install v4`; then `bash bench/h200_bench.sh RUN...`.
+# The kit is made from the debian-full image's built layers in the content-addressed cache: when the image's build
+# steps (transformer-engine-torch, deepep, aws-ofi-nccl) are not built there, this stops before any download with
+# one line naming them and the `trainer image build` that makes them (exit 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 megatron_git=${1:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
 miles_git=${2:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
 python=$(bin/python-env)
+steps="transformer-engine-torch deepep aws-ofi-nccl"
+build="bin/trainer image build --lock lockfiles/debian-full.lock.json --out build/debian-full.oci --jobs 2"
+# 0. The image's build outputs that step 3 packs must be built (cached layers of lockfiles/debian-full.lock.json)
+missing=$(STEPS="$steps" "$python" -c '
+import os
+from pathlib import Path
+from trainer.image.cas import Cache
+from trainer.image.imagelock import load_lock
+from trainer.image.native import step_keys
+keys = step_keys(load_lock(Path("lockfiles/debian-full.lock.json")))
+cache = Cache()
+missing = [s for s in os.environ["STEPS"].split() if cache.layer_record(keys[s]) is None]
+print(", ".join(missing) + f" (cache {cache.root})" if missing else "")')
+if [ -n "$missing" ]; then
+  echo "bench/h200_carry.sh: the debian-full image's build steps are not built: $missing; the kit needs the TE torch extension, DeepEP and aws-ofi-nccl: build them with $build" >&2
+  exit 1
+fi
 dl=bench/.scratch/dl
 carry=bench/.scratch/carry
 mkdir -p "$dl"
@@ -73,7 +94,12 @@ if [ ! -f "$dl/te-core.tar.xz" ] || [ "$dl/te-core.tar.xz" -ot "$dl/$te" ]; then
 fi
 
 # 3. The image's build outputs with the image's Python 3.11 (all from the content-addressed cache)
-"$python" bench/native_h200_kit.py --out "$stage/kit" --no-te-core --parts 1000 > /dev/null
+kit=$("$python" bench/native_h200_kit.py --out "$stage/kit" --no-te-core --parts 1000 | tail -n 1)
+STEPS="$steps" KIT="$kit" BUILD="$build" "$python" -c '
+import json, os, sys
+missing = [s for s in os.environ["STEPS"].split() if s not in json.loads(os.environ["KIT"])["built"]]
+if missing:
+    sys.exit(f"bench/h200_carry.sh: the kit lacks the build step(s) {chr(44).join(missing)}; build them with: " + os.environ["BUILD"])' || exit 1
 cat "$stage"/kit/part-00/kit.tar.xz.* > "$stage/kit.tar.xz" && rm -rf "$stage/kit"
 
 # 4. The locked sources (git archive of the pinned commits; the worker checks their git trees again there).

@@ -15,13 +15,18 @@ them by the second. It is timed four ways, interleaved:
 - ``cold``: the same with an empty cache directory per run (``TRAINER_COMPOSE_CACHE``): Hydra composes the job
   and the reference layout, and the entries are written;
 - ``tty``: the warm run on a pseudo-terminal, where the summary is drawn with rich;
+- ``bin_train`` and ``nix_run``: the front doors as a user types them, ``bin/train layout=tp2pp4ep8`` and
+  ``nix run ROOT#train -- layout=tp2pp4ep8`` (when ``nix`` is here), warm: these include finding the Python
+  environment (``bin/python-env``'s fast path) and, for ``nix run``, evaluating the flake. The goal: 2x the
+  baseline;
 - ``empty_app`` (for scale, not a goal): a ``@hydra.main`` app with a one-key config and an empty task,
   Hydra's own cost of composing, making the run directory and writing ``.hydra/``;
 - ``before`` (with ``--before DIR``): the plan of another checkout (e.g. ``git worktree add DIR REV``), so that
   a change is measured against its base in the same run.
 
-Prints a Markdown row for bench/RESULTS.md (date, machine, command, medians and ratios to the baseline) or
-JSON with --json.
+Prints a Markdown row for bench/RESULTS.md (date, machine, command, medians and ratios to the baseline) and a
+line with the front doors' ratios and their spread (the ratio of each run's time to the baseline's median:
+quartiles), or JSON with --json.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import json
 import os
 import platform
 import pty
+import shutil
 import statistics
 import subprocess
 import sys
@@ -110,17 +116,21 @@ def main() -> int:
                                     'version_base="1.3")\ndef main(cfg):\n    pass\n\n\nmain()\n')
         app_cmd = [sys.executable, str(app / "app.py")]
         timed(app_cmd + [f"hydra.run.dir={scratch}/app-warm"], cwd, env)
-        variants = {"plan": (env, False), "tty": (env, True)}
+        variants = {"plan": (plan_cmd, env, False), "tty": (plan_cmd, env, True),
+                    "bin_train": ([str(ROOT / "bin" / "train"), "layout=tp2pp4ep8"], env, False)}
+        if shutil.which("nix"):
+            variants["nix_run"] = (["nix", "run", f"{ROOT}#train", "--", "layout=tp2pp4ep8"], env, False)
         if args.before:
-            variants["before"] = (dict(env, PYTHONPATH=str(Path(args.before).absolute())), False)
-            times["before"] = []
-        for name, (variant_env, _) in variants.items():  # warm the page cache and the composition cache once
-            plan_run(plan_cmd, cwd, variant_env, last)
+            variants["before"] = (plan_cmd, dict(env, PYTHONPATH=str(Path(args.before).absolute())), False)
+        for name in variants:
+            times.setdefault(name, [])
+        for name, (cmd, variant_env, _) in variants.items():  # warm the page cache and the composition cache once
+            plan_run(cmd, cwd, variant_env, last)
         for i in range(args.repeats):
             times["baseline"].append(timed(baseline_cmd, cwd, env))
             times["empty_app"].append(timed(app_cmd + [f"hydra.run.dir={scratch}/app{i}"], cwd, env))
-            for name, (variant_env, tty) in variants.items():
-                times[name].append(plan_run(plan_cmd, cwd, variant_env, last, tty))
+            for name, (cmd, variant_env, tty) in variants.items():
+                times[name].append(plan_run(cmd, cwd, variant_env, last, tty))
             cold_env = dict(env, TRAINER_COMPOSE_CACHE=os.path.join(scratch, f"cold{i}"))
             times["cold"].append(plan_run(plan_cmd, cwd, cold_env, last))
     medians = {name: statistics.median(values) for name, values in times.items()}
@@ -130,6 +140,8 @@ def main() -> int:
         "repeats": args.repeats,
         **{f"{name}_median_s": round(value, 3) for name, value in medians.items()},
         **{f"{name}_ratio": round(value / medians["baseline"], 2) for name, value in medians.items() if name != "baseline"},
+        **{f"{name}_ratio_quartiles": spread(times[name], medians["baseline"]) for name in ("bin_train", "nix_run")
+           if name in times},
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -139,7 +151,21 @@ def main() -> int:
     before = f"{result['before_median_s']} s, {result['before_ratio']}x" if args.before else ""
     print(f"| {result['date']} | {result['machine']} | `{command}` | {result['baseline_median_s']} s | "
           + " | ".join(cells) + f" | {before} |")
+    doors = (("bin_train", "bin/train layout=tp2pp4ep8"), ("nix_run", "nix run .#train -- layout=tp2pp4ep8"))
+    for name, label in doors:
+        if name in times:
+            low, high = result[f"{name}_ratio_quartiles"]
+            print(f"front door `{label}`: {result[f'{name}_median_s']} s, {result[f'{name}_ratio']}x the baseline "
+                  f"(quartiles {low}x-{high}x; goal 2x)")
     return 0
+
+
+def spread(values: list[float], baseline: float) -> list[float]:
+    """The first and third quartiles of ``values`` (seconds) as ratios to ``baseline`` (seconds)."""
+    if len(values) < 2:
+        return [round(values[0] / baseline, 2)] * 2
+    q1, _, q3 = statistics.quantiles(values, n=4)
+    return [round(q1 / baseline, 2), round(q3 / baseline, 2)]
 
 
 if __name__ == "__main__":

@@ -16,6 +16,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 SUBDIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data",
            "XDG_STATE_HOME": "state"}
 
@@ -53,3 +55,52 @@ def _confine() -> Path:
 
 
 TEST_ROOT = _confine()
+
+
+
+@pytest.fixture
+def hydra_calls(monkeypatch):
+    """The override lists Hydra's own ``compose`` was called with (a cache hit makes no call)."""
+    from trainer.compose import compose as compose_module
+
+    calls = []
+    real = compose_module.compose
+    monkeypatch.setattr(compose_module, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))
+    return calls
+
+
+@pytest.fixture
+def compose_cache(tmp_path, monkeypatch):
+    """A composition-cache directory of the test's own, and a cache key of its own (``XDG_CONFIG_HOME`` under
+    ``tmp_path``)."""
+    from trainer.compose import cache as cache_module
+    from trainer.image import cas
+
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.setattr(cache_module, "_KEY", None)
+    monkeypatch.setattr(cas, "_PROCESS_KEY", None)
+    return tmp_path / "cache"
+
+
+class Result:
+    """What a command ended with: ``returncode``, ``stdout``, ``stderr`` (as ``subprocess.CompletedProcess``)."""
+
+    def __init__(self, returncode, stdout, stderr):
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def refused_train(monkeypatch, capsys):
+    """``train ARGS`` in this process for a command line that ends before a run starts (a refusal: fast)."""
+    from trainer import train
+
+    def call(args, cwd):
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["train", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            train.main()
+        out = capsys.readouterr()
+        return Result(exit_info.value.code, out.out, out.err)
+
+    return call

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -81,6 +82,73 @@ def run_train(args: Sequence[str], cwd: Path, timeout: float = 120,
         [sys.executable, "-m", "trainer.train", *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
     )
+
+
+@contextlib.contextmanager
+def bounded(seconds: int):
+    """Fail (instead of hanging the test run) when the block takes more than ``seconds``."""
+    import signal
+
+    def expired(*_):
+        raise TimeoutError(f"took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+_NAMESPACE: List[List[str]] = []
+
+
+def tmpfs_namespace() -> List[str]:
+    """The command prefix that makes a mount namespace in which a test may mount a small tmpfs (a real full disk):
+    ``unshare --user --map-root-user --mount``, or as root ``unshare --mount``; [] when neither works here."""
+    import tempfile
+
+    if not _NAMESPACE:
+        target = tempfile.mkdtemp(prefix="ns-probe-")
+        found: List[str] = []
+        try:
+            candidates = [["unshare", "--user", "--map-root-user", "--mount"]]
+            if os.geteuid() == 0:
+                candidates.append(["unshare", "--mount"])
+            for prefix in candidates:
+                try:
+                    probe = subprocess.run([*prefix, "sh", "-c", f"mount -t tmpfs -o size=16k tmpfs {target} && "
+                                            f"umount {target}"], capture_output=True, timeout=30)
+                except (OSError, subprocess.SubprocessError):
+                    continue
+                if probe.returncode == 0:
+                    found = prefix
+                    break
+        finally:
+            os.rmdir(target)
+        _NAMESPACE.append(found)
+    return _NAMESPACE[0]
+
+
+def needs_tmpfs(test):
+    """Skip ``test`` (naming why) where no mount namespace with a tmpfs can be made (:func:`tmpfs_namespace`)."""
+    import pytest
+
+    return pytest.mark.skipif(not tmpfs_namespace(), reason="no mount namespace can be made here (unshare --user "
+                              "--map-root-user --mount and, as root, unshare --mount both refused): no tmpfs to "
+                              "fill")(test)
+
+
+def assert_one_line(stderr: str, *expected: str, prefix: str = "train: error: ") -> str:
+    """The one line of ``stderr``, asserted: no traceback, exactly one line, starting with ``prefix`` and holding
+    each of ``expected`` (case-insensitive)."""
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix), stderr[-3000:]
+    for text in expected:
+        assert text.lower() in lines[0].lower(), (text, lines[0])
+    return lines[0]
 
 
 def tree_hash(path: Path) -> str:

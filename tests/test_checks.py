@@ -121,7 +121,7 @@ BAD = [
     (["experiment=proxy-h200", "layout=gpu8-tp2pp2ep4"], "launcher local-megatron: layout.sequence_parallel true"),
     (["experiment=smoke", "layout=gpu2-tp1pp1ep2"], "layout.expert_model_parallel_size 2: launcher local-cpu runs data parallel only"),
     # sweeps
-    (["layout=tp2pp4ep8,tp8pp8ep8"], "layout=tp2pp4ep8,tp8pp8ep8: a sweep needs multirun (-m)"),
+    (["layout=tp2pp4ep8,tp8pp8ep8"], "layout=tp2pp4ep8,tp8pp8ep8: a sweep needs multirun (-m, or hydra.mode=MULTIRUN)"),
     (["-m", "layout=tp2pp4ep8,gpu8-tp2pp2ep4"], "layout=gpu8-tp2pp2ep4: layout.pipeline_model_parallel_size 2"),
 ]
 

@@ -24,15 +24,6 @@ JOBS = [
 ]
 
 
-@pytest.fixture
-def hydra_calls(monkeypatch):
-    """The override lists Hydra's own ``compose`` was called with (a cache hit makes no call)."""
-    calls = []
-    real = compose_module.compose
-    monkeypatch.setattr(compose_module, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))
-    return calls
-
-
 def fingerprint(cfg):
     """What a composition is, for comparing two: its YAML (unresolved), its flags and its node types."""
     return (OmegaConf.to_yaml(cfg), OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg),
@@ -67,18 +58,23 @@ def test_a_cached_composition_is_the_composition_hydra_makes(tmp_path, monkeypat
 
 
 def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, monkeypatch, hydra_calls):
-    """Promise: an entry whose bytes do not match its hash, or that does not unpickle, is not used: Hydra composes
-    again and the entry is replaced by a good one."""
+    """Promise: an entry whose bytes do not match its MAC, or whose payload (under a right MAC) is not the JSON of
+    a composition, is not used: Hydra composes again and the entry is replaced by a good one."""
     root = tmp_path / "cache"
     monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
     with session() as composer:
         good = OmegaConf.to_yaml(composer.compose(["layout=tp8pp8ep8"]))
     (entry,) = entries(root)
     blob = entry.read_bytes()
+    key, payload = entry.name[:-len(cache_module.SUFFIX)], blob[len(cache_module.FORMAT):].partition(b"\n")[2]
+    secret = cache_module.mac_key()
+    assert blob == cache_module.FORMAT + cache_module.entry_mac(secret, key, payload) + b"\n" + payload
     damaged = {
         "payload flipped": blob[:-10] + bytes([blob[-10] ^ 1]) + blob[-9:],
-        "hash of other bytes": hashlib.sha256(b"x").hexdigest().encode() + b"\n" + blob.partition(b"\n")[2],
-        "not a pickle, hash right": hashlib.sha256(b"junk").hexdigest().encode() + b"\njunk",
+        "MAC of other bytes": cache_module.FORMAT + cache_module.entry_mac(secret, key, b"x") + b"\n" + payload,
+        "not JSON, MAC right": cache_module.FORMAT + cache_module.entry_mac(secret, key, b"junk") + b"\njunk",
+        "JSON, no composition, MAC right": cache_module.FORMAT + cache_module.entry_mac(secret, key, b"{}") + b"\n{}",
+        "sha256 header of format 3": hashlib.sha256(b"x").hexdigest().encode() + b"\n" + payload,
         "empty": b"",
     }
     for name, data in damaged.items():
@@ -228,15 +224,22 @@ def test_an_entry_renamed_to_another_key_is_not_read(tmp_path, monkeypatch, hydr
     assert len(hydra_calls) == 2
 
 
-def test_a_cache_directory_others_may_write_is_made_this_users_alone(tmp_path, monkeypatch, hydra_calls):
-    """Promise: this user's cache directory is made 0700 (and one owned by another account is not used: below)."""
+def test_a_cache_directory_others_may_write_is_not_used_nor_changed(tmp_path, monkeypatch, hydra_calls):
+    """Promise: a cache directory the cache makes is 0700; one that others may write (this user's own 0777) is not
+    used and never chmodded (and one owned by another account is not used either: below)."""
+    made = tmp_path / "made" / "cache"
+    monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(made))
+    with session() as composer:
+        composer.compose([])
+    assert made.stat().st_mode & 0o777 == 0o700 and len(entries(made)) == 1
     root = tmp_path / "cache"
     root.mkdir(mode=0o777)
     root.chmod(0o777)
     monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(root))
-    with session() as composer:
-        composer.compose([])
-    assert root.stat().st_mode & 0o777 == 0o700 and len(entries(root)) == 1
+    for _ in range(2):
+        with session() as composer:
+            composer.compose([])
+    assert root.stat().st_mode & 0o777 == 0o777 and entries(root) == [] and len(hydra_calls) == 3
 
 
 def test_a_cache_directory_another_account_owns_is_not_used(tmp_path, monkeypatch, hydra_calls):

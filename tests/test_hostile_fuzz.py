@@ -132,5 +132,34 @@ def test_redaction_removes_a_secret_in_every_form(secret, form):
     assert secret not in out and "<redacted>" in out, (text, out)
 
 
+# secret forms: a value with quotes, colons, brackets, $ and spaces, under a lower-, mixed- or upper-case secret name
+secret_form_values = st.text(alphabet=string.ascii_letters + string.digits + "'\":()@$ /=,\\", min_size=8,
+                             max_size=30).filter(lambda s: s.strip() == s and any(c.isalnum() for c in s))
+
+
+@BOUNDED
+@given(secret_form_values, st.sampled_from(["hf_token", "HfToken", "HF_TOKEN", "db_password", "X-Api-Key"]),
+       st.sampled_from(["+", "++", ""]))
+def test_a_learnt_secret_of_any_form_leaves_no_trace(secret, name, prefix):
+    """Promise: a secret-named override's value, whatever characters it holds, is replaced in Hydra's stored form,
+    YAML, JSON and the shell's quoting of it (the serialisations a run directory holds)."""
+    import shlex
+
+    import yaml
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from trainer.compose.commandline import quote_override_value
+
+    override = f"{prefix}env.{name}={quote_override_value(secret)}"
+    parsed = OverridesParser.create().parse_override(override)
+    assert parsed.value() == secret
+    redactor = Redactor().learn_overrides([override]).freeze()
+    for text in (f"{parsed.key_or_group}={parsed.get_value_element_as_str()}", yaml.safe_dump({name: secret}),
+                 json.dumps({name: secret}), json.dumps([secret], ensure_ascii=True), shlex.quote(secret),
+                 repr([override])):
+        out = redactor.scrub(text)
+        assert secret not in out and "<redacted>" in out, (text, out)
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

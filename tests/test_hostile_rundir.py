@@ -53,29 +53,6 @@ def test_a_learnt_secret_is_redacted_everywhere():
 # ------------------------------------------------------------------------------------------ helpers
 
 
-class Result:
-    def __init__(self, returncode, stdout, stderr):
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-@pytest.fixture
-def refused_train(monkeypatch, capsys):
-    """``train ARGS`` in this process for a command line that must be refused before Hydra runs (fast)."""
-    import sys
-
-    from trainer import train
-
-    def call(args, cwd):
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["train", *args])
-        with pytest.raises(SystemExit) as exit_info:
-            train.main()
-        out = capsys.readouterr()
-        return Result(exit_info.value.code, out.out, out.err)
-
-    return call
-
-
 def assert_refused(result, expected: str, watched: Path, before: str):
     assert result.returncode == 2, (result.returncode, result.stderr[-2000:])
     assert "Traceback" not in result.stderr + result.stdout

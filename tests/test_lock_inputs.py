@@ -12,7 +12,10 @@ import helpers
 
 import hashlib
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,6 +84,50 @@ def test_a_malformed_inputs_record_is_one_line(tmp_path, field, value, needle):
     data["resolved_from"][field] = value
     lock.write_text(json.dumps(data))
     one_line_refusal(trainer("lock", "verify", lock), needle)
+
+
+def test_the_launcher_lock_knows_its_requirements(tmp_path):
+    from trainer.errors import UserError
+    from trainer.image.imagelock import stale_requirements_lock
+
+    assert stale_requirements_lock(REPO_ROOT / "lockfiles" / "launcher.lock") is None
+    lock = tmp_path / "launcher.lock"
+    shutil.copy(REPO_ROOT / "lockfiles" / "launcher.lock", lock)
+    shutil.copy(REPO_ROOT / "lockfiles" / "launcher.in", tmp_path / "launcher.in")
+    assert stale_requirements_lock(lock) is None
+    with open(tmp_path / "launcher.in", "a") as handle:
+        handle.write("packaging==26.0\n")
+    stale = stale_requirements_lock(lock)
+    assert stale.startswith(f"{lock}: {tmp_path}/launcher.in changed since the lock was resolved")
+    assert "re-resolve with `bin/lock-launcher" in stale
+    verify = trainer("lock", "verify", lock)
+    one_line_refusal(verify, "launcher.in changed since the lock was resolved")
+    assert trainer("lock", "verify", "--frozen", lock).returncode == 0
+    lock.write_text("".join(lock.read_text().splitlines(keepends=True)[1:]))  # its first line removed
+    with pytest.raises(UserError, match="line 1 does not say what the lock was resolved from"):
+        stale_requirements_lock(lock)
+
+
+def test_train_refuses_a_launcher_lock_whose_requirements_changed(tmp_path):
+    """`train` (a plan) refuses a checkout whose lockfiles/launcher.in changed since launcher.lock was resolved,
+    naming the command that re-resolves it; `--frozen` plans with the lock as it is."""
+    root = tmp_path / "checkout"
+    for part in ("trainer", "conf", "lockfiles", "schema"):
+        shutil.copytree(REPO_ROOT / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    with open(root / "lockfiles" / "launcher.in", "a") as handle:
+        handle.write("packaging==26.0\n")
+    env = {**os.environ, "PYTHONPATH": str(root), "TRAINER_COMPOSE_CACHE": "off"}
+
+    def train(*args):
+        return subprocess.run([sys.executable, "-m", "trainer.train", *args], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    r = train(f"hydra.run.dir={tmp_path / 'run'}")
+    one_line_refusal(r, "launcher.in changed since the lock was resolved", "bin/lock-launcher",
+                     "pass --frozen to train")
+    assert not (tmp_path / "run").exists()
+    frozen = train("--frozen", f"hydra.run.dir={tmp_path / 'run'}")
+    assert frozen.returncode == 0, frozen.stderr
 
 
 def test_a_change_below_the_bundle_layer_is_not_predicted(tmp_path):

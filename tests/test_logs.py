@@ -270,11 +270,14 @@ def test_numpy_and_torch_number_reprs_are_numbers():
             "'train/where': device(type='cuda', index=0)}\n"
             + prefix + "step 1: {'train/loss': tensor(0.25), 'train/grad_norm': np.float64(nan), 'train/step': np.int64(1)}\n"
             + prefix + "perf 0: {'perf/actor_train_time': np.float64(2.5)}\n"
-            + prefix + "perf 1: {'perf/actor_train_time': np.float64(-inf)}\n")
+            + prefix + "perf 1: {'perf/actor_train_time': np.float64(3.5)}\n")
     steps = parse_log(text, "np.log")
     assert [s.lm_loss for s in steps] == [0.5, 0.25]
     assert steps[0].grad_norm == 1.25 and math.isnan(steps[1].grad_norm)
-    assert steps[0].lr == pytest.approx(1e-05) and steps[0].step_time_s == 2.5 and steps[1].step_time_s == -math.inf
+    assert steps[0].lr == pytest.approx(1e-05) and steps[0].step_time_s == 2.5 and steps[1].step_time_s == 3.5
+    # a time report would refuse (-inf s) is refused here, naming the line (before: written, then report refused it)
+    with pytest.raises(UserError, match=r"^np.log line 4: step time -inf s, expected a positive finite number"):
+        parse_log(text.replace("np.float64(3.5)", "np.float64(-inf)"), "np.log")
     # an unreadable value is an error only where it is read, naming the line and key
     with pytest.raises(UserError, match=r"np.log line 1: train/loss is device\(type='cuda'\), not a number"):
         parse_log(prefix + "step 0: {'train/loss': device(type='cuda')}", "np.log")

@@ -2,7 +2,9 @@
 
 Each module in :data:`COMMANDS` exposes ``main(argv: list[str]) -> int``; it is imported only when its
 subcommand runs, so ``trainer data ...`` does not pay for ``trainer image``'s imports. A
-:class:`~trainer.errors.UserError` raised by a subcommand becomes one line on stderr and its exit code.
+:class:`~trainer.errors.UserError` raised by a subcommand becomes one line on stderr and its exit code; so does an
+``OSError`` (``FILE: no space left on device``, ``FILE: file name too long``, exit 2:
+:func:`trainer.errors.os_error_line`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import signal
 import sys
 from typing import Dict, List, Optional, Tuple
 
-from trainer.errors import UserError
+from trainer.errors import UserError, os_error_line
 
 # subcommand -> (module, one-line help)
 COMMANDS: Dict[str, Tuple[str, str]] = {
@@ -81,9 +83,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # so that the interpreter's final flush does not fail again
         return 141
-    except OSError as err:  # a path the user gave that cannot be read or written
-        where = f"{err.filename}: " if err.filename else ""
-        print(f"trainer {name}: error: {where}{err.strerror or err}", file=sys.stderr)
+    except OSError as err:  # a path the user gave that cannot be read or written, a full disk, a name too long
+        print(f"trainer {name}: error: {os_error_line(err)}", file=sys.stderr)
         return 2
     except Terminated:
         print(f"trainer {name}: terminated (temporary files removed)", file=sys.stderr)

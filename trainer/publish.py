@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import os
 import shutil
 import tempfile
@@ -44,23 +45,79 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _named(err: OSError, path: Path) -> OSError:
+    """``err`` as raised by an operation of :func:`atomic_file` on the temporary sibling of ``path``: an
+    ``OSError`` of the same errno (so of the same type) with ``filename`` ``path``; one already named so (by an
+    inner :func:`atomic_file`) or without an errno is returned as it is."""
+    if err.errno is None or getattr(err, "_atomic_named", False):
+        return err
+    named = OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
+    named._atomic_named = True  # an atomic_file nested in another names the inner file
+    return named
+
+
+class _Handle(io.BufferedWriter):
+    """The handle :func:`atomic_file` yields: a buffered writer of the temporary file whose ``write`` and
+    ``flush`` (and so ``writelines`` and ``close``) raise their ``OSError`` named after the target
+    (:func:`_named`): the only errors of the caller's code that are the target's."""
+
+    target: Path
+
+    def write(self, data) -> int:  # type: ignore[override]
+        try:
+            return super().write(data)
+        except OSError as err:
+            raise _named(err, self.target) from None
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as err:
+            raise _named(err, self.target) from None
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path, mode: int = 0o666, umask_applies: bool = True,
                 prefix: Optional[str] = None) -> Iterator[BinaryIO]:
     """A binary handle on a temporary sibling of ``path`` (name ``prefix`` + random, default ``.NAME.``); on a
     clean exit it is flushed, fsynced, given ``mode`` (less the process umask unless ``umask_applies`` is false)
-    and renamed onto ``path``; on an exception it is removed and ``path`` is left as it was."""
+    and renamed onto ``path``; on an exception it is removed and ``path`` is left as it was.
+
+    An ``OSError`` of the write itself (``ENOSPC``, ``EDQUOT``, ``EROFS``, ``ENAMETOOLONG``, ...: raised by making
+    the temporary file, which has no name the user knows, by its ``fchmod``, by a write to or flush of the handle,
+    which name none, by the ``fsync`` or the rename) is raised with ``filename`` set to ``path``, so that its one
+    line (:func:`trainer.errors.os_error_line`) names the file that could not be written; its type (by errno) is
+    kept. Any other error raised by the caller's code in the ``with`` body (reading its input, writing another
+    file) is raised unchanged: it is not the target's. Making the parent directory raises as ``mkdir`` does (its
+    ``filename`` is the directory)."""
     path = Path(path)
+    prefix = prefix or f".{path.name}."
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=prefix or f".{path.name}.", dir=path.parent)
-    mask = umask() if umask_applies else 0
     try:
-        os.fchmod(fd, mode & ~mask)
-        with os.fdopen(fd, "wb") as handle:
+        fd, tmp = tempfile.mkstemp(prefix=prefix, dir=path.parent)
+    except OSError as err:
+        raise _named(err, path) from None
+    try:
+        mask = umask() if umask_applies else 0
+        try:
+            os.fchmod(fd, mode & ~mask)
+            raw = io.FileIO(fd, "wb", closefd=True)
+        except OSError as err:
+            os.close(fd)
+            raise _named(err, path) from None
+        handle = _Handle(raw)
+        handle.target = path
+        with handle:
             yield handle
             handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+            try:
+                os.fsync(handle.fileno())
+            except OSError as err:
+                raise _named(err, path) from None
+        try:
+            os.replace(tmp, path)
+        except OSError as err:
+            raise _named(err, path) from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

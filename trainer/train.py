@@ -13,41 +13,84 @@ Usage (Hydra overrides; ``--help`` lists the groups)::
    run attested (``--sign-key KEY``).
 
 Exit codes: 0 ok, 2 refused input (one line on stderr), 1 an executed run that did not complete, 130 interrupted.
+
+Everything ``train`` and Hydra print goes through one redactor (:func:`trainer.redact.redacted_streams`): the
+secrets of the command line as Hydra reads it and of this process's environment, then of each job's environment
+block, and the rule's patterns; an error line is also scrubbed of the values, however short, of the overrides
+that set secret-named keys (:func:`error_line`). A run directory holding a symbolic link is refused
+(:func:`refuse_links`): Hydra would write the overrides through it, past the redaction of the directory.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from trainer import launch
+from trainer import launch, runlog
 from trainer.compose import commandline, schema
 from trainer.compose.compose import CONF_DIR
-from trainer.compose.prepare import PreparedRun, prepare
-from trainer.errors import UserError
-from trainer.record.attest import take_sign_key
+from trainer.compose.prepare import FROZEN, PreparedRun, prepare
+from trainer.errors import STORAGE_ERRNOS, UserError, os_error_line, place_error
+from trainer.record.attest import ATTESTATION, take_sign_key
 from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, INTERRUPTED, PLANNED, RUNNING, VERBATIM,
                                    RunDir, claim_run_dir, others_in)
-from trainer.redact import Redactor, guard, scrub_file, sweep
+from trainer.redact import Redactor, guard, redacted_streams, scrub_file, sweep
 
 SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
 RUN_DIR_MODE = "new"  # how a run directory that already holds a run is treated: new, resume, overwrite
 COMMAND_LINE: List[str] = []  # the overrides as typed (a multirun's sweeps unexpanded)
+STREAMS = Redactor()  # what stdout and stderr pass through (taught the command line's and each job's secrets)
+ERRORS: Optional[Redactor] = None  # what an error line passes through: also the short values of secret overrides
+
+
+def error_line(err: object) -> str:
+    """``train: error: ERR`` with the secrets of the command line replaced (:data:`ERRORS`)."""
+    text = f"train: error: {err}"
+    return (ERRORS or STREAMS).scrub(text)
+
+
+def teach_command_line(argv: List[str]) -> None:
+    """:data:`STREAMS` and :data:`ERRORS` taught the secrets of ``argv`` (as Hydra reads each override) and of
+    this process's environment; both frozen."""
+    global ERRORS, STREAMS
+    inherited = Redactor().learn_env(os.environ)
+    STREAMS = Redactor().learn_overrides(argv).teach(inherited).freeze()
+    ERRORS = Redactor(short=1).learn_overrides(argv).teach(inherited).freeze()
 
 
 def main() -> None:
-    """Console entry point: prepare every job, claim the run directory, then run. Exit 2 with one line on bad
-    input."""
+    """Console entry point: :func:`run_main` with stdout and stderr redacted (:data:`STREAMS`)."""
+    prog = os.environ.pop("TRAINER_PROG", "")
+    if prog:  # bin/train: the name Hydra's shell completion binds and prints (`eval "$(bin/train -sc install=bash)"`)
+        sys.argv[0] = prog
+        import hydra._internal.utils as hydra_utils
+
+        hydra_utils._get_exec_command = lambda: prog  # Hydra would print only the name: `train`, not `bin/train`
+    runlog.hold()
+    teach_command_line(sys.argv[1:])
+    runlog.redact_with(STREAMS)
+    with redacted_streams(STREAMS):
+        run_main()
+
+
+REPORTED: set = set()  # the lines of full-disk errors already printed (out_of_room): not printed twice
+
+
+def run_main() -> None:
+    """Prepare every job, claim the run directory, then run. Exit 2 with one line on bad input."""
     global COMMAND_LINE, RUN_DIR_MODE, SIGNER
     flags = {"--resume": "resume", "--overwrite": "overwrite"}
     modes = [flags[a] for a in sys.argv[1:] if a in flags]
-    sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in flags)]
+    if "--frozen" in sys.argv[1:]:  # lockfiles/launcher.lock as it is, even when launcher.in changed since
+        os.environ[FROZEN] = "1"
+    sys.argv = [sys.argv[0], *(a for a in sys.argv[1:] if a not in flags and a != "--frozen")]
     if len(set(modes)) > 1:
         print("train: error: --resume and --overwrite exclude each other", file=sys.stderr)
         sys.exit(2)
@@ -57,14 +100,18 @@ def main() -> None:
         COMMAND_LINE = list(argv)
         single = prepare_command_line(argv)
         sys.argv[1:] = argv  # the run directory's override made literal: what Hydra reads (a multirun, --cfg, ...)
-    except UserError as err:
-        print(f"train: error: {err}", file=sys.stderr)
+    except (UserError, OSError) as err:  # an OSError of a path given (a name too long, a key not readable)
+        err = place_error(err) or err if isinstance(err, OSError) else err
+        if not isinstance(err, UserError):
+            raise err
+        print(error_line(err), file=sys.stderr)
         sys.exit(err.exit_code)
     if single is None:
         schema.register()  # @hydra.main composes itself (a composition from the cache needs no ConfigStore)
         run()
     else:
-        commandline.hydra_run(*single, task=lambda prepared, run_dir: guarded(prepared, Path(run_dir)))
+        commandline.hydra_run(*single, task=lambda prepared, run_dir: guarded(prepared, Path(run_dir)),
+                              unfinished=scrub_unfinished)
 
 
 def prepare_command_line(argv: List[str]):
@@ -81,8 +128,23 @@ def prepare_command_line(argv: List[str]):
             jobs = list(commandline.PREPARED.values())
             composition = jobs[0].record_fields()["composition_sha256"] if len(jobs) == 1 else None
         claim_run_dir(named[1], RUN_DIR_MODE, named[0], composition=composition)
+        refuse_links(Path(named[1]))
     argv[:] = literal
     return single
+
+
+def refuse_links(directory: Path) -> None:
+    """Raise :class:`UserError` naming the first symbolic link under ``directory`` (not followed), in every mode: a
+    run there would have Hydra write ``.hydra/`` or ``train.log`` through it, over a file elsewhere and outside
+    what is redacted and attested (``--overwrite`` has removed a run's own links by now)."""
+    if directory.is_symlink() or not directory.is_dir():
+        return
+    for root, dirs, files in os.walk(directory):
+        for name in sorted(dirs + files):
+            path = Path(root) / name
+            if path.is_symlink():
+                raise UserError(f"{path}: a symbolic link in the run directory; train writes Hydra's files "
+                                "(.hydra/, train.log) only into a directory without links: remove it")
 
 
 def run_one(prepared: PreparedRun, run_dir: Path) -> None:
@@ -100,16 +162,22 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
     try:
         record = launch.execute(prepared, rundir, record)
     except UserError as err:
-        fail(rundir, record, FAILED, str(err), f"train: error: {err}", err.exit_code)
+        fail(rundir, record, FAILED, str(err), error_line(err), err.exit_code)
     except KeyboardInterrupt:
         fail(rundir, record, INTERRUPTED, "interrupted by a signal", f"train: interrupted ({run_dir})", 130)
     except Exception as err:  # noqa: BLE001 - the record must say how the run ended, whatever ended it
-        reason = f"{type(err).__name__}: {' '.join(str(err).split())}"
+        reason = (os_error_line(err) if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS  # a full disk
+                  else f"{type(err).__name__}: {' '.join(str(err).split())}")
         fail(rundir, record, FAILED, f"launcher {prepared.launcher} raised {reason}",
-             f"train: error: launcher {prepared.launcher} failed: {reason} ({run_dir})", 1)
+             error_line(f"launcher {prepared.launcher} failed: {reason} ({run_dir})"), 1)
     message = record.pop("message", None)
     handed_off = record["status"] in HANDED_OFF
-    record = rundir.finish(record, SIGNER)
+    # the log's last line goes in before the run is sealed (train.log is one of the files its record hashes)
+    runlog.info(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else ""))
+    try:
+        record = rundir.finish(record, SIGNER)
+    except OSError as err:  # the disk filled during the run: the record says so where it can (exit 1)
+        out_of_room(rundir, record, err)
     print(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "")
           + f" ({run_dir})")
     if not handed_off and record["status"] != COMPLETE:
@@ -119,9 +187,28 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
 def fail(rundir: RunDir, record: dict, status: str, reason: str, line: str, code: int) -> None:
     """End ``record`` ``status`` (``reason``) after a launch that raised, unless the launcher had ended it already;
     attest and save it, print ``line`` on stderr and exit with ``code``."""
-    rundir.seal(record if record["status"] in FINAL else rundir.end(record, status, reason), SIGNER)
+    runlog.log.error(line)  # before the seal: train.log is one of the files the record hashes
+    try:
+        rundir.seal(record if record["status"] in FINAL else rundir.end(record, status, reason), SIGNER)
+    except OSError as err:
+        out_of_room(rundir, record, err)
     print(line, file=sys.stderr)
     sys.exit(code)
+
+
+def out_of_room(rundir: RunDir, record: dict, err: OSError) -> None:
+    """After a write of a run's end stopped on the place (``err``: a full disk, a quota, a read-only mount;
+    any other error is raised again): the run recorded failed with the reason where there is room
+    (:meth:`~trainer.record.rundir.RunDir.record_out_of_room`), one line on stderr saying what the record says,
+    exit 1."""
+    if err.errno not in STORAGE_ERRNOS:
+        raise err
+    REPORTED.add(os_error_line(err))
+    saved = rundir.record_out_of_room(record, err)
+    print(f"train: error: run {record.get('status')}: {record.get('reason') or os_error_line(err)} ({rundir.path}); "
+          + ("its record says so, not attested" if saved else "record.json could not be updated: `trainer status` "
+             "reports the run interrupted once this process has ended"), file=sys.stderr)
+    sys.exit(1)
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")  # absolute: `trainer train` too
@@ -135,17 +222,23 @@ def run(cfg: DictConfig) -> None:
         try:
             prepared = prepare(overrides)
         except UserError as err:
-            print(f"train: error: {err}", file=sys.stderr)
+            print(error_line(err), file=sys.stderr)
             sys.exit(err.exit_code)
     if hydra_cfg.mode == RunMode.MULTIRUN:  # Hydra's record of the sweep, written before the first job
         scrub_file(Path(hydra_cfg.sweep.dir) / "multirun.yaml", sweep_redactor())
-    guarded(prepared, Path(hydra_cfg.runtime.output_dir))
+    try:
+        guarded(prepared, Path(hydra_cfg.runtime.output_dir))
+    except OSError as err:  # a full disk, a name too long: one line (Hydra's own writes of a sweep excepted)
+        if place_error(err) is None:
+            raise
+        print(f"train: error: {place_error(err)}", file=sys.stderr)
+        sys.exit(2)
 
 
 def sweep_redactor() -> Redactor:
     """A redactor that knows the secrets of every job of the command line: the overrides as typed (a sweep
     ``+env.HF_TOKEN=a,b`` whole) and as each prepared job got them, and each job's environment block; frozen."""
-    redactor = Redactor().learn_overrides(COMMAND_LINE)
+    redactor = Redactor().learn_overrides(COMMAND_LINE).learn_env(os.environ)
     for job in commandline.PREPARED.values():
         learn_secrets(redactor, job)
     return redactor.freeze()
@@ -157,6 +250,16 @@ def learn_secrets(redactor: Redactor, prepared: PreparedRun) -> Redactor:
     return redactor.learn_overrides(list(prepared.overrides)).learn_env(env)
 
 
+def scrub_unfinished(prepared: PreparedRun, run_dir: str) -> None:
+    """Pass what Hydra wrote into ``run_dir`` before it failed (a full disk while writing ``.hydra/``) through the
+    job's redactor, as :func:`guarded` would have after the run; a sweep that fails too is said in one line."""
+    redactor = learn_secrets(Redactor(), prepared).learn_env(os.environ).freeze()
+    try:
+        sweep(Path(run_dir), redactor, VERBATIM)
+    except OSError as err:
+        print(f"train: error: {os_error_line(err)} (not swept of secrets)", file=sys.stderr)
+
+
 def guarded(prepared: PreparedRun, run_dir: Path) -> None:
     """:func:`run_one` in a run directory whose every file is scrubbed of the run's secrets (those of the
     overrides and of the environment block), Hydra's own files included. Refuses (exit 2) a directory Hydra chose
@@ -166,13 +269,28 @@ def guarded(prepared: PreparedRun, run_dir: Path) -> None:
         print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
               file=sys.stderr)
         sys.exit(2)
-    redactor = learn_secrets(Redactor(), prepared).freeze()
+    runlog.release()  # Hydra has opened the job's log (train.log): what was decided before goes in first
+    runlog.info(f"run directory {run_dir}: overrides {' '.join(prepared.overrides) or '(none)'}; "
+                f"launcher {prepared.launcher}")
+    redactor = learn_secrets(Redactor(), prepared).learn_env(os.environ).freeze()
+    STREAMS.teach(redactor)
+    if ERRORS is not None:
+        ERRORS.teach(redactor)
     guard(run_dir, redactor)
     try:
+        sweep(run_dir, redactor, (*VERBATIM, ATTESTATION))  # Hydra's .hydra/ now, not only once the run ended
         run_one(prepared, run_dir)
     finally:
-        if sweep(run_dir, redactor, VERBATIM):  # a late rewrite: the record's hashes and the attestation follow it
-            RunDir(run_dir).reseal(SIGNER)
+        ending = sys.exc_info()[1]
+        try:
+            # a late rewrite: the record's hashes and the attestation follow it (scrubbed before it was signed)
+            if sweep(run_dir, redactor, (*VERBATIM, ATTESTATION)):
+                RunDir(run_dir).reseal(SIGNER)
+        except OSError as err:  # a full disk as the run ended (out_of_room): the error in flight and its code stand
+            if err.errno not in STORAGE_ERRNOS or ending is None:
+                raise
+            if os_error_line(err) not in REPORTED:
+                print(f"train: error: {os_error_line(err)} (not swept of secrets)", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 
 from trainer.errors import CheckError
 from trainer.compose.schema import TrainConfig
+from trainer.redact import redact_field
 
 
 @dataclass(frozen=True)
@@ -209,7 +210,7 @@ def check(cfg: TrainConfig) -> Parallelism:
             f"layout.tensor_model_parallel_size {tp} > 1 needs sequence parallel in Megatron"
         )
     if lay.recompute_granularity not in (None, "full", "selective"):
-        raise CheckError(f"layout.recompute_granularity must be full, selective or null (got {lay.recompute_granularity})")
+        raise CheckError(f"layout.recompute_granularity must be full, selective or null (got {redact_field('recompute_granularity', lay.recompute_granularity)})")
     if lay.recompute_granularity == "full":
         if lay.recompute_method not in ("uniform", "block"):
             raise CheckError(
@@ -224,7 +225,7 @@ def check(cfg: TrainConfig) -> Parallelism:
             f"layout.moe_token_dispatcher_type must be allgather, alltoall or flex (got {lay.moe_token_dispatcher_type})"
         )
     if lay.qkv_format not in ("bshd", "thd"):
-        raise CheckError(f"layout.qkv_format must be bshd or thd (got {lay.qkv_format})")
+        raise CheckError(f"layout.qkv_format must be bshd or thd (got {redact_field('qkv_format', lay.qkv_format)})")
 
     per_step = lay.micro_batch_size * dp
     if optim.global_batch_size < 1 or optim.global_batch_size % per_step:
@@ -250,7 +251,7 @@ def check(cfg: TrainConfig) -> Parallelism:
     if not 0.0 <= optim.lr_warmup_fraction <= 1.0:
         raise CheckError(f"optim.lr_warmup_fraction must be in [0, 1] (got {optim.lr_warmup_fraction})")
     if optim.lr_decay_style not in LR_DECAY_STYLES:
-        raise CheckError(f"optim.lr_decay_style {optim.lr_decay_style!r}: expected one of {', '.join(LR_DECAY_STYLES)} "
+        raise CheckError(f"optim.lr_decay_style {redact_field('lr_decay_style', optim.lr_decay_style)!r}: expected one of {', '.join(LR_DECAY_STYLES)} "
                          "(the styles the workers' learning-rate schedule follows)")
     if optim.min_lr > optim.lr:
         raise CheckError(f"optim.min_lr {optim.min_lr} > optim.lr {optim.lr}")

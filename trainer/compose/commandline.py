@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import pickle
 import re
+import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.compose.compose import describe_error, expand_sweep, session
+from trainer.compose.compose import describe_error, expand_sweep, session, uses_glob
 from trainer.compose.prepare import PreparedRun, prepare
-from trainer.errors import UserError
-from trainer.redact import redact_argv
+from trainer.errors import PLACE_ERRNOS, UserError, os_error_line
+from trainer.redact import redact_argv, redact_error, redact_value
 
 # The jobs of the command line, prepared before any runs: their task overrides -> PreparedRun.
 PREPARED: Dict[Tuple[str, ...], PreparedRun] = {}
@@ -54,11 +55,20 @@ def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, Prepa
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
         return None, None, list(argv)
-    jobs = expand_sweep(args.overrides)
-    if len(jobs) > 1 and not args.multirun:
-        raise UserError(f"{' '.join(args.overrides)}: a sweep needs multirun (-m)")
+    sweeper = [o for o in args.overrides if _override_key(o).startswith("hydra.sweeper.params")]
+    if sweeper:
+        raise UserError(f"{redact_argv(sweeper)[0]}: sweeper parameters are not read by train; write the sweep on "
+                        "the command line (-m layout=a,b)")
     modes = [o.partition("=")[2] for o in args.overrides if o.lstrip("+").startswith("hydra.mode=")]
     multirun = bool(args.multirun or (modes and modes[-1] == "MULTIRUN"))
+    if uses_glob(args.overrides):  # glob(tp*) lists the layout group's options: Hydra's config loader does
+        with session() as lister:
+            lister._initialise()
+            jobs = expand_sweep(args.overrides, lister.config_loader)
+    else:
+        jobs = expand_sweep(args.overrides)
+    if len(jobs) > 1 and not multirun:
+        raise UserError(f"{' '.join(redact_argv(args.overrides))}: a sweep needs multirun (-m, or hydra.mode=MULTIRUN)")
     plain = not args.multirun and not (args.config_path or args.config_name or args.config_dir
                                        or args.experimental_rerun or modes)
     field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
@@ -72,7 +82,8 @@ def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, Prepa
                 prepared = prepare(job, composer, full)
                 PREPARED[prepared.overrides] = prepared
             except UserError as err:
-                raise UserError(f"{' '.join(job) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)) from None
+                message = f"{' '.join(redact_argv(job)) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)
+                raise UserError(redact_error(message, [*args.overrides, *job])) from None
             single = (full, composer.config_loader, prepared) if plain else None
         if given:
             if any(_is_sweep(o) for o in given):
@@ -128,14 +139,14 @@ def resolve_run_dir(composed: DictConfig, field: str, override: str) -> Tuple[st
         instance.set_config(probe)
         value = OmegaConf.select(probe, field, throw_on_resolution_failure=True)
     except (OmegaConfBaseException, ValueError, KeyError, TypeError) as ex:
-        raise UserError(f"{shown}: {field} cannot be resolved ({describe_error(ex)})") from None
+        raise UserError(f"{shown}: {field} cannot be resolved ({redact_error(describe_error(ex), [override])})") from None
     finally:
         instance.cfg = before
     if value is None:
         raise UserError(f"{shown}: {field} resolves to null (a run needs its own directory)")
     value = str(value)
     if "${" in value:
-        raise UserError(f"{shown}: {field} resolves to {value!r}, which holds an interpolation again")
+        raise UserError(f"{shown}: {field} resolves to {redact_value(value)!r}, which holds an interpolation again")
     return raw, value
 
 
@@ -168,7 +179,7 @@ def _literal(override: str, field: str, literal: str) -> str:
     except HydraException:
         same = False
     if not same:
-        raise UserError(f"{field}: resolves to {literal!r}, which a Hydra override cannot carry; "
+        raise UserError(f"{field}: resolves to {redact_value(literal)!r}, which a Hydra override cannot carry; "
                         "name the directory without an interpolation")
     return new
 
@@ -185,27 +196,52 @@ def literal_composition(composed: DictConfig, field: str, literal: str) -> None:
 
 
 def hydra_run(composed: DictConfig, config_loader: Any, prepared: PreparedRun,
-              task: Callable[[PreparedRun, str], None]) -> None:
+              task: Callable[[PreparedRun, str], None],
+              unfinished: Optional[Callable[[PreparedRun, str], None]] = None) -> None:
     """Run the single job ``prepared`` from its composition ``composed`` (with the ``hydra`` node) the way
     ``@hydra.main`` runs a job: Hydra makes the run directory and writes ``.hydra/`` and ``train.log``
-    (``hydra.core.utils.run_job``), then ``task(prepared, run_dir)`` runs in it. An unexpected error is reported
-    as ``@hydra.main`` reports it (``HYDRA_FULL_ERROR=1``: all of it)."""
+    (``hydra.core.utils.run_job``), then ``task(prepared, run_dir)`` runs in it. An ``OSError`` of the place
+    (:data:`trainer.errors.PLACE_ERRNOS`: a full disk, a quota, a read-only mount, a name too long), Hydra's own
+    writes of ``.hydra/`` included, is one line naming the file (``train: error: DIR/config.yaml: no space left on
+    device``) and exit 2; when that happened before ``task`` began (in Hydra's writes),
+    ``unfinished(prepared, run_dir)`` is called first (``train`` scrubs what Hydra wrote of the overrides). Any
+    other unexpected error is reported as ``@hydra.main`` reports it
+    (``HYDRA_FULL_ERROR=1``: all of it)."""
     from hydra._internal.callbacks import Callbacks
     from hydra._internal.utils import run_and_report
     from hydra.core.hydra_config import HydraConfig
     from hydra.core.utils import configure_log, run_job
     from hydra.types import HydraContext, RunMode
 
+    started = []  # the task began: an error naming no file is then not one of Hydra's writes of .hydra/
+
+    def job(_cfg: DictConfig) -> None:
+        started.append(True)
+        task(prepared, HydraConfig.get().runtime.output_dir)
+
     def run() -> None:  # what Hydra.run does with a composition
         composed.hydra.mode = RunMode.RUN
         configure_log(composed.hydra.hydra_logging, composed.hydra.verbose)
         callbacks = Callbacks(composed)
         callbacks.on_run_start(config=composed, config_name="train")
-        ret = run_job(
-            hydra_context=HydraContext(config_loader=config_loader, callbacks=callbacks),
-            task_function=lambda _cfg: task(prepared, HydraConfig.get().runtime.output_dir),
-            config=composed, job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
-        callbacks.on_run_end(config=composed, config_name="train", job_return=ret)
-        _ = ret.return_value  # raises what the job raised
+        try:
+            ret = run_job(
+                hydra_context=HydraContext(config_loader=config_loader, callbacks=callbacks),
+                task_function=job,
+                config=composed, job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
+            callbacks.on_run_end(config=composed, config_name="train", job_return=ret)
+            failed = getattr(ret, "_return_value", None)  # what the job raised, read without Hydra's extra line
+            if isinstance(failed, OSError) and failed.errno in PLACE_ERRNOS:
+                raise failed
+            _ = ret.return_value  # raises what the job raised
+        except OSError as err:
+            if err.errno not in PLACE_ERRNOS:
+                raise
+            # Hydra's own writes (.hydra/*.yaml) name no file: the folder they go to is named instead
+            where = "" if started else f"{composed.hydra.run.dir}/.hydra"
+            if not started and unfinished is not None:
+                unfinished(prepared, str(composed.hydra.run.dir))
+            print(f"train: error: {os_error_line(err, where)}", file=sys.stderr)
+            sys.exit(2)
 
     run_and_report(run)

@@ -23,10 +23,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer import REPO_ROOT
+from trainer import runlog
 from trainer.compose import schema
 from trainer.compose.cache import CompositionCache, cacheable, default_root
 from trainer.errors import UserError
-from trainer.redact import redact_argv
+from trainer.redact import redact_argv, redact_error
 
 CONF_DIR = REPO_ROOT / "conf"
 CONFIG_NAME = "train"
@@ -37,6 +38,8 @@ def describe_error(ex: BaseException) -> str:
 
     ``ex`` is a ``HydraException`` or ``OmegaConfBaseException``; the innermost OmegaConf cause gives
     the message and its ``full_key``. Unknown group options list the available ones on the same line.
+    Hydra and OmegaConf repeat the value they could not read: callers pass the line through
+    :func:`trainer.redact.redact_error` with the overrides it is about (every caller in this package does).
     """
     if isinstance(ex, MissingConfigException):
         text = str(ex)
@@ -82,15 +85,16 @@ def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: 
     return bad
 
 
-def expand_sweep(overrides: Sequence[str]) -> List[List[str]]:
+def expand_sweep(overrides: Sequence[str], config_loader: Any = None) -> List[List[str]]:
     """The jobs of a command line: ``["layout=a,b", "x=1"]`` -> ``[["layout=a", "x=1"], ["layout=b", "x=1"]]``.
 
-    Uses Hydra's override grammar (sweeps ``a,b``, ``range()``, ``choice()``, ``glob()``); raises
-    :class:`UserError` on an override that does not parse.
+    Uses Hydra's override grammar (sweeps ``a,b``, ``range()``, ``choice()``, ``glob()``) as Hydra's basic
+    sweeper does; a ``glob()`` lists the options of its config group, which needs Hydra's ``config_loader``
+    (:attr:`Composer.config_loader`). Raises :class:`UserError` on an override that does not parse.
     """
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
-    parser = OverridesParser.create()
+    parser = OverridesParser.create(config_loader=config_loader)
     try:
         parsed = parser.parse_overrides(list(overrides))
     except HydraException as ex:
@@ -98,13 +102,26 @@ def expand_sweep(overrides: Sequence[str]) -> List[List[str]]:
             try:
                 parser.parse_overrides([override])
             except HydraException as one:
-                raise UserError(f"override {redact_argv([override])[0]!r}: {describe_error(one)}") from None
-        raise UserError(describe_error(ex)) from None
+                raise UserError(f"override {redact_argv([override])[0]!r}: "
+                                f"{redact_error(describe_error(one), [override])}") from None
+        raise UserError(redact_error(describe_error(ex), overrides)) from None
     try:
         batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
     except HydraException as ex:
-        raise UserError(describe_error(ex)) from None
+        raise UserError(redact_error(describe_error(ex), overrides)) from None
     return [list(job) for batch in batches for job in batch]
+
+
+def uses_glob(overrides: Sequence[str]) -> bool:
+    """Whether an override is a ``glob()`` sweep (its options come from the config tree); False when one does
+    not parse (:func:`expand_sweep` says why)."""
+    from hydra.core.override_parser.types import ValueType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException:
+        return False
+    return any(o.value_type == ValueType.GLOB_CHOICE_SWEEP for o in parsed)
 
 
 class Composer:
@@ -154,6 +171,9 @@ class Composer:
         """
         wanted = list(overrides) if hydra_node else [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
         cfg = self.cache.get(wanted, hydra_node) if self.cache is not None else None
+        if cfg is not None:
+            runlog.log.debug("composition of %s from the cache (%s)", " ".join(wanted) or "(defaults)",
+                             self.cache.root)
         if cfg is not None and self.config_loader is None:
             self._as_initialised()
         if cfg is None:
@@ -161,8 +181,14 @@ class Composer:
             try:  # with Hydra's node always, so that what the composition read can be seen (cache.cacheable)
                 cfg = compose(CONFIG_NAME, overrides=wanted, return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as ex:
-                raise UserError(describe_error(ex)) from None
+                raise UserError(redact_error(describe_error(ex), wanted)) from None
+            except AssertionError as ex:  # Hydra's own asserts on an override it cannot apply (hydra.* nodes)
+                raise UserError(redact_error(f"{' '.join(wanted)}: Hydra cannot apply these overrides ({ex})",
+                                             wanted)) from None
             store = self.cache is not None and cacheable(cfg, self.conf_dir, wanted)
+            runlog.log.debug("composed %s with Hydra; %s", " ".join(wanted) or "(defaults)",
+                             "stored in the cache" if store else "not cached" if self.cache is None else
+                             "not stored: it reads what the cache key leaves out, or holds a secret")
             if not hydra_node:  # as hydra.compose(return_hydra_config=False) removes it
                 with open_dict(cfg):
                     del cfg["hydra"]

@@ -15,11 +15,15 @@ added in ``schema.py``, its ``conf/`` default, and one row of ``render.py``.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer import REPO_ROOT, runlog
+from trainer.errors import UserError
 from trainer.compose import checks
 from trainer.compose.compose import Composer, choices_of, job_config, session, validate
 from trainer.compose.render import Launch
@@ -85,6 +89,22 @@ class PreparedRun:
         )
 
 
+FROZEN = "TRAINER_FROZEN"  # =1 (``train --frozen``): use lockfiles/launcher.lock even when launcher.in changed
+
+
+def check_launcher_lock(root: Path = REPO_ROOT) -> None:
+    """Refuse (:class:`UserError`, one line with the command that re-resolves it) a ``lockfiles/launcher.lock``
+    whose requirements (``launcher.in``) changed since it was resolved
+    (:func:`trainer.image.imagelock.stale_requirements_lock`), unless ``$TRAINER_FROZEN`` is ``1``."""
+    from trainer.image.imagelock import stale_requirements_lock
+
+    if os.environ.get(FROZEN) == "1":
+        return
+    stale = stale_requirements_lock(root / "lockfiles" / "launcher.lock", "launcher.in")
+    if stale:
+        raise UserError(stale.replace("pass --frozen", "pass --frozen to train"))
+
+
 def reference_overrides(overrides: Sequence[str], reference_layout: str) -> List[str]:
     """The overrides of the reference composition: the job's, less those that choose or change the layout or the
     cluster, plus ``layout=REFERENCE``."""
@@ -116,10 +136,14 @@ def prepare(overrides: Sequence[str] = (), composer: Optional[Composer] = None,
     typed = validate(cfg)
     par = checks.check(typed)
     verify_stack(typed.stack)
+    check_launcher_lock()
     launch.check(typed, par)
+    runlog.log.info("checked %s: schema, layout (world %d), stack pins against %s, launcher %s", " ".join(task)
+                    or "(defaults)", par.world_size, typed.stack.lockfile, typed.launcher.name)
     reference_layout = typed.launcher.reference_layout
     reference = composer.compose(reference_overrides(task, reference_layout))
     numerics = {"reference_layout": reference_layout, **compare(cfg, reference).as_dict()}
+    runlog.log.info("numerics against layout %s: %s", reference_layout, numerics.get("verdict"))
     OmegaConf.set_readonly(cfg, True)
     return PreparedRun(
         overrides=task,

@@ -52,7 +52,10 @@ def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None)
     """Print a short summary of a plan: layout, per-stage layers and memory, numerics verdict, where it was
     written. ``console`` (a ``rich.console.Console``) forces the rich rendering; without it, rich is used when
     stdout is a terminal."""
+    from trainer import runlog
+
     rows = summary_rows(plan, run_dir)
+    runlog.info(plain_summary(rows))
     if console is None and not sys.stdout.isatty():
         print(plain_summary(rows), end="")
         return

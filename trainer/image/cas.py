@@ -46,6 +46,7 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Optional
 
+from trainer import inputs
 from trainer.errors import UserError
 
 HEX = re.compile(r"^[0-9a-f]{64}$")
@@ -142,8 +143,8 @@ def stamp_key() -> bytes:
         return _PROCESS_KEY
     path = stamp_key_path()
     try:
-        key = path.read_bytes()
-    except OSError:
+        key = inputs.read_bytes(path, "cache stamp key", 4096)  # a FIFO or device refused without blocking
+    except (OSError, UserError):
         key = b""
     if len(key) != 32:
         key = os.urandom(32)
@@ -153,7 +154,7 @@ def stamp_key() -> bytes:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(key)
         except FileExistsError:
-            key = path.read_bytes() if len(path.read_bytes()) == 32 else key
+            key = existing if len(existing := inputs.read_bytes(path, "cache stamp key", 4096)) == 32 else key
         except OSError:
             pass
     _PROCESS_KEY = key
@@ -213,7 +214,7 @@ class Cache:
             if str(marker) == own:
                 continue
             try:
-                fd = os.open(marker, os.O_RDONLY)
+                fd = os.open(marker, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)  # a FIFO marker never blocks
             except OSError:
                 continue
             try:
@@ -322,7 +323,7 @@ class Cache:
 
     def _read_stamp(self, hexdigest: str) -> Optional[dict]:
         try:
-            stamp = json.loads(self._stamp_path(hexdigest).read_text())
+            stamp = json.loads(inputs.read_bytes(self._stamp_path(hexdigest), "cache stamp"))  # a FIFO refused
         except (OSError, ValueError):
             return None
         return stamp if isinstance(stamp, dict) else None
@@ -455,7 +456,7 @@ class Cache:
 
         path = self.root / "layers" / f"{key}.json"
         try:
-            record = json.loads(path.read_text())
+            record = json.loads(inputs.read_bytes(path, "layer record"))  # a FIFO refused without blocking
         except (OSError, ValueError):
             return None
         if not isinstance(record, dict) or not HEX.match(str(record.get("diff_id", ""))[7:]):
@@ -492,7 +493,7 @@ class Cache:
         if not re.match(r"^[0-9a-f]{40}$", tree):
             return None
         try:
-            record = json.loads((self.root / "trees" / f"{tree}.json").read_text())
+            record = json.loads(inputs.read_bytes(self.root / "trees" / f"{tree}.json", "cas tree record"))  # FIFO refused
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
         if not isinstance(record, dict) or not HEX.match(str(record.get("sha256", ""))):

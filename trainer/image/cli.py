@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import List
 
 from trainer.errors import UserError
+from trainer.inputs import read_json
 
 from trainer import REPO_ROOT
 from trainer.image.cas import Cache
@@ -167,9 +168,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     lock = load_lock(Path(args.lock))
     expected_path = Path(args.expected)
     try:
-        table = json.loads(expected_path.read_text()) if expected_path.exists() else {}
+        table = read_json(expected_path, "expected-digests file") if expected_path.exists() else {}
     except json.JSONDecodeError as ex:
         raise UserError(f"{expected_path}: not valid JSON ({ex})") from None
+    if not isinstance(table, dict):
+        raise UserError(f"{expected_path}: expected a JSON object of lock names")
     if args.predict:
         return _check_predicted(args, lock, table, expected_path)
     if args.image is None:

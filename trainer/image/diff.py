@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
 from trainer.errors import UserError
+from trainer.inputs import parse_json, read_text
 from trainer.image.oci import ImageRef, LayerRef, open_image
 from trainer.image.tarread import member_name, open_layer
 
@@ -355,7 +356,8 @@ def diff_main(a: Path, b: Path, as_json: bool) -> int:
     if b.is_file() and b.suffix == ".json":
         from trainer.image.imagelock import load_lock
 
-        data = json.loads(b.read_text() or "null") if b.stat().st_size < (64 << 20) else None
+        data = parse_json(read_text(b, "lock or run record") or "null", str(b)) if b.stat().st_size < (64 << 20) \
+            else None
         if isinstance(data, dict) and data.get("kind") == "recipe-bundle.image-lock":
             result = diff_image_lock(image_a, load_lock(b))
         elif isinstance(data, dict):

@@ -360,11 +360,12 @@ REQUIREMENTS_HEADER = re.compile(r"^# resolved from (?P<requirements>\S+) sha256
                                  r" with: (?P<command>.+)$")
 
 
-def stale_requirements_lock(path: Path) -> Any:
+def stale_requirements_lock(path: Path, requirements_name: str = "") -> Any:
     """Why the requirements-format lock at ``path`` (pip's ``--require-hashes`` format, first line
     :data:`REQUIREMENTS_HEADER`) no longer follows the requirements file it was resolved from, as one line with
-    the command that re-resolves it; None when it does. Raises :class:`UserError` for a lock without that first
-    line (it cannot be checked) and ``OSError`` when it cannot be read."""
+    the command that re-resolves it; None when it does. ``requirements_name``: the file it must be resolved from
+    (``launcher.in``; always one beside it). Raises :class:`UserError` for a lock without that first line (it
+    cannot be checked) or naming another file, and ``OSError`` when it cannot be read."""
     path = Path(path)
     with open_regular(path, "lock", None) as handle:  # a FIFO refused without blocking
         first = handle.readline(4096).decode("utf-8", "replace").rstrip("\n")
@@ -372,6 +373,10 @@ def stale_requirements_lock(path: Path) -> Any:
     if header is None:
         raise UserError(f"{path}: line 1 does not say what the lock was resolved from (expected '# resolved from "
                         f"FILE.in sha256:<hex> with: COMMAND'; re-resolve it with bin/lock-launcher)")
+    named = header["requirements"]
+    if "/" in named or named in (".", "..") or (requirements_name and named != requirements_name):
+        raise UserError(f"{path}: line 1 names {named!r}; a lock is resolved from its own requirements file "
+                        f"beside it ({requirements_name or 'FILE.in'}): re-resolve it with bin/lock-launcher")
     requirements = path.parent / header["requirements"]
     try:
         have = hashlib.sha256(read_text(requirements, "requirements file").encode()).hexdigest()

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
+from trainer.inputs import read_json, read_text
 from trainer.image import imagelock
 
 REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
@@ -192,7 +193,7 @@ def main(argv: List[str]) -> int:
         from trainer.publish import atomic_write
 
         try:
-            lock = json.loads(Path(args.lock).read_text())  # not validated yet: its build_root is unresolved
+            lock = read_json(Path(args.lock), "lock")  # not validated yet: its build_root is unresolved
         except (OSError, json.JSONDecodeError) as ex:
             raise UserError(f"{args.lock}: not a readable JSON lock ({ex})") from None
         if not isinstance(lock, dict) or not isinstance(lock.get("build_root"), dict):
@@ -203,10 +204,11 @@ def main(argv: List[str]) -> int:
         print(f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, {len(lock['build_root']['wheels'])} wheels")
         return 0
     if args.command == "verify" and not args.lock.endswith(".json"):  # a requirements-format lock (launcher.lock)
-        stale = None if args.frozen else imagelock.stale_requirements_lock(Path(args.lock))
+        expected = Path(args.lock).name[:-len(".lock")] + ".in" if args.lock.endswith(".lock") else ""
+        stale = None if args.frozen else imagelock.stale_requirements_lock(Path(args.lock), expected)
         if stale:
             raise UserError(stale)
-        pins = sum(1 for line in Path(args.lock).read_text().splitlines() if REQ_LINE.match(line))
+        pins = sum(1 for line in read_text(Path(args.lock), "lock").splitlines() if REQ_LINE.match(line))
         print(f"ok: {args.lock} ({pins} pinned packages; inputs: "
               + ("not compared: --frozen)" if args.frozen else "as resolved)"))
         return 0
@@ -222,7 +224,7 @@ def main(argv: List[str]) -> int:
               f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, {summary['sources']} sources, "
               f"base {summary['base']}; inputs: {resolved}) sha256:{lock['_sha256']}")
         return 0
-    template = json.loads(Path(args.template).read_text())
+    template = read_json(Path(args.template), "lock template")
     python_version = args.python_version or template.get("python", {}).get("version", "3.12")
     lock = resolve(Path(args.requirements), template, args.python_platform, python_version)
     lock["python"]["platform"] = args.python_platform

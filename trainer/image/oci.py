@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
 
+from trainer import inputs
 from trainer.errors import UserError
 from trainer.publish import atomic_file, fsync_dir, swap_dir
 from trainer.image.layer import DIR, FILE, Entry, write_layer
@@ -309,15 +310,12 @@ class ImageRef:
                 with open_layer(raw) as tar:
                     for member in tar:
                         if member_name(member.name) == path and member.isreg():
-                            return tar.extractfile(member).read()
+                            return inputs.read_member(tar, member, f"{self.path}: {path}", "file read from an image")
         return None
 
 
 def _json(data: bytes, what: str) -> Any:
-    try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
-        raise UserError(f"{what}: not valid JSON ({ex})") from None
+    return inputs.parse_json(inputs.decode(data, what, "JSON document"), what)  # bounded nesting, one line
 
 
 def _history(config: Dict[str, Any]) -> List[str]:
@@ -343,12 +341,12 @@ def _open_image(path: Path) -> ImageRef:
 
         def reader(name: str) -> Optional[bytes]:
             try:
-                return (path / name).read_bytes()
+                return inputs.read_bytes(path / name, "document of an image layout")  # a FIFO refused, 64 MiB at most
             except FileNotFoundError:
                 return None
 
         def opener(name: str) -> Callable[[], BinaryIO]:
-            return lambda: open(path / name, "rb")
+            return lambda: inputs.open_regular(path / name, "layer blob", None)  # a FIFO refused without blocking
 
         return _from_oci(path, "oci-layout", reader, opener)
     if not path.is_file():
@@ -361,7 +359,8 @@ def _open_image(path: Path) -> ImageRef:
 
     def reader(name: str) -> Optional[bytes]:
         member = names.get(name)
-        return tar.extractfile(member).read() if member is not None and member.isreg() else None
+        return (inputs.read_member(tar, member, f"{path}: {name}", "document of an image archive")
+                if member is not None and member.isreg() else None)
 
     def opener(name: str) -> Callable[[], BinaryIO]:
         def open_member() -> BinaryIO:

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from trainer.errors import UserError
+from trainer.inputs import decode, parse_json
 from trainer.image.oci import MT_MANIFEST, ImageRef, compact_json, digest_of, rfc3339
 from trainer.image.provenance import INTOTO_MEDIA_TYPE
 
@@ -119,7 +120,7 @@ def read(image: ImageRef, descriptor: Dict[str, Any]) -> Tuple[Dict[str, Any], b
     digest = descriptor.get("digest")
     manifest_bytes = image.blob(digest)
     try:
-        manifest = json.loads(manifest_bytes)
+        manifest = parse_json(decode(manifest_bytes, f"{where}: referrer {digest}"), f"{where}: referrer {digest}")
         subject = manifest.get("subject") or {}
         layers = manifest["layers"]
         layer = layers[0]

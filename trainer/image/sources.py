@@ -25,7 +25,6 @@ so the image's Python imports it (the way ``pip install -e`` makes a checkout im
 
 from __future__ import annotations
 
-import io
 import stat
 import subprocess
 import tarfile
@@ -264,8 +263,14 @@ def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[st
 
     Returns (full commit id, tree id as git states it, files as for :func:`git_tree_id`). Raises
     :class:`UserError` for a commit the repository does not have, a submodule entry (not part of the
-    recipe's sources; its files would be missing), or a tree over :data:`MAX_SOURCE_BYTES`.
+    recipe's sources; its files would be missing), a tree over :data:`MAX_SOURCE_BYTES`, or a file over the
+    build's per-file limit (:data:`trainer.image.tarread.MAX_MEMBER_BYTES`, 1 GiB, the limit a build reads the
+    cached archive with), both checked from the sizes ``git ls-tree -l`` lists before any blob is read. Blobs are
+    read one at a time from one ``git cat-file --batch`` (:func:`_read_blobs`), so memory holds the tree's
+    files once, never git's whole output besides them.
     """
+    from trainer.image import tarread
+
     gitdir = git_dir_of(path)
     try:
         full = _git(gitdir, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").decode().strip()
@@ -283,23 +288,67 @@ def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[st
         rel = name.decode("utf-8", "surrogateescape")
         if kind != b"blob":
             raise UserError(f"{path}: {commit[:12]} has a {kind.decode()} at {rel} (submodules are not supported)")
+        if int(size) > tarread.MAX_MEMBER_BYTES:  # read at call time: the build's limit, whatever it is now
+            raise UserError(f"{path}: {commit[:12]}'s file {rel} is {int(size):,} bytes, more than the build's "
+                            f"{tarread.MAX_MEMBER_BYTES:,} per file (refused before reading it)")
         total += int(size)
         if total > MAX_SOURCE_BYTES:
             raise UserError(f"{path}: {commit[:12]}'s tree is larger than {MAX_SOURCE_BYTES:,} bytes (refused)")
-        items.append((rel, mode.decode(), oid))
-    batch = _git(gitdir, "cat-file", "--batch", stdin=b"".join(oid + b"\n" for _, _, oid in items))
-    reader = io.BytesIO(batch)
-    files: Dict[str, Tuple[str, bytes]] = {}
-    for rel, mode, oid in items:
-        header = reader.readline().split()
-        if len(header) != 3 or header[0] != oid:
-            raise UserError(f"{path}: git cat-file returned {header!r} for {rel}")
-        data = reader.read(int(header[2]))
-        reader.read(1)  # the newline after each object
-        files[rel] = (mode, data)  # as git stores it (a legacy 100664 stays 100664, so the tree id is git's)
+        items.append((rel, mode.decode(), oid, int(size)))
+    files = _read_blobs(gitdir, path, items, tarread.MAX_MEMBER_BYTES)
     if not files:
         raise UserError(f"{path}: commit {full[:12]} has no files (an empty tree is not a source)")
     return full, tree, files
+
+
+def _read_blobs(gitdir: Path, path: Path, items: List[Tuple[str, str, bytes, int]],
+                limit: int) -> Dict[str, Tuple[str, bytes]]:
+    """The blobs ``items`` ((path, mode, object id, size listed)) read from one ``git cat-file --batch`` process,
+    one object at a time: its id written, its header read and checked (the id asked, a size equal to the one
+    listed and at most ``limit`` bytes), then exactly that many bytes. Returns path -> (mode, content) as git
+    stores it (a legacy 100664 stays 100664, so the tree id is git's). Raises :class:`UserError` naming ``path``
+    for git missing, a failed or short answer, or a size over ``limit``; the process is ended on any error: killed
+    (SIGKILL) before it is waited for, so that a git still writing an object of 1 GiB costs no wait; after all
+    objects were read, its stdin closed and waited for at most 60 s, then killed."""
+    try:
+        proc = subprocess.Popen(["git", "--git-dir", str(gitdir), "cat-file", "--batch"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise UserError("git is not installed (apt-get install git)") from None
+    files: Dict[str, Tuple[str, bytes]] = {}
+    done = False
+    try:
+        for rel, mode, oid, listed in items:
+            proc.stdin.write(oid + b"\n")
+            proc.stdin.flush()  # without --buffer, git answers each object as it is asked
+            header = proc.stdout.readline(200).split()
+            if len(header) != 3 or header[0] != oid or not header[2].isdigit():
+                raise UserError(f"{path}: git cat-file returned {header!r} for {rel}")
+            size = int(header[2])
+            if size != listed or size > limit:
+                raise UserError(f"{path}: git cat-file says {rel} is {size:,} bytes (listed {listed:,}, at most "
+                                f"{limit:,}; refused)")
+            data = proc.stdout.read(size)
+            if len(data) != size or proc.stdout.read(1) != b"\n":  # each object ends with a newline
+                raise UserError(f"{path}: git cat-file cut {rel} short")
+            files[rel] = (mode, data)
+        done = True
+    except (BrokenPipeError, OSError) as ex:
+        raise UserError(f"{path}: git cat-file failed ({ex})") from None
+    finally:
+        if not done:  # an error (or a signal): git is ended now, not waited for
+            proc.kill()
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
+    return files
 
 
 def _check_paths(files: Dict[str, Tuple[str, bytes]], label: str) -> None:

@@ -53,6 +53,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from trainer import PROJECT_URL
 from trainer.errors import UserError
+from trainer.inputs import (MAX_ATTESTATION_BYTES, MAX_KEY_BYTES, MAX_TEXT_BYTES, line_blocks, open_regular, read_bytes,
+                            read_json, read_text)
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -115,20 +117,38 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def read_private_key(path: Path) -> Tuple[bytes, int]:
+    """``(bytes, st_mode)`` of the private key file ``path``: a regular file (a FIFO or device is refused without
+    blocking) of at most :data:`~trainer.inputs.MAX_KEY_BYTES`. Raises :class:`UserError`, one line, naming
+    ``--sign-key`` and the file: missing, a directory or special file, too large."""
+    path = Path(path)
+    try:
+        with open_regular(path, "PEM private key", MAX_KEY_BYTES) as handle:
+            mode = os.fstat(handle.fileno()).st_mode
+            data = handle.read(MAX_KEY_BYTES + 1)
+    except FileNotFoundError:
+        raise UserError(f"--sign-key {path}: no such file (make a key pair with `trainer keygen --out {path}`)") from None
+    except UserError as err:
+        text = str(err)
+        raise UserError(text if text.startswith("--sign-key") else f"--sign-key {text}") from None
+    except OSError as ex:
+        raise UserError(f"--sign-key {path}: cannot read ({ex.strerror or ex})") from None
+    if len(data) > MAX_KEY_BYTES:
+        raise UserError(f"--sign-key {path}: more than the {MAX_KEY_BYTES:,} bytes a PEM private key may have")
+    return data, mode
+
+
 def load_signer(path: Path):
     """A securesystemslib ``CryptoSigner`` from the PKCS#8 PEM private key at ``path`` (Ed25519 or ECDSA
-    P-256). Raises :class:`UserError` for a missing, encrypted or unsupported key."""
+    P-256; read by :func:`read_private_key`: a regular file of at most 16 KiB). Raises :class:`UserError` for a
+    missing, special, oversized, encrypted or unsupported key, and for a key the group or others may read or write
+    (mode 0600 or stricter, as ssh refuses one: "permissions 0644 for KEY are too open")."""
     from cryptography.hazmat.primitives.asymmetric import ec, ed25519
     from cryptography.hazmat.primitives.serialization import load_pem_private_key
     from securesystemslib.signer import CryptoSigner
 
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise UserError(f"--sign-key {path}: no such file (make a key pair with `trainer keygen --out {path}`)") from None
-    except IsADirectoryError:
-        raise UserError(f"--sign-key {path}: is a directory, expected a PEM private key") from None
+    data, mode = read_private_key(path)
     try:
         key = load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as ex:
@@ -136,6 +156,9 @@ def load_signer(path: Path):
     if not (isinstance(key, ed25519.Ed25519PrivateKey) or
             (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1")):
         raise UserError(f"--sign-key {path}: a {type(key).__name__}; expected Ed25519 or ECDSA P-256")
+    if mode & 0o077:
+        raise UserError(f"--sign-key {path}: permissions {stat.S_IMODE(mode):04o} for {path} are too open (a private "
+                        f"key must be readable by its owner only: chmod 600 {path}); nothing signed")
     return CryptoSigner(key)
 
 
@@ -146,9 +169,13 @@ def load_public_key(path: Path):
 
     path = Path(path)
     try:
-        data = path.read_bytes()
-    except (FileNotFoundError, IsADirectoryError):
+        data = read_bytes(path, "PEM public key", MAX_KEY_BYTES)  # a FIFO or device refused without blocking
+    except FileNotFoundError:
         raise UserError(f"--key {path}: no such file (the public key is KEY.pub, written by `trainer keygen`)") from None
+    except UserError as err:
+        raise UserError(f"--key {err}") from None
+    except OSError as ex:
+        raise UserError(f"--key {path}: cannot read ({ex.strerror or ex})") from None
     try:
         return SSlibKey.from_crypto(load_pem_public_key(data))
     except (ValueError, TypeError) as ex:
@@ -226,8 +253,9 @@ def open_envelope(data: bytes, key, where: str) -> Dict[str, Any]:
 
 
 def _sha256(path: Path) -> str:
+    """sha256 (hex) of the file ``path``, streamed; a FIFO or device is refused without blocking (:class:`UserError`)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path, "file", None) as handle:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()
@@ -244,9 +272,9 @@ def data_manifest(run_dir: Path) -> Optional[Path]:
 
         from trainer.record.rundir import CONFIG
 
-        cfg = yaml.safe_load((run_dir / CONFIG).read_text()) or {}
+        cfg = yaml.safe_load(read_text(run_dir / CONFIG, "config.yaml")) or {}
         rows = (cfg.get("paths") or {}).get("prompt_data")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, UserError):
         return None
     if isinstance(rows, str) and rows and "$" not in rows:
         path = Path(rows) if Path(rows).is_absolute() else run_dir / rows
@@ -345,8 +373,8 @@ def run_probes(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     nodes: Dict[str, Any] = {}
     for path in sorted((run_dir / "probes").glob("*.json")) if (run_dir / "probes").is_dir() else []:
         try:
-            nodes[path.stem] = json.loads(path.read_text())
-        except (OSError, ValueError):
+            nodes[path.stem] = read_json(path, "probe")
+        except (OSError, ValueError, UserError):
             nodes[path.stem] = {"unreadable": True}
     return {"ranks": ranks, "nodes": nodes}
 
@@ -354,6 +382,56 @@ def run_probes(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
 def count_steps(data: bytes) -> int:
     """The number of steps in ``metrics.jsonl`` bytes: its non-empty lines."""
     return sum(1 for line in data.splitlines() if line.strip())
+
+
+class StepCounter:
+    """:func:`count_steps` over a stream of blocks (``feed``), in memory bounded by a block: lines end at ``\n``
+    or ``\r``, and a line of only whitespace is no step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._partial = False  # the line the last block ended inside has a non-blank byte
+
+    def feed(self, block: bytes) -> None:
+        """Count the lines ``block`` completes."""
+        pieces = block.replace(b"\r", b"\n").split(b"\n")
+        for piece in pieces[:-1]:
+            if self._partial or piece.strip():
+                self.steps += 1
+            self._partial = False
+        self._partial = self._partial or bool(pieces[-1].strip())
+
+    def total(self) -> int:
+        """The steps, the last line counted also without a newline."""
+        return self.steps + int(self._partial)
+
+
+def count_steps_in(path: Path) -> int:
+    """:func:`count_steps` of the file ``path``, streamed (bounded memory, and no time in the holes of a sparse file:
+    :func:`trainer.inputs.line_blocks`; a FIFO refused without blocking)."""
+    counter = StepCounter()
+    with open_regular(path, "metrics.jsonl", None) as handle:
+        for block in line_blocks(handle):
+            counter.feed(block)
+    return counter.total()
+
+
+def hash_subject(path: Path, keep: Optional[int] = None, count: bool = False) -> Tuple[str, Optional[bytes], int]:
+    """``(sha256 hex, the bytes when keep, steps when count)`` of the file ``path`` in one streamed pass, so that what
+    is kept or counted is what was hashed. ``keep``: the most bytes kept (more is refused: :class:`UserError`);
+    ``count``: count :func:`count_steps` on the way. A FIFO or device is refused without blocking."""
+    digest, counter, kept, size = hashlib.sha256(), StepCounter(), [], 0
+    with open_regular(path, "file", None) as handle:
+        while block := handle.read(1 << 20):
+            digest.update(block)
+            size += len(block)
+            if count:
+                counter.feed(block)
+            if keep is not None:
+                if size > keep:
+                    raise UserError(f"{path}: more than the {keep:,} bytes this file may have")
+                kept.append(block)
+    return digest.hexdigest(), (b"".join(kept) if keep is not None else None), counter.total()
 
 
 def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -378,7 +456,7 @@ def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
     run = {k: record.get(k) for k in ("status", "reason", "launcher", "created_utc", "finished_utc", "host", "bundle")
            if record.get(k) is not None}
     metrics = run_dir / METRICS
-    run["steps"] = count_steps(metrics.read_bytes()) if metrics.is_file() else 0
+    run["steps"] = count_steps_in(metrics) if metrics.is_file() else 0
     return {"_type": STATEMENT_TYPE, "subject": subjects, "predicateType": RUN_PREDICATE,
             "predicate": {"run": run, "probes": run_probes(run_dir, record), "verify": checked,
                           "unsigned": list(UNSIGNED)}}
@@ -407,17 +485,18 @@ def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) ->
     """Write ``run_dir/attestation.json`` (the statement, or its DSSE envelope when ``signer`` is given),
     atomically, from the files as they are now (``record`` must be saved as ``record.json`` already: the sealing
     order is :meth:`trainer.record.rundir.RunDir.seal`'s). The statement passes through the run directory's
-    redactor before it is signed, so no secret reaches the signed payload either. Returns ``{"path", "sha256",
-    "signed_by"}``."""
+    redactor before it is signed, every string of it (:func:`trainer.redact.scrub_data`: the predicate's
+    ``run.reason`` too; outside ``train``, the rule's patterns), so no secret reaches the signed payload either.
+    Returns ``{"path", "sha256", "signed_by"}``."""
     from trainer.publish import atomic_write
-    from trainer.redact import redactor_for
+    from trainer.redact import Redactor, redactor_for, scrub_data
 
-    text = json.dumps(run_statement(run_dir, record), indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    redactor = redactor_for(run_dir)
-    data = (redactor.scrub(text) if redactor is not None else text).encode()
+    redactor = redactor_for(run_dir) or Redactor().freeze()
+    statement = scrub_data(run_statement(run_dir, record), redactor)
+    data = (json.dumps(statement, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
     if signer is not None:
         data = sign(data, signer)
-    atomic_write(run_dir / ATTESTATION, data)
+    atomic_write(run_dir / ATTESTATION, data, verbatim=True)  # scrubbed before signing: a DSSE "sig" stays as signed
     return {"path": ATTESTATION, "sha256": hashlib.sha256(data).hexdigest(),
             "signed_by": signer.public_key.keyid if signer is not None else None}
 
@@ -429,6 +508,7 @@ class SignedRun:
 
     statement: Dict[str, Any]
     files: Dict[str, bytes]
+    steps: int = 0  # the steps of metrics.jsonl as hashed (:func:`count_steps`), 0 without one
 
     @property
     def record(self) -> Dict[str, Any]:
@@ -452,7 +532,7 @@ def check_run(run_dir: Path, key) -> SignedRun:
     :class:`SignedRun`; raises :class:`VerificationFailed` (one line)."""
     path = run_dir / ATTESTATION
     try:
-        data = path.read_bytes()
+        data = read_bytes(path, "run attestation", MAX_ATTESTATION_BYTES)  # a FIFO refused, 64 MiB at most
     except FileNotFoundError:
         raise UserError(f"{path}: no attestation (runs write one when they end; this run predates it or did not end)") from None
     statement = open_envelope(data, key, str(path))
@@ -487,21 +567,26 @@ def check_run(run_dir: Path, key) -> SignedRun:
         raise VerificationFailed(f"{path}: {added[0]} is not named by the attestation (added after signing"
                                  + (f"; {len(added) - 1} more)" if len(added) > 1 else ")"))
     kept: Dict[str, bytes] = {}
+    steps = 0
     for name, want in sorted(inside.items()):
         target = run_dir / name
         if name not in present:
             raise VerificationFailed(f"{path}: subject {name} is missing ({target})")
-        try:
-            content = target.read_bytes()
+        try:  # streamed: a run's checkpoint costs no memory; record.json kept (64 MiB at most), metrics counted
+            have, content, counted = hash_subject(target, MAX_TEXT_BYTES if name == RECORD_NAME else None,
+                                                  count=name == READ_BACK[1])
         except OSError as ex:
             raise VerificationFailed(f"{path}: subject {name} cannot be read ({ex.strerror})") from None
-        have = hashlib.sha256(content).hexdigest()
+        except UserError as err:
+            raise VerificationFailed(f"{path}: subject {err}") from None
         if have != want:
             raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
                                      "(the file changed after the run; a late log is attested again with "
                                      "`trainer attest RUN_DIR --again --sign-key KEY`)")
-        if name in READ_BACK:
+        if content is not None:
             kept[name] = content
+        if name == READ_BACK[1]:
+            steps = counted
     for rows_dir in sorted({Path(name).parent for name in outside if Path(name).name == "manifest.json"}):
         try:  # the outside rows directory holds exactly the files named: one added beside them fails too
             listed, odd = walk(rows_dir)
@@ -527,7 +612,7 @@ def check_run(run_dir: Path, key) -> SignedRun:
         raise VerificationFailed(f"{path}: the signed {RECORD_NAME} is not valid JSON") from None
     if not isinstance(record, dict) or record.get("status") != (statement.get("predicate") or {}).get("run", {}).get("status"):
         raise VerificationFailed(f"{path}: the signed {RECORD_NAME} and the statement disagree on the run's status")
-    return SignedRun(statement, kept)
+    return SignedRun(statement, kept, steps)
 
 
 def check_image(image_path: Path, key) -> Dict[str, Any]:

@@ -38,11 +38,18 @@ def write_json(path: Path, obj: Any) -> str:
 
 
 def sha256_file(path: Path) -> Optional[str]:
-    """sha256 of a file's bytes, or None if it does not exist."""
+    """sha256 of a file's bytes, read as a stream (a FIFO or device is refused without blocking:
+    :func:`trainer.inputs.open_regular`), or None if it does not exist."""
+    from trainer.inputs import open_regular
+
+    digest = hashlib.sha256()
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        with open_regular(path, "file", None) as handle:
+            while block := handle.read(1 << 20):
+                digest.update(block)
     except FileNotFoundError:
         return None
+    return digest.hexdigest()
 
 
 def git_revision(root: Path = REPO_ROOT) -> Dict[str, Any]:
@@ -104,16 +111,131 @@ def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
     return record
 
 
-def effective_status(record: Dict[str, Any]) -> str:
-    """A record's status as a reader should see it: ``running`` whose process is gone on this host is
-    ``interrupted`` (the launcher was killed before it could say so)."""
-    status = record.get("status", "unknown")
+PID_MAX = 1 << 22  # the largest pid Linux can give (PID_MAX_LIMIT, 4,194,304): a larger one names no process
+START_SLACK_S = 2.0  # a process that started this much later than the run's record cannot be the run's launcher
+
+
+def process_started(pid: int) -> Optional[int]:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field 22, ``starttime``; the
+    command name, field 2, may hold spaces and parentheses, so the fields are counted after its last ``)``), or
+    None when it cannot be read (no such process, no ``/proc``)."""
+    try:
+        text = Path(f"/proc/{int(pid)}/stat").read_bytes()
+        return int(text[text.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def boot_id() -> Optional[str]:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``, a UUID), or None when it cannot be read."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def pid_namespace(pid: Optional[int] = None) -> Optional[str]:
+    """The pid namespace of process ``pid`` (default: this one) as the kernel names it (the link
+    ``/proc/PID/ns/pid``, e.g. ``pid:[4026531836]``), or None when it cannot be read. A pid means the same process
+    only to readers in the same namespace."""
+    try:
+        return os.readlink(f"/proc/{'self' if pid is None else int(pid)}/ns/pid")
+    except (OSError, ValueError):
+        return None
+
+
+def process_state(pid: int) -> Optional[str]:
+    """The state of process ``pid`` (``/proc/PID/stat`` field 3, after the command name's last ``)``: ``R``,
+    ``S``, ``D``, ``Z`` zombie, ``X`` dead, ...), or None when it cannot be read."""
+    try:
+        text = Path(f"/proc/{int(pid)}/stat").read_bytes()
+        return text[text.rindex(b")") + 2:].split()[0].decode("ascii", "replace")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def process_identity(pid: Optional[int] = None) -> Dict[str, Any]:
+    """What names process ``pid`` (default: this one) across pid reuse, as a running record saves it: ``pid``,
+    ``pid_started`` (:func:`process_started`, clock ticks after boot), ``boot_id`` (:func:`boot_id`) and
+    ``pid_ns`` (:func:`pid_namespace` of this process: the namespace in which the number ``pid`` names it)."""
+    pid = os.getpid() if pid is None else pid
+    return {"pid": pid, "pid_started": process_started(pid), "boot_id": boot_id(), "pid_ns": pid_namespace()}
+
+
+def unverifiable(record: Dict[str, Any]) -> Optional[str]:
+    """Why the process a ``running`` record names cannot be checked from this process (one line), or None when it
+    can: the record saved a pid namespace (``pid_ns``, :func:`process_identity`) other than this process's, so
+    its pid names another process here or none (a run in a container, a reader in one). Such a run is reported
+    running and its record never rewritten by a reader."""
+    saved, here = record.get("pid_ns"), pid_namespace()
+    if record.get("status") != "running" or not isinstance(saved, str) or here is None or saved == here:
+        return None
+    return f"its process cannot be checked from here (it runs in pid namespace {saved[:40]}, this reader in {here})"
+
+
+def _started_wall(pid: int) -> Optional[float]:
+    """When process ``pid`` started, as a Unix time in seconds (boot time ``btime`` of ``/proc/stat`` plus
+    :func:`process_started` over ``SC_CLK_TCK``), or None when it cannot be read."""
+    ticks = process_started(pid)
+    try:
+        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                     if line.startswith("btime "))
+        return None if ticks is None else btime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration, IndexError):
+        return None
+
+
+def process_gone(record: Dict[str, Any]) -> Optional[str]:
+    """Why the process a ``running`` record names on this host is not the run's (one line), or None when it may
+    be (another status, another host, no pid, or a live process that is the one the record saved).
+
+    Gone: a pid that is no process id (not an integer 1..:data:`PID_MAX`: ``0`` and negative ones name process
+    groups, ``2147483648`` overflows ``kill``), a machine restarted since (``boot_id`` differs), no such process,
+    a zombie (state ``Z`` or ``X``, :func:`process_state`: ``kill(pid, 0)`` succeeds on one), or a live process
+    that is another one (its start time, ``/proc/PID/stat`` field 22, differs from the
+    record's ``pid_started``; for a record without it, the process started more than :data:`START_SLACK_S` after
+    the record's ``started_utc``/``created_utc``: the pid was reused). Never gone: a process this reader cannot
+    check (:func:`unverifiable`: the record saved another pid namespace)."""
     pid = record.get("pid")
-    if status == "running" and pid and record.get("host") == socket.gethostname():
+    if record.get("status") != "running" or pid is None or record.get("host") != socket.gethostname():
+        return None
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 < pid <= PID_MAX:
+        return f"its pid {json.dumps(pid)[:40]} is not a process id (1..{PID_MAX}): no process of this run is running"
+    saved_boot, now_boot = record.get("boot_id"), boot_id()
+    if isinstance(saved_boot, str) and now_boot and saved_boot != now_boot:
+        return f"its process {pid} is gone (the machine restarted since the run started)"
+    if unverifiable(record):
+        return None  # its pid means another process here, or none: may be running
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return f"its process {pid} is gone: it ended without recording how the run ended"
+    except PermissionError:
+        pass  # a live process of another user: compared by its start time below
+    if process_state(pid) in ("Z", "X"):  # kill(pid, 0) succeeds on a zombie: it has ended, only its parent waits
+        return f"its process {pid} is gone: it ended (a zombie, not yet reaped) without recording how the run ended"
+    saved = record.get("pid_started")
+    if isinstance(saved, int) and not isinstance(saved, bool):
+        now = process_started(pid)
+        if now is not None and now != saved:
+            return (f"its process {pid} is gone: pid {pid} now belongs to another process (started at tick {now}, "
+                    f"the run's at tick {saved})")
+        return None
+    started, wall = record.get("started_utc") or record.get("created_utc"), _started_wall(pid)
+    if isinstance(started, str) and wall is not None:
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            return "interrupted"
-        except PermissionError:
-            pass
-    return status
+            since = datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+        except ValueError:
+            return None
+        if wall > since + START_SLACK_S:
+            return (f"its process {pid} is gone: pid {pid} now belongs to another process, started "
+                    f"{wall - since:.0f} s after the run")
+    return None
+
+
+def effective_status(record: Dict[str, Any]) -> str:
+    """A record's status as a reader should see it: ``running`` whose process is gone on this host
+    (:func:`process_gone`: ended, a pid reused by another process, no process id at all) is ``interrupted`` (the
+    launcher was killed, or the disk filled, before it could say so)."""
+    status = record.get("status", "unknown")
+    return "interrupted" if status == "running" and process_gone(record) else str(status)

@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.compose import schema
-from trainer.errors import UserError
+from trainer.errors import UserError, os_error_line
 from trainer.inputs import read_json, read_yaml
 from trainer.publish import atomic_write
 
@@ -70,6 +70,9 @@ MOVES: Dict[str, tuple] = {
     RENDERED: (SUBMITTED, RUNNING, *FINAL),
     SUBMITTED: (RUNNING, *FINAL),
 }
+
+
+RECORD_RESERVE = 8192  # bytes of spaces after a running record (RunDir.save_record): room for its end on a full disk
 
 
 def utc_now() -> str:
@@ -117,12 +120,15 @@ class RunDir:
         composition), ``command.sh`` (the launch as bash), ``plan.json``, ``argv.json`` (the miles argv) and
         ``env.json`` (its environment, secret values redacted): the files :data:`HYDRA_FILES` aside, the launch
         as ``command.sh`` says it. A ``job.json`` and an ``attestation.json`` an earlier run left here
-        (``--resume``) are removed: neither describes this run."""
+        (``--resume``) are removed: neither describes this run. The marker :data:`MARKER` is written before any
+        of them (not hashed: :meth:`begin` removes it once the record is saved), so that a directory a full disk
+        or a kill stopped before its record is known to be this bundle's partial run (:func:`partial_run`)."""
         from trainer.record.attest import ATTESTATION
         from trainer.redact import redact_env
 
         for stale in (JOB, ATTESTATION):
             (self.path / stale).unlink(missing_ok=True)
+        atomic_write(self.path / MARKER, MARKER_TEXT)
         self.write(CONFIG, OmegaConf.to_yaml(prepared.cfg, resolve=True).encode())
         self.write(COMMAND, prepared.launch.shell_script().encode(), mode=0o777)
         self.write_json(PLAN, prepared.plan)
@@ -137,17 +143,20 @@ class RunDir:
         return self.write_json(JOB, {"argv": list(argv), "env": redact_env(env)})
 
     def begin(self, status: str, fields: Dict[str, Any]) -> Dict[str, Any]:
-        """The run's first record, saved: ``planned`` (a plan) or ``running`` (this process's pid, the start time
-        in ``started_utc``), with ``fields`` (:meth:`trainer.compose.prepare.PreparedRun.record_fields`) and the
-        hashes of the files written so far."""
-        from trainer.record.record import launcher_record
+        """The run's first record, saved: ``planned`` (a plan) or ``running`` (this process's pid, its start time
+        ``pid_started``, the ``boot_id`` and ``pid_ns``, :func:`trainer.record.record.process_identity`, so that a reader tells
+        a reused pid from the run's process; the start time in ``started_utc``), with ``fields``
+        (:meth:`trainer.compose.prepare.PreparedRun.record_fields`) and the hashes of the files written so far.
+        Once it is saved, the partial-run marker :data:`MARKER` (:meth:`write_plan`) is removed."""
+        from trainer.record.record import launcher_record, process_identity
 
         assert status in (PLANNED, RUNNING), status
-        extra = {"pid": os.getpid()} if status == RUNNING else {}
+        extra = process_identity() if status == RUNNING else {}
         record = launcher_record(status, files_sha256=self.hashes, **extra, **fields)
         if status == RUNNING:
             record["started_utc"] = record["created_utc"]  # job start (a local run has no scheduler admission)
         self.save_record(record)
+        (self.path / MARKER).unlink(missing_ok=True)  # the record now says what the directory holds
         return record
 
     def hash_tree(self) -> Dict[str, str]:
@@ -219,10 +228,15 @@ class RunDir:
         return load_record(self.path)
 
     def save_record(self, record: Dict[str, Any]) -> None:
-        """Write ``record.json`` (canonical JSON, atomically): the one way the record is written."""
-        from trainer.record.record import write_json
+        """Write ``record.json`` (canonical JSON, atomically): the one way the record is written. A ``running``
+        record is followed by :data:`RECORD_RESERVE` bytes of spaces (JSON allows them): room kept for writing how
+        the run ended over it in place when the disk fills during the run (:meth:`record_out_of_room`)."""
+        from trainer.publish import atomic_write
+        from trainer.record.record import canonical_json
 
-        write_json(self.path / RECORD, record)
+        data = canonical_json(record)
+        atomic_write(self.path / RECORD, data + b" " * RECORD_RESERVE + b"\n" if record.get("status") == RUNNING
+                     else data)
 
     def move(self, record: Dict[str, Any], status: str, **fields: Any) -> Dict[str, Any]:
         """``record`` moved to the state ``status`` (and ``fields`` set), unsaved; the one place a state is set.
@@ -242,8 +256,14 @@ class RunDir:
         return self.move(record, status, message=message)
 
     def end(self, record: Dict[str, Any], status: str, reason: Optional[str] = None) -> Dict[str, Any]:
-        """``record`` moved to the final state ``status`` (with ``reason``), unsaved."""
+        """``record`` moved to the final state ``status`` (with ``reason``, its secrets redacted: by the directory's
+        redactor, :func:`trainer.redact.guard`, or else by the rule's patterns), unsaved."""
+        from trainer.redact import redact_value, redactor_for
+
         assert status in FINAL, status
+        if reason is not None:
+            redactor = redactor_for(self.path)
+            reason = redactor.scrub(reason) if redactor is not None else redact_value(reason)
         return self.move(record, status, reason=reason)
 
     def hand_back(self, record: Dict[str, Any]) -> Dict[str, Any]:
@@ -259,12 +279,67 @@ class RunDir:
                 on_disk.setdefault("slurm", {}).update({k: v for k, v in (record.get("slurm") or {}).items() if v is not None})
                 record = on_disk
         if handed_off:
-            record.pop("pid", None)  # the run no longer lives in this process
+            for key in ("pid", "pid_started", "boot_id", "pid_ns"):  # the run no longer lives in this process
+                record.pop(key, None)
             record["handed_off_utc"] = now
         else:
             record["finished_utc"] = now
         record.setdefault("files_sha256", {}).update(self.hashes)
         return record
+
+    def record_out_of_room(self, record: Dict[str, Any], err: OSError) -> bool:
+        """Record how a run ended when a write of its end stopped on the place (``err``: ``ENOSPC``, ``EDQUOT`` or
+        ``EROFS``, :data:`trainer.errors.STORAGE_ERRNOS`; the disk filled while the run executed): ``record`` (edited
+        in place) ends ``failed`` with the reason (the file and the error, :func:`trainer.errors.os_error_line`,
+        after the launcher's own reason when it had ended the run), or keeps the final state it had, and is marked
+        not attested (``attestation.error``: its hashes were not all re-derived). It is saved atomically where
+        there is room; where there is none, it is written over the record on disk, as compact JSON padded with
+        spaces to the old length, only when it fits in the bytes the old one holds (so that, on file systems that
+        write in place, no block is allocated and nothing can be cut short by the full disk; a copy-on-write one,
+        btrfs, ZFS, may need new blocks for it too and refuse it: then this returns False). Returns whether the record on disk now says so; when it does
+        not, the record still says ``running`` and :func:`trainer.record.record.process_gone` makes readers see
+        the run ``interrupted`` once this process has ended."""
+        from trainer.record.attest import ATTESTATION
+        from trainer.redact import redactor_for
+
+        line = os_error_line(err)
+        if record.get("status") in FINAL:
+            if record.get("reason") and line not in record["reason"]:
+                record["reason"] = f"{record['reason']}; then {line}"
+        elif record.get("status") == RUNNING:  # a run handed off to a scheduler is its job's to end
+            self.end(record, FAILED, f"{line} (the disk filled while the run executed)")
+        record["attestation"] = {"error": f"not attested: {line}"}
+        record.setdefault("finished_utc", utc_now())
+        (self.path / ATTESTATION).unlink(missing_ok=True)  # it would not describe the files as they stay
+        try:
+            self.save_record(record)
+            return True
+        except OSError:
+            pass
+        try:  # the whole record, else the one on disk with only how the run ended changed (no new hashes)
+            on_disk = load_record(self.path) or {}
+        except UserError:
+            on_disk = {}
+        ended = {**on_disk, **{k: record[k] for k in ("status", "reason", "attestation", "finished_utc") if k in record}}
+        redactor = redactor_for(self.path / RECORD)  # as atomic_write scrubs every file of a guarded run directory
+        try:
+            fd = os.open(self.path / RECORD, os.O_WRONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            size = os.fstat(fd).st_size
+            for candidate in (record, ended) if on_disk else (record,):
+                data = json.dumps(candidate, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+                data = redactor.scrub_bytes(data) if redactor is not None else data
+                if len(data) < size:
+                    os.pwrite(fd, data + b" " * (size - len(data) - 1) + b"\n", 0)
+                    os.fsync(fd)
+                    return True
+            return False
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
 
     def update(self, change) -> Dict[str, Any]:
         """Read the record, apply ``change(record)`` (which edits it in place) and save it; return it. Raises
@@ -358,7 +433,8 @@ def load_record(directory: Path) -> Optional[Dict[str, Any]]:
 # another type is refused on one line instead of failing somewhere inside a report.
 RECORD_TYPES: Dict[str, Any] = {
     "schema_version": int, "status": str, "kind": str, "launcher": str, "host": str, "reason": str, "message": str,
-    "pid": int, "created_utc": str, "started_utc": str, "finished_utc": str, "handed_off_utc": str,
+    "pid": int, "pid_started": int, "boot_id": str, "pid_ns": str, "created_utc": str, "started_utc": str, "finished_utc": str,
+    "handed_off_utc": str,
     "bundle": dict, "launcher_env": dict, "locks": dict, "lock": dict, "stack": dict, "choices": dict,
     "files_sha256": dict, "overrides": list, "command": list, "probe": dict, "slurm": dict, "ray": dict,
     "image": dict, "data": dict, "times": dict, "preflight": dict, "logs": (dict, list, str),
@@ -429,11 +505,59 @@ CLAIM_MODES = ("new", "resume", "overwrite")
 # run (local-cpu), a local-image run's stamped lock, the JIT kernel caches' fallback, Hydra's record.
 DATA, KERNELS, RENDEZVOUS = "data", "kernels", ".rendezvous"  # rows built for a run, kernel caches, gloo's file
 RUN_FOLDERS = (LOGS, PROBES, DATA, "image", KERNELS, HYDRA_FILES[0])
-# Files: the plan's, the launchers', the workers', the record and its attestation, Hydra's log (and probe-rank-N.json,
-# :func:`probe_rank`, one per local rank).
+# The marker a run writes first (RunDir.write_plan) and removes once its first record is saved (RunDir.begin): the
+# evidence that a directory without record.json holds a partial run of this bundle, not a user's files.
+MARKER = ".recipe-bundle-run"
+MARKER_TEXT = b"recipe-bundle: a run is being written here; its record.json follows (trainer.record.rundir)\n"
+# Files: the plan's, the launchers', the workers', the record and its attestation, Hydra's log, the marker (left when
+# a run is killed between its record and the marker's removal) (and probe-rank-N.json, :func:`probe_rank`, one per
+# local rank).
 RUN_FILES = (RECORD, "attestation.json", METRICS, HYDRA_FILES[1], CONFIG, COMMAND, PLAN, ARGV, ENV, JOB, SBATCH, SUBMIT,
-             RUNTIME_ENV, MEGATRON, PROFILE, SANDBOX, PREFLIGHT, RENDEZVOUS)
+             RUNTIME_ENV, MEGATRON, PROFILE, SANDBOX, PREFLIGHT, RENDEZVOUS, MARKER)
 RECORD_STATES = (PLANNED, RUNNING, *HANDED_OFF, *FINAL)  # every state a run's record.json can be in
+# What a run writes before its record (RunDir.write_plan, then RunDir.begin): a directory holding the marker
+# (:data:`MARKER`), only these, Hydra's files (.hydra/ with only Hydra's three, :data:`HYDRA_RECORD`, train.log), the
+# temporary siblings of an atomic write of one of them, of the marker or of the record (``.NAME.XXXXXXXX``), and no
+# record.json holds a partial run, one that stopped (a full disk, a kill) before its first record: refused by name,
+# removed by --overwrite (:func:`partial_run`).
+PLAN_FILES = (CONFIG, COMMAND, PLAN, ARGV, ENV)
+HYDRA_RECORD = ("config.yaml", "hydra.yaml", "overrides.yaml")  # what Hydra writes into .hydra/, all it writes
+
+
+def _atomic_debris(name: str, names=(*PLAN_FILES, RECORD, MARKER)) -> bool:
+    """Whether ``name`` is the temporary sibling of an atomic write of one of ``names`` (``.NAME.`` and mkstemp's
+    8 random characters, :func:`trainer.publish.atomic_file`): what a write killed or cut short leaves."""
+    return any(name.startswith(f".{n}.") and len(name) == len(n) + 10 for n in names)
+
+
+def _hydra_only(entry: Path) -> bool:
+    """Whether ``entry`` is Hydra's ``.hydra/``: a real folder (not a link) holding only regular files named
+    :data:`HYDRA_RECORD` (no link, no folder, no other name). Raises ``OSError`` when it cannot be read."""
+    if entry.is_symlink() or not entry.is_dir():
+        return False
+    return all(child.name in HYDRA_RECORD and not child.is_symlink() and child.is_file() for child in entry.iterdir())
+
+
+def partial_run(path: Path) -> Optional[List[Path]]:
+    """The entries of a partial run in the directory ``path`` (see :data:`PLAN_FILES`), or None when it is not
+    one: no marker :data:`MARKER` (a regular file) is there (a user's lone ``config.yaml``, ``command.sh`` or
+    ``train.log``: no run of this bundle wrote them), a ``record.json`` is, or any other entry is (a folder, a
+    link, a file of another name, a ``.hydra`` that is a link or holds anything but Hydra's three files). The
+    evidence is the marker, not the names: a user's ``.plan.json.backup01`` looks like the temporary file of an
+    atomic write, and is one only beside the marker. Raises ``OSError`` when it cannot be read."""
+    entries = sorted(Path(path).iterdir())
+    names = {e.name: e for e in entries}
+    marker = names.get(MARKER)
+    if RECORD in names or marker is None or marker.is_symlink() or not marker.is_file():
+        return None
+    for entry in entries:
+        if entry.name == HYDRA_FILES[0]:
+            if not _hydra_only(entry):
+                return None
+        elif entry.is_symlink() or not entry.is_file() or not (
+                entry.name in (*PLAN_FILES, MARKER, HYDRA_FILES[1]) or _atomic_debris(entry.name)):
+            return None
+    return entries  # Hydra's .hydra/ (its three files) and train.log go too
 
 
 def others_in(path: Path) -> List[str]:
@@ -495,8 +619,11 @@ def run_entries(path: Path, record: Dict[str, Any]) -> tuple[List[Path], List[Pa
         for entry in sorted(directory.iterdir()):
             name = f"{rel}{entry.name}"
             real_dir = entry.is_dir() and not entry.is_symlink()
-            if not rel and ((entry.name in RUN_FILES or _probe_rank_file(entry.name)) and not real_dir
-                            or entry.name in RUN_FOLDERS and (real_dir or entry.is_symlink())):
+            if not rel and entry.name == HYDRA_FILES[0] and real_dir and not _hydra_only(entry):
+                clean = False  # a .hydra/ holding more than Hydra's three files: the user's files are in it
+                foreign.append(f"{name}/")
+            elif not rel and ((entry.name in RUN_FILES or _probe_rank_file(entry.name)) and not real_dir
+                              or entry.name in RUN_FOLDERS and (real_dir or entry.is_symlink())):
                 removable.append(entry)
             elif name in listed and not real_dir:
                 removable.append(entry)
@@ -559,7 +686,20 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir",
     filesystem root, the current directory, one above it, the home directory, a file, and a place that cannot be
     written. Returns the path. Raises :class:`UserError` (one line naming ``field``); nothing is created, and
     nothing is removed unless every check passed.
+
+    A directory holding a partial run (:func:`partial_run`: the marker :data:`MARKER` a run writes first, only the
+    files a run writes before its record, Hydra's three in ``.hydra/``, no ``record.json``) is refused naming it ("holds a partial run (no record.json); pass --overwrite"), and
+    ``overwrite`` removes it. An ``OSError`` of the place (a component longer than the file system takes, no
+    permission) is one line naming ``field`` and the path (:func:`trainer.errors.os_error_line`).
     """
+    try:
+        return _claim_run_dir(value, mode, field, composition)
+    except OSError as ex:
+        raise UserError(f"{field}={value}: {os_error_line(ex)}") from None
+
+
+def _claim_run_dir(value: str, mode: str, field: str, composition: Optional[str]) -> Path:
+    """:func:`claim_run_dir`; the caller turns its ``OSError`` into one line."""
     import shutil
     import tempfile
 
@@ -585,18 +725,26 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir",
             entries, others = sorted(p.name for p in path.iterdir()), others_in(path)
         except OSError as ex:
             raise UserError(f"{where}: not readable ({ex.strerror})") from None
-        if others and RECORD not in entries:
+        partial = partial_run(path) if others and RECORD not in entries else None
+        if others and RECORD not in entries and partial is None:
             raise UserError(f"{where}: holds files that no run wrote ({', '.join(others[:3])}"
                             f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory")
-        if others and mode == "new":
+        if partial is not None and mode != "overwrite":
+            raise UserError(f"{where}: holds a partial run (no {RECORD}: a run that stopped before its record was "
+                            f"written, e.g. on a full disk); pass --overwrite to remove it, or choose a new directory")
+        if partial is not None:
+            removal = (partial, [])
+        elif others and mode == "new":
+            from trainer.record.record import effective_status
+
             status = "unreadable"
             try:
-                status = str((load_record(path) or {}).get("status", "unknown"))
+                status = effective_status(load_record(path) or {})
             except UserError:
                 pass
             raise UserError(f"{where}: holds another run (status {status}); pass --resume to write into it "
                             "or --overwrite to replace it, or choose a new directory")
-        if others:
+        elif others:
             record = run_record(path, where)
         if record is not None and mode == "resume" and (composition is None
                                                         or record.get("composition_sha256") != composition):

@@ -4,7 +4,13 @@ The run record says what the launcher and the job itself wrote (``rendered``, ``
 ``complete``, ``failed``, ``interrupted``). For a Slurm run that is not finished the Slurm job's state is read
 (``squeue``, then ``scontrol show job``); a job that Slurm says has ended while the record still says
 ``submitted``/``running`` (killed before its script could record anything: node failure, ``scancel -s KILL``)
-is recorded as ``failed`` with Slurm's state, so the record never claims a run that is gone.
+is recorded as ``failed`` with Slurm's state, so the record never claims a run that is gone. A local run whose
+record says ``running`` while its process is gone (:func:`trainer.record.record.process_gone`: it ended without a
+word, as when its disk filled; its pid was reused by another process, told apart by the start time the record
+saved; a pid that is no process id; a zombie) is recorded ``interrupted`` with the reason, where there is room to
+write it, and reported so either way: ``--wait`` returns. A record saved in another pid namespace (a run in a
+container, :func:`trainer.record.record.unverifiable`) is reported ``running (its process cannot be checked from
+here...)`` and never rewritten.
 
 Exit codes: 0 complete, 1 failed or interrupted, 2 bad input, 3 not finished (rendered, submitted, running;
 with ``--wait``: still not finished after ``--timeout``).
@@ -20,8 +26,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from trainer.errors import UserError
-from trainer.record.record import effective_status
-from trainer.record.rundir import FAILED, LOGS, RunDir, load_record
+from trainer.record.record import effective_status, process_gone, unverifiable
+from trainer.record.rundir import FAILED, INTERRUPTED, LOGS, RunDir, load_record, utc_now
 
 ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
          "DEADLINE")
@@ -73,6 +79,16 @@ def refresh(run_dir: Path) -> Dict[str, Any]:
                                            f"before its script recorded a result{tail}")
                 record.setdefault("slurm", {})["state"] = state
                 rundir.save_record(record)
+    elif record.get("status") == "running" and status != "running":
+        # the process the record names is gone (ended, its pid reused, no process id): say so, and record it
+        # where there is room (a run that filled its disk may have had none to record how it ended)
+        reason = process_gone(record) or "its process is gone"
+        rundir = RunDir(run_dir)
+        rundir.end(record, INTERRUPTED, f"{reason} (found by `trainer status` at {utc_now()})")
+        try:
+            rundir.save_record(record)
+        except OSError:
+            pass
     else:
         record["status"] = status
     return record
@@ -93,6 +109,8 @@ def main(argv: List[str]) -> int:
         record = refresh(args.run_dir)
         status = record.get("status")
         line = f"{args.run_dir}: {status}"
+        if status == "running" and unverifiable(record):  # another pid namespace: reported, never rewritten
+            line += " (its process cannot be checked from here: another pid namespace)"
         if record.get("slurm", {}).get("job_id"):
             line += f" (Slurm job {record['slurm']['job_id']}" + (f", {record['slurm']['state']}" if record["slurm"].get("state") else "") + ")"
         if record.get("reason"):

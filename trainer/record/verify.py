@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
-from trainer.inputs import parse_json, read_text, read_yaml
+from trainer.inputs import parse_json, read_bytes, read_text, read_yaml
 
 # component -> (observed path in the probe, requirements name in a pip lock, stack.json component, recipe stack key)
 COMPONENTS = {
@@ -199,7 +199,7 @@ def signed_lock(signed, run_dir: Path, given: Optional[Path]) -> Tuple[Path, str
                                  f"{(signed.predicate.get('verify') or {}).get('reason', 'unknown')})")
     path = given or lock_path_of(lock, run_dir)
     try:
-        data = path.read_bytes()
+        data = read_bytes(path, "lock")  # a FIFO refused without blocking, 64 MiB at most
     except OSError as ex:
         raise VerificationFailed(f"{where}: the signed lock {path} is not readable ({ex.strerror})") from None
     have = hashlib.sha256(data).hexdigest()
@@ -252,7 +252,7 @@ def main(argv: List[str]) -> int:
                         "attestation.json (the signature, every file of the run directory, the lock by digest) and "
                         "take the verdict from it; or an image's signed provenance")
     args = parser.parse_args(argv)
-    from trainer.record.attest import count_steps
+    from trainer.record.attest import count_steps_in
     from trainer.record.rundir import METRICS, RECORD, check_record_types, load_record
 
     signed, run = check_signed(args.run_dir, args.key) if args.key is not None else (None, None)
@@ -270,7 +270,7 @@ def main(argv: List[str]) -> int:
         lock_path, lock_text = signed_lock(run, args.run_dir, args.lock)
         lock = parse_lock(lock_text, lock_path)
         status = run.predicate.get("run", {}).get("status")
-        steps = count_steps(run.files.get(METRICS, b""))
+        steps = run.steps  # counted from the bytes as hashed
     else:
         record = load_record(args.run_dir)
         if record is None:
@@ -279,7 +279,7 @@ def main(argv: List[str]) -> int:
         lock = read_lock(lock_path)
         status = record.get("status")
         metrics = args.run_dir / METRICS
-        steps = count_steps(metrics.read_bytes()) if metrics.is_file() else 0
+        steps = count_steps_in(metrics) if metrics.is_file() else 0  # streamed; a FIFO refused
     if not record.get("probe"):
         raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
     if args.recipe:

@@ -1,7 +1,7 @@
 """The convergence check: does a candidate run's LM loss follow its reference's, step by step?
 
 Megatron-Bridge's ``validate_convergence`` (``scripts/performance/utils/evaluate.py``), with the
-thresholds its CI pipeline passes (``conf/convergence/megatron-bridge-pipeline.yaml``), on per-step LM
+thresholds its CI pipeline passes (``trainer/report/thresholds/megatron-bridge-pipeline.yaml``), on per-step LM
 loss of a reference (golden) run g and a candidate run c (shared docs METRICS.md):
 
 1. drop the first ``int(n x skip_first_percent_loss)`` aligned points;
@@ -38,11 +38,10 @@ import numpy as np
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import REPO_ROOT
 from trainer.errors import UserError
 from trainer.report.metrics import Step
 
-CONF_DIR = REPO_ROOT / "conf" / "convergence"
+CONF_DIR = Path(__file__).parent / "thresholds"  # the checker's own data, not a group of a run's composition
 DEFAULT_THRESHOLDS = "megatron-bridge-pipeline"
 MAX_POINTS = 20_000  # per-step points in a result; longer runs keep only failed or unmatched steps (points_omitted)
 
@@ -74,7 +73,7 @@ class Thresholds:
 
 
 def load_thresholds(name_or_path: str = DEFAULT_THRESHOLDS, overrides: Sequence[str] = ()) -> Thresholds:
-    """Thresholds from ``conf/convergence/NAME.yaml`` (or a YAML file path) with ``key=value`` overrides.
+    """Thresholds from ``trainer/report/thresholds/NAME.yaml`` (or a YAML file path) with ``key=value`` overrides.
 
     Unknown keys and wrong types are refused (:class:`UserError`, one line naming the key).
     """

@@ -53,7 +53,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("runs", nargs="*", type=Path, metavar="RUN", help="CANDIDATE REFERENCE: run directories or metrics.jsonl files")
     p.add_argument("--thresholds", default=DEFAULT_THRESHOLDS, metavar="NAME|FILE",
-                   help=f"conf/convergence option or YAML file (default {DEFAULT_THRESHOLDS})")
+                   help=f"a thresholds option (trainer/report/thresholds/) or YAML file (default {DEFAULT_THRESHOLDS})")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one threshold (repeatable)")
     p.add_argument("--out", type=Path, help="where convergence.json and convergence_loss.png go (default: the candidate's directory)")
     p.add_argument("--no-plot", action="store_true", help="do not write convergence_loss.png")

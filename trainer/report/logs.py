@@ -58,6 +58,16 @@ Lines never made into steps, counted and reported (the summary line; ``--json``)
   ``[repeated Nx across cluster]``. Such a line stands for N lines whose numbers may differ, of which
   only the last one's text is shown, so it is not read as a step: the lines and the N they stand for are
   counted, training-step lines among them apart (their steps may then be missing from metrics.jsonl).
+* long lines: a line longer than 64 KiB (``trainer.inputs.MAX_LOG_LINE_BYTES``; a step line is < 4 KiB) is
+  skipped unread and counted (printed arguments, samples, a sparse file's hole), never parsed.
+
+The log is read as a stream (a FIFO or device is refused without blocking): memory is bounded by the line cap
+and the steps kept (at most 2,000,000 step, truncated, deduplicated and long lines), whatever the file's size;
+lines are numbered at ``\n`` as editors number them, and every error names the file and line. What it writes,
+``trainer report`` and ``trainer converge`` read: a step outside 1..2^63-1, a step time that is not a positive
+finite number of seconds, a global batch size that is not a positive integer, a Megatron count below 0 are
+refused (one line naming file and line), never written. A loss or grad norm that is not finite is kept (a NaN
+step fails the convergence check: a result, not bad input).
 
 ``tokens`` (per step, whole job) = global batch size (rows) x sequence length (tokens per row), fixed-length
 rows: the global batch size from the log where it prints one (Megatron), else from the composition; the
@@ -75,11 +85,12 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 from trainer.errors import UserError
+from trainer.inputs import MAX_LOG_LINE_BYTES, raw_lines
 from trainer.record.rundir import CONFIG, METRICS, RECORD
-from trainer.report.metrics import Step, write_metrics
+from trainer.report.metrics import MAX_STEP, MAX_STEPS, Step, write_metrics
 
 MEGATRON_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 MILES_STEP = re.compile(r"\bstep (\d+): (\{.*\})\s*$")
@@ -129,12 +140,14 @@ class LogRead:
     """What :func:`read_log` made of a log: the steps, the lines it left out, and where tokens came from.
 
     ``truncated`` and ``deduplicated`` hold the lines counted but never made into steps (module
-    docstring); ``tokens_from`` names the source of the rows per step (``"log"``, ``"composition"``, both
+    docstring), ``long`` the lines longer than :data:`~trainer.inputs.MAX_LOG_LINE_BYTES` (64 KiB), skipped
+    unread (a step line is < 4 KiB; printed arguments or samples are longer); ``tokens_from`` names the source of the rows per step (``"log"``, ``"composition"``, both
     joined by ``" and "``, or ``""`` when no step has tokens)."""
 
     steps: List[Step]
     truncated: List[SkippedLine] = field(default_factory=list)
     deduplicated: List[SkippedLine] = field(default_factory=list)
+    long: List[SkippedLine] = field(default_factory=list)
     tokens_from: str = ""
 
     def summary(self) -> Dict[str, Any]:
@@ -153,6 +166,11 @@ class LogRead:
                 "step_lines": len(dedup_steps),
                 "step_lines_stand_for": sum(d.repeats for d in dedup_steps),
                 "lines": [_skipped_json(d) for d in (dedup_steps + [d for d in self.deduplicated if not d.is_step])[:LISTED]],
+            },
+            "long_lines": {
+                "count": len(self.long),
+                "max_bytes": MAX_LOG_LINE_BYTES,
+                "lines": [s.line for s in self.long[:LISTED]],
             },
         }
 
@@ -181,13 +199,13 @@ def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
         if sep:
             fields[key.strip()] = value.strip()
     loss = _float(fields["lm loss"], where, "lm loss") if "lm loss" in fields else math.nan  # NaN or skipped
-    row: Dict[str, Any] = {"step": int(match.group(1)), "lm_loss": loss}
+    row: Dict[str, Any] = {"step": _step_number(match.group(1), where), "lm_loss": loss}
     for field_name, key in (("number of skipped iterations", "skipped_iterations"), ("number of nan iterations", "nan_iterations")):
         if field_name in fields:
-            try:
-                row[key] = int(fields[field_name])
-            except ValueError:
-                raise UserError(f"{where}: {field_name} {fields[field_name]!r} is not an integer") from None
+            text = fields[field_name]
+            if not re.fullmatch(r"[+-]?\d{1,19}", text):
+                raise UserError(f"{where}: {field_name} {text[:40]!r} is not an integer")
+            row[key] = int(text)
     if "grad norm" in fields:
         row["grad_norm"] = _float(fields["grad norm"], where, "grad norm")
     if "learning rate" in fields:
@@ -283,16 +301,21 @@ def _dedup_kind(text: str) -> Tuple[str, Optional[int]]:
     """What a Ray-deduplicated (or truncated) line would have been: its kind and the 1-based step it names."""
     match = MEGATRON_ITERATION.search(text)
     if match:
-        return "megatron step", int(match.group(1))
+        return "megatron step", _shown_step(match.group(1))
     match = MILES_START.search(text)
     if match:
         if match.group(1) == "perf":
-            return "miles perf", int(match.group(2)) + 1
+            return "miles perf", _shown_step(match.group(2), 1)
         if any(f"'{k}'" in match.group(3) or f'"{k}"' in match.group(3) for k in LOSS_KEYS):
-            return "miles step", int(match.group(2)) + 1
+            return "miles step", _shown_step(match.group(2), 1)
         if _miles_partial(match.group(3)) and not match.group(3).rstrip().endswith("}"):
-            return "miles step", int(match.group(2)) + 1  # cut before its loss key
+            return "miles step", _shown_step(match.group(2), 1)  # cut before its loss key
     return "other", None
+
+
+def _shown_step(digits: str, offset: int = 0) -> Optional[int]:
+    """The step a line that is not read names (for the summary), None beyond a signed 64-bit integer."""
+    return int(digits) + offset if len(digits) <= 18 else None
 
 
 def step_line_kind(line: str) -> Optional[str]:
@@ -312,29 +335,96 @@ def _miles_partial(rest: str) -> bool:
     return any(rest.startswith(p) or p.startswith(rest) for p in ("'train/", '"train/', "'perf/", '"perf/'))
 
 
-def read_log(text: str, name: str = "log", seq_length: Optional[int] = None,
+class _TextLines:
+    """``(index, line number, line)`` of a log's text (``str.splitlines``); ``cut_at_end`` once iterated."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+        self.cut_at_end = bool(text) and not text.endswith(("\n", "\r"))
+
+    def __iter__(self) -> Iterator[Tuple[int, Optional[str]]]:
+        return enumerate(self.text.splitlines(), start=1)
+
+
+class _FileLines:
+    """``(line number, text)`` of a log file read as a stream: lines end at ``\n`` (numbered as editors number
+    them), each split again where ``str.splitlines`` would (a ``\r`` of a progress bar), decoded as UTF-8 with
+    bad bytes replaced; a line longer than :data:`~trainer.inputs.MAX_LOG_LINE_BYTES` is ``(number, None)``.
+    Memory is bounded by that cap whatever the file's size; a FIFO or device is refused without blocking."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.cut_at_end = False
+
+    def __iter__(self) -> Iterator[Tuple[int, Optional[str]]]:
+        last = b""
+        for number, raw in raw_lines(self.path, "training log", MAX_LOG_LINE_BYTES, long="skip"):
+            last = raw or b"\n"
+            if raw is None:
+                yield number, None
+                continue
+            for segment in raw.decode("utf-8", errors="replace").splitlines():
+                yield number, segment
+        self.cut_at_end = not last.endswith((b"\n", b"\r"))
+
+
+def _step_number(digits: str, where: str, offset: int = 0) -> int:
+    """The 1-based step of a log's step counter ``digits`` (+ ``offset``: 1 for miles' 0-based steps); raises
+    :class:`UserError` naming ``where`` unless it is one metrics.jsonl holds (1..MAX_STEP, a signed 64-bit int)."""
+    step = int(digits) + offset if len(digits) <= 19 else MAX_STEP + 1
+    if not 1 <= step <= MAX_STEP:
+        shown = digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits):,} digits)"
+        raise UserError(f"{where}: step {shown} (+{offset}) is not a step metrics.jsonl holds (1..{MAX_STEP:,})"
+                        if offset else f"{where}: iteration {shown} is not a step metrics.jsonl holds (1..{MAX_STEP:,})")
+    return step
+
+
+def _check_row(row: Dict[str, Any], where: str) -> None:
+    """Refuse (one line naming ``where`` and the field) a value `trainer report` or `converge` would refuse in the
+    metrics.jsonl written from it: a step time that is not a positive finite number of seconds, a global batch size
+    that is not a positive integer, a Megatron count below 0. A loss or grad norm that is not finite is kept (the
+    convergence check fails such a step: it is a result, not bad input)."""
+    time_s = row.get("step_time_s")
+    if time_s is not None and not (math.isfinite(time_s) and time_s > 0):
+        raise UserError(f"{where}: step time {time_s!r} s, expected a positive finite number of seconds")
+    gbs = row.get("global_batch_size")
+    if gbs is not None and not (math.isfinite(gbs) and gbs >= 1 and gbs == int(gbs) and gbs <= MAX_STEP):
+        raise UserError(f"{where}: global batch size {gbs!r}, expected a positive integer number of rows")
+    for key in ("skipped_iterations", "nan_iterations"):
+        if row.get(key) is not None and not 0 <= row[key] <= MAX_STEP:
+            raise UserError(f"{where}: {key.replace('_', ' ')} {row[key]}, expected an integer >= 0")
+
+
+def read_log(source: Union[str, Path], name: Optional[str] = None, seq_length: Optional[int] = None,
              global_batch_size: Optional[int] = None) -> LogRead:
     """All steps of a log (both formats), sorted by step, with the lines left out (:class:`LogRead`).
 
-    ``seq_length``: tokens per row; ``global_batch_size``: rows per step of the run's composition, used
-    where the log prints none (miles); tokens per step = rows x ``seq_length``. Raises
-    :class:`UserError` naming the log and line when no complete step line is found, a value is not a
-    number, a step appears twice with different values, or the log's global batch size differs from
-    ``global_batch_size``.
+    ``source``: the log's text, or a :class:`~pathlib.Path` of a log file, read as a stream (:class:`_FileLines`:
+    memory bounded by the line cap and the steps kept, never by the file's size; lines over the cap are skipped
+    and counted in ``LogRead.long``). ``name`` (default: the path) names the log in errors. ``seq_length``:
+    tokens per row; ``global_batch_size``: rows per step of the run's composition, used where the log prints none
+    (miles); tokens per step = rows x ``seq_length``. Raises :class:`UserError` naming the log and line when no
+    complete step line is found, a value is not a number, a step appears twice with different values, the log's
+    global batch size differs from ``global_batch_size``, a value is one metrics.jsonl readers refuse
+    (:func:`_check_row`, :func:`_step_number`), or the log holds more than :data:`MAX_STEPS` lines kept.
     """
-    rows: Dict[int, Dict[str, Any]] = {}
-    seen_at: Dict[int, int] = {}
+    stream = _FileLines(source) if isinstance(source, Path) else _TextLines(source)
+    name = str(source) if name is None and isinstance(source, Path) else (name or "log")
     perf: Dict[int, float] = {}
     miles_steps = set()
     read = LogRead(steps=[])
-    all_lines = text.splitlines()
-    # Megatron-LM ends every field with " |"; a fork whose lines end otherwise (no iteration line ends with "|")
-    # has only its last line, when the text stops without a newline, taken as cut
-    pipe_ended = any(ANSI.sub("", line).rstrip().endswith("|") and MEGATRON_ITERATION.search(line) for line in all_lines)
-    cut_at_end = bool(text) and not text.endswith(("\n", "\r"))
-    for number, raw in enumerate(all_lines, start=1):
-        line = ANSI.sub("", raw)
+    candidates: List[Tuple[int, int, Dict[str, Any], bool]] = []  # (segment index, line, row, ends without "|")
+    pipe_ended = False  # Megatron-LM ends every field with " |"; a fork's lines may end otherwise
+    index = 0
+    for index, (number, raw) in enumerate(stream, start=1):
         where = f"{name} line {number}"
+        if len(candidates) + len(read.truncated) + len(read.deduplicated) + len(read.long) > MAX_STEPS:
+            raise UserError(f"{where}: more than {MAX_STEPS:,} step, truncated, deduplicated and over-long lines "
+                            f"(the most `trainer logs` keeps; a report reads at most {MAX_STEPS:,} steps)")
+        if raw is None:
+            read.long.append(SkippedLine(number, "other"))
+            continue
+        line = ANSI.sub("", raw)
         repeated = RAY_REPEATED.search(line)
         if repeated:
             kind, step = _dedup_kind(line[:repeated.start()])
@@ -342,35 +432,45 @@ def read_log(text: str, name: str = "log", seq_length: Optional[int] = None,
             continue
         row = parse_megatron(line, where)
         if row is not None:
-            if not line.rstrip().endswith("|") and (pipe_ended or (cut_at_end and number == len(all_lines))):
-                read.truncated.append(SkippedLine(number, "megatron step", row["step"]))
-                continue
-        else:
-            start = MILES_START.search(line)
-            if start is None:
-                continue
-            full = (MILES_STEP if start.group(1) == "step" else MILES_PERF).search(line)
-            if full is None:
-                if _miles_partial(start.group(3)):
-                    read.truncated.append(SkippedLine(number, "miles perf" if start.group(1) == "perf" else "miles step",
-                                                      int(start.group(2)) + 1))
-                continue
-            values = _literal_dict(full.group(2), where)
-            if start.group(1) == "perf":
-                time_s = _number(values, "perf/actor_train_time", where)
-                if time_s is not None:
-                    perf[int(full.group(1)) + 1] = time_s
-                continue
-            loss_key = next((k for k in LOSS_KEYS if k in values), None)
-            if loss_key is None:
-                continue  # another role's step or a dict without a loss
-            row = {"step": int(full.group(1)) + 1, "lm_loss": _number(values, loss_key, where)}
-            for src, dst in (("train/grad_norm", "grad_norm"), ("train/lr-pg_0", "lr"),
-                             ("train/global_batch_size", "global_batch_size")):
-                value = _number(values, src, where)
-                if value is not None:
-                    row[dst] = value
-            miles_steps.add(row["step"])
+            unpiped = not line.rstrip().endswith("|")
+            pipe_ended = pipe_ended or not unpiped
+            candidates.append((index, number, row, unpiped))
+            continue
+        start = MILES_START.search(line)
+        if start is None:
+            continue
+        full = (MILES_STEP if start.group(1) == "step" else MILES_PERF).search(line)
+        if full is None:
+            if _miles_partial(start.group(3)):
+                read.truncated.append(SkippedLine(number, "miles perf" if start.group(1) == "perf" else "miles step",
+                                                  _step_number(start.group(2), where, 1)))
+            continue
+        values = _literal_dict(full.group(2), where)
+        if start.group(1) == "perf":
+            time_s = _number(values, "perf/actor_train_time", where)
+            if time_s is not None:
+                _check_row({"step_time_s": time_s}, where)
+                perf[_step_number(full.group(1), where, 1)] = time_s
+            continue
+        loss_key = next((k for k in LOSS_KEYS if k in values), None)
+        if loss_key is None:
+            continue  # another role's step or a dict without a loss
+        row = {"step": _step_number(full.group(1), where, 1), "lm_loss": _number(values, loss_key, where)}
+        for src, dst in (("train/grad_norm", "grad_norm"), ("train/lr-pg_0", "lr"),
+                         ("train/global_batch_size", "global_batch_size")):
+            value = _number(values, src, where)
+            if value is not None:
+                row[dst] = value
+        miles_steps.add(row["step"])
+        candidates.append((index, number, row, False))
+    rows: Dict[int, Dict[str, Any]] = {}
+    seen_at: Dict[int, int] = {}
+    for at, number, row, unpiped in candidates:  # in line order, now that the whole log is known
+        where = f"{name} line {number}"
+        if unpiped and (pipe_ended or (stream.cut_at_end and at == index)):
+            read.truncated.append(SkippedLine(number, "megatron step", row["step"]))
+            continue
+        _check_row(row, where)
         logged = row.get("global_batch_size")
         if logged is not None and global_batch_size is not None and logged != global_batch_size:
             raise UserError(
@@ -385,6 +485,7 @@ def read_log(text: str, name: str = "log", seq_length: Optional[int] = None,
             )
         rows[step] = row
         seen_at[step] = number
+    read.truncated.sort(key=lambda t: t.line)
     if not rows:
         left_out = _left_out_text(read)
         raise UserError(
@@ -403,6 +504,8 @@ def read_log(text: str, name: str = "log", seq_length: Optional[int] = None,
         if gbs is None:
             gbs, source = global_batch_size, "composition"
         tokens = float(gbs * seq_length) if gbs is not None and seq_length else None
+        if tokens is not None and not math.isfinite(tokens):
+            raise UserError(f"{name} step {step}: {gbs:g} rows x {seq_length} tokens is not a finite number of tokens")
         if tokens is not None:
             sources.add(source)
         read.steps.append(Step(tokens=tokens, **row))
@@ -446,6 +549,9 @@ def _left_out_text(read: LogRead) -> str:
             text += (f"; {len(dedup_steps)} of them step lines standing for {sum(d.repeats for d in dedup_steps)} "
                      f"step lines, {_lines(dedup_steps)}: steps may be missing, rerun with RAY_DEDUP_LOGS=0")
         parts.append(text + ")")
+    if read.long:
+        parts.append(f"{len(read.long)} line{'s' if len(read.long) > 1 else ''} longer than {MAX_LOG_LINE_BYTES:,} "
+                     f"bytes skipped ({_lines(read.long)}; a step line is shorter)")
     return "; ".join(parts)
 
 
@@ -506,7 +612,7 @@ def composition(args: argparse.Namespace) -> Tuple[Optional[int], Optional[int],
 def main(argv: List[str]) -> int:
     """Entry point of ``trainer logs``; writes metrics.jsonl atomically and prints what it read (and left out)."""
     args = parser().parse_args(argv)
-    if not args.log.is_file():
+    if not args.log.exists():
         raise UserError(f"{args.log}: no such log file")
     gbs, seq_length, source = composition(args)
     if args.output is None:
@@ -514,7 +620,7 @@ def main(argv: List[str]) -> int:
             raise UserError("where to write? pass -o metrics.jsonl (or a directory), or --run RUN_DIR to write "
                             "RUN_DIR/metrics.jsonl")
         args.output = args.run
-    read = read_log(args.log.read_text(encoding="utf-8", errors="replace"), str(args.log), seq_length, gbs)
+    read = read_log(args.log, str(args.log), seq_length, gbs)  # a stream: bounded memory, a FIFO refused
     steps = read.steps
     out = args.output / METRICS if args.output.is_dir() else args.output
     if out.exists() and not args.force:

@@ -54,7 +54,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from trainer.errors import UserError
-from trainer.inputs import lines, parse_json
+from trainer.inputs import kind_of, lines, parse_json
 from trainer.compose.params import CSA_RATIO, count_params
 from trainer.compose.schema import ModelConfig
 from trainer.record.rundir import METRICS
@@ -117,6 +117,8 @@ def metrics_path(path: Path) -> Path:
     """``path`` itself if it is a file, else ``path/metrics.jsonl``; raises :class:`UserError` if missing."""
     path = Path(path)
     target = path / METRICS if path.is_dir() else path
+    if target.exists() and not target.is_file():  # a FIFO, device or directory: named, never opened to block
+        raise UserError(f"{target}: {kind_of(target.stat().st_mode)}, not a regular file (a metrics.jsonl must be one)")
     if not target.is_file():
         raise UserError(f"{target}: no such file (expected a run directory with metrics.jsonl, or a metrics.jsonl file)")
     return target

@@ -30,7 +30,7 @@ import yaml
 from trainer import REPO_ROOT
 from trainer.compose import checks, numerics
 from trainer.errors import UserError
-from trainer.inputs import read_yaml
+from trainer.inputs import read_text, read_yaml
 from trainer.publish import atomic_write
 from trainer.record.rundir import COMMAND, METRICS, Run, load_run
 
@@ -290,7 +290,7 @@ def build_recipe(run: Run, summary: Dict[str, Any], reference: Optional[Run] = N
         status = "measured"  # a CPU smoke run checks the bundle, not the recipe's GPU result
     command = run.path / COMMAND
     if command.is_file():
-        script = command.read_text()
+        script = read_text(command, "command.sh")  # 64 MiB at most, a FIFO refused
     else:
         from trainer.compose.render import render
 

@@ -91,6 +91,9 @@ def build_summary(run: Run, window: Optional[str] = None, usd_per_node_hour: Opt
         "gpu_type": "CPU processes" if run.cpu_only else cfg.cluster.gpu_type,
         "instance": cfg.cluster.instance,
     }
+    if run.cpu_only:  # its hours are CPU processes' hours: the key stays (summary.json's schema), the note says so
+        summary["gpu_hours_note"] = ("CPU-process-hours, no GPU in the run: "
+                                     + summary["gpu_hours_note"].replace("GPUs x", "processes x", 1))
     return summary
 
 
@@ -103,8 +106,10 @@ def print_summary(summary: Dict[str, Any], where: Path, console: Optional[Consol
     table.add_column("value", justify="right")
     table.add_column("how")
     w = summary["window"]
-    table.add_row("tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.2f}",
-                  f"{summary['window_tokens']:,} tokens / {summary['window_seconds']:.2f} s / {summary['gpus']} GPUs, steps {w[0]}..{w[1]}")
+    cpu = run["gpu_type"] == "CPU processes"  # a launcher=local-cpu run: its devices are CPU processes
+    table.add_row("tokens/s per process" if cpu else "tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.2f}",
+                  f"{summary['window_tokens']:,} tokens / {summary['window_seconds']:.2f} s / {summary['gpus']} "
+                  f"{'processes' if cpu else 'GPUs'}, steps {w[0]}..{w[1]}")
     if summary["mfu"] is None:
         table.add_row("MFU", "n/a", "the run's processes saw no GPU (the probe), so there is no GPU peak to divide by")
     else:
@@ -119,7 +124,7 @@ def print_summary(summary: Dict[str, Any], where: Path, console: Optional[Consol
                   "no price (--no-cost)" if cost is None else f"${summary['usd_per_node_hour']}/node-hour")
     table.add_row("step-time CV", f"{summary['step_time_cv_percent']:.2f}%",
                   f"population stdev / mean over steps {w[0]}..{w[1]} (mean {summary['step_time_mean_s']:.3f} s)")
-    table.add_row("GPU-hours", f"{summary['gpu_hours']:.2f}", summary["gpu_hours_note"])
+    table.add_row("CPU-process-hours" if cpu else "GPU-hours", f"{summary['gpu_hours']:.2f}", summary["gpu_hours_note"])
     console.print(table)
     console.print(f"written: {where}")
 

@@ -13,6 +13,7 @@ import re
 from typing import TYPE_CHECKING, Dict, List, Tuple
 
 from trainer.errors import CheckError
+from trainer.redact import redact_field
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
 
@@ -27,7 +28,7 @@ def parse_image(reference: str, field: str = "launcher.image") -> Tuple[str, str
     reference is not pinned by digest (a tag alone can move)."""
     match = REFERENCE_RE.match(reference or "")
     if not match:
-        raise CheckError(f"{field} {reference!r}: expected an image pinned by digest, NAME@sha256:<64 hex>")
+        raise CheckError(f"{field} {redact_field(field, reference)!r}: expected an image pinned by digest, NAME@sha256:<64 hex>")
     return match.group("name"), match.group("digest")
 
 

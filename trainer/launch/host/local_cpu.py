@@ -23,6 +23,7 @@ from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
 from trainer.record.rundir import LOGS, RunDir
+from trainer.redact import redact_field
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -77,13 +78,13 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     path = Path(os.path.expandvars(cfg.paths.prompt_data))
     if "$" in str(path) or not (path / "manifest.json").is_file():
         raise UserError(
-            f"paths.prompt_data {cfg.paths.prompt_data}: expected a rows directory from `trainer data build` "
+            f"paths.prompt_data {redact_field('prompt_data', cfg.paths.prompt_data)}: expected a rows directory from `trainer data build` "
             "(rows.parquet + manifest.json)"
         )
     rows = Rows(path)  # verified against its own manifest before any process starts
     if data.rows_sha256 and rows.manifest.get("rows_sha256") != data.rows_sha256:
         raise UserError(
-            f"paths.prompt_data {path}: rows_sha256 {rows.manifest.get('rows_sha256')} != data.rows_sha256 "
+            f"paths.prompt_data {redact_field('prompt_data', path)}: rows_sha256 {rows.manifest.get('rows_sha256')} != data.rows_sha256 "
             f"{data.rows_sha256} (data={data.name})"
         )
     return path

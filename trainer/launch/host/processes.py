@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Sequence
 
+from trainer import runlog
 from trainer import REPO_ROOT
 from trainer.errors import UserError
 from trainer.record.rundir import probe_rank
+from trainer.redact import redact_field
 
 
 def default_kernel_cache(run_dir: Path) -> str:
@@ -54,7 +56,7 @@ def worker_env(recipe_env: Mapping[str, str], extra: Mapping[str, str], run_dir:
     for name, value in recipe_env.items():
         expanded = string.Template(str(value)).safe_substitute(env)
         if "$" in expanded:
-            raise UserError(f"env.{name} {value}: refers to a variable that is not set here")
+            raise UserError(f"env.{name} {redact_field(name, value)}: refers to a variable that is not set here")
         env[name] = expanded
     env.update(extra)
     env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -123,6 +125,9 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _terminate)
+    # from its first second: a worker prints nothing while it imports torch and builds its model
+    print(f"starting {len(commands)} worker process(es); rank 0's output follows (logs in {logs})", flush=True)
+    runlog.info(f"starting {len(commands)} worker process(es): {' '.join(commands[0][:4])} ...")
     try:
         try:
             for rank, command in enumerate(commands):
@@ -133,6 +138,7 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
                         command, env=dict(env), stdout=handle, stderr=subprocess.STDOUT, preexec_fn=die_with_parent
                     )
                 )
+                runlog.log.debug("rank %d: pid %d, log %s", rank, procs[-1].pid, logs / f"rank-{rank}.log")
         except OSError as err:
             _stop(procs)
             return {"status": "failed", "reason": f"cannot start rank {len(procs)}: {err}",
@@ -159,6 +165,8 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
         signal.signal(signal.SIGTERM, previous)
         for handle in handles:
             handle.close()
+    codes = [p.returncode for p in procs]
+    runlog.info(f"workers ended {status}: exit codes {codes}" + (f"; {reason}" if reason else ""))
     return {"status": status, "reason": reason, "returncodes": [p.returncode for p in procs]}
 
 

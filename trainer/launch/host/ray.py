@@ -39,6 +39,7 @@ from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
 from trainer.record.rundir import (COMPLETE, FAILED, INTERRUPTED, LOGS, PREFLIGHT, PROBES, RUNTIME_ENV, SUBMIT,
                                     RunDir)
 from trainer.compose.schema import TrainConfig
+from trainer.redact import redact_field
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
@@ -50,7 +51,7 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     """``launcher.address`` must be an http(s) URL; ``launcher.image``, when given, pinned by digest."""
     address = cfg.launcher.address or ""
     if not address.startswith(("http://", "https://")):
-        raise CheckError(f"launcher.address {address!r}: expected the Ray job submission address, http://HOST:8265")
+        raise CheckError(f"launcher.address {redact_field('address', address)!r}: expected the Ray job submission address, http://HOST:8265")
     if cfg.launcher.image:
         cluster.parse_image(cfg.launcher.image)
 

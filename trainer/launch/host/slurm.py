@@ -37,6 +37,7 @@ from trainer.compose.checks import Parallelism
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
 from trainer.record.rundir import FAILED, LOGS, RENDERED, SBATCH, SUBMITTED, RunDir
+from trainer.redact import is_secret_name, redact_field
 from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
@@ -62,10 +63,10 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     if lau.container == "pyxis" or lau.image:
         cluster.parse_image(lau.image or "")
     if not TIME_RE.match(lau.time_limit):
-        raise CheckError(f"launcher.time_limit {lau.time_limit!r}: expected Slurm's time format, e.g. 04:00:00 or 1-00:00:00")
+        raise CheckError(f"launcher.time_limit {redact_field('time_limit', lau.time_limit)!r}: expected Slurm's time format, e.g. 04:00:00 or 1-00:00:00")
     for mount in lau.container_mounts:
         if mount.count(":") not in (1, 2) or not mount.startswith("/"):
-            raise CheckError(f"launcher.container_mounts {mount!r}: expected /SRC:/DST or /SRC:/DST:ro")
+            raise CheckError(f"launcher.container_mounts {redact_field('container_mounts', mount)!r}: expected /SRC:/DST or /SRC:/DST:ro")
     for port in ("ray_port", "dashboard_port"):
         if not 0 < getattr(lau, port) < 65536:
             raise CheckError(f"launcher.{port} {getattr(lau, port)}: expected a TCP port (1-65535)")
@@ -73,7 +74,7 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     for key, value in (("cluster.partition", cfg.cluster.partition), ("cluster.account", cfg.cluster.account),
                        ("layout.name", cfg.layout.name), *((f"launcher.sbatch_args[{i}]", a) for i, a in enumerate(lau.sbatch_args))):
         if value is not None and (not SBATCH_VALUE_RE.match(str(value))):
-            raise CheckError(f"{key} {value!r}: expected one word of letters, digits and _.,:=@/+- (it becomes an #SBATCH line)")
+            raise CheckError(f"{key} {redact_field(key, value)!r}: expected one word of letters, digits and _.,:=@/+- (it becomes an #SBATCH line)")
 
 
 def _q(word: str) -> str:
@@ -155,8 +156,9 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
         "export RAY_USAGE_STATS_ENABLED=0 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 PYTHONUNBUFFERED=1",
         "",
         *_require_vars(env, argv),
-        "# the recipe's environment (env.json; the same lines as command.sh)",
-        *(f"export {k}={shell_word(v)}" for k, v in env.items()),
+        "# the recipe's environment (env.json; as command.sh has it: a secret from the submitter's environment)",
+        *(f'export {k}="${{{k}:?{k} is a secret: set it in the environment before sbatch}}"' if is_secret_name(k)
+          else f"export {k}={shell_word(v)}" for k, v in env.items()),
         "",
         "# the job (job.json; the same command as command.sh unless launcher.job names another)",
         "ARGV=(",
