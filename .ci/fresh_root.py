@@ -179,11 +179,13 @@ def main() -> int:
                 break
         if args.testlogs:
             logs = root / "root" / ".cache" / "bazel"
-            for xml in glob.glob(str(logs / "**" / "testlogs" / "tests" / "**" / "test.xml"), recursive=True):
-                rel = xml.split("/testlogs/", 1)[1]
-                target = Path(args.testlogs) / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(xml, target)
+            # os.walk never follows links (a test's tree may hold link loops; a recursive glob would walk them)
+            for top, dirs, files in os.walk(logs):
+                if "test.xml" in files and "/testlogs/tests" in top:
+                    rel = os.path.join(top, "test.xml").split("/testlogs/", 1)[1]
+                    target = Path(args.testlogs) / rel
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(os.path.join(top, "test.xml"), target)
     finally:
         if args.keep:
             print(f"fresh-root: kept {root}")
