@@ -248,7 +248,7 @@ def subcommand_path(args: List[str]) -> List[str]:
     return path
 
 
-TRAIN_FLAGS = {"--resume", "--overwrite", "-m", "--multirun", "--help", "-h", "--hydra-help", "--info", "--resolve"}
+TRAIN_FLAGS = {"--resume", "--overwrite", "--frozen", "-m", "--multirun", "--help", "-h", "--hydra-help", "--info", "--resolve"}
 TRAIN_VALUE_FLAGS = {"--sign-key", "--cfg", "-c"}
 HYDRA_KEYS = {"hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir", "hydra.verbose"}
 _COMPOSED: Dict[Tuple[str, ...], object] = {}
