@@ -140,17 +140,11 @@ def _partial(full_plans, tmp: Path, kb: int = 76) -> Path:
 
 
 @pytest.fixture
-def train_here(monkeypatch, capsys):
-    """``train ARGS`` in this process, for command lines refused before Hydra runs (fast)."""
-    from trainer import train
-
+def train_here(refused_train):
+    """``train ARGS`` in this process (conftest's ``refused_train``) as (exit code, stderr)."""
     def call(args, cwd):
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["train", *args])
-        with pytest.raises(SystemExit) as info:
-            train.main()
-        out = capsys.readouterr()
-        return info.value.code, out.err
+        result = refused_train(args, cwd)
+        return result.returncode, result.stderr
 
     return call
 

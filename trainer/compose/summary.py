@@ -55,9 +55,10 @@ def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None)
     from trainer import runlog
 
     rows = summary_rows(plan, run_dir)
-    runlog.info(plain_summary(rows))
+    plain = plain_summary(rows)
+    runlog.info(plain)  # the job's log holds the plain text whatever the terminal shows
     if console is None and not sys.stdout.isatty():
-        print(plain_summary(rows), end="")
+        print(plain, end="")
         return
     from rich.console import Console
     from rich.table import Table
