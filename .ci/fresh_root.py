@@ -35,14 +35,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
 
 REPO = Path(__file__).absolute().parent.parent
 INSIDE = "/root/recipe-bundle"
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
-def readme_commands() -> List[str]:
+def readme_commands() -> list[str]:
     """The commands of the README's "Two commands" block, as written there (comments after `#` dropped)."""
     text = (REPO / "README.md").read_text()
     block = re.search(r"^## Two commands.*?^```bash\n(.*?)^```", text, re.S | re.M)
@@ -55,7 +54,7 @@ def readme_commands() -> List[str]:
     return commands
 
 
-def pip_access(python: str) -> Tuple[List[str], List[str], Dict[str, str]]:
+def pip_access(python: str) -> tuple[list[str], list[str], dict[str, str]]:
     """(configuration files, folders and files they name, PIP_* variables) of the host's pip configuration."""
     out = subprocess.run([python, "-m", "pip", "config", "debug"], capture_output=True, text=True, check=True).stdout
     files = [m.group(1) for m in re.finditer(r"^\s+(/\S+), exists: True$", out, re.M)]
@@ -64,7 +63,7 @@ def pip_access(python: str) -> Tuple[List[str], List[str], Dict[str, str]]:
     named = []
     for value in values:
         for word in value.split():
-            path = word[len("file://"):] if word.startswith("file://") else word
+            path = word[len("file://") :] if word.startswith("file://") else word
             if os.path.basename(path.rstrip("/")) == "simple":  # a local index: its pages link to ../files etc.
                 path = os.path.dirname(path.rstrip("/"))
             if path.startswith("/") and os.path.exists(path) and path not in named:
@@ -72,23 +71,37 @@ def pip_access(python: str) -> Tuple[List[str], List[str], Dict[str, str]]:
     return files, named, env
 
 
-def run(argv: List[str], **kw) -> int:
+def run(argv: list[str], **kw) -> int:
     print("+ " + " ".join(shlex.quote(a) for a in argv), flush=True)
     return subprocess.run(argv, **kw).returncode
 
 
 def build_root(root: Path) -> None:
     """mmdebstrap minbase bookworm from the host's apt sources and settings."""
-    sources = [f for f in ["/etc/apt/sources.list", *sorted(glob.glob("/etc/apt/sources.list.d/*.list")),
-                           *sorted(glob.glob("/etc/apt/sources.list.d/*.sources"))] if os.path.isfile(f) and os.path.getsize(f)]
+    sources = [
+        f
+        for f in [
+            "/etc/apt/sources.list",
+            *sorted(glob.glob("/etc/apt/sources.list.d/*.list")),
+            *sorted(glob.glob("/etc/apt/sources.list.d/*.sources")),
+        ]
+        if os.path.isfile(f) and os.path.getsize(f)
+    ]
     options = [f for f in ["/etc/apt/apt.conf", *sorted(glob.glob("/etc/apt/apt.conf.d/*"))] if os.path.isfile(f)]
-    argv = ["mmdebstrap", "--quiet", "--variant=minbase", *[f"--aptopt={f}" for f in options], "bookworm", str(root),
-            *sources]
+    argv = [
+        "mmdebstrap",
+        "--quiet",
+        "--variant=minbase",
+        *[f"--aptopt={f}" for f in options],
+        "bookworm",
+        str(root),
+        *sources,
+    ]
     if run(argv) != 0:
         raise SystemExit("fresh-root: mmdebstrap failed")
 
 
-def provision(root: Path, python: str) -> Tuple[List[str], Dict[str, str]]:
+def provision(root: Path, python: str) -> tuple[list[str], dict[str, str]]:
     """Copy the host's package access and a clone into ``root``; return (read-only binds, pip variables). The
     directory ``$RECIPE_BUNDLE_SOURCES`` names (archives of the locked Megatron-LM and miles commits, test data
     the Megatron-LM parse tests seed their cache from) is bound read-only and named there too."""
@@ -113,15 +126,46 @@ def provision(root: Path, python: str) -> Tuple[List[str], Dict[str, str]]:
     return binds, env
 
 
-def enter(root: Path, binds: List[str], env: Dict[str, str], command: str) -> int:
+def enter(root: Path, binds: list[str], env: dict[str, str], command: str) -> int:
     """Run ``command`` with bash in ``root`` under bubblewrap, as root, in the clone."""
-    argv = ["bwrap", "--bind", str(root), "/", "--proc", "/proc", "--dev", "/dev", "--ro-bind", "/sys", "/sys",
-            "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "fresh-debian12", "--die-with-parent",
-            "--cap-add", "ALL"]
+    argv = [
+        "bwrap",
+        "--bind",
+        str(root),
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--ro-bind",
+        "/sys",
+        "/sys",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--hostname",
+        "fresh-debian12",
+        "--die-with-parent",
+        "--cap-add",
+        "ALL",
+    ]
     for path in binds:
         argv += ["--ro-bind", path, path]
-    argv += ["--clearenv", "--setenv", "HOME", "/root", "--setenv", "PATH", PATH, "--setenv", "TERM", "dumb",
-             "--setenv", "LANG", "C.UTF-8"]
+    argv += [
+        "--clearenv",
+        "--setenv",
+        "HOME",
+        "/root",
+        "--setenv",
+        "PATH",
+        PATH,
+        "--setenv",
+        "TERM",
+        "dumb",
+        "--setenv",
+        "LANG",
+        "C.UTF-8",
+    ]
     for key, value in env.items():
         argv += ["--setenv", key, value]
     # xtrace marks when each command of the line starts (PS4 with the time; bash run as root ignores an inherited
@@ -139,8 +183,10 @@ def enter(root: Path, binds: List[str], env: Dict[str, str], command: str) -> in
             marks.append((float(mark.group(1)), mark.group(2).strip()))
     rc = proc.wait()
     end = time.time()
-    steps = ", ".join(f"{what.split(' -- ')[0]} {(marks[i + 1][0] if i + 1 < len(marks) else end) - at:.1f} s"
-                      for i, (at, what) in enumerate(marks))
+    steps = ", ".join(
+        f"{what.split(' -- ')[0]} {(marks[i + 1][0] if i + 1 < len(marks) else end) - at:.1f} s"
+        for i, (at, what) in enumerate(marks)
+    )
     print(f"fresh-root: `{command}` exited {rc} after {end - start:.1f} s ({steps})", flush=True)
     return rc
 
@@ -154,12 +200,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--testlogs", help="copy the tests' JUnit XML (test.xml files) here")
     parser.add_argument("--keep", action="store_true", help="keep the root (its path is printed)")
-    parser.add_argument("--second-after", metavar="FILE",
-                        help="start the second command only once FILE exists (CI: the host's tests have finished, "
-                             "so that two test suites do not share the cores)")
+    parser.add_argument(
+        "--second-after",
+        metavar="FILE",
+        help="start the second command only once FILE exists (CI: the host's tests have finished, "
+        "so that two test suites do not share the cores)",
+    )
     args = parser.parse_args()
     commands = readme_commands()
-    python = subprocess.run([str(REPO / "bin" / "python-env")], capture_output=True, text=True, check=True).stdout.strip()
+    python = subprocess.run(
+        [str(REPO / "bin" / "python-env")], capture_output=True, text=True, check=True
+    ).stdout.strip()
     work = Path(tempfile.mkdtemp(prefix="fresh-root-", dir=os.environ.get("TMPDIR", "/tmp")))
     root = work / "root"
     rc = 0

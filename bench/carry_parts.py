@@ -110,7 +110,9 @@ def join(group: str, stash: Path, to: Path) -> list:
             continue
         missing = [c for _, c in entry["chunks"] if not (stash / c).exists()]
         if missing:
-            raise SystemExit(f"{name}: chunk {missing[0]} not stashed yet (parts {sorted({p for p, _ in entry['chunks']})})")
+            raise SystemExit(
+                f"{name}: chunk {missing[0]} not stashed yet (parts {sorted({p for p, _ in entry['chunks']})})"
+            )
         tmp = to / f".{name}.tmp"
         with open(tmp, "wb") as handle:
             for _, chunk in entry["chunks"]:
@@ -173,8 +175,10 @@ def main(argv) -> int:
         return run(args)
     except (OSError, ValueError) as ex:  # a missing file, part or manifest: one line, nothing half-joined
         name = getattr(ex, "filename", None)
-        print(f"carry_parts {args.cmd}: {name + ': ' if name else ''}{getattr(ex, 'strerror', None) or ex}",
-              file=sys.stderr)
+        print(
+            f"carry_parts {args.cmd}: {name + ': ' if name else ''}{getattr(ex, 'strerror', None) or ex}",
+            file=sys.stderr,
+        )
         return 1
 
 
@@ -186,8 +190,10 @@ def run(args) -> int:
             group, _, names = spec.partition("=")
             groups.append((group, [Path(n) for n in names.split(",") if n]))
         m = pack(Path(args.out), groups, int(args.part_mib * (1 << 20)))
-        sizes = {f"c{i}": sum(f.stat().st_size for f in (Path(args.out) / f"c{i}").iterdir())
-                 for i in range(1, m["parts"] + 1)}
+        sizes = {
+            f"c{i}": sum(f.stat().st_size for f in (Path(args.out) / f"c{i}").iterdir())
+            for i in range(1, m["parts"] + 1)
+        }
         print(json.dumps({"parts": m["parts"], "files": len(m["files"]), "bytes": sizes}))
     elif args.cmd == "stash":
         to = Path(args.to)

@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).absolute().parent.parent
@@ -75,12 +75,16 @@ def main() -> int:
             build_cpu.append(time.process_time() - cpu)
             built_tokens = manifest["tokens_encoded"]
         if raw_tokens != built_tokens:
-            raise SystemExit(f"bench: the builder encoded {built_tokens} tokens, raw encoding {raw_tokens}: not the same text")
+            raise SystemExit(
+                f"bench: the builder encoded {built_tokens} tokens, raw encoding {raw_tokens}: not the same text"
+            )
         if raw_tokens < args.min_tokens:
-            raise SystemExit(f"bench: corpus has {raw_tokens} tokens < --min-tokens {args.min_tokens}; raise TOKENS_PER_CONVERSATION margin")
+            raise SystemExit(
+                f"bench: corpus has {raw_tokens} tokens < --min-tokens {args.min_tokens}; raise TOKENS_PER_CONVERSATION margin"
+            )
     base, built = statistics.median(base_s), statistics.median(build_s)
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         "conversations": count,
         "tokens": raw_tokens,

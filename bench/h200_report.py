@@ -24,8 +24,15 @@ from megatron_h200_report import ROOT, trainer  # the `trainer ... --json` runne
 def error_line(run: Path) -> str:
     """The last ``...Error: ...`` line of rank 0's log (where a failed run stopped), shortened."""
     log = run / "logs" / "rank-0.log"
-    lines = [l for l in log.read_text(errors="replace").splitlines()
-             if l.startswith("[rank0]:") and re.search(r"\w+Error: ", l)] if log.is_file() else []
+    lines = (
+        [
+            l
+            for l in log.read_text(errors="replace").splitlines()
+            if l.startswith("[rank0]:") and re.search(r"\w+Error: ", l)
+        ]
+        if log.is_file()
+        else []
+    )
     return re.sub(r"^\[rank0\]:\s*", "", lines[-1])[:300] if lines else "no error line in the log"
 
 
@@ -58,8 +65,13 @@ def main() -> int:
         plan = json.loads((run / "plan.json").read_text())
         chosen = json.loads((run / "megatron.json").read_text())
         probe = record["probe"]["ranks"][0]
-        for name, data in (("summary.json", summary), ("verify.json", ver), ("probe.json", probe),
-                           ("megatron.json", chosen), ("record.json", kept)):
+        for name, data in (
+            ("summary.json", summary),
+            ("verify.json", ver),
+            ("probe.json", probe),
+            ("megatron.json", chosen),
+            ("record.json", kept),
+        ):
             (dest / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         shutil.copyfile(run / "metrics.jsonl", dest / "metrics.jsonl")
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -73,9 +85,12 @@ def main() -> int:
             f"{summary['tokens_per_s_per_gpu']:,.0f} | {summary['model_tflops_per_gpu']:.1f} | {summary['mfu']:.4f} | "
             f"{summary['step_time_cv_percent']:.1f}% | {rows[0]['lm_loss']:.3f} -> {rows[-1]['lm_loss']:.3f} | "
             f"{peak:.1f} | {plan['memory']['max_gb']:.1f} ({plan['memory']['max_gb'] / peak:.2f}) | "
-            f"{', '.join(cudnn)} | ok: {len(ok)}; {', '.join(bad) or 'none drifted'} |")
-    print("| run | model | impl / attention | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | loss first -> last | "
-          "peak GB | plan GB (ratio) | libcudnn.so loaded | verify (stack.json) |")
+            f"{', '.join(cudnn)} | ok: {len(ok)}; {', '.join(bad) or 'none drifted'} |"
+        )
+    print(
+        "| run | model | impl / attention | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | loss first -> last | "
+        "peak GB | plan GB (ratio) | libcudnn.so loaded | verify (stack.json) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(table))
     bare = runs / "bare-mla.jsonl"
@@ -84,19 +99,27 @@ def main() -> int:
         rows = [json.loads(line) for line in bare.read_text().splitlines()]
         base = window_rate(rows, first, last)
         shutil.copyfile(bare, out / "bare-mla.jsonl")
-        print(f"\nbare Megatron-LM script, same model (proxy-te-mla's argv), steps {first}..{last}: {base:,.0f} tokens/s; "
-              f"the bundle's worker {worker:,.0f} = {worker / base:.3f} of it")
+        print(
+            f"\nbare Megatron-LM script, same model (proxy-te-mla's argv), steps {first}..{last}: {base:,.0f} tokens/s; "
+            f"the bundle's worker {worker:,.0f} = {worker / base:.3f} of it"
+        )
     # convergence on the V4 code: numerics-equivalent layouts must pass, a changed learning rate must fail.
     # (2 vs 4 microbatches of 4 / 2 rows stop in TileKernels 1.0.0's backward with more than one row per
     # microbatch, so on one GPU the pair is the distributed optimizer on and off, one row per microbatch.)
     pairs = (("tiny-mb2", "tiny-mb4"), ("tiny-mb4-lr", "tiny-mb4"), ("tiny-nodistopt", "tiny"), ("tiny-lr", "tiny"))
     for candidate, reference in pairs:
-        if all((runs / r / "metrics.jsonl").is_file() and (runs / r / "metrics.jsonl").stat().st_size
-               for r in (candidate, reference)):
+        if all(
+            (runs / r / "metrics.jsonl").is_file() and (runs / r / "metrics.jsonl").stat().st_size
+            for r in (candidate, reference)
+        ):
             rc, conv = trainer("converge", str(runs / candidate), str(runs / reference), "--json")
             conv["candidate"], conv["reference"] = candidate, reference
-            (out / f"converge-{candidate}-vs-{reference}.json").write_text(json.dumps(conv, indent=2, sort_keys=True) + "\n")
-            checks = ", ".join(f"{c['name']} {c['value']:.4g}" for c in conv["checks"] if isinstance(c.get("value"), float))
+            (out / f"converge-{candidate}-vs-{reference}.json").write_text(
+                json.dumps(conv, indent=2, sort_keys=True) + "\n"
+            )
+            checks = ", ".join(
+                f"{c['name']} {c['value']:.4g}" for c in conv["checks"] if isinstance(c.get("value"), float)
+            )
             print(f"\ntrainer converge {candidate} against {reference}: {'pass' if rc == 0 else 'FAIL'} ({checks})")
     if failed:
         print("\n| run | status | where it stopped (rank 0) |\n|---|---|---|")

@@ -45,8 +45,28 @@ def timed(cmd, **kw):
 
 def build(lock, out, cache):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return timed([sys.executable, "-m", "trainer", "image", "build", "--lock", str(lock), "--out", str(out),
-                  "--cache", str(cache), "--offline", "--revision", "0.1.0", "--json", "-q"], env=env, cwd=ROOT)
+    return timed(
+        [
+            sys.executable,
+            "-m",
+            "trainer",
+            "image",
+            "build",
+            "--lock",
+            str(lock),
+            "--out",
+            str(out),
+            "--cache",
+            str(cache),
+            "--offline",
+            "--revision",
+            "0.1.0",
+            "--json",
+            "-q",
+        ],
+        env=env,
+        cwd=ROOT,
+    )
 
 
 def one_pin_lock(lock_path: Path, work: Path, cache: Cache) -> Path:
@@ -54,8 +74,14 @@ def one_pin_lock(lock_path: Path, work: Path, cache: Cache) -> Path:
 
     lock = json.loads(lock_path.read_text())
     wheel = next(w for w in lock["wheels"] if w["name"] == "six")
-    other = next(f for f in pypi_files("six", "") if f["filename"].endswith(".whl") and f["sha256"] != wheel["sha256"]
-                 and wheel_fits(f["filename"], "cp311") and "1.16.0" in f["filename"])
+    other = next(
+        f
+        for f in pypi_files("six", "")
+        if f["filename"].endswith(".whl")
+        and f["sha256"] != wheel["sha256"]
+        and wheel_fits(f["filename"], "cp311")
+        and "1.16.0" in f["filename"]
+    )
     wheel.update(version="1.16.0", filename=other["filename"], url=other["url"], sha256=other["sha256"])
     cache.ensure(other["sha256"], other["filename"], other["url"])
     path = work / "debian-full-one-pin.lock.json"
@@ -79,7 +105,9 @@ def main() -> int:
     paths = [warm.blob_path(i["sha256"]) for i in items]
     missing = [i["label"] for i, pth in zip(items, paths) if not pth.is_file()]
     if missing:
-        raise SystemExit(f"{len(missing)} inputs not cached (first: {missing[0]}); run trainer cache fetch --lock {args.lock}")
+        raise SystemExit(
+            f"{len(missing)} inputs not cached (first: {missing[0]}); run trainer cache fetch --lock {args.lock}"
+        )
     total = sum(pth.stat().st_size for pth in paths)
 
     start = time.perf_counter()  # floor: read and hash every input byte once (page cache warm, as for the build)
@@ -111,27 +139,65 @@ def main() -> int:
         wheels.mkdir()
         for i, pth in zip(items, paths):
             if i["label"].startswith("wheel "):
-                os.link(pth, wheels / i["label"][len("wheel "):])
+                os.link(pth, wheels / i["label"][len("wheel ") :])
         start = time.perf_counter()
         tree.mkdir()
         for i, pth in zip(items, paths):
             if i["label"].startswith("deb "):
                 subprocess.run(["dpkg-deb", "-x", str(pth), str(tree)], check=True)
         site = tree / lock["python"]["site_packages"].lstrip("/")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--no-index",
-                        "--disable-pip-version-check", "--target", str(site), *sorted(map(str, wheels.iterdir()))],
-                       check=True)
-        subprocess.run(["tar", "--sort=name", f"--mtime=@{lock['epoch']}", "--owner=0", "--group=0", "--numeric-owner",
-                        "-cf", str(work / "baseline.tar"), "-C", str(tree), "."], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "--no-deps",
+                "--no-compile",
+                "--no-index",
+                "--disable-pip-version-check",
+                "--target",
+                str(site),
+                *sorted(map(str, wheels.iterdir())),
+            ],
+            check=True,
+        )
+        subprocess.run(
+            [
+                "tar",
+                "--sort=name",
+                f"--mtime=@{lock['epoch']}",
+                "--owner=0",
+                "--group=0",
+                "--numeric-owner",
+                "-cf",
+                str(work / "baseline.tar"),
+                "-C",
+                str(tree),
+                ".",
+            ],
+            check=True,
+        )
         subprocess.run(["sha256sum", str(work / "baseline.tar")], check=True, capture_output=True)
         baseline = time.perf_counter() - start
 
-    summary = {"date": time.strftime("%Y-%m-%d"), "machine": f"{platform.machine()} {os.cpu_count()} cores, Python "
-               f"{platform.python_version()}", "inputs": len(items), "input_bytes": total, "image_bytes": image_bytes,
-               "manifest_digest": result["manifest_digest"], "floor_s": round(floor, 2), "cold_s": round(cold, 2),
-               "cold_over_floor": round(cold / floor, 1), "noop_s": round(noop, 2), "one_pin_s": round(pin, 2),
-               "one_pin_layers": pin_status, "baseline_s": round(baseline, 2) if baseline else None,
-               "baseline_over_cold": round(baseline / cold, 2) if baseline else None}
+    summary = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+        "inputs": len(items),
+        "input_bytes": total,
+        "image_bytes": image_bytes,
+        "manifest_digest": result["manifest_digest"],
+        "floor_s": round(floor, 2),
+        "cold_s": round(cold, 2),
+        "cold_over_floor": round(cold / floor, 1),
+        "noop_s": round(noop, 2),
+        "one_pin_s": round(pin, 2),
+        "one_pin_layers": pin_status,
+        "baseline_s": round(baseline, 2) if baseline else None,
+        "baseline_over_cold": round(baseline / cold, 2) if baseline else None,
+    }
     print(json.dumps(summary, indent=2))
     shutil.rmtree(work, ignore_errors=True)
     return 0

@@ -77,14 +77,24 @@ def main() -> int:
         model = Float16Module(config, model)
     model = DistributedDataParallel(
         config=config,
-        ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-                                                 use_distributed_optimizer=args.use_distributed_optimizer),
+        ddp_config=DistributedDataParallelConfig(
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+        ),
         module=model,
     )
     optimizer = get_megatron_optimizer(
-        OptimizerConfig(optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-                        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, bf16=args.bf16,
-                        use_distributed_optimizer=args.use_distributed_optimizer, clip_grad=args.clip_grad),
+        OptimizerConfig(
+            optimizer=args.optimizer,
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            bf16=args.bf16,
+            use_distributed_optimizer=args.use_distributed_optimizer,
+            clip_grad=args.clip_grad,
+        ),
         [model],
     )
     config.finalize_model_grads_func = finalize_model_grads
@@ -125,16 +135,26 @@ def main() -> int:
             batches = [microbatch((step - 1) * num_micro + k) for k in range(num_micro)]
             model.zero_grad_buffer()
             optimizer.zero_grad()
-            reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
-                                       num_microbatches=num_micro, seq_length=seq, micro_batch_size=mbs,
-                                       forward_only=False)
+            reduced = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(batches),
+                model=[model],
+                num_microbatches=num_micro,
+                seq_length=seq,
+                micro_batch_size=mbs,
+                forward_only=False,
+            )
             optimizer.step()
             totals = sum(item["lm loss"].float() for item in reduced)
             torch.cuda.synchronize()
             elapsed = time.perf_counter() - start
-            row = {"step": step, "lm_loss": float(totals[0] / totals[1]), "step_time_s": elapsed,
-                   "tokens": float(args.global_batch_size * seq),
-                   "max_memory_bytes": float(torch.cuda.max_memory_allocated())}
+            row = {
+                "step": step,
+                "lm_loss": float(totals[0] / totals[1]),
+                "step_time_s": elapsed,
+                "tokens": float(args.global_batch_size * seq),
+                "max_memory_bytes": float(torch.cuda.max_memory_allocated()),
+            }
             out.write(json.dumps(row) + "\n")
             out.flush()
             print(f"step {step} loss {row['lm_loss']:.4f} {elapsed:.3f} s", flush=True)

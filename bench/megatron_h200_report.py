@@ -20,8 +20,12 @@ BASELINE = "gpu1-tp1pp1ep1"
 
 
 def trainer(*args: str) -> tuple[int, dict]:
-    proc = subprocess.run([sys.executable, "-m", "trainer", *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:
@@ -47,7 +51,12 @@ def main() -> int:
         ver["lock"] = "lockfiles/stack.json"
         conv["candidate"], conv["reference"] = layout, BASELINE
         probe = record["probe"]["ranks"][0]
-        for name, data in (("summary.json", summary), ("convergence.json", conv), ("verify.json", ver), ("probe.json", probe)):
+        for name, data in (
+            ("summary.json", summary),
+            ("convergence.json", conv),
+            ("verify.json", ver),
+            ("probe.json", probe),
+        ):
             (dest / name).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         shutil.copyfile(run / "metrics.jsonl", dest / "metrics.jsonl")
         checks = {c["name"]: c["value"] for c in conv["checks"]}
@@ -57,12 +66,17 @@ def main() -> int:
             f"| {plan['layout']} | {summary['tokens_per_s_per_gpu']:,.0f} | {summary['model_tflops_per_gpu']:.1f} | "
             f"{summary['mfu']:.4f} | {summary['step_time_cv_percent']:.2f}% | {peak / 1e9:.1f} | "
             f"{plan['memory']['max_gb']:.1f} ({plan['memory']['max_gb'] / (peak / 1e9):.2f}) | "
-            + ("baseline | " if layout == BASELINE else
-               f"{'pass' if conv_rc == 0 else 'FAIL'} (r = {checks['correlation']:.5f}, final {checks['final_loss']:.4f}) | ")
+            + (
+                "baseline | "
+                if layout == BASELINE
+                else f"{'pass' if conv_rc == 0 else 'FAIL'} (r = {checks['correlation']:.5f}, final {checks['final_loss']:.4f}) | "
+            )
             + f"{record['status']} |"
         )
         print(f"{layout}: verify exit {ver_rc}; drift/absent: {', '.join(drift)}", file=sys.stderr)
-    print("| layout | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | peak GB (measured) | plan estimate GB (ratio) | converge vs 1 GPU | status |")
+    print(
+        "| layout | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | peak GB (measured) | plan estimate GB (ratio) | converge vs 1 GPU | status |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     return 0

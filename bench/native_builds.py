@@ -26,7 +26,7 @@ import tarfile
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -53,7 +53,7 @@ def fresh_cache(main: Cache, path: Path) -> Cache:
     return Cache(path)
 
 
-def members(cache: Cache, diff_id: str) -> Dict[str, str]:
+def members(cache: Cache, diff_id: str) -> dict[str, str]:
     """path -> sha256 of each regular file in the cached layer ``diff_id`` (for naming differing files)."""
     import hashlib
 
@@ -65,11 +65,11 @@ def members(cache: Cache, diff_id: str) -> Dict[str, str]:
     return out
 
 
-def run(lock_path: Path, steps: List[str], runs: int, jobs: int, work: Path, offset: int = 0) -> Dict[str, Any]:
+def run(lock_path: Path, steps: list[str], runs: int, jobs: int, work: Path, offset: int = 0) -> dict[str, Any]:
     lock = lockfile.load_lock(lock_path)
     main = Cache(default_root())
     names = steps or [s["name"] for s in lock.get("builds", [])]
-    results: Dict[str, Any] = {}
+    results: dict[str, Any] = {}
     caches = []
     for i in range(runs):
         caches.append(fresh_cache(main, work / f"run-{i}"))
@@ -88,11 +88,20 @@ def run(lock_path: Path, steps: List[str], runs: int, jobs: int, work: Path, off
                 shutil.rmtree(spool, ignore_errors=True)
             finally:
                 os.umask(old)
-            rows.append({"run": i, "tz": TZS[i % len(TZS)], "umask": oct(UMASKS[i % len(UMASKS)]), "seconds": round(seconds, 1),
-                         "size": size, "diff_id": diff_id, "status": status})
+            rows.append(
+                {
+                    "run": i,
+                    "tz": TZS[i % len(TZS)],
+                    "umask": oct(UMASKS[i % len(UMASKS)]),
+                    "seconds": round(seconds, 1),
+                    "size": size,
+                    "diff_id": diff_id,
+                    "status": status,
+                }
+            )
             print(json.dumps({"step": name, **rows[-1]}), flush=True)
         same = len({r["diff_id"] for r in rows}) == 1
-        differing: List[str] = []
+        differing: list[str] = []
         if not same:
             a, b = members(caches[0], rows[0]["diff_id"]), members(caches[-1], rows[-1]["diff_id"])
             differing = sorted(p for p in set(a) | set(b) if a.get(p) != b.get(p))
@@ -100,15 +109,19 @@ def run(lock_path: Path, steps: List[str], runs: int, jobs: int, work: Path, off
     return results
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--lock", default=str(REPO_ROOT / "lockfiles" / "debian-full.lock.json"))
     p.add_argument("--step", action="append", default=[])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--jobs", type=int, default=2)
-    p.add_argument("--offset", type=int, default=0,
-                   help="first run's variant (TZ/umask index): run one build per invocation in parallel, "
-                        "e.g. --runs 1 --offset 1 beside --runs 1, and compare the printed diff_ids")
+    p.add_argument(
+        "--offset",
+        type=int,
+        default=0,
+        help="first run's variant (TZ/umask index): run one build per invocation in parallel, "
+        "e.g. --runs 1 --offset 1 beside --runs 1, and compare the printed diff_ids",
+    )
     p.add_argument("--work", help="directory for the run caches (default: a temporary one, removed)")
     p.add_argument("--keep", action="store_true", help="keep the run caches")
     p.add_argument("--record", action="store_true", help="record reproduced digests in lockfiles/expected-digests.json")
@@ -121,10 +134,14 @@ def main(argv: List[str]) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    report = {"date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
-              "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.platform()}",
-              "command": "python bench/native_builds.py " + " ".join(argv), "lock": Path(args.lock).name,
-              "jobs": args.jobs, "steps": results}
+    report = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
+        "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.platform()}",
+        "command": "python bench/native_builds.py " + " ".join(argv),
+        "lock": Path(args.lock).name,
+        "jobs": args.jobs,
+        "steps": results,
+    }
     out = Path(args.out)
     previous = json.loads(out.read_text()) if out.is_file() else {}
     previous.setdefault("runs", []).append(report)
@@ -132,7 +149,6 @@ def main(argv: List[str]) -> int:
     out.write_text(json.dumps(previous, indent=1) + "\n")
     if args.record:
         from trainer.image.cli import EXPECTED
-
         from trainer.image.native import step_keys
 
         expected = json.loads(Path(EXPECTED).read_text())
@@ -141,12 +157,28 @@ def main(argv: List[str]) -> int:
         builds = expected.setdefault(lock["name"], {}).setdefault("builds", {})
         for name, r in results.items():
             if r["reproduced"] and len(r["runs"]) >= 2:
-                builds[name] = {"key": keys[name], "diff_id": r["runs"][0]["diff_id"], "size": r["runs"][0]["size"],
-                                "seconds": [x["seconds"] for x in r["runs"]], "jobs": args.jobs}
+                builds[name] = {
+                    "key": keys[name],
+                    "diff_id": r["runs"][0]["diff_id"],
+                    "size": r["runs"][0]["size"],
+                    "seconds": [x["seconds"] for x in r["runs"]],
+                    "jobs": args.jobs,
+                }
         Path(EXPECTED).write_text(json.dumps(expected, indent=1, sort_keys=True) + "\n")
-    print(json.dumps({k: {"reproduced": v["reproduced"], "seconds": [r["seconds"] for r in v["runs"]],
-                          "size": v["runs"][0]["size"], "differing_files": v["differing_files"][:20]}
-                      for k, v in results.items()}, indent=1))
+    print(
+        json.dumps(
+            {
+                k: {
+                    "reproduced": v["reproduced"],
+                    "seconds": [r["seconds"] for r in v["runs"]],
+                    "size": v["runs"][0]["size"],
+                    "differing_files": v["differing_files"][:20],
+                }
+                for k, v in results.items()
+            },
+            indent=1,
+        )
+    )
     return 0
 
 

@@ -34,13 +34,51 @@ from trainer.image import imagelock as lockfile  # noqa: E402
 from trainer.image.cas import Cache  # noqa: E402
 from trainer.image.native import step_keys  # noqa: E402
 
-DEBS = ["python3.11-minimal", "libpython3.11-minimal", "libpython3.11-stdlib", "libffi8", "libexpat1",
-        "libfabric1", "libhwloc15", "libpsm-infinipath1", "libpsm2-2", "libibverbs1", "ibverbs-providers",
-        "librdmacm1", "libnl-3-200", "libnl-route-3-200", "libnuma1"]
-WHEELS_TE = ["numpy", "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions",
-          "nvdlfw-inspect", "onnx", "onnx-ir", "onnxscript", "ml-dtypes", "protobuf", "einops", "packaging", "pyyaml",
-          "sympy", "mpmath", "networkx", "jinja2", "markupsafe", "filelock", "fsspec", "importlib-metadata", "zipp",
-          "transformer-engine", "transformer-engine-cu13"]
+DEBS = [
+    "python3.11-minimal",
+    "libpython3.11-minimal",
+    "libpython3.11-stdlib",
+    "libffi8",
+    "libexpat1",
+    "libfabric1",
+    "libhwloc15",
+    "libpsm-infinipath1",
+    "libpsm2-2",
+    "libibverbs1",
+    "ibverbs-providers",
+    "librdmacm1",
+    "libnl-3-200",
+    "libnl-route-3-200",
+    "libnuma1",
+]
+WHEELS_TE = [
+    "numpy",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "typing-extensions",
+    "nvdlfw-inspect",
+    "onnx",
+    "onnx-ir",
+    "onnxscript",
+    "ml-dtypes",
+    "protobuf",
+    "einops",
+    "packaging",
+    "pyyaml",
+    "sympy",
+    "mpmath",
+    "networkx",
+    "jinja2",
+    "markupsafe",
+    "filelock",
+    "fsspec",
+    "importlib-metadata",
+    "zipp",
+    "transformer-engine",
+    "transformer-engine-cu13",
+]
 TORCH_ABI = ["torch/_C.cpython-311-x86_64-linux-gnu.so", "torch/lib/libtorch_python.so"]
 
 
@@ -94,7 +132,7 @@ def main(argv) -> int:
             for m in tar:
                 name = m.name
                 prefix = lock["python"]["site_packages"].strip("/") + "/"
-                dest = stage / "site" / name[len(prefix):] if name.startswith(prefix) else stage / "image" / name
+                dest = stage / "site" / name[len(prefix) :] if name.startswith(prefix) else stage / "image" / name
                 if m.isdir():
                     dest.mkdir(parents=True, exist_ok=True)
                 elif m.issym():

@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 ROOT = Path(__file__).absolute().parent.parent
@@ -112,12 +112,17 @@ def main() -> int:
         app = Path(scratch, "empty_app")
         (app / "conf").mkdir(parents=True)
         (app / "conf" / "app.yaml").write_text("a: 1\n")
-        (app / "app.py").write_text('import hydra\n\n\n@hydra.main(config_path="conf", config_name="app", '
-                                    'version_base="1.3")\ndef main(cfg):\n    pass\n\n\nmain()\n')
+        (app / "app.py").write_text(
+            'import hydra\n\n\n@hydra.main(config_path="conf", config_name="app", '
+            'version_base="1.3")\ndef main(cfg):\n    pass\n\n\nmain()\n'
+        )
         app_cmd = [sys.executable, str(app / "app.py")]
         timed(app_cmd + [f"hydra.run.dir={scratch}/app-warm"], cwd, env)
-        variants = {"plan": (plan_cmd, env, False), "tty": (plan_cmd, env, True),
-                    "bin_train": ([str(ROOT / "bin" / "train"), "layout=tp2pp4ep8"], env, False)}
+        variants = {
+            "plan": (plan_cmd, env, False),
+            "tty": (plan_cmd, env, True),
+            "bin_train": ([str(ROOT / "bin" / "train"), "layout=tp2pp4ep8"], env, False),
+        }
         if shutil.which("nix"):
             variants["nix_run"] = (["nix", "run", f"{ROOT}#train", "--", "layout=tp2pp4ep8"], env, False)
         if args.before:
@@ -135,13 +140,20 @@ def main() -> int:
             times["cold"].append(plan_run(plan_cmd, cwd, cold_env, last))
     medians = {name: statistics.median(values) for name, values in times.items()}
     result = {
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
+        "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
         "repeats": args.repeats,
         **{f"{name}_median_s": round(value, 3) for name, value in medians.items()},
-        **{f"{name}_ratio": round(value / medians["baseline"], 2) for name, value in medians.items() if name != "baseline"},
-        **{f"{name}_ratio_quartiles": spread(times[name], medians["baseline"]) for name in ("bin_train", "nix_run")
-           if name in times},
+        **{
+            f"{name}_ratio": round(value / medians["baseline"], 2)
+            for name, value in medians.items()
+            if name != "baseline"
+        },
+        **{
+            f"{name}_ratio_quartiles": spread(times[name], medians["baseline"])
+            for name in ("bin_train", "nix_run")
+            if name in times
+        },
     }
     if args.json:
         print(json.dumps(result, indent=2))
@@ -149,14 +161,19 @@ def main() -> int:
     command = f"python bench/plan_latency.py --repeats {args.repeats}" + (" --before BASE" if args.before else "")
     cells = [f"{result[f'{n}_median_s']} s, {result[f'{n}_ratio']}x" for n in ("empty_app", "plan", "cold", "tty")]
     before = f"{result['before_median_s']} s, {result['before_ratio']}x" if args.before else ""
-    print(f"| {result['date']} | {result['machine']} | `{command}` | {result['baseline_median_s']} s | "
-          + " | ".join(cells) + f" | {before} |")
+    print(
+        f"| {result['date']} | {result['machine']} | `{command}` | {result['baseline_median_s']} s | "
+        + " | ".join(cells)
+        + f" | {before} |"
+    )
     doors = (("bin_train", "bin/train layout=tp2pp4ep8"), ("nix_run", "nix run .#train -- layout=tp2pp4ep8"))
     for name, label in doors:
         if name in times:
             low, high = result[f"{name}_ratio_quartiles"]
-            print(f"front door `{label}`: {result[f'{name}_median_s']} s, {result[f'{name}_ratio']}x the baseline "
-                  f"(quartiles {low}x-{high}x; goal 2x)")
+            print(
+                f"front door `{label}`: {result[f'{name}_median_s']} s, {result[f'{name}_ratio']}x the baseline "
+                f"(quartiles {low}x-{high}x; goal 2x)"
+            )
     return 0
 
 

@@ -111,8 +111,11 @@ def standin_only() -> int:
 
     sys.meta_path.insert(0, _StandinFinder())
     dist = distribution("transformer-engine")
-    files = [f for f in dist.files if "/triton/" in str(f) and str(f).endswith(".py")
-             and str(f).startswith("transformer_engine/common/")]
+    files = [
+        f
+        for f in dist.files
+        if "/triton/" in str(f) and str(f).endswith(".py") and str(f).startswith("transformer_engine/common/")
+    ]
     for f in files:
         path = dist.locate_file(f)
         code = compile(path.read_text(), str(path), "exec")
@@ -133,8 +136,13 @@ def main(argv) -> int:
     import transformer_engine
     import transformer_engine.pytorch as te
 
-    ext = sorted({m.__file__ for n, m in list(sys.modules.items())
-                  if n.startswith("transformer_engine_torch") and getattr(m, "__file__", None)})
+    ext = sorted(
+        {
+            m.__file__
+            for n, m in list(sys.modules.items())
+            if n.startswith("transformer_engine_torch") and getattr(m, "__file__", None)
+        }
+    )
     torch.manual_seed(0)
     lin = te.Linear(1024, 1024, bias=True, params_dtype=torch.bfloat16).cuda()
     x = torch.randn(64, 1024, dtype=torch.bfloat16, device="cuda", requires_grad=True)
@@ -143,10 +151,20 @@ def main(argv) -> int:
     ref = torch.nn.functional.linear(x.detach(), lin.weight.detach(), lin.bias.detach())
     err = ((y.detach() - ref).abs().max() / ref.abs().max()).item()
     finite = bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(lin.weight.grad).all())
-    print(json.dumps({"te": transformer_engine.__version__, "torch": torch.__version__, "extension": ext,
-                      "python": sys.version.split()[0], "triton": "stand-in" if standin else "real",
-                      "fwd_max_rel_err": err, "grads_finite": finite,
-                      "grad_w_norm": lin.weight.grad.float().norm().item()}))
+    print(
+        json.dumps(
+            {
+                "te": transformer_engine.__version__,
+                "torch": torch.__version__,
+                "extension": ext,
+                "python": sys.version.split()[0],
+                "triton": "stand-in" if standin else "real",
+                "fwd_max_rel_err": err,
+                "grads_finite": finite,
+                "grad_w_norm": lin.weight.grad.float().norm().item(),
+            }
+        )
+    )
     return 0 if err < 2e-2 and finite else 1
 
 

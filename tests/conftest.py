@@ -18,8 +18,13 @@ from pathlib import Path
 
 import pytest
 
-SUBDIRS = {"HOME": "home", "XDG_CACHE_HOME": "cache", "XDG_CONFIG_HOME": "config", "XDG_DATA_HOME": "data",
-           "XDG_STATE_HOME": "state"}
+SUBDIRS = {
+    "HOME": "home",
+    "XDG_CACHE_HOME": "cache",
+    "XDG_CONFIG_HOME": "config",
+    "XDG_DATA_HOME": "data",
+    "XDG_STATE_HOME": "state",
+}
 
 
 def _keep_pip_configuration() -> None:
@@ -55,7 +60,6 @@ def _confine() -> Path:
 
 
 TEST_ROOT = _confine()
-
 
 
 @pytest.fixture

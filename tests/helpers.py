@@ -10,8 +10,8 @@ import shlex
 import statistics
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from trainer.compose.compose import compose_run
 
@@ -24,13 +24,13 @@ def compose(*overrides: str):
     return compose_run(list(overrides))
 
 
-def reference_model_args(variant: str = "deepseek-v4-flash") -> List[str]:
+def reference_model_args(variant: str = "deepseek-v4-flash") -> list[str]:
     """miles 78527b91's model-args snapshot for ``variant``: one quoted token per line."""
     path = GOLDEN / f"miles-78527b91.model-args.{variant}.txt"
     return [shlex.split(line)[0] for line in path.read_text().splitlines() if line.strip()]
 
 
-def seed_command() -> Tuple[List[str], Dict[str, str]]:
+def seed_command() -> tuple[list[str], dict[str, str]]:
     """The seed's launch (``attune-tp2-pp4-ep8.command.sh``) as (argv, env).
 
     ``export`` lines give the env (values unquoted, ``$VARS`` kept); the ``python3 train.py`` command
@@ -38,23 +38,23 @@ def seed_command() -> Tuple[List[str], Dict[str, str]]:
     expanded from the model-args snapshot, as the script's ``read -ra MODEL_ARGS`` does.
     """
     text = (GOLDEN / "attune-tp2-pp4-ep8.command.sh").read_text()
-    env: Dict[str, str] = {}
-    command: List[str] = []
+    env: dict[str, str] = {}
+    command: list[str] = []
     joined = text.replace("\\\n", " ")
     for line in joined.splitlines():
         line = line.strip()
         if line.startswith("export "):
-            name, _, value = line[len("export "):].partition("=")
+            name, _, value = line[len("export ") :].partition("=")
             env[name] = shlex.split(value)[0]
         elif line.startswith("python3 "):
             command = shlex.split(line)
-    argv: List[str] = []
+    argv: list[str] = []
     for token in command:
         argv += reference_model_args() if token == "${MODEL_ARGS[@]}" else [token]
     return argv, env
 
 
-def pids_running(*argv: str) -> List[int]:
+def pids_running(*argv: str) -> list[int]:
     """PIDs of this machine's processes whose command line contains ``argv`` as consecutive arguments (read from
     ``/proc/PID/cmdline``, so nothing outside the standard library is needed)."""
     want = [a.encode() for a in argv]
@@ -66,13 +66,14 @@ def pids_running(*argv: str) -> List[int]:
             args = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:  # exited meanwhile
             continue
-        if any(args[i:i + len(want)] == want for i in range(len(args))):
+        if any(args[i : i + len(want)] == want for i in range(len(args))):
             pids.append(int(entry.name))
     return pids
 
 
-def run_train(args: Sequence[str], cwd: Path, timeout: float = 120,
-              env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+def run_train(
+    args: Sequence[str], cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python -m trainer.train ARGS`` in ``cwd`` with the current interpreter (``env``: variables set on top
     of this process's environment); capture output."""
     env = {**os.environ, **(env or {})}
@@ -80,7 +81,11 @@ def run_train(args: Sequence[str], cwd: Path, timeout: float = 120,
     env["COLUMNS"] = "160"
     return subprocess.run(
         [sys.executable, "-m", "trainer.train", *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -101,25 +106,28 @@ def bounded(seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
-_NAMESPACE: List[List[str]] = []
+_NAMESPACE: list[list[str]] = []
 
 
-def tmpfs_namespace() -> List[str]:
+def tmpfs_namespace() -> list[str]:
     """The command prefix that makes a mount namespace in which a test may mount a small tmpfs (a real full disk):
     ``unshare --user --map-root-user --mount``, or as root ``unshare --mount``; [] when neither works here."""
     import tempfile
 
     if not _NAMESPACE:
         target = tempfile.mkdtemp(prefix="ns-probe-")
-        found: List[str] = []
+        found: list[str] = []
         try:
             candidates = [["unshare", "--user", "--map-root-user", "--mount"]]
             if os.geteuid() == 0:
                 candidates.append(["unshare", "--mount"])
             for prefix in candidates:
                 try:
-                    probe = subprocess.run([*prefix, "sh", "-c", f"mount -t tmpfs -o size=16k tmpfs {target} && "
-                                            f"umount {target}"], capture_output=True, timeout=30)
+                    probe = subprocess.run(
+                        [*prefix, "sh", "-c", f"mount -t tmpfs -o size=16k tmpfs {target} && umount {target}"],
+                        capture_output=True,
+                        timeout=30,
+                    )
                 except (OSError, subprocess.SubprocessError):
                     continue
                 if probe.returncode == 0:
@@ -135,9 +143,12 @@ def needs_tmpfs(test):
     """Skip ``test`` (naming why) where no mount namespace with a tmpfs can be made (:func:`tmpfs_namespace`)."""
     import pytest
 
-    return pytest.mark.skipif(not tmpfs_namespace(), reason="no mount namespace can be made here (unshare --user "
-                              "--map-root-user --mount and, as root, unshare --mount both refused): no tmpfs to "
-                              "fill")(test)
+    return pytest.mark.skipif(
+        not tmpfs_namespace(),
+        reason="no mount namespace can be made here (unshare --user "
+        "--map-root-user --mount and, as root, unshare --mount both refused): no tmpfs to "
+        "fill",
+    )(test)
 
 
 def assert_one_line(stderr: str, *expected: str, prefix: str = "train: error: ") -> str:
@@ -178,8 +189,18 @@ def recipe_rows(tps=RECIPE_TPS, cv=3.25, steps=20, window=(5, 19)):
     rows = []
     for s in range(1, steps + 1):
         t = mean * (1 + cv / 100 * z[s - window[0]] / sd) if window[0] <= s <= window[1] else mean * 1.5
-        rows.append({"step": s, "lm_loss": 2.0 - 0.01 * s, "grad_norm": 1.0, "lr": 1e-5, "tokens": GLOBAL_BATCH * ROW_TOKENS,
-                     "supervised_tokens": 700_000, "step_time_s": t, "max_memory_bytes": 120_000_000_000})
+        rows.append(
+            {
+                "step": s,
+                "lm_loss": 2.0 - 0.01 * s,
+                "grad_norm": 1.0,
+                "lr": 1e-5,
+                "tokens": GLOBAL_BATCH * ROW_TOKENS,
+                "supervised_tokens": 700_000,
+                "step_time_s": t,
+                "max_memory_bytes": 120_000_000_000,
+            }
+        )
     return rows
 
 
@@ -188,12 +209,20 @@ def write_rows(path, rows):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
-def run_trainer(*args, cwd: Path = None, env: Dict[str, str] = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_trainer(
+    *args, cwd: Path = None, env: dict[str, str] = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
     """Run ``python -m trainer ARGS`` (each argument str()-ed) in ``cwd`` (default: the repository) with this
     checkout on PYTHONPATH and ``env`` added to the environment; capture output (text)."""
     full_env = {**os.environ, **(env or {}), "PYTHONPATH": str(REPO_ROOT)}
-    return subprocess.run([sys.executable, "-m", "trainer", *map(str, args)], cwd=cwd or REPO_ROOT, env=full_env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer", *map(str, args)],
+        cwd=cwd or REPO_ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def planned_run(tmp: Path) -> Path:
@@ -219,10 +248,10 @@ def main(test_file: str) -> int:
 
 
 SOURCES_ENV = "RECIPE_BUNDLE_SOURCES"
-_SEEDED: List[str] = []
+_SEEDED: list[str] = []
 
 
-def seed_sources() -> List[str]:
+def seed_sources() -> list[str]:
     """Seed this test run's cache (the confined ``$XDG_CACHE_HOME``) with every archive in the directory
     ``$RECIPE_BUNDLE_SOURCES`` names (``git archive`` tarballs of the locked Megatron-LM and miles commits; CI sets
     it), each checked by the git tree id ``lockfiles/stack.json`` pins (``trainer cache add-archive``); once per

@@ -15,7 +15,7 @@ import shutil
 import subprocess
 import zipfile
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from trainer.image.cas import hash_file
 from trainer.image.layer import FILE, Entry, write_layer
@@ -24,15 +24,23 @@ from trainer.image.smoke import SMOKE_EPOCH, SMOKE_SOURCE_FILES, git_env, make_g
 ZIP_TIME = (2020, 1, 1, 0, 0, 0)
 
 
-def make_wheel(directory: Path, name: str, version: str, files: Dict[str, bytes],
-               entry_points: str = "", extra_members: Optional[List[Tuple[zipfile.ZipInfo, bytes]]] = None) -> Path:
+def make_wheel(
+    directory: Path,
+    name: str,
+    version: str,
+    files: dict[str, bytes],
+    entry_points: str = "",
+    extra_members: list[tuple[zipfile.ZipInfo, bytes]] | None = None,
+) -> Path:
     """Write ``{name}-{version}-py3-none-any.whl`` with ``files`` (path -> bytes), METADATA, WHEEL and a
     RECORD of sha256 hashes; ``extra_members`` are appended as given (to make bad wheels). Returns its path."""
     dist = name.replace("-", "_")
     info = f"{dist}-{version}.dist-info"
     members = dict(files)
     members[f"{info}/METADATA"] = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n".encode()
-    members[f"{info}/WHEEL"] = b"Wheel-Version: 1.0\nGenerator: recipe-bundle-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    members[f"{info}/WHEEL"] = (
+        b"Wheel-Version: 1.0\nGenerator: recipe-bundle-tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+    )
     if entry_points:
         members[f"{info}/entry_points.txt"] = entry_points.encode()
     record = []
@@ -60,8 +68,13 @@ def sha256(path: Path) -> str:
     return hash_file(Path(path))
 
 
-def small_lock(name: str, epoch: int, wheels: List[Tuple[Path, str, str, str]],
-               sources: List[Dict[str, Any]], env: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+def small_lock(
+    name: str,
+    epoch: int,
+    wheels: list[tuple[Path, str, str, str]],
+    sources: list[dict[str, Any]],
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
     """A scratch-based lock for ``wheels`` ((path, name, version, group) each) and git ``sources``
     (lock ``sources[]`` items). URLs point at files.pythonhosted.org-style names that are never fetched
     (tests seed the cache)."""
@@ -71,27 +84,47 @@ def small_lock(name: str, epoch: int, wheels: List[Tuple[Path, str, str, str]],
         "name": name,
         "epoch": epoch,
         "platform": {"os": "linux", "architecture": "amd64"},
-        "python": {"version": "3.12", "platform": "x86_64-manylinux_2_28", "prefix": "/usr/local",
-                   "site_packages": "/usr/local/lib/python3.12/site-packages",
-                   "interpreter": "/usr/local/bin/python3.12"},
+        "python": {
+            "version": "3.12",
+            "platform": "x86_64-manylinux_2_28",
+            "prefix": "/usr/local",
+            "site_packages": "/usr/local/lib/python3.12/site-packages",
+            "interpreter": "/usr/local/bin/python3.12",
+        },
         "base": {"type": "scratch"},
         "wheels": [
-            {"name": n, "version": v, "filename": Path(p).name, "group": g, "sha256": sha256(p),
-             "url": f"https://files.pythonhosted.org/packages/test/{Path(p).name}"}
+            {
+                "name": n,
+                "version": v,
+                "filename": Path(p).name,
+                "group": g,
+                "sha256": sha256(p),
+                "url": f"https://files.pythonhosted.org/packages/test/{Path(p).name}",
+            }
             for p, n, v, g in wheels
         ],
         "sdists": [],
         "sources": sources,
         "bundle": {"dest": "/opt/recipe-bundle", "include": ["conf"], "stamp": "/etc/recipe-bundle/lock.json"},
-        "image": {"env": env or {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}, "entrypoint": ["/usr/local/bin/python3.12"],
-                  "working_dir": "/opt/recipe-bundle",
-                  "labels": {"org.opencontainers.image.source": "https://example.invalid/recipe-bundle"}},
+        "image": {
+            "env": env or {"CUDA_DEVICE_MAX_CONNECTIONS": "1"},
+            "entrypoint": ["/usr/local/bin/python3.12"],
+            "working_dir": "/opt/recipe-bundle",
+            "labels": {"org.opencontainers.image.source": "https://example.invalid/recipe-bundle"},
+        },
     }
 
 
-def make_deb(directory: Path, name: str, version: str, files: Dict[str, Tuple[bytes, int]],
-             symlinks: Optional[Dict[str, str]] = None, dirs: Optional[Dict[str, int]] = None,
-             control: str = "", epoch: int = SMOKE_EPOCH) -> Path:
+def make_deb(
+    directory: Path,
+    name: str,
+    version: str,
+    files: dict[str, tuple[bytes, int]],
+    symlinks: dict[str, str] | None = None,
+    dirs: dict[str, int] | None = None,
+    control: str = "",
+    epoch: int = SMOKE_EPOCH,
+) -> Path:
     """Build ``{name}_{version}_amd64.deb`` with ``dpkg-deb --build --root-owner-group``: ``files`` maps an
     absolute path to (content, mode), ``symlinks`` a path to its target, ``dirs`` a path to its mode;
     ``control`` adds fields to the control file; DEBIAN/md5sums lists the files. SOURCE_DATE_EPOCH = ``epoch`` (dpkg-deb uses it for the
@@ -102,7 +135,8 @@ def make_deb(directory: Path, name: str, version: str, files: Dict[str, Tuple[by
     (root / "DEBIAN").mkdir(parents=True)
     (root / "DEBIAN" / "control").write_text(
         f"Package: {name}\nVersion: {version}\nArchitecture: amd64\nMaintainer: tests <tests@recipe-bundle.invalid>\n"
-        f"Description: recipe-bundle test package {name}\n{control}")
+        f"Description: recipe-bundle test package {name}\n{control}"
+    )
     for path, mode in (dirs or {}).items():
         target = root / path.lstrip("/")
         target.mkdir(parents=True, exist_ok=True)
@@ -116,26 +150,52 @@ def make_deb(directory: Path, name: str, version: str, files: Dict[str, Tuple[by
         target = root / path.lstrip("/")
         target.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(link, target)
-    (root / "DEBIAN" / "md5sums").write_text("".join(  # as dh_md5sums writes it
-        f"{hashlib.md5(data).hexdigest()}  {path.lstrip('/')}\n" for path, (data, _) in sorted(files.items())))
+    (root / "DEBIAN" / "md5sums").write_text(
+        "".join(  # as dh_md5sums writes it
+            f"{hashlib.md5(data).hexdigest()}  {path.lstrip('/')}\n" for path, (data, _) in sorted(files.items())
+        )
+    )
     out = Path(directory) / f"{name}_{version}_amd64.deb"
     env = {**os.environ, "SOURCE_DATE_EPOCH": str(epoch)}
-    subprocess.run(["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(root), str(out)], check=True,
-                   capture_output=True, env=env)
+    subprocess.run(
+        ["dpkg-deb", "--root-owner-group", "-Zgzip", "--build", str(root), str(out)],
+        check=True,
+        capture_output=True,
+        env=env,
+    )
     shutil.rmtree(root)
     return out
 
 
-def debian_base(debs: List[Tuple[Path, str, str]]) -> Dict[str, Any]:
+def debian_base(debs: list[tuple[Path, str, str]]) -> dict[str, Any]:
     """A ``debian-rootfs`` base block for ``debs`` ((path, name, version) each; amd64); URLs name the Debian
     mirror but tests seed the cache instead."""
-    return {"type": "debian-rootfs", "suite": "bookworm", "variant": "essential", "include": [],
-            "debs": [{"name": n, "version": v, "architecture": "amd64", "sha256": sha256(p), "size": Path(p).stat().st_size,
-                      "url": f"http://deb.debian.org/debian/pool/main/t/{n}/{Path(p).name}"} for p, n, v in debs]}
+    return {
+        "type": "debian-rootfs",
+        "suite": "bookworm",
+        "variant": "essential",
+        "include": [],
+        "debs": [
+            {
+                "name": n,
+                "version": v,
+                "architecture": "amd64",
+                "sha256": sha256(p),
+                "size": Path(p).stat().st_size,
+                "url": f"http://deb.debian.org/debian/pool/main/t/{n}/{Path(p).name}",
+            }
+            for p, n, v in debs
+        ],
+    }
 
 
-def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch: int = SMOKE_EPOCH,
-                    config: Optional[Dict[str, Any]] = None, docker_types: bool = False) -> Tuple[Path, str]:
+def make_base_image(
+    directory: Path,
+    files: dict[str, tuple[bytes, int]],
+    epoch: int = SMOKE_EPOCH,
+    config: dict[str, Any] | None = None,
+    docker_types: bool = False,
+) -> tuple[Path, str]:
     """Write an OCI image layout at ``directory`` standing in for a registry base image: one gzip-compressed
     layer (made by the deterministic layer writer, gzip mtime 0) of ``files`` (path -> (content, mode)),
     ``config`` merged into the image config's ``config`` field, a history with one empty-layer entry.
@@ -149,22 +209,44 @@ def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch:
     info = write_layer([Entry(p, FILE, data=data, mode_bits=mode) for p, (data, mode) in files.items()], buf, epoch)
     layer = gzip.compress(buf.getvalue(), compresslevel=6, mtime=0)
     created = rfc3339(epoch)
-    config_doc = {"architecture": "amd64", "os": "linux", "created": created,
-                  "config": {"Env": ["PATH=/opt/base/bin:/usr/local/bin:/usr/bin:/bin", "BASE_ONLY=1"],
-                             "Cmd": ["/bin/sh"], **(config or {})},
-                  "rootfs": {"type": "layers", "diff_ids": [info.diff_id]},
-                  "history": [{"created": created, "created_by": "base: add files"},
-                              {"created": created, "created_by": "base: ENV BASE_ONLY=1", "empty_layer": True}]}
+    config_doc = {
+        "architecture": "amd64",
+        "os": "linux",
+        "created": created,
+        "config": {
+            "Env": ["PATH=/opt/base/bin:/usr/local/bin:/usr/bin:/bin", "BASE_ONLY=1"],
+            "Cmd": ["/bin/sh"],
+            **(config or {}),
+        },
+        "rootfs": {"type": "layers", "diff_ids": [info.diff_id]},
+        "history": [
+            {"created": created, "created_by": "base: add files"},
+            {"created": created, "created_by": "base: ENV BASE_ONLY=1", "empty_layer": True},
+        ],
+    }
     config_bytes = compact_json(config_doc)
-    manifest = {"schemaVersion": 2,
-                "mediaType": "application/vnd.docker.distribution.manifest.v2+json" if docker_types
-                else "application/vnd.oci.image.manifest.v1+json",
-                "config": {"mediaType": "application/vnd.docker.container.image.v1+json" if docker_types
-                           else "application/vnd.oci.image.config.v1+json",
-                           "digest": "sha256:" + hashlib.sha256(config_bytes).hexdigest(), "size": len(config_bytes)},
-                "layers": [{"mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip" if docker_types
-                            else "application/vnd.oci.image.layer.v1.tar+gzip",
-                            "digest": "sha256:" + hashlib.sha256(layer).hexdigest(), "size": len(layer)}]}
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json"
+        if docker_types
+        else "application/vnd.oci.image.manifest.v1+json",
+        "config": {
+            "mediaType": "application/vnd.docker.container.image.v1+json"
+            if docker_types
+            else "application/vnd.oci.image.config.v1+json",
+            "digest": "sha256:" + hashlib.sha256(config_bytes).hexdigest(),
+            "size": len(config_bytes),
+        },
+        "layers": [
+            {
+                "mediaType": "application/vnd.docker.image.rootfs.diff.tar.gzip"
+                if docker_types
+                else "application/vnd.oci.image.layer.v1.tar+gzip",
+                "digest": "sha256:" + hashlib.sha256(layer).hexdigest(),
+                "size": len(layer),
+            }
+        ],
+    }
     manifest_bytes = compact_json(manifest)
     digest = "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
     directory = Path(directory)
@@ -173,8 +255,20 @@ def make_base_image(directory: Path, files: Dict[str, Tuple[bytes, int]], epoch:
     for data in (config_bytes, manifest_bytes, layer):
         (blobs / hashlib.sha256(data).hexdigest()).write_bytes(data)
     (directory / "oci-layout").write_bytes(compact_json({"imageLayoutVersion": "1.0.0"}))
-    (directory / "index.json").write_bytes(compact_json({
-        "schemaVersion": 2, "mediaType": "application/vnd.oci.image.index.v1+json",
-        "manifests": [{"mediaType": manifest["mediaType"], "digest": digest, "size": len(manifest_bytes),
-                       "annotations": {"org.opencontainers.image.ref.name": "latest"}}]}))
+    (directory / "index.json").write_bytes(
+        compact_json(
+            {
+                "schemaVersion": 2,
+                "mediaType": "application/vnd.oci.image.index.v1+json",
+                "manifests": [
+                    {
+                        "mediaType": manifest["mediaType"],
+                        "digest": digest,
+                        "size": len(manifest_bytes),
+                        "annotations": {"org.opencontainers.image.ref.name": "latest"},
+                    }
+                ],
+            }
+        )
+    )
     return directory, digest

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 
@@ -38,12 +37,12 @@ def _search_path() -> str:
     return os.environ.get("PATH", "") + os.pathsep + "/usr/sbin" + os.pathsep + "/sbin"
 
 
-def missing_slurm() -> List[str]:
+def missing_slurm() -> list[str]:
     """The Slurm/munge programs absent from PATH (and /usr/sbin)."""
     return [b for b in SLURM_BINARIES if shutil.which(b, path=_search_path()) is None]
 
 
-def missing_ray() -> Optional[str]:
+def missing_ray() -> str | None:
     """None when the ``ray`` CLI is beside this interpreter or on PATH, else why not."""
     beside = Path(sys.executable).parent / "ray"
     return None if beside.is_file() or shutil.which("ray") else "the ray CLI (PyPI ray[default]) is not installed"
@@ -66,9 +65,9 @@ def free_port(low: int = 20000, high: int = 32000) -> int:
     raise RuntimeError("no free port on 127.0.0.1")
 
 
-def _descendants(pid: int) -> List[int]:
+def _descendants(pid: int) -> list[int]:
     """PIDs whose parent chain reaches ``pid`` (read from /proc)."""
-    parents: Dict[int, int] = {}
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
@@ -103,7 +102,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             pass
 
 
-def _wait_for(predicate, timeout_s: float, what: str, log: Optional[Path] = None) -> None:
+def _wait_for(predicate, timeout_s: float, what: str, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if predicate():
@@ -137,16 +136,16 @@ class LocalSlurm:
     def __init__(self, root: Path, gpus: int = 2, cpus: int = 2, memory_mb: int = 4000, lifetime_s: int = 600):
         self.root = Path(root)
         self.gpus, self.cpus, self.memory_mb, self.lifetime_s = gpus, cpus, memory_mb, lifetime_s
-        self.procs: List[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen] = []
         self.conf = self.root / "slurm.conf"
         # munged's socket and slurmd's spool (slurmstepd sockets) need paths under the 108-byte limit of a unix
         # socket address; a deep ``root`` (Bazel's TEST_TMPDIR is ~125 bytes) gets a short directory of their own
-        self.short: Optional[Path] = None
+        self.short: Path | None = None
         self.sockets = self.root
         if len(str(self.root.absolute())) > 48:
             self.short = self.sockets = Path(tempfile.mkdtemp(prefix="rb-slurm-", dir="/tmp"))
 
-    def env(self) -> Dict[str, str]:
+    def env(self) -> dict[str, str]:
         """The environment for Slurm commands against this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": _search_path()}
 
@@ -198,17 +197,24 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """)
         if self.gpus:
             (r / "gres.conf").write_text(
-                f"AutoDetect=off\nNodeName=localhost Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n")
+                f"AutoDetect=off\nNodeName=localhost Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n"
+            )
 
-    def _spawn(self, argv: List[str], log: str) -> subprocess.Popen:
+    def _spawn(self, argv: list[str], log: str) -> subprocess.Popen:
         out = open(self.root / log, "wb")
         program = shutil.which(argv[0], path=_search_path()) or argv[0]
-        proc = subprocess.Popen(["timeout", str(self.lifetime_s), program, *argv[1:]], stdout=out, stderr=subprocess.STDOUT,
-                                env=self.env(), start_new_session=True, preexec_fn=_loopback_hostname)
+        proc = subprocess.Popen(
+            ["timeout", str(self.lifetime_s), program, *argv[1:]],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,
+            preexec_fn=_loopback_hostname,
+        )
         self.procs.append(proc)
         return proc
 
-    def start(self) -> "LocalSlurm":
+    def start(self) -> LocalSlurm:
         """Start the cluster (see :meth:`_start`); on any failure stop what was started, then re-raise."""
         try:
             return self._start()
@@ -216,13 +222,23 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
             self.stop()
             raise
 
-    def _start(self) -> "LocalSlurm":
+    def _start(self) -> LocalSlurm:
         """Write the config, start the daemons, wait until the node is idle (about 2 s)."""
         self._write_config()
         m = self.sockets / "munge"
-        self._spawn(["munged", "-F", "-f", f"--key-file={m}/munge.key", f"--socket={m}/munge.sock",
-                     f"--pid-file={m}/munged.pid", f"--log-file={m}/munged.log", f"--seed-file={m}/munged.seed"],
-                    "munged.out")
+        self._spawn(
+            [
+                "munged",
+                "-F",
+                "-f",
+                f"--key-file={m}/munge.key",
+                f"--socket={m}/munge.sock",
+                f"--pid-file={m}/munged.pid",
+                f"--log-file={m}/munged.log",
+                f"--seed-file={m}/munged.seed",
+            ],
+            "munged.out",
+        )
         _wait_for(lambda: (m / "munge.sock").exists(), 10, "munged", self.root / "munged.out")
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
         self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", "localhost"], "slurmd.out")
@@ -246,20 +262,26 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         if self.short is not None:
             shutil.rmtree(self.short, ignore_errors=True)
 
-    def __enter__(self) -> "LocalSlurm":
+    def __enter__(self) -> LocalSlurm:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
 
-def ray_port_args() -> List[str]:
+def ray_port_args() -> list[str]:
     """``ray start`` arguments that give a node its own free ports for every component with a fixed default
     (dashboard agent 52365, client server 10001, ...), so that two Ray heads on one machine do not collide;
     worker ports are left to the kernel (``--min-worker-port=0``)."""
-    return [f"--dashboard-agent-listen-port={free_port()}", f"--dashboard-agent-grpc-port={free_port()}",
-            f"--ray-client-server-port={free_port()}", f"--metrics-export-port={free_port()}",
-            f"--runtime-env-agent-port={free_port()}", "--min-worker-port=0", "--max-worker-port=0"]
+    return [
+        f"--dashboard-agent-listen-port={free_port()}",
+        f"--dashboard-agent-grpc-port={free_port()}",
+        f"--ray-client-server-port={free_port()}",
+        f"--metrics-export-port={free_port()}",
+        f"--runtime-env-agent-port={free_port()}",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+    ]
 
 
 class LocalRay:
@@ -268,19 +290,24 @@ class LocalRay:
     def __init__(self, root: Path, cpus: int = 2, lifetime_s: int = 600):
         self.root = Path(root)
         self.cpus, self.lifetime_s = cpus, lifetime_s
-        self.proc: Optional[subprocess.Popen] = None
+        self.proc: subprocess.Popen | None = None
         self.port = free_port()
         self.dashboard_port = free_port()
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
 
     @staticmethod
-    def env() -> Dict[str, str]:
+    def env() -> dict[str, str]:
         """Loopback-only Ray: every port on 127.0.0.1, no usage stats, immediate teardown on SIGTERM."""
         bin_dir = str(Path(sys.executable).parent)
-        return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", "PATH": bin_dir + os.pathsep + os.environ.get("PATH", "")}
+        return {
+            **os.environ,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+            "PATH": bin_dir + os.pathsep + os.environ.get("PATH", ""),
+        }
 
-    def start(self) -> "LocalRay":
+    def start(self) -> LocalRay:
         """Start the head (see :meth:`_start`); on any failure stop what was started, then re-raise."""
         try:
             return self._start()
@@ -288,7 +315,7 @@ class LocalRay:
             self.stop()
             raise
 
-    def _start(self) -> "LocalRay":
+    def _start(self) -> LocalRay:
         """Start the head and wait for the dashboard (about 5-7 s)."""
         from trainer.launch.host.ray import ray_cli, reachable
 
@@ -297,13 +324,33 @@ class LocalRay:
         self.temp = Path("/tmp") / f"ray-rb-{os.getpid()}-{self.port}"
         log = open(self.root / "ray-head.log", "wb")
         self.proc = subprocess.Popen(
-            ["timeout", str(self.lifetime_s), ray_cli(), "start", "--head", "--block",
-             f"--port={self.port}", f"--num-cpus={self.cpus}", "--include-dashboard=true",
-             "--dashboard-host=127.0.0.1", f"--dashboard-port={self.dashboard_port}", "--node-ip-address=127.0.0.1",
-             f"--temp-dir={self.temp}", *ray_port_args()],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env(), start_new_session=True)
-        _wait_for(lambda: reachable(self.address, 2) is None or self.proc.poll() is not None, 60, "the Ray head",
-                  self.root / "ray-head.log")
+            [
+                "timeout",
+                str(self.lifetime_s),
+                ray_cli(),
+                "start",
+                "--head",
+                "--block",
+                f"--port={self.port}",
+                f"--num-cpus={self.cpus}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+                "--node-ip-address=127.0.0.1",
+                f"--temp-dir={self.temp}",
+                *ray_port_args(),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=self.env(),
+            start_new_session=True,
+        )
+        _wait_for(
+            lambda: reachable(self.address, 2) is None or self.proc.poll() is not None,
+            60,
+            "the Ray head",
+            self.root / "ray-head.log",
+        )
         if self.proc.poll() is not None:
             raise RuntimeError("the Ray head exited:\n" + (self.root / "ray-head.log").read_text()[-2000:])
         return self
@@ -315,7 +362,7 @@ class LocalRay:
             self.proc = None
         shutil.rmtree(getattr(self, "temp", self.root / "none"), ignore_errors=True)
 
-    def __enter__(self) -> "LocalRay":
+    def __enter__(self) -> LocalRay:
         return self.start()
 
     def __exit__(self, *exc) -> None:

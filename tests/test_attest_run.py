@@ -4,8 +4,6 @@
 link, record.json redirected to another lock, a forged metrics file under a failed run, another lock, a tampered
 statement, another key and a truncated file."""
 
-import helpers
-
 import base64
 import hashlib
 import json
@@ -15,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import run_train, run_trainer as trainer
+import helpers
+from helpers import run_train
+from helpers import run_trainer as trainer
 from trainer.record import attest
 
 
@@ -25,8 +25,11 @@ def run(tmp_path_factory):
     assert trainer("keygen", "--out", root / "key").returncode == 0
     assert trainer("keygen", "--out", root / "other").returncode == 0
     run_dir = root / "run"
-    proc = run_train(["experiment=smoke", "launcher.steps=2", f"hydra.run.dir={run_dir}", "--sign-key", root / "key"],
-                     root, timeout=600)
+    proc = run_train(
+        ["experiment=smoke", "launcher.steps=2", f"hydra.run.dir={run_dir}", "--sign-key", root / "key"],
+        root,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return {"root": root, "dir": run_dir, "pub": root / "key.pub", "other": root / "other.pub"}
 
@@ -53,14 +56,26 @@ def test_the_attestation_names_the_run_files_the_probe_and_the_verdict(run):
     names = {x["name"]: x["digest"]["sha256"] for x in s["subject"]}
     on_disk = {p.relative_to(run["dir"]).as_posix() for p in run["dir"].rglob("*") if p.is_file()}
     assert set(names) == on_disk - {"attestation.json"}
-    assert {"record.json", "metrics.jsonl", "config.yaml", "argv.json", "env.json", "job.json", "plan.json",
-            "command.sh", "probe-rank-0.json", "logs/rank-0.log", "data/rows/rows.parquet", "data/rows/manifest.json",
-            ".hydra/overrides.yaml", "train.log"} <= set(names)
+    assert {
+        "record.json",
+        "metrics.jsonl",
+        "config.yaml",
+        "argv.json",
+        "env.json",
+        "job.json",
+        "plan.json",
+        "command.sh",
+        "probe-rank-0.json",
+        "logs/rank-0.log",
+        "data/rows/rows.parquet",
+        "data/rows/manifest.json",
+        ".hydra/overrides.yaml",
+        "train.log",
+    } <= set(names)
     for name, digest in names.items():
         assert digest == sha(run["dir"] / name)
     record = json.loads((run["dir"] / "record.json").read_text())
-    assert record["attestation"] == {"path": "attestation.json",
-                                     "signed_by": attest.load_public_key(run["pub"]).keyid}
+    assert record["attestation"] == {"path": "attestation.json", "signed_by": attest.load_public_key(run["pub"]).keyid}
     # the record's own hashes cover every other file, as they stay
     assert set(record["files_sha256"]) == on_disk - {"attestation.json", "record.json"}
     for name, digest in record["files_sha256"].items():
@@ -71,8 +86,11 @@ def test_the_attestation_names_the_run_files_the_probe_and_the_verdict(run):
     assert pred["probes"]["ranks"][0]["torch"]["version"].startswith("2.")
     table = json.loads(trainer("verify", run["dir"], "--json").stdout)
     assert pred["verify"]["ok"] == table["ok"] and pred["verify"]["rows"] == table["rows"]
-    assert pred["verify"]["lock"] == {"path": "lockfiles/launcher.lock", "base": "bundle",
-                                      "sha256": sha(helpers.REPO_ROOT / "lockfiles" / "launcher.lock")}
+    assert pred["verify"]["lock"] == {
+        "path": "lockfiles/launcher.lock",
+        "base": "bundle",
+        "sha256": sha(helpers.REPO_ROOT / "lockfiles" / "launcher.lock"),
+    }
     assert pred["run"]["steps"] == 2 == len((run["dir"] / "metrics.jsonl").read_text().splitlines())
     assert pred["unsigned"] == ["attestation.json"]
 
@@ -85,9 +103,11 @@ def test_verify_with_the_public_key_and_in_toto_agree(run):
     r = trainer("verify", run["dir"], "--key", run["pub"])
     assert r.returncode == 0, r.stderr
     files = len([p for p in run["dir"].rglob("*") if p.is_file()]) - 1
-    assert r.stdout.splitlines()[0] == (f"attestation ok: {run['dir'] / 'attestation.json'} signed by "
-                                        f"{attest.load_public_key(run['pub']).keyid}; {files} files of the run "
-                                        "directory match, none added or removed")
+    assert r.stdout.splitlines()[0] == (
+        f"attestation ok: {run['dir'] / 'attestation.json'} signed by "
+        f"{attest.load_public_key(run['pub']).keyid}; {files} files of the run "
+        "directory match, none added or removed"
+    )
     assert "run complete, 2 steps in metrics.jsonl (as signed)" in r.stdout and "unsigned:" not in r.stdout
     signed = json.loads(trainer("verify", run["dir"], "--key", run["pub"], "--json").stdout)
     assert signed["signature"] == r.stdout.splitlines()[0]
@@ -153,7 +173,6 @@ def test_an_unsigned_attestation_and_an_image_subject(run, tmp_path):
     one_line(trainer("verify", work, "--key", run["pub"]), 1, "unsigned statement")
 
 
-
 def test_trainer_attest_writes_the_attestation_of_an_ended_run_once(run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(run["dir"], work)
@@ -162,8 +181,10 @@ def test_trainer_attest_writes_the_attestation_of_an_ended_run_once(run, tmp_pat
     r = trainer("attest", work, "--sign-key", key)
     assert r.returncode == 0, r.stderr
     assert trainer("verify", work, "--key", run["pub"]).returncode == 0
-    assert json.loads((work / "record.json").read_text())["attestation"]["signed_by"] == \
-        attest.load_public_key(run["pub"]).keyid
+    assert (
+        json.loads((work / "record.json").read_text())["attestation"]["signed_by"]
+        == attest.load_public_key(run["pub"]).keyid
+    )
     before = (work / "attestation.json").read_bytes()
     one_line(trainer("attest", work, "--sign-key", key), 2, "exists")
     assert (work / "attestation.json").read_bytes() == before
@@ -217,8 +238,11 @@ def test_every_file_flipped_deleted_or_made_a_link_fails(run, tmp_path):
     for name in names:
         path = work / name
         original = path.read_bytes()
-        variants = [original[:i] + bytes([original[i] ^ 0x20]) + original[i + 1:]
-                    for i in sorted({0, len(original) // 2, len(original) - 1}) if original] or [b"x"]  # train.log: empty
+        variants = [
+            original[:i] + bytes([original[i] ^ 0x20]) + original[i + 1 :]
+            for i in sorted({0, len(original) // 2, len(original) - 1})
+            if original
+        ] or [b"x"]  # train.log: empty
         for changed in variants:
             path.write_bytes(changed)
             with pytest.raises(attest.VerificationFailed, match=f"subject {name} has sha256"):
@@ -234,7 +258,9 @@ def test_every_file_flipped_deleted_or_made_a_link_fails(run, tmp_path):
         path.write_bytes(original)
     assert attest.check_run(work, key).statement["subject"]
     # the same refusals through the command line: one line, exit 1
-    (work / "data" / "rows" / "rows.parquet").write_bytes(b"PAR1" + (work / "data" / "rows" / "rows.parquet").read_bytes()[4:-1] + b"!")
+    (work / "data" / "rows" / "rows.parquet").write_bytes(
+        b"PAR1" + (work / "data" / "rows" / "rows.parquet").read_bytes()[4:-1] + b"!"
+    )
     refused(run, work, "subject data/rows/rows.parquet has sha256")
 
 
@@ -330,7 +356,9 @@ def test_the_lock_is_the_one_whose_digest_was_signed(run, tmp_path):
     assert trainer("verify", work, "--key", run["pub"], "--lock", tmp_path / "same.lock").returncode == 0
     (tmp_path / "other.lock").write_bytes(lock.read_bytes() + b"extra==1.0\n")
     r = trainer("verify", work, "--key", run["pub"], "--lock", tmp_path / "other.lock")
-    one_line(r, 1, f"--lock {tmp_path / 'other.lock'} has sha256", "the attestation signed the lock lockfiles/launcher.lock")
+    one_line(
+        r, 1, f"--lock {tmp_path / 'other.lock'} has sha256", "the attestation signed the lock lockfiles/launcher.lock"
+    )
 
 
 def test_outside_rows_are_named_and_checked(run, tmp_path):

@@ -12,7 +12,6 @@ from omegaconf import OmegaConf
 import helpers
 from helpers import REPO_ROOT, run_train
 from trainer.compose import cache as cache_module
-from trainer.compose import compose as compose_module
 from trainer.compose.compose import session
 from trainer.errors import UserError
 
@@ -26,8 +25,14 @@ JOBS = [
 
 def fingerprint(cfg):
     """What a composition is, for comparing two: its YAML (unresolved), its flags and its node types."""
-    return (OmegaConf.to_yaml(cfg), OmegaConf.is_struct(cfg), OmegaConf.is_readonly(cfg),
-            OmegaConf.get_type(cfg), OmegaConf.get_type(cfg, "layout"), OmegaConf.get_type(cfg, "model"))
+    return (
+        OmegaConf.to_yaml(cfg),
+        OmegaConf.is_struct(cfg),
+        OmegaConf.is_readonly(cfg),
+        OmegaConf.get_type(cfg),
+        OmegaConf.get_type(cfg, "layout"),
+        OmegaConf.get_type(cfg, "model"),
+    )
 
 
 def entries(root):
@@ -66,7 +71,7 @@ def test_a_damaged_entry_is_a_miss_and_is_written_again(tmp_path, monkeypatch, h
         good = OmegaConf.to_yaml(composer.compose(["layout=tp8pp8ep8"]))
     (entry,) = entries(root)
     blob = entry.read_bytes()
-    key, payload = entry.name[:-len(cache_module.SUFFIX)], blob[len(cache_module.FORMAT):].partition(b"\n")[2]
+    key, payload = entry.name[: -len(cache_module.SUFFIX)], blob[len(cache_module.FORMAT) :].partition(b"\n")[2]
     secret = cache_module.mac_key()
     assert blob == cache_module.FORMAT + cache_module.entry_mac(secret, key, payload) + b"\n" + payload
     damaged = {
@@ -125,8 +130,10 @@ def test_the_oldest_entries_go_first(tmp_path, monkeypatch):
             composer.compose([f"layout={layout}"])
             time.sleep(0.01)
     kept = {p.name for p in entries(tmp_path / "cache")}
-    assert kept == {composer.cache.key_of([f"layout={layout}"], False) + cache_module.SUFFIX
-                    for layout in ("tp8pp8ep8", "gpu8-tp2pp2ep4")}  # the oldest, tp2pp4ep8, went
+    assert kept == {
+        composer.cache.key_of([f"layout={layout}"], False) + cache_module.SUFFIX
+        for layout in ("tp8pp8ep8", "gpu8-tp2pp2ep4")
+    }  # the oldest, tp2pp4ep8, went
 
 
 def test_the_key_covers_the_working_directory_the_schema_and_the_python_path(tmp_path, monkeypatch):

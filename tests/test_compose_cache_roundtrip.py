@@ -37,18 +37,33 @@ def nodes(cfg, path="", parent=None):
     struct and read-only flags as the node sees them), children checked to point at their parent."""
     state = cfg.__dict__
     meta = cfg._metadata
-    fields = tuple((f.name, repr(getattr(meta, f.name))) for f in dataclasses.fields(meta)
-                   if f.name != "resolver_cache")
+    fields = tuple(
+        (f.name, repr(getattr(meta, f.name))) for f in dataclasses.fields(meta) if f.name != "resolver_cache"
+    )
     assert cfg._get_parent() is parent
     try:
         of_type = OmegaConf.get_type(parent, meta.key) if parent is not None else OmegaConf.get_type(cfg)
     except Exception as ex:  # noqa: BLE001 - an interpolation get_type would resolve: the same error both ways
         of_type = type(ex).__name__
-    row = (path, type(cfg).__name__, fields, sorted(k for k in state if k != "_flags_cache"),
-           cfg._get_flag("struct"), cfg._get_flag("readonly"), of_type)
+    row = (
+        path,
+        type(cfg).__name__,
+        fields,
+        sorted(k for k in state if k != "_flags_cache"),
+        cfg._get_flag("struct"),
+        cfg._get_flag("readonly"),
+        of_type,
+    )
     if not isinstance(cfg, (DictConfig, ListConfig)):
-        return [row + (repr(state["_val"]), type(state["_val"]).__name__, repr(state.get("enum_type")),
-                       repr(state.get("fields")))]
+        return [
+            row
+            + (
+                repr(state["_val"]),
+                type(state["_val"]).__name__,
+                repr(state.get("enum_type")),
+                repr(state.get("fields")),
+            )
+        ]
     content = state["_content"]
     if not isinstance(content, (dict, list)):
         return [row + (repr(content),)]
@@ -88,8 +103,18 @@ def prepared(composer, job):
         run = prepare(job, composer)
     except UserError as err:
         return str(err)
-    return (run.plan, run.launch.argv, run.launch.env, run.numerics, run.choices, run.overrides,
-            run.record_fields(), OmegaConf.to_yaml(run.cfg), OmegaConf.is_readonly(run.cfg), nodes(run.cfg))
+    return (
+        run.plan,
+        run.launch.argv,
+        run.launch.env,
+        run.numerics,
+        run.choices,
+        run.overrides,
+        run.record_fields(),
+        OmegaConf.to_yaml(run.cfg),
+        OmegaConf.is_readonly(run.cfg),
+        nodes(run.cfg),
+    )
 
 
 def test_every_option_read_back_from_the_cache_is_what_hydra_made(tmp_path, monkeypatch, hydra_made):

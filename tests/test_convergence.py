@@ -7,13 +7,15 @@ import pytest
 
 import helpers
 from trainer import cli
-from trainer.report.convergence import Thresholds, check, load_thresholds
 from trainer.errors import UserError
+from trainer.report.convergence import Thresholds, check, load_thresholds
 from trainer.report.metrics import Step
 
 
 def curve(steps=range(1, 21), scale=1.0, decay=30.0, start=2.5):
-    return [Step(step=s, lm_loss=start * math.exp(-s / decay) * scale + 0.01 * math.sin(s), grad_norm=1.0) for s in steps]
+    return [
+        Step(step=s, lm_loss=start * math.exp(-s / decay) * scale + 0.01 * math.sin(s), grad_norm=1.0) for s in steps
+    ]
 
 
 def check_named(result, name):
@@ -24,7 +26,14 @@ def test_identical_runs_pass_every_check():
     r = check(curve(), curve())
     assert r["passed"] and r["failed_checks"] == []
     assert [c["name"] for c in r["checks"]] == [
-        "aligned", "finite_loss", "finite_grad_norm", "correlation", "pointwise", "final_loss", "outliers"]
+        "aligned",
+        "finite_loss",
+        "finite_grad_norm",
+        "correlation",
+        "pointwise",
+        "final_loss",
+        "outliers",
+    ]
     assert r["metrics"]["correlation"] == pytest.approx(1.0)
     assert r["metrics"]["points_checked"] == 16 and r["metrics"]["skipped"] == 4  # int(20 x 0.2)
     assert r["metrics"]["pointwise_failures"] == 0 and r["metrics"]["final_loss_difference"] == 0
@@ -70,8 +79,9 @@ def flat(values, start=1):
 
 
 def test_pointwise_tolerance_by_golden_value():
-    th = Thresholds(skip_first_percent_loss=0.0, correlation_threshold=-1.0, max_outlier_ratio=1.0,
-                    final_loss_tolerance=1.0)
+    th = Thresholds(
+        skip_first_percent_loss=0.0, correlation_threshold=-1.0, max_outlier_ratio=1.0, final_loss_tolerance=1.0
+    )
     golden = [3.0, 3.0, 1.0, 1.0, 0.4, 0.4]
     cand = [3.29, 3.31, 1.049, 1.051, 0.4079, 0.4081]  # 9.7% / 10.3%, 4.9% / 5.1%, 1.98% / 2.03%
     r = check(flat(cand), flat(golden), th)
@@ -174,8 +184,22 @@ def test_cli_exit_codes_and_json(tmp_path, capsys):
     assert (good.parent / "convergence_loss.png").read_bytes()[:4] == b"\x89PNG"
     code, out, _ = run_cli(["converge", str(bad), str(ref), "--no-plot"], capsys)
     assert code == 1 and "FAIL" in out and "pointwise failures: 16 of 16" in out
-    code, out, _ = run_cli(["converge", str(bad), str(ref), "--json", "--no-plot", "--set", "high_loss_tolerance=10",
-                            "--set", "medium_loss_tolerance=10", "--set", "final_loss_tolerance=10"], capsys)
+    code, out, _ = run_cli(
+        [
+            "converge",
+            str(bad),
+            str(ref),
+            "--json",
+            "--no-plot",
+            "--set",
+            "high_loss_tolerance=10",
+            "--set",
+            "medium_loss_tolerance=10",
+            "--set",
+            "final_loss_tolerance=10",
+        ],
+        capsys,
+    )
     assert code == 0 and json.loads(out)["thresholds"]["final_loss_tolerance"] == 10
 
 
@@ -199,10 +223,22 @@ def test_cli_refusals(tmp_path, capsys):
 
 
 def test_predict_from_overrides(capsys):
-    code, out, _ = run_cli(["converge", "--predict", "--candidate", "layout=tp2pp4ep8", "--reference", "layout=tp8pp8ep8"], capsys)
+    code, out, _ = run_cli(
+        ["converge", "--predict", "--candidate", "layout=tp2pp4ep8", "--reference", "layout=tp8pp8ep8"], capsys
+    )
     assert code == 0 and "numerics-equivalent" in out and "--tensor-model-parallel-size" in out and "performance" in out
-    code, out, _ = run_cli(["converge", "--predict", "--json", "--candidate", "layout=tp2pp4ep8 optim.lr=2e-5",
-                            "--reference", "layout=tp8pp8ep8"], capsys)
+    code, out, _ = run_cli(
+        [
+            "converge",
+            "--predict",
+            "--json",
+            "--candidate",
+            "layout=tp2pp4ep8 optim.lr=2e-5",
+            "--reference",
+            "layout=tp8pp8ep8",
+        ],
+        capsys,
+    )
     result = json.loads(out)
     assert code == 1 and not result["equivalent"]
     assert [d["flag"] for d in result["differences"] if d["class"] == "numerics"] == ["--lr"]
@@ -234,16 +270,24 @@ def test_done_when_layout_change_passes_and_lr_change_fails(tmp_path, capsys):
     assert code == 1 and "FAIL" in out and "numerics differ: --lr" in out
 
 
-
 def test_piped_tables_keep_whole_values(tmp_path):
     """Promise: piped, `trainer converge --predict` prints whole argument names and keys (no cell cut to "…" at
     rich's default 80 columns), one row per line."""
-    proc = helpers.run_trainer("converge", "--predict", "--candidate", "layout=tp8pp8ep8",
-                               "--reference", "layout=tp2pp4ep8", cwd=tmp_path, env={"COLUMNS": ""})
+    proc = helpers.run_trainer(
+        "converge",
+        "--predict",
+        "--candidate",
+        "layout=tp8pp8ep8",
+        "--reference",
+        "layout=tp2pp4ep8",
+        cwd=tmp_path,
+        env={"COLUMNS": ""},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "…" not in proc.stdout
     row = next(line for line in proc.stdout.splitlines() if "--decoder-first-pipeline-num-layers" in line)
     assert "layout.decoder_first_pipeline_num_layers" in row and "│ 4 " in row and "│ 11 " in row
+
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

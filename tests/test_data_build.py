@@ -10,11 +10,29 @@ import pytest
 
 import helpers
 from trainer.data import Rows, chat, synthetic
-from trainer.data.build import BuildConfig, RowWriter, build, default_config, load_tokenizer, sample_rows, shipped_tokenizer_path
+from trainer.data.build import (
+    BuildConfig,
+    RowWriter,
+    build,
+    default_config,
+    load_tokenizer,
+    sample_rows,
+    shipped_tokenizer_path,
+)
 from trainer.errors import UserError
 
-REQUIRED_KEYS = {"rows", "row_tokens", "padding_tokens", "supervised_token_ratio", "seed", "tokenizer_sha256",
-                 "rows_sha256", "parquet_sha256", "parquet_bytes", "inputs"}
+REQUIRED_KEYS = {
+    "rows",
+    "row_tokens",
+    "padding_tokens",
+    "supervised_token_ratio",
+    "seed",
+    "tokenizer_sha256",
+    "rows_sha256",
+    "parquet_sha256",
+    "parquet_bytes",
+    "inputs",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +55,11 @@ def write_jsonl(path, rows):
 
 def read_rows(out):
     table = pq.read_table(out / "rows.parquet")
-    return ([np.array(x, dtype=np.int64) for x in table.column("tokens").to_pylist()],
-            [np.array(x, dtype=np.int64) for x in table.column("loss_mask").to_pylist()],
-            table.column("source_ids").to_pylist())
+    return (
+        [np.array(x, dtype=np.int64) for x in table.column("tokens").to_pylist()],
+        [np.array(x, dtype=np.int64) for x in table.column("loss_mask").to_pylist()],
+        table.column("source_ids").to_pylist(),
+    )
 
 
 def reference_rows(tok, files, seed, row_tokens):
@@ -74,13 +94,16 @@ def reference_rows(tok, files, seed, row_tokens):
 def test_packing_matches_the_written_out_rule(tmp_path, tok):
     a = tmp_path / "a.jsonl"
     synthetic.write(a, 6, seed=3)
-    b = write_jsonl(tmp_path / "b.jsonl", [
-        conv("short-1", "Hi?", "Hello."),
-        conv("sys-1", "Translate: chat", "le chat", system="You translate."),
-        conv("multi-1", "1?", "one", "2?", "two", "3?", "three"),
-        conv("empty-1", "Be silent.", ""),
-        conv("uni-1", "日本語で？", "はい、日本語です 🙂"),
-    ])
+    b = write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            conv("short-1", "Hi?", "Hello."),
+            conv("sys-1", "Translate: chat", "le chat", system="You translate."),
+            conv("multi-1", "1?", "one", "2?", "two", "3?", "three"),
+            conv("empty-1", "Be silent.", ""),
+            conv("uni-1", "日本語で？", "はい、日本語です 🙂"),
+        ],
+    )
     manifest = build([str(a), str(b)], tmp_path / "out", BuildConfig(row_tokens=256, seed=7))
     rows, masks, sources = read_rows(tmp_path / "out")
     want_rows, want_masks, want_sources, skipped = reference_rows(tok, [a, b], 7, 256)
@@ -90,7 +113,10 @@ def test_packing_matches_the_written_out_rule(tmp_path, tok):
     assert sources == want_sources
     assert manifest["skipped"]["unsupervised_rows"] == skipped
     assert manifest["conversations"] == {"inputs": 11, "packed": 11, "bad_skipped": 0}
-    assert manifest["tokens_encoded"] + manifest["separator_tokens"] == (len(rows) + skipped) * 256 + manifest["tail_tokens_dropped"]
+    assert (
+        manifest["tokens_encoded"] + manifest["separator_tokens"]
+        == (len(rows) + skipped) * 256 + manifest["tail_tokens_dropped"]
+    )
     assert manifest["separator_tokens"] == 10
 
 
@@ -123,8 +149,13 @@ def test_wo_eos_conversation_leaves_the_next_prompt_unsupervised(tmp_path, tok):
     tokenizer, special = tok
     rows_in = []
     for i in range(12):
-        rows_in.append(without_eos(f"open-{i}", f"Continue {i}:", "and then" + " more" * i) if i % 3 == 0 else
-                       conv(f"plain-{i}", f"Question {i}?", "Answer" + " yes" * i, system="You are concise." if i % 2 else None))
+        rows_in.append(
+            without_eos(f"open-{i}", f"Continue {i}:", "and then" + " more" * i)
+            if i % 3 == 0
+            else conv(
+                f"plain-{i}", f"Question {i}?", "Answer" + " yes" * i, system="You are concise." if i % 2 else None
+            )
+        )
     src = write_jsonl(tmp_path / "w.jsonl", rows_in)
     for loss_mask in chat.LOSS_MASKS:
         manifest = build([str(src)], tmp_path / loss_mask, BuildConfig(row_tokens=16, loss_mask=loss_mask))
@@ -178,14 +209,26 @@ def test_manifest_fields_and_hash_definitions(tmp_path):
     data = (tmp_path / "out" / "rows.parquet").read_bytes()
     assert manifest["rows_sha256"] == digest.hexdigest()
     assert (manifest["parquet_sha256"], manifest["parquet_bytes"]) == (hashlib.sha256(data).hexdigest(), len(data))
-    assert manifest["inputs"] == [{"name": "corpus.parquet", "sha256": hashlib.sha256(src.read_bytes()).hexdigest(),
-                                   "bytes": src.stat().st_size, "format": "parquet", "conversations": 8}]
+    assert manifest["inputs"] == [
+        {
+            "name": "corpus.parquet",
+            "sha256": hashlib.sha256(src.read_bytes()).hexdigest(),
+            "bytes": src.stat().st_size,
+            "format": "parquet",
+            "conversations": 8,
+        }
+    ]
     supervised = sum(int(m[1:].sum()) for m in masks)
     assert manifest["supervised_tokens"] == supervised
     assert manifest["supervised_token_ratio"] == round(supervised / (len(rows) * 512), 6)
     assert 0.5 < manifest["supervised_token_ratio"] < 0.95
     assert manifest["tokenizer_sha256"] == hashlib.sha256(shipped_tokenizer_path().read_bytes()).hexdigest()
-    assert (manifest["seed"], manifest["row_tokens"], manifest["padding_tokens"], manifest["loss_mask"]) == (42, 512, 0, "deepseek_v4")
+    assert (manifest["seed"], manifest["row_tokens"], manifest["padding_tokens"], manifest["loss_mask"]) == (
+        42,
+        512,
+        0,
+        "deepseek_v4",
+    )
     assert all(len(r) == 512 for r in rows)
 
 
@@ -201,9 +244,22 @@ def test_same_bytes_from_other_dirs_orders_and_processes(tmp_path):
     config = default_config()[0]  # what the CLI starts from: conf/train.yaml's data option
     config.row_tokens = 300
     first = build([str(one / "a.parquet"), str(one / "b.jsonl"), str(one / "c.jsonl")], tmp_path / "out1", config)
-    proc = helpers.run_trainer("data", "build", "--input", "c.jsonl", "*.parquet", "b.jsonl", "--out", tmp_path / "out2",
-                               "--row-tokens", "300", "--json", cwd=two, timeout=120,
-                               env={"PYTHONHASHSEED": "12345", "TZ": "Asia/Tokyo", "COLUMNS": "100"})
+    proc = helpers.run_trainer(
+        "data",
+        "build",
+        "--input",
+        "c.jsonl",
+        "*.parquet",
+        "b.jsonl",
+        "--out",
+        tmp_path / "out2",
+        "--row-tokens",
+        "300",
+        "--json",
+        cwd=two,
+        timeout=120,
+        env={"PYTHONHASHSEED": "12345", "TZ": "Asia/Tokyo", "COLUMNS": "100"},
+    )
     assert proc.returncode == 0, proc.stderr
     second = json.loads(proc.stdout)["manifest"]
     assert first == second
@@ -213,32 +269,63 @@ def test_same_bytes_from_other_dirs_orders_and_processes(tmp_path):
     build([str(two / "*.*")], tmp_path / "out3", config)
     for name in ("rows.parquet", "manifest.json"):
         assert (tmp_path / "out3" / name).read_bytes() == (tmp_path / "out1" / name).read_bytes()
-    third = build([str(two / "*")], tmp_path / "out1", BuildConfig(row_tokens=300, seed=43))  # rebuild in place, other seed
+    third = build(
+        [str(two / "*")], tmp_path / "out1", BuildConfig(row_tokens=300, seed=43)
+    )  # rebuild in place, other seed
     assert third["rows_sha256"] != first["rows_sha256"] and third["tokens_encoded"] == first["tokens_encoded"]
     assert sorted(p.name for p in (tmp_path / "out1").iterdir()) == ["manifest.json", "rows.parquet"]
 
 
 def test_loss_mask_convention_and_encoding_are_named_in_the_manifest(tmp_path, tok):
     tools = [{"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
-    agent = {"id": "agent", "source": "test", "messages": [
-        {"role": "system", "content": "S", "tools": tools}, {"role": "user", "content": "Time?"},
-        {"role": "assistant", "content": None, "reasoning_content": "ask the tool", "tool_calls": [{"id": "t", "function": {"name": "now", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "t", "content": "noon"}, {"role": "assistant", "content": "Noon.", "reasoning_content": "done"}]}
-    thinker = {"id": "thinker", "source": "test", "messages": [
-        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "reasoning_content": "dropped by the format"},
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "easy"}]}
+    agent = {
+        "id": "agent",
+        "source": "test",
+        "messages": [
+            {"role": "system", "content": "S", "tools": tools},
+            {"role": "user", "content": "Time?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "ask the tool",
+                "tool_calls": [{"id": "t", "function": {"name": "now", "arguments": "{}"}}],
+            },
+            {"role": "tool", "tool_call_id": "t", "content": "noon"},
+            {"role": "assistant", "content": "Noon.", "reasoning_content": "done"},
+        ],
+    }
+    thinker = {
+        "id": "thinker",
+        "source": "test",
+        "messages": [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "2", "reasoning_content": "dropped by the format"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "easy"},
+        ],
+    }
     src = write_jsonl(tmp_path / "a.jsonl", [conv("plain", "Hi?", "Hello.")] * 20 + [agent, thinker] * 10)
     v4 = build([str(src)], tmp_path / "v4", BuildConfig(row_tokens=64))
     official = build([str(src)], tmp_path / "official", BuildConfig(row_tokens=64, loss_mask="deepseek_v4_official"))
     assert (v4["loss_mask"], official["loss_mask"]) == ("deepseek_v4", "deepseek_v4_official")
     assert "mode token" in v4["loss_mask_definition"] and "prompt/response split" in official["loss_mask_definition"]
-    assert v4["chat_encoding"] == {"format": chat.FORMAT_SOURCE, "thinking_mode": "auto", "drop_thinking": True, "reasoning_effort": None}
+    assert v4["chat_encoding"] == {
+        "format": chat.FORMAT_SOURCE,
+        "thinking_mode": "auto",
+        "drop_thinking": True,
+        "reasoning_effort": None,
+    }
     dropped = v4["dropped_by_drop_thinking"]
-    assert (dropped["reasoning_content"], dropped["developer_messages"]) == (10, 0)  # thinker's first reasoning, ten times
+    assert (dropped["reasoning_content"], dropped["developer_messages"]) == (
+        10,
+        0,
+    )  # thinker's first reasoning, ten times
     # same tokens, fewer targets: the official split leaves one opener token per assistant turn in the prompt
     rows_v4, masks_v4, _ = read_rows(tmp_path / "v4")
     rows_off, masks_off, _ = read_rows(tmp_path / "official")
-    assert [r.tolist() for r in rows_v4] == [r.tolist() for r in rows_off] and v4["rows_sha256"] != official["rows_sha256"]
+    assert [r.tolist() for r in rows_v4] == [r.tolist() for r in rows_off] and v4["rows_sha256"] != official[
+        "rows_sha256"
+    ]
     assert v4["tokens_encoded"] == official["tokens_encoded"]
     tokenizer, special = tok
     stream = np.concatenate(rows_v4)
@@ -256,7 +343,9 @@ def test_max_rows_is_a_prefix_and_too_many_is_refused(tmp_path):
     full = build([str(src)], tmp_path / "all", BuildConfig(row_tokens=256))
     part = build([str(src)], tmp_path / "part", BuildConfig(row_tokens=256, max_rows=3))
     assert part["rows"] == 3 and part["max_rows"] == 3
-    assert [r.tolist() for r in read_rows(tmp_path / "part")[0]] == [r.tolist() for r in read_rows(tmp_path / "all")[0][:3]]
+    assert [r.tolist() for r in read_rows(tmp_path / "part")[0]] == [
+        r.tolist() for r in read_rows(tmp_path / "all")[0][:3]
+    ]
     with pytest.raises(UserError, match=f"inputs give only {full['rows']} rows of 256 tokens; --rows asks for 1,000"):
         build([str(src)], tmp_path / "more", BuildConfig(row_tokens=256, max_rows=1000))
     assert not (tmp_path / "more").exists()
@@ -299,7 +388,9 @@ def test_loader_batches_shards_and_verifies(tmp_path):
     again = [b.row_index.tolist() for b in Rows(tmp_path / "out").batches(2, 1, 4, epoch=1)]
     assert again == [b.row_index.tolist() for b in data.batches(2, 1, 4, epoch=1)]
     assert again != [b.row_index.tolist() for b in data.batches(2, 1, 4)]
-    assert [b.row_index.tolist() for b in data.batches(2, 1, 4, start=2)] == [b.row_index.tolist() for b in data.batches(2, 1, 4)][2:]
+    assert [b.row_index.tolist() for b in data.batches(2, 1, 4, start=2)] == [
+        b.row_index.tolist() for b in data.batches(2, 1, 4)
+    ][2:]
     with pytest.raises(UserError, match="dp_rank 4: expected 0 <= dp_rank < dp_size 4"):
         next(data.batches(2, 4, 4))
     path = tmp_path / "out" / "rows.parquet"
@@ -316,37 +407,101 @@ def test_command_line_summary_and_json(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")  # rich's console width: one table line per row
     src = tmp_path / "c.jsonl"
     synthetic.write(src, 3, seed=4)
-    assert cli.main(["data", "build", "--input", str(src), "--out", str(tmp_path / "a"), "--row-tokens", "512", "--seed", "9"]) == 0
+    assert (
+        cli.main(
+            ["data", "build", "--input", str(src), "--out", str(tmp_path / "a"), "--row-tokens", "512", "--seed", "9"]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     manifest = json.loads((tmp_path / "a" / "manifest.json").read_text())
     assert f"{manifest['rows']:,} x 512 tokens = {manifest['rows'] * 512:,} (padding 0)" in table
     assert "tokens/s" in table
-    assert f"│ {manifest['rows_sha256']} " in table and f"│ {manifest['parquet_sha256']} · {manifest['parquet_bytes']:,} bytes" in table
+    assert (
+        f"│ {manifest['rows_sha256']} " in table
+        and f"│ {manifest['parquet_sha256']} · {manifest['parquet_bytes']:,} bytes" in table
+    )
     assert f"{manifest['supervised_token_ratio']:.4f}" in table and "0 bad conversations" in table
-    assert cli.main(["data", "build", "--input", str(src), "--out", str(tmp_path / "b"), "--row-tokens", "512", "--seed", "9", "--json"]) == 0
+    assert (
+        cli.main(
+            [
+                "data",
+                "build",
+                "--input",
+                str(src),
+                "--out",
+                str(tmp_path / "b"),
+                "--row-tokens",
+                "512",
+                "--seed",
+                "9",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads(capsys.readouterr().out)
     assert result["manifest"] == manifest and result["manifest"]["seed"] == 9 and result["tokens_per_second"] > 0
-    assert result["matches_config"] == {"data": "dsv4-tulu3-fixed8192-v1", "rows": False, "rows_sha256": False, "parquet_sha256": False}
+    assert result["matches_config"] == {
+        "data": "dsv4-tulu3-fixed8192-v1",
+        "rows": False,
+        "rows_sha256": False,
+        "parquet_sha256": False,
+    }
     assert cli.main(["data", "verify", str(tmp_path / "b")]) == 0
     assert f"{manifest['rows']:,} rows x 512 tokens, rows_sha256 {manifest['rows_sha256']}" in capsys.readouterr().out
     (tmp_path / "b" / "manifest.json").unlink()
     assert cli.main(["data", "verify", str(tmp_path / "b")]) == 1
     assert "manifest.json: no such file" in capsys.readouterr().err
     # the encoding and mask flags reach the manifest
-    thinker = {"id": "t", "source": "test", "messages": [
-        {"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2", "reasoning_content": "one and one"},
-        {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4", "reasoning_content": "easy"}]}
+    thinker = {
+        "id": "t",
+        "source": "test",
+        "messages": [
+            {"role": "user", "content": "1+1?"},
+            {"role": "assistant", "content": "2", "reasoning_content": "one and one"},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "easy"},
+        ],
+    }
     write_jsonl(src, [thinker] * 40)
     args = ["data", "build", "--input", str(src), "--row-tokens", "64", "--json"]
     assert cli.main([*args, "--out", str(tmp_path / "c")]) == 0
     default = json.loads(capsys.readouterr().out)["manifest"]
-    assert cli.main([*args, "--out", str(tmp_path / "d"), "--loss-mask", "deepseek_v4_official", "--keep-reasoning", "--reasoning-effort", "max"]) == 0
+    assert (
+        cli.main(
+            [
+                *args,
+                "--out",
+                str(tmp_path / "d"),
+                "--loss-mask",
+                "deepseek_v4_official",
+                "--keep-reasoning",
+                "--reasoning-effort",
+                "max",
+            ]
+        )
+        == 0
+    )
     chosen = json.loads(capsys.readouterr().out)["manifest"]
     assert (default["loss_mask"], chosen["loss_mask"]) == ("deepseek_v4", "deepseek_v4_official")
-    assert default["chat_encoding"]["drop_thinking"] is True and default["dropped_by_drop_thinking"]["reasoning_content"] == 40
-    assert chosen["chat_encoding"] == {"format": chat.FORMAT_SOURCE, "thinking_mode": "auto", "drop_thinking": False, "reasoning_effort": "max"}
-    assert chosen["dropped_by_drop_thinking"]["reasoning_content"] == 0 and chosen["tokens_encoded"] > default["tokens_encoded"]
-    assert cli.main([*args, "--out", str(tmp_path / "e"), "--thinking-mode", "chat"]) == 2  # chat mode cannot show the reasoning
+    assert (
+        default["chat_encoding"]["drop_thinking"] is True
+        and default["dropped_by_drop_thinking"]["reasoning_content"] == 40
+    )
+    assert chosen["chat_encoding"] == {
+        "format": chat.FORMAT_SOURCE,
+        "thinking_mode": "auto",
+        "drop_thinking": False,
+        "reasoning_effort": "max",
+    }
+    assert (
+        chosen["dropped_by_drop_thinking"]["reasoning_content"] == 0
+        and chosen["tokens_encoded"] > default["tokens_encoded"]
+    )
+    assert (
+        cli.main([*args, "--out", str(tmp_path / "e"), "--thinking-mode", "chat"]) == 2
+    )  # chat mode cannot show the reasoning
     assert "messages[1].reasoning_content: chat mode renders no reasoning" in capsys.readouterr().err
 
 
@@ -379,12 +534,17 @@ def rederive_corpus(tmp_path):
     rows without targets, conversations longer than a row."""
     a = tmp_path / "a.jsonl"
     synthetic.write(a, 6, seed=3)
-    b = write_jsonl(tmp_path / "b.jsonl", [
-        without_eos("open-1", "Continue:", "and then"), conv("sys-1", "Hi?", "Hello.", system="You are concise."),
-        {"id": "bad-1", "messages": [{"role": "user", "content": "q"}], "source": "t"},
-        conv("long-prompt", " ".join(["prompt"] * 400), "ok"), without_eos("open-2", "More:", "yes " * 30),
-        conv("multi", "1?", "one", "2?", "two"),
-    ])
+    b = write_jsonl(
+        tmp_path / "b.jsonl",
+        [
+            without_eos("open-1", "Continue:", "and then"),
+            conv("sys-1", "Hi?", "Hello.", system="You are concise."),
+            {"id": "bad-1", "messages": [{"role": "user", "content": "q"}], "source": "t"},
+            conv("long-prompt", " ".join(["prompt"] * 400), "ok"),
+            without_eos("open-2", "More:", "yes " * 30),
+            conv("multi", "1?", "one", "2?", "two"),
+        ],
+    )
     return [a, b]
 
 
@@ -401,8 +561,10 @@ def test_verify_rederive_reproduces_rows_and_catches_a_rehashed_forgery(tmp_path
     assert anchors["starts"] == sorted(anchors["starts"]) and all(o >= -1 for _, o in anchors["starts"])
     code, text, err = verify(capsys, out, "--rederive", rows, "--input", *inputs)
     assert (code, err) == (0, "")
-    assert text == (f"{out}: ok, {rows} rows x 64 tokens, rows_sha256 {manifest['rows_sha256']}; "
-                    f"{rows} sampled rows re-derived from the inputs: tokens and loss_mask match\n")
+    assert text == (
+        f"{out}: ok, {rows} rows x 64 tokens, rows_sha256 {manifest['rows_sha256']}; "
+        f"{rows} sampled rows re-derived from the inputs: tokens and loss_mask match\n"
+    )
 
     # a forger flips one mask bit and rehashes: plain verify passes, re-derivation names the row and position
     token = int(read_rows(out)[0][21][5])
@@ -410,17 +572,26 @@ def test_verify_rederive_reproduces_rows_and_catches_a_rehashed_forgery(tmp_path
     assert verify(capsys, out)[0] == 0
     code, text, err = verify(capsys, out, "--rederive", rows, "--input", *inputs)
     assert (code, text) == (1, "")
-    assert err == (f"trainer data verify: {out}: row 21: first difference at position 5: stored token {token} mask {now}, "
-                   f"re-derived token {token} mask {1 - now} (1 of 64 positions differ); 1 of {rows} re-derived rows differ "
-                   "(the hashes match: the rows were rewritten with consistent hashes, or built by other code)\n")
+    assert err == (
+        f"trainer data verify: {out}: row 21: first difference at position 5: stored token {token} mask {now}, "
+        f"re-derived token {token} mask {1 - now} (1 of 64 positions differ); 1 of {rows} re-derived rows differ "
+        "(the hashes match: the rows were rewritten with consistent hashes, or built by other code)\n"
+    )
     code, text, _ = verify(capsys, out, "--rederive", rows, "--input", *inputs, "--json")
     result = json.loads(text)
     assert code == 1 and result["ok"] is False and result["rederived"]["mismatched"] == 1
     assert (result["rederived"]["first"]["row"], result["rederived"]["first"]["position"]) == (21, 5)
-    assert result["rederived"]["first"]["stored"] == [token, now] and result["rederived"]["first"]["derived"] == [token, 1 - now]
+    assert result["rederived"]["first"]["stored"] == [token, now] and result["rederived"]["first"]["derived"] == [
+        token,
+        1 - now,
+    ]
     # a sample that misses row 21 passes; the sample is a function of (rows, N, seed)
     sample = sample_rows(rows, 5, 3)
-    assert sample == sample_rows(rows, 5, 3) == sorted(sample) and len(set(sample)) == 5 and sample != sample_rows(rows, 5, 4)
+    assert (
+        sample == sample_rows(rows, 5, 3) == sorted(sample)
+        and len(set(sample)) == 5
+        and sample != sample_rows(rows, 5, 4)
+    )
     seed = next(s for s in range(50) if 21 not in sample_rows(rows, 5, s))
     assert verify(capsys, out, "--rederive", 5, "--sample-seed", seed, "--input", *inputs)[0] == 0
     assert sample_rows(3, 10) == [0, 1, 2]
@@ -456,8 +627,12 @@ def rewrite(out, rows, masks, sources, starts):
     rows_sha256 = writer.close()
     data = (out / "rows.parquet").read_bytes()
     manifest = json.loads((out / "manifest.json").read_text())
-    manifest.update(rows_sha256=rows_sha256, parquet_sha256=hashlib.sha256(data).hexdigest(), parquet_bytes=len(data),
-                    rows=len(rows))
+    manifest.update(
+        rows_sha256=rows_sha256,
+        parquet_sha256=hashlib.sha256(data).hexdigest(),
+        parquet_bytes=len(data),
+        rows=len(rows),
+    )
     manifest["row_anchors"]["starts"] = starts
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n")
 
@@ -476,11 +651,27 @@ def test_verify_rederive_checks_the_anchors_it_starts_from(tmp_path, capsys):
     rows, masks, sources = read_rows(good)
     rows, masks = [list(r) for r in rows], [list(m) for m in masks]
     cases = {
-        "copied": (rows[:16] + rows[:16] + rows[32:], masks[:16] + masks[:16] + masks[32:], sources[:16] + sources[:16] + sources[32:],
-                   [starts[0], starts[0], *starts[2:]], "row 16: first difference"),
-        "removed": (rows[:16] + rows[32:], masks[:16] + masks[32:], sources[:16] + sources[32:], [starts[0], *starts[2:]],
-                    "row 16: first difference"),
-        "cut": (rows[:32], masks[:32], sources[:32], starts[:2], "row 32: the inputs give more rows than the 32 stored"),
+        "copied": (
+            rows[:16] + rows[:16] + rows[32:],
+            masks[:16] + masks[:16] + masks[32:],
+            sources[:16] + sources[:16] + sources[32:],
+            [starts[0], starts[0], *starts[2:]],
+            "row 16: first difference",
+        ),
+        "removed": (
+            rows[:16] + rows[32:],
+            masks[:16] + masks[32:],
+            sources[:16] + sources[32:],
+            [starts[0], *starts[2:]],
+            "row 16: first difference",
+        ),
+        "cut": (
+            rows[:32],
+            masks[:32],
+            sources[:32],
+            starts[:2],
+            "row 32: the inputs give more rows than the 32 stored",
+        ),
         "moved": (rows[16:], masks[16:], sources[16:], starts[1:], "row 0: first difference"),
     }
     for name, (r, m, src, st, expected) in cases.items():
@@ -503,8 +694,11 @@ def test_verify_rederive_for_the_official_mask_and_the_separator_anchor(tmp_path
     from trainer.data import build as builder
 
     # rows of 7 tokens over conversations of 8 or 7 tokens (+1 separator): rows start at every kind of place
-    src = write_jsonl(tmp_path / "s.jsonl", [conv(f"c{i}", "Q", "A" if i % 2 else "B", system="S") for i in range(30)]
-                      + [without_eos(f"w{i}", "Q", "A") for i in range(10)])
+    src = write_jsonl(
+        tmp_path / "s.jsonl",
+        [conv(f"c{i}", "Q", "A" if i % 2 else "B", system="S") for i in range(30)]
+        + [without_eos(f"w{i}", "Q", "A") for i in range(10)],
+    )
     monkeypatch.setattr(builder, "ANCHOR_ROWS", 1)
     manifest = build([str(src)], tmp_path / "out", BuildConfig(row_tokens=7, loss_mask="deepseek_v4_official"))
     assert {-1, 0} <= {o for _, o in manifest["row_anchors"]["starts"]}  # at a separator, at a conversation's BOS
@@ -514,7 +708,12 @@ def test_verify_rederive_for_the_official_mask_and_the_separator_anchor(tmp_path
 
 def test_defaults_come_from_the_data_config():
     config, expected = default_config("dsv4-tulu3-fixed8192-v1")
-    assert (config.row_tokens, config.seed, config.loss_mask, config.name) == (8192, 42, "deepseek_v4", "dsv4-tulu3-fixed8192-v1")
+    assert (config.row_tokens, config.seed, config.loss_mask, config.name) == (
+        8192,
+        42,
+        "deepseek_v4",
+        "dsv4-tulu3-fixed8192-v1",
+    )
     assert config.tokenizer_sha256 == "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"
     assert expected["rows"] == 6400 and expected["rows_sha256"].startswith("6c7dfdc9")
     with pytest.raises(UserError, match="nosuch"):

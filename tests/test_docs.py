@@ -33,8 +33,8 @@ import os
 import re
 import shlex
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -45,7 +45,7 @@ ROOT = helpers.REPO_ROOT
 DOCS = ("README.md", "lockfiles/README.md", "bench/RESULTS.md")
 HISTORICAL = re.compile(r"\bhistorical\b", re.I)
 
-Docs = Dict[str, List[str]]
+Docs = dict[str, list[str]]
 
 
 def load_docs() -> Docs:
@@ -66,7 +66,7 @@ def tampered(docs: Docs, name: str, old: str, new: str) -> Docs:
 # reading the docs: fenced blocks, paragraphs, command lines
 
 
-def fenced(lines: List[str]) -> Iterator[Tuple[int, str, List[Tuple[int, str]]]]:
+def fenced(lines: list[str]) -> Iterator[tuple[int, str, list[tuple[int, str]]]]:
     """(line number of the fence, language, [(line number, text)]) of every fenced code block."""
     i = 0
     while i < len(lines):
@@ -81,10 +81,10 @@ def fenced(lines: List[str]) -> Iterator[Tuple[int, str, List[Tuple[int, str]]]]
         i += 1
 
 
-def paragraphs(lines: List[str]) -> List[Tuple[int, int, str]]:
+def paragraphs(lines: list[str]) -> list[tuple[int, int, str]]:
     """(first line, last line, text) of each prose paragraph or table outside fenced blocks (1-based lines); a
     table's paragraph includes the paragraph right above it (its caption)."""
-    out: List[Tuple[int, int, str]] = []
+    out: list[tuple[int, int, str]] = []
     inside, start, buf = False, None, []
     for i, line in enumerate(lines + [""], 1):
         if line.startswith("```"):
@@ -103,7 +103,7 @@ def paragraphs(lines: List[str]) -> List[Tuple[int, int, str]]:
         if start is None:
             start = i
         buf.append(line)
-    merged: List[Tuple[int, int, str]] = []
+    merged: list[tuple[int, int, str]] = []
     for p in out:
         if p[2].startswith("|") and merged and not merged[-1][2].startswith("|") and merged[-1][1] >= p[0] - 2:
             q = merged.pop()
@@ -112,7 +112,7 @@ def paragraphs(lines: List[str]) -> List[Tuple[int, int, str]]:
     return merged
 
 
-def paragraph_at(lines: List[str], number: int) -> str:
+def paragraph_at(lines: list[str], number: int) -> str:
     for first, last, text in paragraphs(lines):
         if first <= number <= last:
             return text
@@ -121,7 +121,8 @@ def paragraph_at(lines: List[str], number: int) -> str:
 
 COMMAND_START = re.compile(
     r"^(?:[A-Z_]+=\S+\s+)*(?:bin/\S+|trainer\s|train\s|python3? -m trainer|python3? bench/|bash bench/|"
-    r"nix run \.#|bazel test\s|\$\(bin/python-env\))")
+    r"nix run \.#|bazel test\s|\$\(bin/python-env\))"
+)
 
 
 def normalise(text: str) -> str:
@@ -132,11 +133,11 @@ def normalise(text: str) -> str:
     return text
 
 
-def command_lines(docs: Docs) -> List[Tuple[str, int, str, bool]]:
+def command_lines(docs: Docs) -> list[tuple[str, int, str, bool]]:
     """(doc, line, command, inline) of every command line shown: fenced blocks (``$ `` prompts stripped, comments
     cut, continuations joined, ``&&``/``;``/``|`` split) and inline spans that start like a command (inline: True;
     prose names a command with some of its options, so those are checked as fragments)."""
-    out: List[Tuple[str, int, str, bool]] = []
+    out: list[tuple[str, int, str, bool]] = []
     for name, lines in docs.items():
         for _, lang, body in fenced(lines):
             if lang in ("json", "yaml"):
@@ -156,12 +157,12 @@ def command_lines(docs: Docs) -> List[Tuple[str, int, str, bool]]:
             flat = text.replace("\n", " ")
             for m in re.finditer(r"`([^`]+)`", flat):
                 span = m.group(1).strip()
-                line = first + text[:m.start()].count("\n")  # the line the span starts on
+                line = first + text[: m.start()].count("\n")  # the line the span starts on
                 out += [(name, line, part, True) for part in split_commands(span)]
     return out
 
 
-def split_commands(text: str) -> List[str]:
+def split_commands(text: str) -> list[str]:
     """The commands of one shell line (split at ``&&``, ``;`` and pipes), normalised, that start like a command."""
     parts = re.split(r"\s*(?:&&|;)\s+|\s\|\s", normalise(text))
     return [p.strip() for p in parts if p.strip() and COMMAND_START.match(p.strip())]
@@ -191,19 +192,19 @@ def stop_after_parse():
         argparse.ArgumentParser.parse_args = original
 
 
-def parse_with(main: Callable[[], object]) -> Tuple[int, str]:
+def parse_with(main: Callable[[], object]) -> tuple[int, str]:
     """(exit code, stderr) of ``main`` stopped after its parse: 0 parsed (or ``--help``), argparse's code else."""
     return parse_capturing(main)[:2]
 
 
-def parse_capturing(main: Callable[[], object]) -> Tuple[int, str, str]:
+def parse_capturing(main: Callable[[], object]) -> tuple[int, str, str]:
     """:func:`parse_with` and what ``main`` printed on stdout (its ``--help``)."""
     with stop_after_parse() as (out, err):
         code, said = _parse(main, err)
     return code, said, out.getvalue()
 
 
-def _parse(main: Callable[[], object], err: io.StringIO) -> Tuple[int, str]:
+def _parse(main: Callable[[], object], err: io.StringIO) -> tuple[int, str]:
     try:
         code = main()
     except Parsed:
@@ -216,7 +217,7 @@ def _parse(main: Callable[[], object], err: io.StringIO) -> Tuple[int, str]:
     return (code if isinstance(code, int) else 1), (said[-1] if said else "returned without parsing its arguments")
 
 
-def check_trainer(args: List[str], fragment: bool = False) -> Optional[str]:
+def check_trainer(args: list[str], fragment: bool = False) -> str | None:
     """A ``trainer`` command line parsed by its subcommand's parser; a ``fragment`` (prose naming a command and
     some options): its subcommand exists and has each ``--option`` named."""
     if not args:
@@ -238,7 +239,7 @@ def check_trainer(args: List[str], fragment: bool = False) -> Optional[str]:
     return None if code == 0 else f"`trainer {' '.join(args)}` does not parse (exit {code}): {err}"
 
 
-def subcommand_path(args: List[str]) -> List[str]:
+def subcommand_path(args: list[str]) -> list[str]:
     """``args`` up to the first argument (the program's subcommands); ``sbom/provenance`` -> ``sbom``."""
     path = []
     for a in args:
@@ -248,17 +249,28 @@ def subcommand_path(args: List[str]) -> List[str]:
     return path
 
 
-TRAIN_FLAGS = {"--resume", "--overwrite", "--frozen", "-m", "--multirun", "--help", "-h", "--hydra-help", "--info", "--resolve"}
+TRAIN_FLAGS = {
+    "--resume",
+    "--overwrite",
+    "--frozen",
+    "-m",
+    "--multirun",
+    "--help",
+    "-h",
+    "--hydra-help",
+    "--info",
+    "--resolve",
+}
 TRAIN_VALUE_FLAGS = {"--sign-key", "--cfg", "-c"}
 HYDRA_KEYS = {"hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir", "hydra.verbose"}
-_COMPOSED: Dict[Tuple[str, ...], object] = {}
+_COMPOSED: dict[tuple[str, ...], object] = {}
 
 
-def groups() -> Dict[str, set]:
+def groups() -> dict[str, set]:
     return {d.name: {f.stem for f in d.glob("*.yaml")} for d in (ROOT / "conf").iterdir() if d.is_dir()}
 
 
-def check_train(args: List[str]) -> Optional[str]:
+def check_train(args: list[str]) -> str | None:
     """A ``train`` command line: its flags, each group's option a file in conf/, each field a key of the
     composition its group choices give."""
     from omegaconf import OmegaConf
@@ -299,8 +311,9 @@ def check_train(args: List[str]) -> Optional[str]:
         if "." not in key and plus:
             continue
         if OmegaConf.select(cfg, where, default=KeyError) is KeyError:
-            return (f"train: {key}: not a key of the composition of {' '.join(combo) or 'conf/train.yaml'}"
-                    + (f" (no {where})" if plus else ""))
+            return f"train: {key}: not a key of the composition of {' '.join(combo) or 'conf/train.yaml'}" + (
+                f" (no {where})" if plus else ""
+            )
     return None
 
 
@@ -317,14 +330,17 @@ def script_labels(path: Path) -> set:
 NO_ARGPARSE = {"h200_report.py": 2, "megatron_h200_report.py": 2}  # RUNS OUT, checked by their own argv count
 
 
-def check_bench_python(script: str, args: List[str]) -> Optional[str]:
+def check_bench_python(script: str, args: list[str]) -> str | None:
     path = ROOT / script
     if not path.is_file():
         return f"{script}: no such file"
     if path.name in NO_ARGPARSE:
         want = NO_ARGPARSE[path.name]
-        return None if len(args) == want or args[:1] in (["-h"], ["--help"]) else \
-            f"{script} takes {want} arguments, {len(args)} shown"
+        return (
+            None
+            if len(args) == want or args[:1] in (["-h"], ["--help"])
+            else f"{script} takes {want} arguments, {len(args)} shown"
+        )
     spec = importlib.util.spec_from_file_location(f"_docs_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     saved, saved_bytecode = list(sys.argv), sys.dont_write_bytecode
@@ -339,8 +355,8 @@ def check_bench_python(script: str, args: List[str]) -> Optional[str]:
     return None if code == 0 else f"`{script} {' '.join(args)}` does not parse (exit {code}): {err}"
 
 
-@functools.lru_cache(maxsize=None)  # the tampered copies of the docs share all their other command lines
-def check_command(command: str, inline: bool = False) -> Optional[str]:
+@functools.cache  # the tampered copies of the docs share all their other command lines
+def check_command(command: str, inline: bool = False) -> str | None:
     """None when ``command`` (one documented command line; ``inline``: named in prose) parses, else what is
     wrong."""
     try:
@@ -410,7 +426,7 @@ def check_command(command: str, inline: bool = False) -> Optional[str]:
     return None
 
 
-def check_commands(docs: Docs) -> List[str]:
+def check_commands(docs: Docs) -> list[str]:
     failures = []
     for name, line, command, inline in command_lines(docs):
         problem = check_command(command, inline)
@@ -423,47 +439,62 @@ def check_commands(docs: Docs) -> List[str]:
 # (b) stated figures against the files they come from
 
 
-def locks() -> Dict[str, dict]:
-    return {p.name[:-len(".lock.json")]: json.loads(p.read_text()) for p in (ROOT / "lockfiles").glob("*.lock.json")}
+def locks() -> dict[str, dict]:
+    return {p.name[: -len(".lock.json")]: json.loads(p.read_text()) for p in (ROOT / "lockfiles").glob("*.lock.json")}
 
 
 def expected() -> dict:
     return json.loads((ROOT / "lockfiles" / "expected-digests.json").read_text())
 
 
-def lines_matching(docs: Docs, pattern: str) -> Iterator[Tuple[str, int, re.Match]]:
+def lines_matching(docs: Docs, pattern: str) -> Iterator[tuple[str, int, re.Match]]:
     for name, lines in docs.items():
         for number, line in enumerate(lines, 1):
             for m in re.finditer(pattern, line):
                 yield name, number, m
 
 
-def check_counts(docs: Docs) -> List[str]:
+def check_counts(docs: Docs) -> list[str]:
     """Every count of .debs, wheels and sdists stated for ``debian-full`` (or beside a lock's name) is that
     lock's, unless its paragraph says it is historical; "N .debs + M wheels + K sdists = T inputs" adds up."""
     failures = []
     all_locks = locks()
-    counts = {name: {"debs": {len(l["base"].get("debs", [])), len(l.get("build_root", {}).get("debs", []))} - {0},
-                     "wheels": {len(l.get("wheels", []))}, "sdists": {len(l.get("sdists", []))}}
-              for name, l in all_locks.items()}
+    counts = {
+        name: {
+            "debs": {len(l["base"].get("debs", [])), len(l.get("build_root", {}).get("debs", []))} - {0},
+            "wheels": {len(l.get("wheels", []))},
+            "sdists": {len(l.get("sdists", []))},
+        }
+        for name, l in all_locks.items()
+    }
     for name, number, m in lines_matching(docs, r"\b(\d[\d,]*) (?:pinned )?(\.debs|wheels|sdists|packages)\b"):
         para = paragraph_at(docs[name], number)
-        lock = next((l for l in ("debian-full", "debian-smoke", "full", "smoke") if re.search(
-            rf"(?<![\w-]){re.escape(l)}(?:\.lock\.json)?(?![\w-])", para)), None)
+        lock = next(
+            (
+                l
+                for l in ("debian-full", "debian-smoke", "full", "smoke")
+                if re.search(rf"(?<![\w-]){re.escape(l)}(?:\.lock\.json)?(?![\w-])", para)
+            ),
+            None,
+        )
         kind = {"packages": "debs"}.get(m.group(2), m.group(2).lstrip("."))
         if lock is None or (m.group(2) == "packages" and "dpkg" not in para) or HISTORICAL.search(para):
             continue
         value = int(m.group(1).replace(",", ""))
         if value not in counts[lock][kind]:
-            failures.append(f"{name}:{number}: {m.group(0)} for {lock}, but lockfiles/{lock}.lock.json has "
-                            f"{' or '.join(map(str, sorted(counts[lock][kind])))}")
+            failures.append(
+                f"{name}:{number}: {m.group(0)} for {lock}, but lockfiles/{lock}.lock.json has "
+                f"{' or '.join(map(str, sorted(counts[lock][kind])))}"
+            )
     for name, lines in docs.items():
         for first, _, text in paragraphs(lines):
             for m in re.finditer(r"(\d+) \.debs \+ (\d+)\s+wheels \+ (\d+) sdists = (\d+) inputs", text):
                 a, b, c, total = map(int, m.groups())
                 if a + b + c != total:
-                    failures.append(f"{name}:{first + text[:m.start()].count(chr(10))}: {a} + {b} + {c} is "
-                                    f"{a + b + c}, not {total}")
+                    failures.append(
+                        f"{name}:{first + text[: m.start()].count(chr(10))}: {a} + {b} + {c} is "
+                        f"{a + b + c}, not {total}"
+                    )
     return failures
 
 
@@ -488,7 +519,7 @@ def current_digests() -> set:
     return out
 
 
-def check_digests(docs: Docs) -> List[str]:
+def check_digests(docs: Docs) -> list[str]:
     """Every ``sha256:HEX`` (8 or more hex digits) the docs state is a current digest (a prefix of one in
     expected-digests.json or a lock), or its paragraph says it is historical."""
     failures, current = [], current_digests()
@@ -496,12 +527,14 @@ def check_digests(docs: Docs) -> List[str]:
         if any(h.startswith(m.group(1)) for h in current):
             continue
         if not HISTORICAL.search(paragraph_at(docs[name], number)):
-            failures.append(f"{name}:{number}: sha256:{m.group(1)} is not in lockfiles/expected-digests.json nor a "
-                            "lock, and its paragraph does not say it is historical")
+            failures.append(
+                f"{name}:{number}: sha256:{m.group(1)} is not in lockfiles/expected-digests.json nor a "
+                "lock, and its paragraph does not say it is historical"
+            )
     return failures
 
 
-def sections(lines: List[str]) -> List[Tuple[int, str, List[Tuple[int, str]]]]:
+def sections(lines: list[str]) -> list[tuple[int, str, list[tuple[int, str]]]]:
     out, current = [], None
     for number, line in enumerate(lines, 1):
         if line.startswith("## "):
@@ -512,9 +545,9 @@ def sections(lines: List[str]) -> List[Tuple[int, str, List[Tuple[int, str]]]]:
     return out
 
 
-def table_rows(body: List[Tuple[int, str]], header_has: str) -> List[Tuple[int, Dict[str, str]]]:
+def table_rows(body: list[tuple[int, str]], header_has: str) -> list[tuple[int, dict[str, str]]]:
     """The rows of the first table in ``body`` whose header line holds ``header_has``, as (line, {column: cell})."""
-    rows: List[Tuple[int, Dict[str, str]]] = []
+    rows: list[tuple[int, dict[str, str]]] = []
     header = None
     for number_, line in body:
         if header is None:
@@ -537,9 +570,16 @@ def number(cell: str) -> float:
 
 # section title (start) -> (results dir, the run's directory from a row, {column: (summary key, scale, digits)})
 H200_TABLES = {
-    "megatron-core proxy on H200": ("h200-2026-11-30", lambda row: {
-        "TP1 PP1 EP1 DP1": "gpu1-tp1pp1ep1", "TP1 PP1 EP1 DP2": "gpu2-tp1pp1ep1", "TP1 PP1 EP2 DP2": "gpu2-tp1pp1ep2",
-        "TP1 PP2 EP1 DP1": "gpu2-tp1pp2ep1"}[row["layout"]], "layout"),
+    "megatron-core proxy on H200": (
+        "h200-2026-11-30",
+        lambda row: {
+            "TP1 PP1 EP1 DP1": "gpu1-tp1pp1ep1",
+            "TP1 PP1 EP1 DP2": "gpu2-tp1pp1ep1",
+            "TP1 PP1 EP2 DP2": "gpu2-tp1pp1ep2",
+            "TP1 PP2 EP1 DP1": "gpu2-tp1pp2ep1",
+        }[row["layout"]],
+        "layout",
+    ),
     "DeepSeek-V4 tiny again, after the worker builds its DDP": ("h200-2026-12-01-r6", lambda row: row["run"], "run"),
     "DeepSeek-V4 tiny again, after the worker reads": ("h200-2026-12-01-r5", lambda row: row["run"], "run"),
     "DeepSeek-V4 tiny and the proxies on one H200": ("h200-2026-12-01-r4", lambda row: row["run"], "run"),
@@ -547,7 +587,7 @@ H200_TABLES = {
 }
 
 
-def check_results_tables(docs: Docs) -> List[str]:
+def check_results_tables(docs: Docs) -> list[str]:
     """bench/RESULTS.md's H200 tables against the summaries in bench/results/, its native-build table against
     bench/results/native_builds.json and expected-digests.json."""
     failures, name = [], "bench/RESULTS.md"
@@ -565,7 +605,10 @@ def check_results_tables(docs: Docs) -> List[str]:
                         failures.append(f"{name}:{number_}: {row[key]}: no {summary_path.relative_to(ROOT)}")
                     continue
                 s = json.loads(summary_path.read_text())
-                pairs = [("tokens/s/GPU", s["tokens_per_s_per_gpu"], 0), ("model TFLOP/s/GPU", s["model_tflops_per_gpu"], 1)]
+                pairs = [
+                    ("tokens/s/GPU", s["tokens_per_s_per_gpu"], 0),
+                    ("model TFLOP/s/GPU", s["model_tflops_per_gpu"], 1),
+                ]
                 if "MFU" in row and row["MFU"]:
                     mfu = s["mfu"] * (100 if row["MFU"].endswith("%") else 1)
                     pairs.append(("MFU", mfu, 1 if row["MFU"].endswith("%") else 4))
@@ -576,13 +619,15 @@ def check_results_tables(docs: Docs) -> List[str]:
                     if not row.get(column):
                         continue
                     stated = number(row[column])
-                    if abs(stated - round(value, digits)) > 1.01 * 10 ** -digits:
-                        failures.append(f"{name}:{number_}: {row[key]} {column} {row[column]}, but "
-                                        f"{summary_path.relative_to(ROOT)} gives {round(value, digits)}")
+                    if abs(stated - round(value, digits)) > 1.01 * 10**-digits:
+                        failures.append(
+                            f"{name}:{number_}: {row[key]} {column} {row[column]}, but "
+                            f"{summary_path.relative_to(ROOT)} gives {round(value, digits)}"
+                        )
                 checked += 1
         if title.startswith("Native build steps, reproduced"):
             runs = json.loads((ROOT / "bench" / "results" / "native_builds.json").read_text())["runs"]
-            measured: Dict[str, List[float]] = {}  # a step's times over every recorded bench run
+            measured: dict[str, list[float]] = {}  # a step's times over every recorded bench run
             for run in runs:
                 for step, r in run["steps"].items():
                     measured.setdefault(step, []).extend(x["seconds"] for x in r["runs"])
@@ -591,24 +636,32 @@ def check_results_tables(docs: Docs) -> List[str]:
                 step = re.search(r"`([\w-]+)`", row["step"]).group(1)
                 b = builds[step]
                 if f"{b['size']:,} B" not in row["output (layer)"]:
-                    failures.append(f"{name}:{number_}: {step} output {row['output (layer)']!r}, but "
-                                    f"expected-digests.json has {b['size']:,} B")
+                    failures.append(
+                        f"{name}:{number_}: {step} output {row['output (layer)']!r}, but "
+                        f"expected-digests.json has {b['size']:,} B"
+                    )
                 prefix = re.search(r"sha256:([0-9a-f]+)", row["output (layer)"]).group(1)
                 if not b["diff_id"][7:].startswith(prefix):
-                    failures.append(f"{name}:{number_}: {step} sha256:{prefix}, but expected-digests.json has {b['diff_id']}")
+                    failures.append(
+                        f"{name}:{number_}: {step} sha256:{prefix}, but expected-digests.json has {b['diff_id']}"
+                    )
                 times = [number(row["run A"]), number(row["run B"])]
                 if times != b["seconds"]:
-                    failures.append(f"{name}:{number_}: {step} took {times} s, but expected-digests.json has {b['seconds']}")
+                    failures.append(
+                        f"{name}:{number_}: {step} took {times} s, but expected-digests.json has {b['seconds']}"
+                    )
                 if not set(times) & set(measured.get(step, [])):  # run A of deepep and TE: main-cache builds
-                    failures.append(f"{name}:{number_}: {step} took {times} s, but bench/results/native_builds.json has "
-                                    f"{measured.get(step, [])}")
+                    failures.append(
+                        f"{name}:{number_}: {step} took {times} s, but bench/results/native_builds.json has "
+                        f"{measured.get(step, [])}"
+                    )
                 checked += 1
     if checked < 20:
         failures.append(f"{name}: only {checked} table rows compared with bench/results/: a table was not found")
     return failures
 
 
-def check_ratios(docs: Docs) -> List[str]:
+def check_ratios(docs: Docs) -> list[str]:
     """Ratios stated beside their figures: plan latency (figure / baseline), data build (raw time / build time),
     image build (cold / floor, baseline / cold), the one-GPU baseline ratios of the megatron-core proxy."""
     failures, name = [], "bench/RESULTS.md"
@@ -622,24 +675,38 @@ def check_ratios(docs: Docs) -> List[str]:
                         for m in re.finditer(r"([\d.]+) s, ([\d.]+)x", cell):
                             ratio = float(m.group(1)) / base
                             if abs(ratio - float(m.group(2))) > 0.011 * max(1, float(m.group(2))):
-                                failures.append(f"{name}:{n}: {column} {m.group(0)}: {m.group(1)} / {base} = {ratio:.2f}")
+                                failures.append(
+                                    f"{name}:{n}: {column} {m.group(0)}: {m.group(1)} / {base} = {ratio:.2f}"
+                                )
                     if row.get("ratio"):
                         ratio = number(row["plan median"]) / base
                         if abs(ratio - number(row["ratio"])) > 0.06:
-                            failures.append(f"{name}:{n}: ratio {row['ratio']}, but {row['plan median']} / {base} = {ratio:.2f}")
+                            failures.append(
+                                f"{name}:{n}: ratio {row['ratio']}, but {row['plan median']} / {base} = {ratio:.2f}"
+                            )
         if title.startswith("Data build throughput"):
             for n, row in table_rows(body, "wall ratio"):
                 raw = float(re.search(r"\(([\d.]+) s\)", row["raw encoding"]).group(1))
                 build = float(re.search(r"\(([\d.]+) s\)", row["builder"]).group(1))
                 if abs(raw / build - number(row["wall ratio"])) > 0.006:
-                    failures.append(f"{name}:{n}: wall ratio {row['wall ratio']}, but {raw} / {build} = {raw / build:.3f}")
+                    failures.append(
+                        f"{name}:{n}: wall ratio {row['wall ratio']}, but {raw} / {build} = {raw / build:.3f}"
+                    )
         if title.startswith("Image build, Debian-based"):
             for n, row in table_rows(body, "cold/floor"):
-                floor, cold, base = number(row["floor (read+hash inputs)"]), number(row["cold build"]), number(row["baseline"])
+                floor, cold, base = (
+                    number(row["floor (read+hash inputs)"]),
+                    number(row["cold build"]),
+                    number(row["baseline"]),
+                )
                 if abs(cold / floor - number(row["cold/floor"])) > 0.051:
-                    failures.append(f"{name}:{n}: cold/floor {row['cold/floor']}, but {cold} / {floor} = {cold / floor:.2f}")
+                    failures.append(
+                        f"{name}:{n}: cold/floor {row['cold/floor']}, but {cold} / {floor} = {cold / floor:.2f}"
+                    )
                 if abs(base / cold - number(row["baseline/cold"])) > 0.006:
-                    failures.append(f"{name}:{n}: baseline/cold {row['baseline/cold']}, but {base} / {cold} = {base / cold:.3f}")
+                    failures.append(
+                        f"{name}:{n}: baseline/cold {row['baseline/cold']}, but {base} / {cold} = {base / cold:.3f}"
+                    )
         if title.startswith("megatron-core proxy on H200"):
             rows = {row["layout"]: row for _, row in table_rows(body, "tokens/s/GPU")}
             base = number(rows["TP1 PP1 EP1 DP1"]["tokens/s/GPU"])
@@ -653,7 +720,7 @@ def check_ratios(docs: Docs) -> List[str]:
     return failures
 
 
-def check_config_table(docs: Docs) -> List[str]:
+def check_config_table(docs: Docs) -> list[str]:
     """README's configuration table lists exactly the options of each group in conf/."""
     failures, conf, seen = [], groups(), set()
     for n, line in enumerate(docs["README.md"], 1):
@@ -678,7 +745,7 @@ def check_config_table(docs: Docs) -> List[str]:
 OUTSIDE_DATA = (".ci/", "tools/bazel/")  # named by the map, checked where the checkout is the working tree
 
 
-def check_repository_map(docs: Docs) -> List[str]:
+def check_repository_map(docs: Docs) -> list[str]:
     """README's repository map names files, packages and modules that exist (``trainer/<package>/<module>.py``,
     or under its ``host/``)."""
     failures = []
@@ -713,7 +780,7 @@ def check_repository_map(docs: Docs) -> List[str]:
     return failures
 
 
-def check_setup_packages(docs: Docs) -> List[str]:
+def check_setup_packages(docs: Docs) -> list[str]:
     """README's list of what `bin/setup` installs is bin/setup's package list."""
     text = (ROOT / "bin" / "setup").read_text()
     want = re.search(r"^packages=\(([^)]*)\)", text, re.M).group(1).split()
@@ -727,26 +794,36 @@ def check_setup_packages(docs: Docs) -> List[str]:
     return ["README.md: the list of what bin/setup installs is gone"]
 
 
-def check_first_build(docs: Docs) -> List[str]:
+def check_first_build(docs: Docs) -> list[str]:
     """README's time of a first debian-full build (and TE's share) is the one bench/RESULTS.md records."""
-    section = next(((start, body) for start, title, body in sections(docs["bench/RESULTS.md"])
-                    if title.startswith("A first debian-full build")), None)
+    section = next(
+        (
+            (start, body)
+            for start, title, body in sections(docs["bench/RESULTS.md"])
+            if title.startswith("A first debian-full build")
+        ),
+        None,
+    )
     if section is None:
-        return ["bench/RESULTS.md: no section \"A first debian-full build\""]
+        return ['bench/RESULTS.md: no section "A first debian-full build"']
     recorded = re.search(r"([\d,]+) s, ([\d,]+) s of it", " ".join(l for _, l in section[1]))
     for name, lines in docs.items():
         for first, _, text in paragraphs(lines):
             flat = text.replace("\n", " ")
-            m = re.search(r"first build (?:compiles the four build steps and )?took ([\d,]+) s.+?([\d,]+) s of it", flat)
+            m = re.search(
+                r"first build (?:compiles the four build steps and )?took ([\d,]+) s.+?([\d,]+) s of it", flat
+            )
             if m and m.groups() != recorded.groups():
-                return [f"{name}:{first}: a first debian-full build {m.group(1)} s ({m.group(2)} s TE), but "
-                        f"bench/RESULTS.md:{section[0]} records {recorded.group(1)} s ({recorded.group(2)} s)"]
+                return [
+                    f"{name}:{first}: a first debian-full build {m.group(1)} s ({m.group(2)} s TE), but "
+                    f"bench/RESULTS.md:{section[0]} records {recorded.group(1)} s ({recorded.group(2)} s)"
+                ]
             if m:
                 return []
     return ["README.md: says nothing of how long a first debian-full build takes"]
 
 
-def check_claims(docs: Docs) -> List[str]:
+def check_claims(docs: Docs) -> list[str]:
     """Sentences the code contradicts: DeepEP, aws-ofi-nccl or TE's extension "shipped, not compiled" (debian-full
     compiles them: a claim may stand for full.lock.json alone), `image diff IMAGE LOCK` "identical" outside a
     historical paragraph (the morning's image against today's lock exits 1)."""
@@ -756,26 +833,39 @@ def check_claims(docs: Docs) -> List[str]:
         for first, _, text in paragraphs(lines):
             for m in re.finditer(r"[^.]*(?:\.(?!\s)[^.]*)*", text):
                 sentence = m.group(0)
-                line = first + text[:m.start()].count("\n")
+                line = first + text[: m.start()].count("\n")
                 flat = " ".join(sentence.split())
-                if re.search(r"not compiled|uncompiled|ships? unbuilt|shipped, not", flat) and \
-                        re.search(r"DeepEP|aws-ofi-nccl|transformer-engine-torch|TE", flat) and "full.lock.json" not in flat:
+                if (
+                    re.search(r"not compiled|uncompiled|ships? unbuilt|shipped, not", flat)
+                    and re.search(r"DeepEP|aws-ofi-nccl|transformer-engine-torch|TE", flat)
+                    and "full.lock.json" not in flat
+                ):
                     failures.append(f"{name}:{line}: says a build step's output ({', '.join(steps)}) ships uncompiled")
                 if "image diff IMAGE" in flat and "identical" in flat and not HISTORICAL.search(text):
-                    failures.append(f"{name}:{line}: `image diff IMAGE LOCK` said identical, outside a historical paragraph")
+                    failures.append(
+                        f"{name}:{line}: `image diff IMAGE LOCK` said identical, outside a historical paragraph"
+                    )
     return failures
 
 
 def source_text() -> str:
     """Everything a flag or variable the docs name may be defined in: the package, bin/, bench/, the locks (build
     steps' commands), conf/ and the golden launch files (miles' and Megatron's flags)."""
-    files = [*(ROOT / "trainer").rglob("*.py"), *(ROOT / "bin").iterdir(), *(ROOT / "bench").glob("*.*"),
-             *(ROOT / "lockfiles").glob("*.lock.json"), *(ROOT / "conf").rglob("*.yaml"),
-             *(ROOT / "tests" / "golden").glob("*.txt"), *(ROOT / "tests" / "golden").glob("*.sh"), ROOT / "tests" / "conftest.py", ROOT / "tests" / "helpers.py"]
+    files = [
+        *(ROOT / "trainer").rglob("*.py"),
+        *(ROOT / "bin").iterdir(),
+        *(ROOT / "bench").glob("*.*"),
+        *(ROOT / "lockfiles").glob("*.lock.json"),
+        *(ROOT / "conf").rglob("*.yaml"),
+        *(ROOT / "tests" / "golden").glob("*.txt"),
+        *(ROOT / "tests" / "golden").glob("*.sh"),
+        ROOT / "tests" / "conftest.py",
+        ROOT / "tests" / "helpers.py",
+    ]
     return "\n".join(f.read_text(errors="replace") for f in files if f.is_file())
 
 
-def check_names(docs: Docs) -> List[str]:
+def check_names(docs: Docs) -> list[str]:
     """Every option (a backticked ``--flag``) and every bundle environment variable (``TRAINER_*``,
     ``RECIPE_BUNDLE_*``, ``KERNEL_CACHE``, ``MEGATRON_LM_PATH``, ``MILES_PATH``) the docs name is defined somewhere
     in the sources."""
@@ -783,13 +873,15 @@ def check_names(docs: Docs) -> List[str]:
     for name, number, m in lines_matching(docs, r"`(--[a-z][a-z0-9-]*)"):
         if not re.search(rf"{re.escape(m.group(1))}(?![a-z0-9-])", text):
             failures.append(f"{name}:{number}: {m.group(1)}: no such option in trainer/, bin/, bench/ or the locks")
-    for name, number, m in lines_matching(docs, r"\b(TRAINER_[A-Z_]+|RECIPE_BUNDLE_[A-Z_]+|KERNEL_CACHE|MEGATRON_LM_PATH|MILES_PATH)\b"):
+    for name, number, m in lines_matching(
+        docs, r"\b(TRAINER_[A-Z_]+|RECIPE_BUNDLE_[A-Z_]+|KERNEL_CACHE|MEGATRON_LM_PATH|MILES_PATH)\b"
+    ):
         if not re.search(rf"\b{m.group(1)}\b", text):
             failures.append(f"{name}:{number}: ${m.group(1)}: no such environment variable in the sources")
     return failures
 
 
-def check_lock_example(docs: Docs) -> List[str]:
+def check_lock_example(docs: Docs) -> list[str]:
     """lockfiles/README.md's example lock is JSON with the top-level keys of lockfiles/smoke.lock.json, and its
     values where they are not elided (``...``)."""
     lines = docs["lockfiles/README.md"]
@@ -801,16 +893,31 @@ def check_lock_example(docs: Docs) -> List[str]:
     smoke = locks()["smoke"]
     failures = []
     if set(example) != set(smoke):
-        failures.append(f"lockfiles/README.md:{start}: the example lock's keys differ from lockfiles/smoke.lock.json's: "
-                        f"missing {sorted(set(smoke) - set(example))}, extra {sorted(set(example) - set(smoke))}")
+        failures.append(
+            f"lockfiles/README.md:{start}: the example lock's keys differ from lockfiles/smoke.lock.json's: "
+            f"missing {sorted(set(smoke) - set(example))}, extra {sorted(set(example) - set(smoke))}"
+        )
     for key in ("schema_version", "kind", "name", "epoch", "platform", "python", "base", "bundle", "image", "stack"):
         if key in example and key in smoke and "..." not in json.dumps(example[key]) and example[key] != smoke[key]:
-            failures.append(f"lockfiles/README.md:{start}: example {key} {example[key]!r}, smoke.lock.json has {smoke[key]!r}")
+            failures.append(
+                f"lockfiles/README.md:{start}: example {key} {example[key]!r}, smoke.lock.json has {smoke[key]!r}"
+            )
     return failures
 
 
-CHECKS = [check_counts, check_digests, check_results_tables, check_ratios, check_config_table, check_repository_map,
-          check_setup_packages, check_first_build, check_claims, check_names, check_lock_example]
+CHECKS = [
+    check_counts,
+    check_digests,
+    check_results_tables,
+    check_ratios,
+    check_config_table,
+    check_repository_map,
+    check_setup_packages,
+    check_first_build,
+    check_claims,
+    check_names,
+    check_lock_example,
+]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -830,8 +937,14 @@ def at_the_repository_root(monkeypatch):
 
 def test_the_docs_are_where_the_tests_run():
     # under Bazel the repository root is the runfiles tree: the docs and bench/ are data of //tests:helpers
-    for name in (*DOCS, "bench/h200_carry.sh", "bench/h200_setup.sh", "bench/h200_bench.sh",
-                 "bench/results/native_builds.json", "bin/setup"):
+    for name in (
+        *DOCS,
+        "bench/h200_carry.sh",
+        "bench/h200_setup.sh",
+        "bench/h200_bench.sh",
+        "bench/results/native_builds.json",
+        "bin/setup",
+    ):
         assert (ROOT / name).is_file(), f"{name} is not visible at {ROOT}"
 
 
@@ -850,31 +963,84 @@ def test_every_command_line_shown_parses(docs):
     assert check_commands(docs) == []
 
 
-@pytest.mark.parametrize("doc,old,new,said", [
-    # the issue's drift: add-git without --commit is refused (exit 2)
-    ("README.md", "bin/trainer cache add-git ../miles       --commit 78527b9102b3a5f15891128cbec3ac6c2dc4089e",
-     "bin/trainer cache add-git ../miles --lock lockfiles/debian-full.lock.json", "README.md:"),
-    ("bench/RESULTS.md", "bash bench/h200_setup.sh te", "bash bench/h200_setup.sh native", "no subcommand or run native"),
-    ("README.md", "nix run .#train -- layout=tp8pp8ep8", "nix run .#train -- layout=tp8pp9ep8", "no conf/layout/tp8pp9ep8.yaml"),
-    ("README.md", "cluster.partition=<partition>", "cluster.partitio=<partition>", "cluster.partitio: not a key"),
-    ("README.md", "bin/trainer report RUN_DIR [--window 5:19]", "bin/trainer report RUN_DIR [--windw 5:19]", "does not parse"),
-    ("README.md", "bin/trainer data verify rows --rederive 20", "bin/trainer data verify rows --rederive twenty", "exit 2"),
-    ("lockfiles/README.md", "python bench/native_builds.py --step aws-ofi-nccl --record",
-     "python bench/native_builds.py --stpe aws-ofi-nccl --record", "bench/native_builds.py --stpe"),
-    ("README.md", "bazel test //tests/...                  # the tests", "bazel test //tests:test_nothing", "no tests/test_nothing.py"),
-    ("README.md", "`bin/python-env --torch-source`", "`bin/python-env --torch-sources`", "knows no --torch-sources"),
-    ("README.md", "`trainer verify`, `trainer report`", "`trainer verfy`, `trainer report`", "unknown trainer command 'verfy'"),
-    ("README.md", "bin/train launcher=ray launcher.address=http://HEAD:8265", "bin/train launcher=rey launcher.address=x",
-     "no conf/launcher/rey.yaml"),
-    ("README.md", "hydra.run.dir=/shared/runs/dsv4-tp2pp4ep8", "hydra.rundir=/shared", "not a Hydra key"),
-])
+@pytest.mark.parametrize(
+    "doc,old,new,said",
+    [
+        # the issue's drift: add-git without --commit is refused (exit 2)
+        (
+            "README.md",
+            "bin/trainer cache add-git ../miles       --commit 78527b9102b3a5f15891128cbec3ac6c2dc4089e",
+            "bin/trainer cache add-git ../miles --lock lockfiles/debian-full.lock.json",
+            "README.md:",
+        ),
+        (
+            "bench/RESULTS.md",
+            "bash bench/h200_setup.sh te",
+            "bash bench/h200_setup.sh native",
+            "no subcommand or run native",
+        ),
+        (
+            "README.md",
+            "nix run .#train -- layout=tp8pp8ep8",
+            "nix run .#train -- layout=tp8pp9ep8",
+            "no conf/layout/tp8pp9ep8.yaml",
+        ),
+        ("README.md", "cluster.partition=<partition>", "cluster.partitio=<partition>", "cluster.partitio: not a key"),
+        (
+            "README.md",
+            "bin/trainer report RUN_DIR [--window 5:19]",
+            "bin/trainer report RUN_DIR [--windw 5:19]",
+            "does not parse",
+        ),
+        (
+            "README.md",
+            "bin/trainer data verify rows --rederive 20",
+            "bin/trainer data verify rows --rederive twenty",
+            "exit 2",
+        ),
+        (
+            "lockfiles/README.md",
+            "python bench/native_builds.py --step aws-ofi-nccl --record",
+            "python bench/native_builds.py --stpe aws-ofi-nccl --record",
+            "bench/native_builds.py --stpe",
+        ),
+        (
+            "README.md",
+            "bazel test //tests/...                  # the tests",
+            "bazel test //tests:test_nothing",
+            "no tests/test_nothing.py",
+        ),
+        (
+            "README.md",
+            "`bin/python-env --torch-source`",
+            "`bin/python-env --torch-sources`",
+            "knows no --torch-sources",
+        ),
+        (
+            "README.md",
+            "`trainer verify`, `trainer report`",
+            "`trainer verfy`, `trainer report`",
+            "unknown trainer command 'verfy'",
+        ),
+        (
+            "README.md",
+            "bin/train launcher=ray launcher.address=http://HEAD:8265",
+            "bin/train launcher=rey launcher.address=x",
+            "no conf/launcher/rey.yaml",
+        ),
+        ("README.md", "hydra.run.dir=/shared/runs/dsv4-tp2pp4ep8", "hydra.rundir=/shared", "not a Hydra key"),
+    ],
+)
 def test_a_command_line_that_does_not_parse_is_named(docs, doc, old, new, said):
     failures = check_commands(tampered(docs, doc, old, new))
     assert failures and all(f.startswith(doc + ":") for f in failures), failures
     assert any(said in f for f in failures), failures
     line = next(i for i, l in enumerate(tampered(docs, doc, old, new)[doc], 1) if new in l)
     # the line named is the command's first: the tampered line or up to two above it (continued lines)
-    assert any(f.startswith(tuple(f"{doc}:{n}:" for n in range(line - 2, line + 1))) for f in failures), (line, failures)
+    assert any(f.startswith(tuple(f"{doc}:{n}:" for n in range(line - 2, line + 1))) for f in failures), (
+        line,
+        failures,
+    )
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=[c.__name__ for c in CHECKS])
@@ -882,39 +1048,122 @@ def test_stated_figures_match_their_files(docs, check):
     assert check(docs) == []
 
 
-@pytest.mark.parametrize("check,doc,old,new,said", [
-    (check_counts, "README.md", "110 pinned .debs", "94 pinned .debs", "README.md:"),
-    (check_counts, "lockfiles/README.md", "base of 110 pinned .debs", "base of 94 pinned .debs",
-     "lockfiles/debian-full.lock.json has 110"),
-    (check_counts, "bench/RESULTS.md", "(110 .debs + 191 wheels + 2", "(110 .debs + 195 wheels + 2", "195 wheels for debian-full"),
-    (check_counts, "bench/RESULTS.md", "2 sdists = 287 inputs", "2 sdists = 288 inputs", "is 287, not 288"),
-    (check_digests, "bench/RESULTS.md", "historical) was recorded", "was recorded", "sha256:afeaff9152fda55c"),
-    (check_digests, "README.md", "sha256:7b6a35df9839fd593a94", "sha256:7b6a35df9839fd593a95", "not in lockfiles/expected"),
-    (check_results_tables, "bench/RESULTS.md", "| tiny | 32,388 |", "| tiny | 33,388 |", "gives 32388"),
-    (check_results_tables, "bench/RESULTS.md", "| 62.3 | 5.5% |", "| 62.3 | 5.9% |", "MFU 5.9%"),
-    (check_results_tables, "bench/RESULTS.md", "| 14,156 | 69.5 | 0.0645 | 4.81% |", "| 14,156 | 69.5 | 0.0645 | 4.18% |",
-     "step-time CV 4.18%"),
-    (check_results_tables, "bench/RESULTS.md", "| 9.6 s | 9.8 s |", "| 9.6 s | 9.9 s |", "antlr4-python3-runtime took"),
-    (check_results_tables, "bench/RESULTS.md", "1,136,640 B, sha256:5bed0a4a105d", "1,136,640 B, sha256:5bed0a4a105e", "aws-ofi-nccl sha256"),
-    (check_ratios, "bench/RESULTS.md", "0.227 s, 1.97x", "0.227 s, 1.79x", "0.227 / 0.115"),
-    (check_ratios, "bench/RESULTS.md", "| 0.649 |", "| 0.694 |", "wall ratio 0.694"),
-    (check_ratios, "bench/RESULTS.md", "| 7.9x |", "| 1.5x |", "cold/floor 1.5x"),
-    (check_ratios, "bench/RESULTS.md", "DP2 0.98, EP2 1.11", "DP2 0.98, EP2 1.21", "TP1 PP1 EP2 DP2 ratio 1.21"),
-    (check_config_table, "README.md", "`plan`, `local-cpu`, ", "`plan`, `local-gpu`, ", "no conf/launcher/local-gpu.yaml"),
-    (check_config_table, "README.md", ", `synthetic-8192` |", " |", "also has synthetic-8192"),
-    (check_repository_map, "README.md", "sbom provenance referrers smoke", "sbom provenance referers smoke", "trainer/image/referers"),
-    (check_setup_packages, "README.md", "`munge`, `bubblewrap`", "`munge`", "bin/setup installs"),
-    (check_names, "README.md", "unless `--keep-reasoning`", "unless `--keep-reasonings`", "--keep-reasonings: no such option"),
-    (check_names, "README.md", "`TRAINER_COMPOSE_CACHE=DIR`", "`TRAINER_COMPOSE_CACHES=DIR`", "$TRAINER_COMPOSE_CACHES"),
-    (check_lock_example, "lockfiles/README.md", '"epoch": 1767225600,', '"epoch": 1767225601,', "example epoch 1767225601"),
-    (check_lock_example, "lockfiles/README.md", '"resolved_from": {"requirements"', '"resolved": {"requirements"', "missing ['resolved_from']"),
-    # the issue's drift: a first build is 1,186 s, not 95 s; the build steps are compiled; image diff exits 1 now
-    (check_first_build, "README.md", "took 1,186 s", "took 95 s", "records 1,186 s"),
-    (check_claims, "lockfiles/README.md", "DeepEP, aws-ofi-nccl and TE's torch extension are compiled there, not shipped as sources.",
-     "The sources of DeepEP and aws-ofi-nccl are shipped, not compiled.", "ships uncompiled"),
-    (check_claims, "bench/RESULTS.md", "Historical, of the morning's image (c3ca95de): its", "Of the image: its",
-     "said identical, outside a historical paragraph"),
-])
+@pytest.mark.parametrize(
+    "check,doc,old,new,said",
+    [
+        (check_counts, "README.md", "110 pinned .debs", "94 pinned .debs", "README.md:"),
+        (
+            check_counts,
+            "lockfiles/README.md",
+            "base of 110 pinned .debs",
+            "base of 94 pinned .debs",
+            "lockfiles/debian-full.lock.json has 110",
+        ),
+        (
+            check_counts,
+            "bench/RESULTS.md",
+            "(110 .debs + 191 wheels + 2",
+            "(110 .debs + 195 wheels + 2",
+            "195 wheels for debian-full",
+        ),
+        (check_counts, "bench/RESULTS.md", "2 sdists = 287 inputs", "2 sdists = 288 inputs", "is 287, not 288"),
+        (check_digests, "bench/RESULTS.md", "historical) was recorded", "was recorded", "sha256:afeaff9152fda55c"),
+        (
+            check_digests,
+            "README.md",
+            "sha256:7b6a35df9839fd593a94",
+            "sha256:7b6a35df9839fd593a95",
+            "not in lockfiles/expected",
+        ),
+        (check_results_tables, "bench/RESULTS.md", "| tiny | 32,388 |", "| tiny | 33,388 |", "gives 32388"),
+        (check_results_tables, "bench/RESULTS.md", "| 62.3 | 5.5% |", "| 62.3 | 5.9% |", "MFU 5.9%"),
+        (
+            check_results_tables,
+            "bench/RESULTS.md",
+            "| 14,156 | 69.5 | 0.0645 | 4.81% |",
+            "| 14,156 | 69.5 | 0.0645 | 4.18% |",
+            "step-time CV 4.18%",
+        ),
+        (
+            check_results_tables,
+            "bench/RESULTS.md",
+            "| 9.6 s | 9.8 s |",
+            "| 9.6 s | 9.9 s |",
+            "antlr4-python3-runtime took",
+        ),
+        (
+            check_results_tables,
+            "bench/RESULTS.md",
+            "1,136,640 B, sha256:5bed0a4a105d",
+            "1,136,640 B, sha256:5bed0a4a105e",
+            "aws-ofi-nccl sha256",
+        ),
+        (check_ratios, "bench/RESULTS.md", "0.227 s, 1.97x", "0.227 s, 1.79x", "0.227 / 0.115"),
+        (check_ratios, "bench/RESULTS.md", "| 0.649 |", "| 0.694 |", "wall ratio 0.694"),
+        (check_ratios, "bench/RESULTS.md", "| 7.9x |", "| 1.5x |", "cold/floor 1.5x"),
+        (check_ratios, "bench/RESULTS.md", "DP2 0.98, EP2 1.11", "DP2 0.98, EP2 1.21", "TP1 PP1 EP2 DP2 ratio 1.21"),
+        (
+            check_config_table,
+            "README.md",
+            "`plan`, `local-cpu`, ",
+            "`plan`, `local-gpu`, ",
+            "no conf/launcher/local-gpu.yaml",
+        ),
+        (check_config_table, "README.md", ", `synthetic-8192` |", " |", "also has synthetic-8192"),
+        (
+            check_repository_map,
+            "README.md",
+            "sbom provenance referrers smoke",
+            "sbom provenance referers smoke",
+            "trainer/image/referers",
+        ),
+        (check_setup_packages, "README.md", "`munge`, `bubblewrap`", "`munge`", "bin/setup installs"),
+        (
+            check_names,
+            "README.md",
+            "unless `--keep-reasoning`",
+            "unless `--keep-reasonings`",
+            "--keep-reasonings: no such option",
+        ),
+        (
+            check_names,
+            "README.md",
+            "`TRAINER_COMPOSE_CACHE=DIR`",
+            "`TRAINER_COMPOSE_CACHES=DIR`",
+            "$TRAINER_COMPOSE_CACHES",
+        ),
+        (
+            check_lock_example,
+            "lockfiles/README.md",
+            '"epoch": 1767225600,',
+            '"epoch": 1767225601,',
+            "example epoch 1767225601",
+        ),
+        (
+            check_lock_example,
+            "lockfiles/README.md",
+            '"resolved_from": {"requirements"',
+            '"resolved": {"requirements"',
+            "missing ['resolved_from']",
+        ),
+        # the issue's drift: a first build is 1,186 s, not 95 s; the build steps are compiled; image diff exits 1 now
+        (check_first_build, "README.md", "took 1,186 s", "took 95 s", "records 1,186 s"),
+        (
+            check_claims,
+            "lockfiles/README.md",
+            "DeepEP, aws-ofi-nccl and TE's torch extension are compiled there, not shipped as sources.",
+            "The sources of DeepEP and aws-ofi-nccl are shipped, not compiled.",
+            "ships uncompiled",
+        ),
+        (
+            check_claims,
+            "bench/RESULTS.md",
+            "Historical, of the morning's image (c3ca95de): its",
+            "Of the image: its",
+            "said identical, outside a historical paragraph",
+        ),
+    ],
+)
 def test_a_figure_that_drifted_is_named(docs, check, doc, old, new, said):
     failures = check(tampered(docs, doc, old, new))
     assert failures and any(said in f for f in failures), failures
@@ -928,7 +1177,7 @@ def test_the_checks_see_the_statements(docs):
     assert sum(1 for _, _, c, _ in command_lines(docs) if c.startswith(("bin/train ", "nix run .#train -- "))) >= 10
 
 
-def script_header_commands() -> List[Tuple[str, int, str, bool]]:
+def script_header_commands() -> list[tuple[str, int, str, bool]]:
     """The commands that the header comments of bench/*.sh name in backticks (``bash bench/...``, ``python3
     bench/...``), as (script, line, command, inline)."""
     out = []
@@ -951,9 +1200,11 @@ def test_bench_script_headers_name_commands_that_exist():
 def test_a_bench_header_naming_a_missing_subcommand_is_named():
     # the issue's drift: h200_carry.sh's header named `bash bench/h200_setup.sh native`, which does not exist
     assert check_command("bash bench/h200_setup.sh native", True).startswith(
-        "bench/h200_setup.sh has no subcommand or run native (it has cudnn-dir, install, ")
+        "bench/h200_setup.sh has no subcommand or run native (it has cudnn-dir, install, "
+    )
     assert check_command("bash bench/h200_bench.sh tiny tiny-nodistop", True).startswith(
-        "bench/h200_bench.sh has no subcommand or run tiny-nodistop")
+        "bench/h200_bench.sh has no subcommand or run tiny-nodistop"
+    )
 
 
 def test_historical_marks_only_their_own_paragraph(docs):
@@ -961,23 +1212,25 @@ def test_historical_marks_only_their_own_paragraph(docs):
     lines = list(docs["bench/RESULTS.md"])
     row = next(i for i, l in enumerate(lines) if "sha256:c3ca95de" in l)
     blank = next(i for i in range(row, len(lines)) if not lines[i].strip())  # the end of that table
-    lines[blank + 1:blank + 1] = ["The image is `sha256:c3ca95debd075d82`.", ""]
+    lines[blank + 1 : blank + 1] = ["The image is `sha256:c3ca95debd075d82`.", ""]
     failures = check_digests({**docs, "bench/RESULTS.md": lines})
-    assert failures == [f"bench/RESULTS.md:{blank + 2}: sha256:c3ca95debd075d82 is not in lockfiles/expected-digests.json "
-                        "nor a lock, and its paragraph does not say it is historical"]
+    assert failures == [
+        f"bench/RESULTS.md:{blank + 2}: sha256:c3ca95debd075d82 is not in lockfiles/expected-digests.json "
+        "nor a lock, and its paragraph does not say it is historical"
+    ]
 
 
 # (c) cheap commands, run in-process, against what the docs show
 
 
-def trainer(argv: List[str], capsys) -> Tuple[int, str, str]:
+def trainer(argv: list[str], capsys) -> tuple[int, str, str]:
     capsys.readouterr()
     code = cli.main(argv)
     out, err = capsys.readouterr()
     return code, out, err
 
 
-def doc_line(docs: Docs, name: str, holding: str) -> Tuple[int, str]:
+def doc_line(docs: Docs, name: str, holding: str) -> tuple[int, str]:
     for n, line in enumerate(docs[name], 1):
         if holding in line:
             return n, line
@@ -989,15 +1242,18 @@ def test_lock_verify_of_each_lock(lock, capsys, docs):
     code, out, err = trainer(["lock", "verify", f"lockfiles/{lock}.lock.json"], capsys)
     assert code == 0, err
     data = json.loads((ROOT / "lockfiles" / f"{lock}.lock.json").read_text())
-    assert out.startswith(f"ok: lockfiles/{lock}.lock.json ({len(data['wheels'])} wheels, {len(data['sdists'])} sdists, "
-                          f"{len(data['sources'])} sources, base {data['base']['type']}; inputs: {lock}.in as resolved)")
+    assert out.startswith(
+        f"ok: lockfiles/{lock}.lock.json ({len(data['wheels'])} wheels, {len(data['sdists'])} sdists, "
+        f"{len(data['sources'])} sources, base {data['base']['type']}; inputs: {lock}.in as resolved)"
+    )
 
 
 def test_lock_verify_refuses_the_debian_smoke_torch_as_lockfiles_readme_says(capsys, docs):
     n, _ = doc_line(docs, "lockfiles/README.md", "`trainer lock verify` says")
     code, _, err = trainer(["lock", "verify", "lockfiles/debian-smoke.lock.json"], capsys)
-    assert code == 2 and "torch: lock has 2.13.0+cpu, stack.json components.torch pins 2.11.0" in err, \
+    assert code == 2 and "torch: lock has 2.13.0+cpu, stack.json components.torch pins 2.11.0" in err, (
         f"lockfiles/README.md:{n}: {err}"
+    )
 
 
 def test_image_check_predict_prints_what_readme_shows(capsys, docs):
@@ -1006,7 +1262,9 @@ def test_image_check_predict_prints_what_readme_shows(capsys, docs):
     code, out, err = trainer(["image", "check", "--lock", "lockfiles/debian-full.lock.json", "--predict"], capsys)
     digest = expected()["debian-full"]["manifest_digest"]
     assert code == 0, err
-    assert out.strip() == shown.replace("sha256:...", digest), f"README.md:{n}: shows {shown!r}, the command prints {out!r}"
+    assert out.strip() == shown.replace("sha256:...", digest), (
+        f"README.md:{n}: shows {shown!r}, the command prints {out!r}"
+    )
 
 
 def test_image_check_predict_fails_on_a_stale_record(capsys, tmp_path):
@@ -1014,8 +1272,9 @@ def test_image_check_predict_fails_on_a_stale_record(capsys, tmp_path):
     table["debian-full"]["manifest_digest"] = "sha256:" + "0" * 64
     stale = tmp_path / "expected.json"
     stale.write_text(json.dumps(table))
-    code, out, _ = trainer(["image", "check", "--lock", "lockfiles/debian-full.lock.json", "--predict",
-                            "--expected", str(stale)], capsys)
+    code, out, _ = trainer(
+        ["image", "check", "--lock", "lockfiles/debian-full.lock.json", "--predict", "--expected", str(stale)], capsys
+    )
     assert code == 1 and "ok:" not in out
 
 
@@ -1065,7 +1324,7 @@ def test_refused_overrides_print_the_lines_readme_shows(docs, tmp_path):
     checked = 0
     for n, line in enumerate(lines, 1):
         if line.startswith("$ nix run .#train -- ") and lines[n].startswith("train: error:"):
-            args = shlex.split(line[len("$ nix run .#train -- "):])
+            args = shlex.split(line[len("$ nix run .#train -- ") :])
             proc = helpers.run_train([*args, f"hydra.run.dir={tmp_path / str(n)}"], cwd=tmp_path)
             assert proc.returncode == 2, f"README.md:{n}: exit {proc.returncode}"
             assert proc.stderr.strip() == lines[n], f"README.md:{n + 1}: shows {lines[n]!r}, train says {proc.stderr!r}"
@@ -1076,10 +1335,24 @@ def test_refused_overrides_print_the_lines_readme_shows(docs, tmp_path):
 
 def test_an_unseeded_registry_base_is_refused_as_lockfiles_readme_says(docs, capsys, tmp_path):
     n, _ = doc_line(docs, "lockfiles/README.md", "be seeded on these machines, and the build says exactly that")
-    shown = re.search(r"\(`(missing base image.*?)`\)", paragraph_at(docs["lockfiles/README.md"], n).replace("\n  ", " "),
-                      re.S).group(1)
-    code, _, err = trainer(["image", "build", "--lock", "lockfiles/full.lock.json", "--out", str(tmp_path / "o"),
-                            "--offline", "--cache", str(tmp_path / "cas"), "-q"], capsys)
+    shown = re.search(
+        r"\(`(missing base image.*?)`\)", paragraph_at(docs["lockfiles/README.md"], n).replace("\n  ", " "), re.S
+    ).group(1)
+    code, _, err = trainer(
+        [
+            "image",
+            "build",
+            "--lock",
+            "lockfiles/full.lock.json",
+            "--out",
+            str(tmp_path / "o"),
+            "--offline",
+            "--cache",
+            str(tmp_path / "cas"),
+            "-q",
+        ],
+        capsys,
+    )
     assert code == 2
     pattern = ".*".join(re.escape(part) for part in shown.split("..."))
     assert re.search(pattern, err), f"lockfiles/README.md:{n}: shows {shown!r}, the build says {err!r}"
@@ -1134,8 +1407,12 @@ def test_a_cpu_runs_report_speaks_of_cpu_process_hours(tmp_path, capsys, monkeyp
 def carry(tmp_path: Path):
     import subprocess
 
-    return subprocess.run(["bash", str(ROOT / "bench" / "h200_carry.sh"), str(tmp_path / "megatron.git"),
-                           str(tmp_path / "miles.git")], capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        ["bash", str(ROOT / "bench" / "h200_carry.sh"), str(tmp_path / "megatron.git"), str(tmp_path / "miles.git")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_the_carry_stops_without_the_image_build_steps(tmp_path):
@@ -1145,8 +1422,10 @@ def test_the_carry_stops_without_the_image_build_steps(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "not built: transformer-engine-torch, deepep, aws-ofi-nccl" in lines[0]
-    assert lines[0].endswith("build them with bin/trainer image build --lock lockfiles/debian-full.lock.json "
-                             "--out build/debian-full.oci --jobs 2")
+    assert lines[0].endswith(
+        "build them with bin/trainer image build --lock lockfiles/debian-full.lock.json "
+        "--out build/debian-full.oci --jobs 2"
+    )
 
 
 def test_the_carry_names_only_the_steps_that_are_missing(tmp_path):

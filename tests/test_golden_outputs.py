@@ -28,9 +28,15 @@ RUN = "RUN_DIR"
 CASES = {
     "train-plan-tp2pp4ep8": ("train", ["layout=tp2pp4ep8", f"hydra.run.dir={RUN}"]),
     "train-plan-tp8pp8ep8": ("train", ["layout=tp8pp8ep8", f"hydra.run.dir={RUN}"]),
-    "train-slurm-tp2pp4ep8": ("train", ["launcher=slurm", "layout=tp2pp4ep8",
-                                        "launcher.image=registry.example/recipe-bundle@sha256:" + "ab" * 32,
-                                        f"hydra.run.dir={RUN}"]),
+    "train-slurm-tp2pp4ep8": (
+        "train",
+        [
+            "launcher=slurm",
+            "layout=tp2pp4ep8",
+            "launcher.image=registry.example/recipe-bundle@sha256:" + "ab" * 32,
+            f"hydra.run.dir={RUN}",
+        ],
+    ),
     "train-ray-no-address": ("train", ["launcher=ray", "layout=tp2pp4ep8", f"hydra.run.dir={RUN}"]),
     "train-smoke-plan": ("train", ["experiment=smoke", "launcher=plan", f"hydra.run.dir={RUN}"]),
     "train-smoke-cfg": ("train", ["experiment=smoke", "--cfg", "job"]),
@@ -40,13 +46,19 @@ CASES = {
     "train-bad-value": ("train", ["layout.micro_batch_size=0", f"hydra.run.dir={RUN}"]),
     "train-bad-key": ("train", ["model.no_such_field=1", f"hydra.run.dir={RUN}"]),
     "trainer-help": ("trainer", ["--help"]),
-    "trainer-converge-predict": ("trainer", ["converge", "--predict", "--candidate", "layout=tp2pp4ep8",
-                                             "--reference", "layout=tp8pp8ep8", "--json"]),
-    "trainer-converge-predict-lr": ("trainer", ["converge", "--predict", "--candidate", "optim.lr=2e-5",
-                                                "--reference", "layout=tp8pp8ep8"]),
+    "trainer-converge-predict": (
+        "trainer",
+        ["converge", "--predict", "--candidate", "layout=tp2pp4ep8", "--reference", "layout=tp8pp8ep8", "--json"],
+    ),
+    "trainer-converge-predict-lr": (
+        "trainer",
+        ["converge", "--predict", "--candidate", "optim.lr=2e-5", "--reference", "layout=tp8pp8ep8"],
+    ),
     "trainer-lock-verify-smoke": ("trainer", ["lock", "verify", str(REPO_ROOT / "lockfiles/smoke.lock.json")]),
-    "trainer-image-predict": ("trainer", ["image", "check", "--lock",
-                                          str(REPO_ROOT / "lockfiles/debian-full.lock.json"), "--predict"]),
+    "trainer-image-predict": (
+        "trainer",
+        ["image", "check", "--lock", str(REPO_ROOT / "lockfiles/debian-full.lock.json"), "--predict"],
+    ),
     "trainer-report-bad-run": ("trainer", ["report", "no-such-run"]),
 }
 
@@ -97,8 +109,12 @@ def observe(case: str, tmp_path: Path) -> dict:
             if name == "record.json":
                 text = json.dumps(normalise_record(json.loads(text), run_dir), indent=2, sort_keys=True) + "\n"
             files[name] = normalise_text(text, run_dir)
-    return {"exit": result.returncode, "stdout": normalise_text(result.stdout, run_dir),
-            "stderr": normalise_text(result.stderr, run_dir), "files": files}
+    return {
+        "exit": result.returncode,
+        "stdout": normalise_text(result.stdout, run_dir),
+        "stderr": normalise_text(result.stderr, run_dir),
+        "files": files,
+    }
 
 
 def write_golden(case: str, seen: dict) -> None:
@@ -106,6 +122,7 @@ def write_golden(case: str, seen: dict) -> None:
     root = OUTPUTS / case
     if root.exists():
         import shutil
+
         shutil.rmtree(root)
     (root / "files").mkdir(parents=True)
     (root / "exit").write_text(f"{seen['exit']}\n")
@@ -119,10 +136,15 @@ def write_golden(case: str, seen: dict) -> None:
 def read_golden(case: str) -> dict:
     """The stored observation of one case (as `observe` returns it)."""
     root = OUTPUTS / case
-    files = {str(p.relative_to(root / "files")): p.read_text()
-             for p in sorted((root / "files").rglob("*")) if p.is_file()}
-    return {"exit": int((root / "exit").read_text()), "stdout": (root / "stdout").read_text(),
-            "stderr": (root / "stderr").read_text(), "files": files}
+    files = {
+        str(p.relative_to(root / "files")): p.read_text() for p in sorted((root / "files").rglob("*")) if p.is_file()
+    }
+    return {
+        "exit": int((root / "exit").read_text()),
+        "stdout": (root / "stdout").read_text(),
+        "stderr": (root / "stderr").read_text(),
+        "files": files,
+    }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -150,7 +172,7 @@ def test_the_golden_notices_one_changed_byte(tmp_path):
     assert seen == golden
     plan = golden["files"]["plan.json"]
     i = plan.index("64")
-    golden["files"]["plan.json"] = plan[:i] + "65" + plan[i + 2:]
+    golden["files"]["plan.json"] = plan[:i] + "65" + plan[i + 2 :]
     assert seen != golden
 
 

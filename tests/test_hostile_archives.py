@@ -13,8 +13,8 @@ import helpers
 from trainer.errors import UserError
 from trainer.image.gittree import resolve_in_tree
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry, plan_entries, write_layer
-from trainer.image.tarread import entries_from_tar
 from trainer.image.sources import source_entries
+from trainer.image.tarread import entries_from_tar
 
 
 def tar_of(members, encoding="utf-8"):
@@ -46,18 +46,31 @@ def sparse_header(name, size):
 
 # case: (archive bytes, the source reader's line, the layer reader's line)
 CASES = {
-    "symlink chain escaping": (tar_of([sym("top/a/b/up", "../../.."), sym("top/a/b/esc", "up/../../../../etc/shadow")]),
-                               "symlink a/b/esc -> up/../../../../etc/shadow resolves outside the source tree",
-                               "'top/a/b/esc': symlink target 'up/../../../../etc/shadow' escapes the image root"),
-    "symlink chain through two links": (tar_of([sym("top/x", "y/.."), sym("top/y", ".."), sym("top/z", "x/../etc")]),
-                                        "resolves outside the source tree", "escapes the image root"),
-    "symlink loop": (tar_of([sym("top/a", "b"), sym("top/b", "a")]), "more than 40 links (a loop)",
-                     "more than 40 symlinks in a chain"),
-    "file under a symlink": (tar_of([sym("top/link", "real"), reg("top/link/file")]),
-                             "link/file lies under the symlink link",
-                             "'top/link/file': parent 'top/link' is a symlink, not a directory"),
-    "sparse 30 GB member": (sparse_header("top/huge", 30 << 30), "archive unpacks to more than 2,147,483,648 bytes",
-                            "'top/huge': 32,212,254,720 bytes"),
+    "symlink chain escaping": (
+        tar_of([sym("top/a/b/up", "../../.."), sym("top/a/b/esc", "up/../../../../etc/shadow")]),
+        "symlink a/b/esc -> up/../../../../etc/shadow resolves outside the source tree",
+        "'top/a/b/esc': symlink target 'up/../../../../etc/shadow' escapes the image root",
+    ),
+    "symlink chain through two links": (
+        tar_of([sym("top/x", "y/.."), sym("top/y", ".."), sym("top/z", "x/../etc")]),
+        "resolves outside the source tree",
+        "escapes the image root",
+    ),
+    "symlink loop": (
+        tar_of([sym("top/a", "b"), sym("top/b", "a")]),
+        "more than 40 links (a loop)",
+        "more than 40 symlinks in a chain",
+    ),
+    "file under a symlink": (
+        tar_of([sym("top/link", "real"), reg("top/link/file")]),
+        "link/file lies under the symlink link",
+        "'top/link/file': parent 'top/link' is a symlink, not a directory",
+    ),
+    "sparse 30 GB member": (
+        sparse_header("top/huge", 30 << 30),
+        "archive unpacks to more than 2,147,483,648 bytes",
+        "'top/huge': 32,212,254,720 bytes",
+    ),
     "truncated archive": (tar_of([reg("top/a", b"y" * 5000)])[:1500], "", "archive: corrupt or truncated"),
 }
 
@@ -69,8 +82,13 @@ def test_a_hostile_source_archive_is_one_line(tmp_path, case):
     data, expected, _ = CASES[case]
     archive = tmp_path / "src.tar"
     archive.write_bytes(data)
-    source = {"name": "demo", "commit": "1" * 40, "archive": {"filename": "src.tar"}, "dest": "/opt/src/demo",
-              "tree": "0" * 40}
+    source = {
+        "name": "demo",
+        "commit": "1" * 40,
+        "archive": {"filename": "src.tar"},
+        "dest": "/opt/src/demo",
+        "tree": "0" * 40,
+    }
     with pytest.raises(UserError) as err:
         source_entries(archive, source)
     assert str(err.value).startswith("source demo@111111111111: ") and expected in str(err.value), str(err.value)
@@ -93,14 +111,24 @@ def test_a_non_utf8_member_name_is_kept_as_bytes_not_a_traceback(tmp_path):
     data = tar_of([reg("top/caf\xe9", b"x")], encoding="latin-1")
     buf = io.BytesIO()
     write_layer(entries_from_tar(io.BytesIO(data), ""), buf, 0)
-    names = [m.name for m in tarfile.open(fileobj=io.BytesIO(buf.getvalue()), encoding="utf-8", errors="surrogateescape")]
+    names = [
+        m.name for m in tarfile.open(fileobj=io.BytesIO(buf.getvalue()), encoding="utf-8", errors="surrogateescape")
+    ]
     assert [n.encode("utf-8", "surrogateescape") for n in names] == [b"top", b"top/caf\xe9"]
     archive = tmp_path / "src.tar"
     archive.write_bytes(data)
-    source = {"name": "demo", "commit": "1" * 40, "archive": {"filename": "src.tar"}, "dest": "/opt/src/demo",
-              "tree": "0" * 40}
-    with pytest.raises(UserError, match=r"^source demo@111111111111: archive files hash to git tree [0-9a-f]{40}, "
-                                        r"lock says 0{40} \(refused\)$"):
+    source = {
+        "name": "demo",
+        "commit": "1" * 40,
+        "archive": {"filename": "src.tar"},
+        "dest": "/opt/src/demo",
+        "tree": "0" * 40,
+    }
+    with pytest.raises(
+        UserError,
+        match=r"^source demo@111111111111: archive files hash to git tree [0-9a-f]{40}, "
+        r"lock says 0{40} \(refused\)$",
+    ):
         source_entries(archive, source)
 
 
@@ -114,12 +142,15 @@ def test_a_chain_is_refused_by_the_layer_writer_whatever_read_it(tmp_path):
     assert out.stat().st_size == 0
 
 
-@pytest.mark.parametrize("links,path,resolved", [
-    ({"a/b": "../c"}, "a/b", "c"),
-    ({"usr/lib64": "lib", "usr/lib/x": "../lib64/y"}, "usr/lib/x", "usr/lib/y"),
-    ({"bin": "usr/bin", "sbin/tool": "../bin/tool"}, "sbin/tool", "usr/bin/tool"),
-    ({"etc/alt/python": "/usr/bin/python3.12"}, "etc/alt/python", "usr/bin/python3.12"),
-])
+@pytest.mark.parametrize(
+    "links,path,resolved",
+    [
+        ({"a/b": "../c"}, "a/b", "c"),
+        ({"usr/lib64": "lib", "usr/lib/x": "../lib64/y"}, "usr/lib/x", "usr/lib/y"),
+        ({"bin": "usr/bin", "sbin/tool": "../bin/tool"}, "sbin/tool", "usr/bin/tool"),
+        ({"etc/alt/python": "/usr/bin/python3.12"}, "etc/alt/python", "usr/bin/python3.12"),
+    ],
+)
 def test_links_inside_the_tree_are_accepted(links, path, resolved):
     """Promise (the other side): links that stay inside the root resolve to where the kernel would take them."""
     assert resolve_in_tree(path, links, allow_absolute=True) == resolved
@@ -129,8 +160,13 @@ def test_plain_archives_still_read(tmp_path):
     """Promise (the other side): a well-formed source tree passes the whole-tree check unchanged."""
     data = tar_of([reg("top/a.py", b"A = 1\n"), sym("top/lib", "pkg"), reg("top/pkg/b.py", b"B = 2\n")])
     entries = plan_entries(entries_from_tar(io.BytesIO(data), ""))
-    assert [(e.path, e.type) for e in entries] == [("top", DIR), ("top/a.py", FILE), ("top/lib", SYMLINK),
-                                                   ("top/pkg", DIR), ("top/pkg/b.py", FILE)]
+    assert [(e.path, e.type) for e in entries] == [
+        ("top", DIR),
+        ("top/a.py", FILE),
+        ("top/lib", SYMLINK),
+        ("top/pkg", DIR),
+        ("top/pkg/b.py", FILE),
+    ]
 
 
 if __name__ == "__main__":

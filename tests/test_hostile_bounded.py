@@ -37,19 +37,32 @@ KINDS = {  # how each hostile file is made, and a phrase its one line must hold
     "/dev/zero": (lambda p: p.symlink_to("/dev/zero"), "a character device, not a regular file"),
     "sparse 8 GiB": (_sparse, None),
 }
-SPARSE_WORDS = ("8,589,934,592 bytes, more than", "longer than", "no PAR1 magic", "skipped",
-                "line 1 does not say what the lock was resolved from")
+SPARSE_WORDS = (
+    "8,589,934,592 bytes, more than",
+    "longer than",
+    "no PAR1 magic",
+    "skipped",
+    "line 1 does not say what the lock was resolved from",
+)
 
-MEGATRON_LINE = (" [2026-10-13 10:01:00] iteration {step:>8}/      20 | consumed samples: {samples:12d} | elapsed time per "
-                 "iteration (ms): {ms} | learning rate: 1.000000E-05 | global batch size:   128 | lm loss: {loss} | "
-                 "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 | number of nan iterations:   0 |")
+MEGATRON_LINE = (
+    " [2026-10-13 10:01:00] iteration {step:>8}/      20 | consumed samples: {samples:12d} | elapsed time per "
+    "iteration (ms): {ms} | learning rate: 1.000000E-05 | global batch size:   128 | lm loss: {loss} | "
+    "loss scale: 1.0 | grad norm: 1.000 | number of skipped iterations:   0 | number of nan iterations:   0 |"
+)
 
 
 def megatron_log(steps=20, over=None):
     """A Megatron log of ``steps`` steps (``over``: {step: {field: text}} replacing fields of one step's line)."""
     lines = ["startup"]
     for s in range(1, steps + 1):
-        fields = {"step": s, "samples": 128 * s, "ms": "20270.0", "loss": f"{2.0 - 0.01 * s:.6E}", **(over or {}).get(s, {})}
+        fields = {
+            "step": s,
+            "samples": 128 * s,
+            "ms": "20270.0",
+            "loss": f"{2.0 - 0.01 * s:.6E}",
+            **(over or {}).get(s, {}),
+        }
         lines.append(MEGATRON_LINE.format(**fields))
     return "\n".join(lines) + "\n"
 
@@ -71,19 +84,32 @@ READERS = {
     "verify record.json": ("run/record.json", lambda d, o: ["verify", d / "run"], ALL),
     "verify --lock": ("lock.txt", lambda d, o: ["verify", d / "run", "--lock", d / "lock.txt"], ALL),
     "verify --key": ("key.pub", lambda d, o: ["verify", d / "run", "--key", d / "key.pub"], ALL),
-    "verify attestation.json": ("run/attestation.json", lambda d, o: ["verify", d / "run", "--key", d / "good.pub"], ALL),
+    "verify attestation.json": (
+        "run/attestation.json",
+        lambda d, o: ["verify", d / "run", "--key", d / "good.pub"],
+        ALL,
+    ),
     "verify image index.json": ("image/index.json", lambda d, o: ["verify", d / "image", "--key", d / "good.pub"], ALL),
     "lock verify (image lock)": ("image.lock.json", lambda d, o: ["lock", "verify", d / "image.lock.json"], ALL),
     "lock verify (requirements)": ("launcher.lock", lambda d, o: ["lock", "verify", d / "launcher.lock"], ALL),
     "attest --sign-key": ("key", lambda d, o: ["attest", d / "run", "--sign-key", d / "key"], ALL),
     "logs": ("train.log", lambda d, o: ["logs", d / "train.log", "-o", o], ALL),
     "converge": ("a.jsonl", lambda d, o: ["converge", d / "a.jsonl", d / "run", "--no-plot", "--out", o], ALL),
-    "data build jsonl": ("in.jsonl", lambda d, o: ["data", "build", "--input", d / "in.jsonl", "--out", o / "rows"],
-                         ("fifo", "/dev/zero", "sparse 8 GiB")),
-    "data build parquet": ("in.parquet", lambda d, o: ["data", "build", "--input", d / "in.parquet", "--out", o / "rows"],
-                           ("fifo", "sparse 8 GiB")),
-    "data build --tokenizer": ("tok.json", lambda d, o: ["data", "build", "--input", d / "good.jsonl", "--out", o / "rows",
-                                                         "--tokenizer", d / "tok.json"], ("fifo", "sparse 8 GiB")),
+    "data build jsonl": (
+        "in.jsonl",
+        lambda d, o: ["data", "build", "--input", d / "in.jsonl", "--out", o / "rows"],
+        ("fifo", "/dev/zero", "sparse 8 GiB"),
+    ),
+    "data build parquet": (
+        "in.parquet",
+        lambda d, o: ["data", "build", "--input", d / "in.parquet", "--out", o / "rows"],
+        ("fifo", "sparse 8 GiB"),
+    ),
+    "data build --tokenizer": (
+        "tok.json",
+        lambda d, o: ["data", "build", "--input", d / "good.jsonl", "--out", o / "rows", "--tokenizer", d / "tok.json"],
+        ("fifo", "sparse 8 GiB"),
+    ),
     "cas tree record": ("cas/trees/" + "a" * 40 + ".json", None, ALL),
 }
 CASES = [(reader, kind) for reader, (_, _, kinds) in READERS.items() for kind in kinds]
@@ -173,8 +199,14 @@ def _prepare(world, root: Path, reader: str, kind: str) -> dict:
         target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     KINDS[kind][0](target)
-    return {"id": f"{reader} / {kind}", "argv": None if argv is None else [str(a) for a in argv(case_dir, out)],
-            "root": str(case_dir / "cas"), "target": str(target), "out": str(out), "dir": str(case_dir)}
+    return {
+        "id": f"{reader} / {kind}",
+        "argv": None if argv is None else [str(a) for a in argv(case_dir, out)],
+        "root": str(case_dir / "cas"),
+        "target": str(target),
+        "out": str(out),
+        "dir": str(case_dir),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -186,14 +218,26 @@ def results(world):
 
     (root / "live" / "cas" / "tmp").mkdir(parents=True)
     os.mkfifo(root / "live" / "cas" / "tmp" / f"{LIVE_PREFIX}4242")
-    cases.append({"id": "live marker / fifo", "argv": "oldest_live", "root": str(root / "live" / "cas"),
-                  "dir": str(root / "live")})
+    cases.append(
+        {
+            "id": "live marker / fifo",
+            "argv": "oldest_live",
+            "root": str(root / "live" / "cas"),
+            "dir": str(root / "live"),
+        }
+    )
     before = {c["id"]: snapshot(Path(c["dir"])) for c in cases}
     (root / "cases.json").write_text(json.dumps(cases))
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "200"}
     start = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(root / "cases.json")], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=root)  # a hang fails here, by timeout, never forever
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, str(root / "cases.json")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=root,
+    )  # a hang fails here, by timeout, never forever
     seconds = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr[-3000:]
     found = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -242,9 +286,14 @@ def test_the_whole_family_is_fast_and_bounded(results):
 def test_exact_lines_for_a_fifo(results):
     """The words of the refusal: the file, its kind, the kind of file expected."""
     cases, _, found, _ = results
-    for reader, what in (("status record.json", "a run record"), ("verify --lock", "a lock"),
-                         ("attest --sign-key", "a PEM private key"), ("verify --key", "a PEM public key"),
-                         ("logs", "a training log"), ("verify attestation.json", "a run attestation")):
+    for reader, what in (
+        ("status record.json", "a run record"),
+        ("verify --lock", "a lock"),
+        ("attest --sign-key", "a PEM private key"),
+        ("verify --key", "a PEM public key"),
+        ("logs", "a training log"),
+        ("verify attestation.json", "a run attestation"),
+    ):
         case = cases[f"{reader} / fifo"]
         line = found[case["id"]]["err"].strip()
         assert f"{case['target']}: a FIFO, not a regular file ({what} must be one)" in line, line
@@ -311,17 +360,23 @@ def call(capsys, *args):
     return code, captured.out, captured.err
 
 
-@pytest.mark.parametrize("over,needle", [
-    ({3: {"step": "1" + "0" * 30}}, "line 4: iteration 1000000000000000000000000000000 is not a step metrics.jsonl holds "
-                                    "(1..9,223,372,036,854,775,807)"),
-    ({3: {"step": "9" * 5000}}, "line 4: iteration 99999999999999999999... (5,000 digits) is not a step"),
-    ({3: {"step": "0"}}, "line 4: iteration 0 is not a step metrics.jsonl holds"),
-    ({2: {"ms": "-5.0"}}, "line 3: step time -0.005 s, expected a positive finite number of seconds"),
-    ({2: {"ms": "inf"}}, "line 3: step time inf s, expected a positive finite number of seconds"),
-    ({2: {"ms": "nan"}}, "line 3: step time nan s, expected a positive finite number of seconds"),
-    ({2: {"ms": "0.0"}}, "line 3: step time 0.0 s, expected a positive finite number of seconds"),
-    ({2: {"loss": "abc"}}, "line 3: lm loss 'abc' is not a number"),
-])
+@pytest.mark.parametrize(
+    "over,needle",
+    [
+        (
+            {3: {"step": "1" + "0" * 30}},
+            "line 4: iteration 1000000000000000000000000000000 is not a step metrics.jsonl holds "
+            "(1..9,223,372,036,854,775,807)",
+        ),
+        ({3: {"step": "9" * 5000}}, "line 4: iteration 99999999999999999999... (5,000 digits) is not a step"),
+        ({3: {"step": "0"}}, "line 4: iteration 0 is not a step metrics.jsonl holds"),
+        ({2: {"ms": "-5.0"}}, "line 3: step time -0.005 s, expected a positive finite number of seconds"),
+        ({2: {"ms": "inf"}}, "line 3: step time inf s, expected a positive finite number of seconds"),
+        ({2: {"ms": "nan"}}, "line 3: step time nan s, expected a positive finite number of seconds"),
+        ({2: {"ms": "0.0"}}, "line 3: step time 0.0 s, expected a positive finite number of seconds"),
+        ({2: {"loss": "abc"}}, "line 3: lm loss 'abc' is not a number"),
+    ],
+)
 def test_logs_refuses_values_report_and_converge_would_refuse(tmp_path, capsys, over, needle):
     """Promise: `trainer logs` never writes a metrics.jsonl that report or converge then refuse: a step beyond a
     signed 64-bit integer (10^30, 5,000 digits), step 0, a step time that is negative, zero, inf or NaN are refused
@@ -339,10 +394,16 @@ def test_logs_refuses_bad_miles_values_naming_file_and_line(tmp_path, capsys):
     prefix = "(MegatronTrainRayActor pid=1) [2026-10-13 10:01:00] log_utils.py:542 - "
     good = prefix + "step 0: {'train/loss': 2.0, 'train/grad_norm': 1.0, 'train/step': 0}\n"
     for line, needle in (
-            (prefix + "perf 0: {'perf/actor_train_time': -inf}", "line 2: step time -inf s, expected a positive"),
-            (prefix + "step 1: {'train/loss': 1.9, 'train/global_batch_size': 0}", "line 2: global batch size 0.0, expected a "
-             "positive integer number of rows"),
-            (prefix + "step 99999999999999999999: {'train/loss': 1.9}", "line 2: step 99999999999999999999 (+1) is not a step")):
+        (prefix + "perf 0: {'perf/actor_train_time': -inf}", "line 2: step time -inf s, expected a positive"),
+        (
+            prefix + "step 1: {'train/loss': 1.9, 'train/global_batch_size': 0}",
+            "line 2: global batch size 0.0, expected a positive integer number of rows",
+        ),
+        (
+            prefix + "step 99999999999999999999: {'train/loss': 1.9}",
+            "line 2: step 99999999999999999999 (+1) is not a step",
+        ),
+    ):
         log = tmp_path / "miles.log"
         log.write_text(good + line + "\n")
         code, _, err = call(capsys, "logs", log, "-o", tmp_path / "m.jsonl")
@@ -387,16 +448,26 @@ def test_data_build_refuses_a_100mb_message_and_a_long_parquet_message(tmp_path,
             handle.write("a" * (1 << 20))
         handle.write('"}, {"role": "assistant", "content": "ok"}]}\n')
     code, _, err = call(capsys, "data", "build", "--input", big, "--out", tmp_path / "rows")
-    assert code == 2 and err == (f"trainer data: error: {big} line 1: longer than 1,048,576 bytes (the most a "
-                                 "conversation line may have)\n"), err
+    assert code == 2 and err == (
+        f"trainer data: error: {big} line 1: longer than 1,048,576 bytes (the most a conversation line may have)\n"
+    ), err
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    table = pa.table({"id": ["p0"], "messages": pa.array([[{"role": "user", "content": "b" * 1_000_001},
-                                                            {"role": "assistant", "content": "ok"}]], pa.list_(message))})
+    table = pa.table(
+        {
+            "id": ["p0"],
+            "messages": pa.array(
+                [[{"role": "user", "content": "b" * 1_000_001}, {"role": "assistant", "content": "ok"}]],
+                pa.list_(message),
+            ),
+        }
+    )
     pq.write_table(table, tmp_path / "long.parquet")
     code, _, err = call(capsys, "data", "build", "--input", tmp_path / "long.parquet", "--out", tmp_path / "rows")
-    assert code == 2 and err == (f"trainer data: error: {tmp_path / 'long.parquet'} row 0: messages[0].content: "
-                                 "1,000,001 characters, more than the 1,000,000 a message may have (the tokenizer's "
-                                 "memory grows ~125 bytes per character)\n"), err
+    assert code == 2 and err == (
+        f"trainer data: error: {tmp_path / 'long.parquet'} row 0: messages[0].content: "
+        "1,000,001 characters, more than the 1,000,000 a message may have (the tokenizer's "
+        "memory grows ~125 bytes per character)\n"
+    ), err
     assert not (tmp_path / "rows").exists()
 
 
@@ -418,9 +489,18 @@ def test_a_batch_is_cut_at_its_character_budget(tmp_path, monkeypatch):
     from trainer.data import build
 
     src = tmp_path / "c.jsonl"
-    src.write_text("".join(json.dumps({"id": f"c{i}", "messages": [{"role": "user", "content": "q" * 40},
-                                                                  {"role": "assistant", "content": "a" * 40}]}) + "\n"
-                           for i in range(7)))
+    src.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "id": f"c{i}",
+                    "messages": [{"role": "user", "content": "q" * 40}, {"role": "assistant", "content": "a" * 40}],
+                }
+            )
+            + "\n"
+            for i in range(7)
+        )
+    )
     entry = build.read_input(src)
     order = build.permutation([entry], 1)
     config = build.BuildConfig()
@@ -438,8 +518,9 @@ def test_data_example_does_not_replace_an_existing_file(tmp_path, capsys):
     target = tmp_path / "mine.jsonl"
     target.write_text("my own data\n")
     code, _, err = call(capsys, "data", "example", "--out", target, "--conversations", "3")
-    assert code == 2 and err == (f"trainer data: error: --out {target}: exists; pass --force to replace it, or write "
-                                 "to another file\n"), err
+    assert code == 2 and err == (
+        f"trainer data: error: --out {target}: exists; pass --force to replace it, or write to another file\n"
+    ), err
     assert target.read_text() == "my own data\n"
     code, _, err = call(capsys, "data", "example", "--out", tmp_path, "--conversations", "3")
     assert code == 2 and "a directory" in err
@@ -468,9 +549,11 @@ def test_keygen_writes_0600_and_a_0644_key_signs_nothing(world, tmp_path, capsys
     for mode in (0o644, 0o640, 0o604):
         os.chmod(private, mode)
         code, _, err = call(capsys, "attest", run, "--sign-key", private)
-        assert code == 2 and err == (f"trainer attest: error: --sign-key {private}: permissions {mode:04o} for {private} "
-                                     f"are too open (a private key must be readable by its owner only: chmod 600 "
-                                     f"{private}); nothing signed\n"), err
+        assert code == 2 and err == (
+            f"trainer attest: error: --sign-key {private}: permissions {mode:04o} for {private} "
+            f"are too open (a private key must be readable by its owner only: chmod 600 "
+            f"{private}); nothing signed\n"
+        ), err
     os.chmod(private, 0o400)
     assert attest.load_signer(private).public_key.keyid == keyid
     big = tmp_path / "big.pem"
@@ -491,7 +574,7 @@ def test_streamed_step_count_equals_the_whole_file_count(tmp_path):
         for size in (1, 2, 3, 7, 1 << 20):
             counter = StepCounter()
             for i in range(0, len(data), size):
-                counter.feed(data[i:i + size])
+                counter.feed(data[i : i + size])
             assert counter.total() == count_steps(data), (data, size)
     metrics = tmp_path / "metrics.jsonl"
     with open(metrics, "wb") as handle:

@@ -20,8 +20,8 @@ import pytest
 import helpers
 from helpers import REPO_ROOT, tree_hash
 from helpers import run_trainer as trainer
-from trainer import cli
 from image_fixtures import make_git_source, make_wheel, small_lock
+from trainer import cli
 
 EPOCH = 1767225600
 
@@ -31,9 +31,17 @@ def clean(tmp_path_factory):
     """A lock, its seeded cache and the clean build's JSON result."""
     root = tmp_path_factory.mktemp("hostile-cache")
     wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
-    archive, commit, tree = make_git_source(root / "git", "demo", {"README.md": b"demo\n", "demo/a.py": b"A = 1\n"}, EPOCH)
-    source = {"name": "demo", "url": "https://example.invalid/demo.git", "commit": commit, "tree": tree,
-              "dest": "/opt/src/demo", "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()}}
+    archive, commit, tree = make_git_source(
+        root / "git", "demo", {"README.md": b"demo\n", "demo/a.py": b"A = 1\n"}, EPOCH
+    )
+    source = {
+        "name": "demo",
+        "url": "https://example.invalid/demo.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/demo",
+        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
+    }
     lock = root / "lock.json"
     lock.write_text(json.dumps(small_lock("hostile", EPOCH, [(wheel, "alpha", "1.0", "rest")], [source])))
     bundle = root / "bundle"
@@ -54,8 +62,25 @@ def build(state, cache, out, capsys=None):
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli.main(["image", "build", "--lock", str(state["lock"]), "--out", str(out), "--cache", str(cache),
-                         "--offline", "--bundle-root", str(state["bundle"]), "--revision", "test", "--json", "-q"])
+        code = cli.main(
+            [
+                "image",
+                "build",
+                "--lock",
+                str(state["lock"]),
+                "--out",
+                str(out),
+                "--cache",
+                str(cache),
+                "--offline",
+                "--bundle-root",
+                str(state["bundle"]),
+                "--revision",
+                "test",
+                "--json",
+                "-q",
+            ]
+        )
     assert code == 0, stderr.getvalue()
     return json.loads(stdout.getvalue())
 
@@ -109,6 +134,7 @@ def _edit_entry(**fields):
             else:
                 record[key] = value
         entry.write_text(json.dumps(record))
+
     return edit
 
 
@@ -165,8 +191,21 @@ def test_a_fifo_in_the_cache_does_not_block_a_build(clean, tmp_path):
     blob.unlink()
     os.mkfifo(blob)
     before = tree_hash(cache / "sha256")
-    result = trainer("image", "build", "--lock", clean["lock"], "--out", tmp_path / "out.oci", "--cache", cache,
-                     "--offline", "--bundle-root", clean["bundle"], "-q", timeout=60)  # a blocked read would hang
+    result = trainer(
+        "image",
+        "build",
+        "--lock",
+        clean["lock"],
+        "--out",
+        tmp_path / "out.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        clean["bundle"],
+        "-q",
+        timeout=60,
+    )  # a blocked read would hang
     assert_one_line(result, 2, "not a regular file (a FIFO, device or socket is refused)")
     assert not (tmp_path / "out.oci").exists() and tree_hash(cache / "sha256") == before
 
@@ -195,11 +234,21 @@ def test_debris_of_killed_builds_is_reported_and_collected_but_a_live_builds_is_
     for path in (tmp / "part-dead1", tmp / "spool-dead2", cache / "layers" / ".abc.json.tmp"):
         os.utime(path, (old, old))
     verify = trainer("cache", "--cache", cache, "verify")
-    assert verify.returncode == 1 and verify.stdout.strip().splitlines()[-1].endswith("0 corrupt, 3 debris"), verify.stdout
+    assert verify.returncode == 1 and verify.stdout.strip().splitlines()[-1].endswith("0 corrupt, 3 debris"), (
+        verify.stdout
+    )
     assert "debris tmp/part-dead1" in verify.stdout
-    live = subprocess.Popen([sys.executable, "-c", "import sys, time; from trainer.image.cas import Cache; "
-                             f"Cache({str(cache)!r}).tmp_dir(); print('live', flush=True); time.sleep(60)"],
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stdout=subprocess.PIPE, text=True)
+    live = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from trainer.image.cas import Cache; "
+            f"Cache({str(cache)!r}).tmp_dir(); print('live', flush=True); time.sleep(60)",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert live.stdout.readline().strip() == "live"  # its start removed the old debris already
         assert not (tmp / "part-dead1").exists() and not (tmp / "spool-dead2").exists()
@@ -224,8 +273,12 @@ def test_sigterm_removes_what_a_cache_add_was_writing(tmp_path):
     with open(big, "wb") as handle:
         handle.truncate(3 << 30)  # sparse: 3 GB to copy and hash
     cache = tmp_path / "cas"
-    proc = subprocess.Popen([sys.executable, "-m", "trainer", "cache", "--cache", str(cache), "add", str(big)],
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "trainer", "cache", "--cache", str(cache), "add", str(big)],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 30
     while not list((cache / "tmp").glob("part-*")) and time.time() < deadline:
         time.sleep(0.02)

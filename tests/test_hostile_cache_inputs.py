@@ -21,8 +21,15 @@ BIG = 4096  # bytes of the source's large file: over the limit the tests set, fa
 
 
 def cache_files(cache: Path):
-    return sorted(p.relative_to(cache).as_posix() for p in cache.rglob("*") if p.is_file()
-                  and p.parts[len(cache.parts)] not in ("tmp",)) if cache.exists() else []
+    return (
+        sorted(
+            p.relative_to(cache).as_posix()
+            for p in cache.rglob("*")
+            if p.is_file() and p.parts[len(cache.parts)] not in ("tmp",)
+        )
+        if cache.exists()
+        else []
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +93,9 @@ def test_a_blob_git_answers_with_another_size_is_refused(big_source):
     oid = _git(gitdir, "rev-parse", f"{commit}:data/big.bin").strip()
     with pytest.raises(sources.UserError, match=r"data/big.bin is 4,096 bytes \(listed 10, at most"):
         _read_blobs(gitdir, repo, [("data/big.bin", "100644", oid, 10)], 1 << 30)
-    assert _read_blobs(gitdir, repo, [("data/big.bin", "100644", oid, BIG)], 1 << 30)["data/big.bin"][1] == \
-        bytes(range(256)) * (BIG // 256)
+    assert _read_blobs(gitdir, repo, [("data/big.bin", "100644", oid, BIG)], 1 << 30)["data/big.bin"][1] == bytes(
+        range(256)
+    ) * (BIG // 256)
 
 
 def test_git_cat_file_is_killed_on_a_refusal(big_source, monkeypatch):
@@ -123,16 +131,25 @@ def seeded(tmp_path):
     """A lock of one wheel and one git source (by archive), both in a fresh cache."""
     wheel = make_wheel(tmp_path, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
     archive, commit, tree = make_git_source(tmp_path / "git", "demo", {"README.md": b"demo\n"}, EPOCH)
-    source = {"name": "demo", "url": "https://example.invalid/demo.git", "commit": commit, "tree": tree,
-              "dest": "/opt/src/demo",
-              "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()}}
+    source = {
+        "name": "demo",
+        "url": "https://example.invalid/demo.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/demo",
+        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
+    }
     lock = tmp_path / "lock.json"
     lock.write_text(json.dumps(small_lock("fetch", EPOCH, [(wheel, "alpha", "1.0", "rest")], [source])))
     cache = tmp_path / "cas"
     for f in (wheel, archive):
         assert cli.main(["cache", "--cache", str(cache), "add", str(f)]) == 0
-    return {"lock": lock, "cache": cache, "wheel": hashlib.sha256(wheel.read_bytes()).hexdigest(),
-            "archive": source["archive"]["sha256"]}
+    return {
+        "lock": lock,
+        "cache": cache,
+        "wheel": hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        "archive": source["archive"]["sha256"],
+    }
 
 
 def _fetch(seeded, capsys):

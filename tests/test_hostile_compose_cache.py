@@ -16,7 +16,6 @@ from omegaconf import OmegaConf
 
 import helpers
 from trainer.compose import cache as cache_module
-from trainer.compose import compose as compose_module
 from trainer.compose.compose import session
 from trainer.compose.prepare import prepare
 
@@ -63,11 +62,11 @@ def test_a_forged_entry_that_changes_the_lr_is_a_miss(root, hydra_calls):
     other_key = os.urandom(32)
     for name in ("MAC of another key", "the true entry's MAC", "no MAC", "payload only"):
         for entry in holding:
-            mac, _, payload = good[entry][len(cache_module.FORMAT):].partition(b"\n")
+            mac, _, payload = good[entry][len(cache_module.FORMAT) :].partition(b"\n")
             forged = payload.replace(b"1e-05", b"7e-06")
             assert forged != payload
             if name == "MAC of another key":
-                forge(entry, forged, cache_module.entry_mac(other_key, entry.name[:-len(cache_module.SUFFIX)], forged))
+                forge(entry, forged, cache_module.entry_mac(other_key, entry.name[: -len(cache_module.SUFFIX)], forged))
             elif name == "the true entry's MAC":
                 forge(entry, forged, mac)
             elif name == "no MAC":
@@ -133,7 +132,7 @@ def test_a_layer_record_mac_is_not_an_entry_mac(root, hydra_calls):
         composer.compose(LR)
         key = composer.cache.key_of(LR, False)
     entry = the_entry(root)
-    mac, _, payload = entry.read_bytes()[len(cache_module.FORMAT):].partition(b"\n")
+    mac, _, payload = entry.read_bytes()[len(cache_module.FORMAT) :].partition(b"\n")
     assert cache_module.mac_key() == cas.stamp_key() and len(cas.stamp_key()) == 32
     assert cache_module.key_path() == cas.stamp_key_path()
     fields = (cache_module.FORMAT.decode().strip(), key, hashlib.sha256(payload).hexdigest())
@@ -254,8 +253,13 @@ def test_the_type_names_of_an_entry_are_looked_up_in_the_schema_and_hydra_only()
     cfg = OmegaConf.structured(schema.OptimConfig)
     data = cache_module.to_data(cfg)
     assert OmegaConf.to_yaml(cache_module.from_data(json.loads(json.dumps(data)))) == OmegaConf.to_yaml(cfg)
-    for bad in ("os:system", "builtins:eval", "subprocess:Popen", "trainer.compose.schema:register",
-                "test_hostile_compose_cache:Local"):
+    for bad in (
+        "os:system",
+        "builtins:eval",
+        "subprocess:Popen",
+        "trainer.compose.schema:register",
+        "test_hostile_compose_cache:Local",
+    ):
         hostile = json.loads(json.dumps(data))
         index = next(i for i, t in enumerate(hostile["types"]) if isinstance(t, str) and ":" in t)
         hostile["types"][index] = bad
@@ -291,8 +295,13 @@ def test_a_secret_of_the_environment_is_never_stored(root, hydra_calls, monkeypa
     assert len(hydra_calls) == 5 and len(entries(root)) == 1
 
 
-USER_FILES = {"symphony.composition": b"song\n", "notes.composition.json": b"{}\n", ".x.composition.old": b"x\n",
-              ".draft.composition.bak": b"draft\n", ("a" * 64) + ".composition.json.bak": b"mine\n"}
+USER_FILES = {
+    "symphony.composition": b"song\n",
+    "notes.composition.json": b"{}\n",
+    ".x.composition.old": b"x\n",
+    ".draft.composition.bak": b"draft\n",
+    ("a" * 64) + ".composition.json.bak": b"mine\n",
+}
 
 
 def _user_files(directory, age_s=7200):
@@ -322,15 +331,22 @@ def test_pruning_removes_only_the_names_the_cache_writes(root, hydra_calls):
     old) stay byte for byte."""
     root.mkdir(mode=0o700)
     _user_files(root)
-    legacy, debris, link = ("b" * 64) + ".composition", f".{'c' * 64}.composition.json.ab1_cd2e", ("d" * 64) + ".composition.json"
+    legacy, debris, link = (
+        ("b" * 64) + ".composition",
+        f".{'c' * 64}.composition.json.ab1_cd2e",
+        ("d" * 64) + ".composition.json",
+    )
     (root / legacy).write_bytes(b"pickle")
     (root / debris).write_bytes(b"half")
     os.utime(root / debris, (time.time() - 7200, time.time() - 7200))
     (root / link).symlink_to(root / "symphony.composition")
     with session() as composer:
         composer.compose(LR)
-    left = {p.name: p.read_bytes() for p in root.iterdir() if not p.name.endswith(cache_module.SUFFIX)
-            or p.name in USER_FILES}
+    left = {
+        p.name: p.read_bytes()
+        for p in root.iterdir()
+        if not p.name.endswith(cache_module.SUFFIX) or p.name in USER_FILES
+    }
     assert left == USER_FILES, sorted(left)
     assert not os.path.lexists(root / link), sorted(os.listdir(root))
     assert len([e for e in entries(root) if cache_module.ENTRY_NAME.match(e.name)]) == 1
@@ -383,10 +399,13 @@ def test_a_type_reaching_another_module_is_refused():
     from hydra.conf import JobConf
 
     assert cache_module._named_class("hydra.conf", "JobConf.JobConfig") is JobConf.JobConfig
-    for module, qualname in (("hydra._internal.config_loader_impl", "re.enum.IntFlag"),
-                             ("hydra.conf", "JobConf.__class__"), ("hydra.conf", "_JobConf"),
-                             ("trainer.compose.schema", "OptimConfig.__mro__"),
-                             ("hydra.test_utils.example_app", "Anything")):
+    for module, qualname in (
+        ("hydra._internal.config_loader_impl", "re.enum.IntFlag"),
+        ("hydra.conf", "JobConf.__class__"),
+        ("hydra.conf", "_JobConf"),
+        ("trainer.compose.schema", "OptimConfig.__mro__"),
+        ("hydra.test_utils.example_app", "Anything"),
+    ):
         with pytest.raises(cache_module.Unstorable):
             cache_module._named_class(module, qualname)
     assert "hydra.test_utils.example_app" not in sys.modules

@@ -13,7 +13,6 @@ import pytest
 import helpers
 from helpers import REPO_ROOT
 from trainer.compose import cache as cache_module
-from trainer.compose import compose as compose_module
 from trainer.compose.compose import session
 
 SCHEMA = REPO_ROOT / "trainer" / "compose" / "schema.py"
@@ -40,8 +39,9 @@ def copy_bundle(tmp_path):
 def train_in(bundle, args, cwd, env):
     """`python -m trainer.train ARGS` of the copied bundle, killed after 20 s."""
     env = {**os.environ, **env, "PYTHONPATH": str(bundle), "COLUMNS": "160"}
-    return subprocess.run([sys.executable, "-m", "trainer.train", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=20)
+    return subprocess.run(
+        [sys.executable, "-m", "trainer.train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=20
+    )
 
 
 def test_a_fifo_in_conf_neither_hangs_the_cache_nor_hydra(tmp_path, root, hydra_calls):
@@ -109,8 +109,12 @@ def test_a_composition_with_a_secret_in_a_job_list_is_never_stored(root, hydra_c
     canary, and the next run composes it again. A secret a config file of the tree puts in a long list element
     (where YAML would fold the line) is found too: each value is scrubbed on its own."""
     canary = "abcdefgh12"
-    jobs = [f"launcher.job=[x,'--hf-token={canary}']", f"launcher.job=[x,--hf-token,{canary}]",
-            f"launcher.job=[x,HF_TOKEN\\={canary}]", f"launcher.job=[x,'Authorization: Bearer {canary}']"]
+    jobs = [
+        f"launcher.job=[x,'--hf-token={canary}']",
+        f"launcher.job=[x,--hf-token,{canary}]",
+        f"launcher.job=[x,HF_TOKEN\\={canary}]",
+        f"launcher.job=[x,'Authorization: Bearer {canary}']",
+    ]
     for _ in range(2):
         with session() as composer:
             for job in jobs:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import REPO_ROOT, run_trainer, run_train
+from helpers import REPO_ROOT, run_train, run_trainer
 from trainer import cli
 from trainer.record.record import process_started
 
@@ -77,8 +77,21 @@ PLAN_SIZES = [8, 36, 56, 76]
 @pytest.fixture(scope="module")
 def full_plans(tmp_path_factory):
     base = tmp_path_factory.mktemp("full")
-    result = subprocess.run([*NAMESPACE, sys.executable, "-c", PLAN_DRIVER, str(base), json.dumps(PLAN_SIZES),
-                             str(REPO_ROOT), NOTES.decode()], capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [
+            *NAMESPACE,
+            sys.executable,
+            "-c",
+            PLAN_DRIVER,
+            str(base),
+            json.dumps(PLAN_SIZES),
+            str(REPO_ROOT),
+            NOTES.decode(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return base, {int(kb): case for kb, case in json.loads(result.stdout).items()}
 
@@ -142,6 +155,7 @@ def _partial(full_plans, tmp: Path, kb: int = 76) -> Path:
 @pytest.fixture
 def train_here(refused_train):
     """``train ARGS`` in this process (conftest's ``refused_train``) as (exit code, stderr)."""
+
     def call(args, cwd):
         result = refused_train(args, cwd)
         return result.returncode, result.stderr
@@ -214,12 +228,11 @@ USERS = {  # directories a user wrote, with the names a run writes but no marker
     "a lone command.sh": {"command.sh": b"#!/bin/bash\necho mine\n"},
     "config.yaml and train.log": {"config.yaml": b"mine\n", "train.log": b"my log\n"},
     "a .plan.json.backup01": {"plan.json": b"{}\n", ".plan.json.backup01": b"backup\n"},
-    "a thesis in .hydra": {"config.yaml": b"mine\n", ".hydra/thesis.tex": b"thesis\n",
-                           ".hydra/hydra.yaml": HYDRA_YAML},
-    "every plan file, Hydra's three": {**{n: b"{}\n" for n in ("config.yaml", "command.sh", "plan.json", "argv.json",
-                                                               "env.json")},
-                                       **{f".hydra/{n}": HYDRA_YAML for n in ("config.yaml", "hydra.yaml",
-                                                                             "overrides.yaml")}},
+    "a thesis in .hydra": {"config.yaml": b"mine\n", ".hydra/thesis.tex": b"thesis\n", ".hydra/hydra.yaml": HYDRA_YAML},
+    "every plan file, Hydra's three": {
+        **{n: b"{}\n" for n in ("config.yaml", "command.sh", "plan.json", "argv.json", "env.json")},
+        **{f".hydra/{n}": HYDRA_YAML for n in ("config.yaml", "hydra.yaml", "overrides.yaml")},
+    },
 }
 
 
@@ -295,17 +308,20 @@ def test_a_sign_key_name_too_long_is_one_line(tmp_path, train_here):
     assert list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("args", [
-    ["status", "TMP/LONG"],
-    ["logs", "TMP/LONG/train.log", "-o", "TMP/metrics.jsonl"],
-    ["report", "TMP/LONG"],
-    ["cache", "--cache", "TMP/LONG", "add", "TMP/file", "--sha256", "0" * 64],
-    ["cache", "--cache", "TMP/cas", "add", "TMP/LONG", "--sha256", "0" * 64],
-    ["cache", "--cache", "TMP/LONG", "verify"],
-    ["keygen", "--out", "TMP/LONG"],
-    ["verify", "TMP/LONG"],
-    ["converge", "TMP/LONG", "TMP/LONG"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status", "TMP/LONG"],
+        ["logs", "TMP/LONG/train.log", "-o", "TMP/metrics.jsonl"],
+        ["report", "TMP/LONG"],
+        ["cache", "--cache", "TMP/LONG", "add", "TMP/file", "--sha256", "0" * 64],
+        ["cache", "--cache", "TMP/cas", "add", "TMP/LONG", "--sha256", "0" * 64],
+        ["cache", "--cache", "TMP/LONG", "verify"],
+        ["keygen", "--out", "TMP/LONG"],
+        ["verify", "TMP/LONG"],
+        ["converge", "TMP/LONG", "TMP/LONG"],
+    ],
+)
 def test_a_name_too_long_is_one_line_in_every_command(tmp_path, capsys, args):
     """Promise: every command answers a path component that is too long with one line naming it, exit 2."""
     (tmp_path / "file").write_bytes(b"x")
@@ -323,8 +339,15 @@ def test_a_name_too_long_is_one_line_in_every_command(tmp_path, capsys, args):
 def _running_record(tmp: Path, **fields) -> Path:
     run = tmp / "run"
     run.mkdir()
-    record = {"schema_version": 1, "status": "running", "host": socket.gethostname(), "files_sha256": {},
-              "created_utc": "2026-01-01T00:00:00Z", "started_utc": "2026-01-01T00:00:00Z", **fields}
+    record = {
+        "schema_version": 1,
+        "status": "running",
+        "host": socket.gethostname(),
+        "files_sha256": {},
+        "created_utc": "2026-01-01T00:00:00Z",
+        "started_utc": "2026-01-01T00:00:00Z",
+        **fields,
+    }
     (run / "record.json").write_text(json.dumps(record))
     return run
 
@@ -344,8 +367,11 @@ PIDS = {
     "reused, start time recorded": lambda: {"pid": os.getpid(), "pid_started": process_started(os.getpid()) - 1},
     "pid 1, start time recorded": lambda: {"pid": 1, "pid_started": (process_started(1) or 0) + 7},
     "reused, no start time (an older record)": lambda: {"pid": os.getpid()},
-    "another boot": lambda: {"pid": os.getpid(), "pid_started": process_started(os.getpid()),
-                             "boot_id": "00000000-0000-0000-0000-000000000000"},
+    "another boot": lambda: {
+        "pid": os.getpid(),
+        "pid_started": process_started(os.getpid()),
+        "boot_id": "00000000-0000-0000-0000-000000000000",
+    },
 }
 
 
@@ -372,14 +398,19 @@ def test_a_running_record_whose_process_is_gone_is_not_running(tmp_path, capsys,
 def test_a_string_pid_is_one_line(tmp_path, capsys):
     run = _running_record(tmp_path, pid="12")
     assert cli.main(["status", str(run)]) == 2
-    helpers.assert_one_line(capsys.readouterr().err, "record.json: pid is str", "expected integer",
-                    prefix="trainer status: error: ")
+    helpers.assert_one_line(
+        capsys.readouterr().err, "record.json: pid is str", "expected integer", prefix="trainer status: error: "
+    )
 
 
 def test_the_runs_own_live_process_is_running(tmp_path, capsys):
     """The tamper cases' control: the record of a live process with its own start time is running (exit 3)."""
-    run = _running_record(tmp_path, pid=os.getpid(), pid_started=process_started(os.getpid()),
-                          started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    run = _running_record(
+        tmp_path,
+        pid=os.getpid(),
+        pid_started=process_started(os.getpid()),
+        started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    )
     assert cli.main(["status", str(run)]) == 3
     assert capsys.readouterr().out == f"{run}: running\n"
 
@@ -403,8 +434,12 @@ def test_a_zombie_launcher_is_not_running(tmp_path, capsys):
             if (Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0]) == b"Z":
                 break
             time.sleep(0.01)
-        run = _running_record(tmp_path, pid=pid, pid_started=process_started(pid),
-                              started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+        run = _running_record(
+            tmp_path,
+            pid=pid,
+            pid_started=process_started(pid),
+            started_utc=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        )
         os.kill(pid, 0)  # the zombie answers kill(pid, 0)
         assert cli.main(["status", str(run)]) == 1
         out = capsys.readouterr().out
@@ -433,8 +468,10 @@ for _ in range(600):
 
 
 def _pidns_prefix() -> list:
-    for prefix in (["unshare", "--pid", "--fork", "--mount-proc"],
-                   ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"]):
+    for prefix in (
+        ["unshare", "--pid", "--fork", "--mount-proc"],
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc"],
+    ):
         try:
             if subprocess.run([*prefix, "true"], capture_output=True, timeout=30).returncode == 0:
                 return prefix
@@ -452,8 +489,9 @@ def test_a_live_run_in_another_pid_namespace_stays_running(tmp_path, capsys):
         pytest.skip("unshare --pid --fork --mount-proc is refused here")
     run = tmp_path / "run"
     run.mkdir()
-    proc = subprocess.Popen([*prefix, sys.executable, "-c", PIDNS_WRITER, str(run)],
-                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    proc = subprocess.Popen(
+        [*prefix, sys.executable, "-c", PIDNS_WRITER, str(run)], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    )
     try:
         for _ in range(400):
             if (run / "ready").exists() or proc.poll() is not None:
@@ -464,7 +502,10 @@ def test_a_live_run_in_another_pid_namespace_stays_running(tmp_path, capsys):
         record = json.loads(before)
         assert record["pid"] < 10 and record["pid_ns"] != os.readlink("/proc/self/ns/pid"), record
         assert cli.main(["status", str(run)]) == 3
-        assert capsys.readouterr().out == f"{run}: running (its process cannot be checked from here: another pid namespace)\n"
+        assert (
+            capsys.readouterr().out
+            == f"{run}: running (its process cannot be checked from here: another pid namespace)\n"
+        )
         assert (run / "record.json").read_bytes() == before
     finally:
         (run / "done").write_text("")

@@ -7,11 +7,8 @@ has written the job it runs (``job.json``), so the workers and the launcher's en
 """
 
 import json
-import os
 import subprocess
 import sys
-
-import pytest
 
 import helpers
 from helpers import REPO_ROOT
@@ -114,8 +111,12 @@ print(json.dumps({"rc": proc.returncode, "stderr": proc.stderr, "record": json.l
 
 
 def _in_namespace(driver, tmp_path, *args):
-    result = subprocess.run([*NAMESPACE, sys.executable, "-c", driver, str(tmp_path), str(REPO_ROOT), *args],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [*NAMESPACE, sys.executable, "-c", driver, str(tmp_path), str(REPO_ROOT), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout)
 

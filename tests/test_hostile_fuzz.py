@@ -14,13 +14,18 @@ import helpers
 from trainer.errors import UserError
 from trainer.image.imagelock import validate_lock
 from trainer.inputs import parse_json, parse_yaml
+from trainer.record.rundir import check_record_types
+from trainer.redact import Redactor
 from trainer.report.logs import parse_log
 from trainer.report.metrics import read_metrics
-from trainer.redact import Redactor
-from trainer.record.rundir import check_record_types
 
-BOUNDED = settings(max_examples=100, deadline=None, derandomize=True, database=None,
-                   suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+BOUNDED = settings(
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=True) | st.text(max_size=20),
@@ -28,10 +33,12 @@ json_values = st.recursive(
     max_leaves=30,
 )
 # text that looks like the formats: their own punctuation mixed with random characters and lone surrogates
-json_like = st.lists(st.sampled_from(list('{}[]":,0123456789.eE-+ \\u') + ["\ud800", "é", "\n", "null", "NaN", "1" * 5000]),
-                     max_size=200).map("".join)
-yaml_like = st.lists(st.sampled_from(list("&*!|>-:?[]{},#'\" \n\tab01.") + ["!!python/object", "<<", "\ud800", "&a", "*a"]),
-                     max_size=200).map("".join)
+json_like = st.lists(
+    st.sampled_from(list('{}[]":,0123456789.eE-+ \\u') + ["\ud800", "é", "\n", "null", "NaN", "1" * 5000]), max_size=200
+).map("".join)
+yaml_like = st.lists(
+    st.sampled_from(list("&*!|>-:?[]{},#'\" \n\tab01.") + ["!!python/object", "<<", "\ud800", "&a", "*a"]), max_size=200
+).map("".join)
 
 
 def one_line(err: UserError) -> None:
@@ -59,9 +66,16 @@ def test_yaml_parser_returns_or_refuses_in_one_line(text):
 
 
 @BOUNDED
-@given(st.lists(st.one_of(json_like, json_values.map(json.dumps),
-                          st.fixed_dictionaries({"step": st.integers(), "lm_loss": st.floats()}).map(json.dumps)),
-                max_size=8))
+@given(
+    st.lists(
+        st.one_of(
+            json_like,
+            json_values.map(json.dumps),
+            st.fixed_dictionaries({"step": st.integers(), "lm_loss": st.floats()}).map(json.dumps),
+        ),
+        max_size=8,
+    )
+)
 def test_metrics_reader_returns_or_refuses_in_one_line(tmp_path_factory, lines):
     """Promise: read_metrics gives steps (strictly increasing, numbers) or one UserError line naming the line."""
     path = tmp_path_factory.mktemp("m") / "metrics.jsonl"
@@ -75,8 +89,12 @@ def test_metrics_reader_returns_or_refuses_in_one_line(tmp_path_factory, lines):
 
 
 log_line = st.one_of(
-    st.builds(lambda i, t, loss: f" iteration {i}/ 20 | elapsed time per iteration (ms): {t} | lm loss: {loss} |",
-              st.integers(-5, 10**20), st.floats() | st.text(max_size=5), st.floats() | st.text(max_size=5)),
+    st.builds(
+        lambda i, t, loss: f" iteration {i}/ 20 | elapsed time per iteration (ms): {t} | lm loss: {loss} |",
+        st.integers(-5, 10**20),
+        st.floats() | st.text(max_size=5),
+        st.floats() | st.text(max_size=5),
+    ),
     st.text(max_size=80),
     st.builds(lambda d: f"step {d}", json_values.map(repr)),
 )
@@ -93,9 +111,28 @@ def test_log_reader_returns_or_refuses_in_one_line(lines):
 
 
 @BOUNDED
-@given(json_values | st.dictionaries(st.sampled_from(["schema_version", "kind", "name", "epoch", "base", "wheels",
-                                                      "sources", "image", "python", "platform", "bundle"]),
-                                     json_values, max_size=11))
+@given(
+    json_values
+    | st.dictionaries(
+        st.sampled_from(
+            [
+                "schema_version",
+                "kind",
+                "name",
+                "epoch",
+                "base",
+                "wheels",
+                "sources",
+                "image",
+                "python",
+                "platform",
+                "bundle",
+            ]
+        ),
+        json_values,
+        max_size=11,
+    )
+)
 def test_lock_validation_refuses_in_one_line(lock):
     """Promise: validate_lock accepts a lock or raises one UserError line naming the field, for any JSON value."""
     try:
@@ -105,8 +142,11 @@ def test_lock_validation_refuses_in_one_line(lock):
 
 
 @BOUNDED
-@given(st.dictionaries(st.sampled_from(["status", "pid", "probe", "slurm", "times", "files_sha256", "host"]),
-                       json_values, max_size=7))
+@given(
+    st.dictionaries(
+        st.sampled_from(["status", "pid", "probe", "slurm", "times", "files_sha256", "host"]), json_values, max_size=7
+    )
+)
 def test_record_types_are_checked_in_one_line(record):
     """Promise: a record's known fields have their JSON types or the record is refused in one line."""
     try:
@@ -119,10 +159,19 @@ secret_values = st.text(alphabet=string.ascii_letters + string.digits + "/@+=_-%
 
 
 @BOUNDED
-@given(secret_values, st.sampled_from([
-    "+env.HF_TOKEN={s}", "export GITHUB_PAT={s}", "  MY_API_KEY: {s}", '  "DB_PASSWORD": "{s}"',
-    "https://user:{s}@host.example/x", "https://host.example/x?access_token={s}",
-]))
+@given(
+    secret_values,
+    st.sampled_from(
+        [
+            "+env.HF_TOKEN={s}",
+            "export GITHUB_PAT={s}",
+            "  MY_API_KEY: {s}",
+            '  "DB_PASSWORD": "{s}"',
+            "https://user:{s}@host.example/x",
+            "https://host.example/x?access_token={s}",
+        ]
+    ),
+)
 def test_redaction_removes_a_secret_in_every_form(secret, form):
     """Promise: a secret in any of the forms of the rule leaves no trace after one scrub."""
     if form.startswith("https://user:"):
@@ -133,13 +182,17 @@ def test_redaction_removes_a_secret_in_every_form(secret, form):
 
 
 # secret forms: a value with quotes, colons, brackets, $ and spaces, under a lower-, mixed- or upper-case secret name
-secret_form_values = st.text(alphabet=string.ascii_letters + string.digits + "'\":()@$ /=,\\", min_size=8,
-                             max_size=30).filter(lambda s: s.strip() == s and any(c.isalnum() for c in s))
+secret_form_values = st.text(
+    alphabet=string.ascii_letters + string.digits + "'\":()@$ /=,\\", min_size=8, max_size=30
+).filter(lambda s: s.strip() == s and any(c.isalnum() for c in s))
 
 
 @BOUNDED
-@given(secret_form_values, st.sampled_from(["hf_token", "HfToken", "HF_TOKEN", "db_password", "X-Api-Key"]),
-       st.sampled_from(["+", "++", ""]))
+@given(
+    secret_form_values,
+    st.sampled_from(["hf_token", "HfToken", "HF_TOKEN", "db_password", "X-Api-Key"]),
+    st.sampled_from(["+", "++", ""]),
+)
 def test_a_learnt_secret_of_any_form_leaves_no_trace(secret, name, prefix):
     """Promise: a secret-named override's value, whatever characters it holds, is replaced in Hydra's stored form,
     YAML, JSON and the shell's quoting of it (the serialisations a run directory holds)."""
@@ -154,9 +207,14 @@ def test_a_learnt_secret_of_any_form_leaves_no_trace(secret, name, prefix):
     parsed = OverridesParser.create().parse_override(override)
     assert parsed.value() == secret
     redactor = Redactor().learn_overrides([override]).freeze()
-    for text in (f"{parsed.key_or_group}={parsed.get_value_element_as_str()}", yaml.safe_dump({name: secret}),
-                 json.dumps({name: secret}), json.dumps([secret], ensure_ascii=True), shlex.quote(secret),
-                 repr([override])):
+    for text in (
+        f"{parsed.key_or_group}={parsed.get_value_element_as_str()}",
+        yaml.safe_dump({name: secret}),
+        json.dumps({name: secret}),
+        json.dumps([secret], ensure_ascii=True),
+        shlex.quote(secret),
+        repr([override]),
+    ):
         out = redactor.scrub(text)
         assert secret not in out and "<redacted>" in out, (text, out)
 

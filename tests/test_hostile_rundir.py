@@ -16,27 +16,51 @@ from trainer.redact import Redactor, is_secret_name, redact_value
 # ------------------------------------------------------------------------------------------ the rule
 
 
-@pytest.mark.parametrize("name,secret", [
-    ("HF_TOKEN", True), ("GITHUB_PAT", True), ("GH_PAT", True), ("aws_secret_access_key", True), ("DB_PASSWORD", True),
-    ("PGPASSWORD", True), ("GCP_CREDENTIALS", True), ("hfToken", True), ("X-Amz-Signature", True), ("sig", True),
-    ("WANDB_API_KEY", True), ("OPENAI_APIKEY", True), ("NPM_AUTH", True), ("SSH_PRIVATE", True), ("SESSION_COOKIE", True),
-    ("PATH", False), ("KEYBOARD", False), ("TOKENIZER", False), ("row_tokens", False), ("PATTERN", False),
-    ("CUDA_DEVICE_MAX_CONNECTIONS", False), ("TRITON_CACHE_DIR", False), ("PYTORCH_CUDA_ALLOC_CONF", False),
-])
+@pytest.mark.parametrize(
+    "name,secret",
+    [
+        ("HF_TOKEN", True),
+        ("GITHUB_PAT", True),
+        ("GH_PAT", True),
+        ("aws_secret_access_key", True),
+        ("DB_PASSWORD", True),
+        ("PGPASSWORD", True),
+        ("GCP_CREDENTIALS", True),
+        ("hfToken", True),
+        ("X-Amz-Signature", True),
+        ("sig", True),
+        ("WANDB_API_KEY", True),
+        ("OPENAI_APIKEY", True),
+        ("NPM_AUTH", True),
+        ("SSH_PRIVATE", True),
+        ("SESSION_COOKIE", True),
+        ("PATH", False),
+        ("KEYBOARD", False),
+        ("TOKENIZER", False),
+        ("row_tokens", False),
+        ("PATTERN", False),
+        ("CUDA_DEVICE_MAX_CONNECTIONS", False),
+        ("TRITON_CACHE_DIR", False),
+        ("PYTORCH_CUDA_ALLOC_CONF", False),
+    ],
+)
 def test_secret_names_follow_one_rule(name, secret):
     """Promise: a name is secret when one of its words is a secret word (TOKEN, PAT, KEY, PASSWORD, ...)."""
     assert is_secret_name(name) is secret
 
 
-@pytest.mark.parametrize("value,secret,kept", [
-    ("https://user:pa/ss@host/x", "pa/ss", "host/x"),
-    ("https://user:p@ss@host/x", "p@ss", "host/x"),
-    ("https://ghp_abcdef123@github.com/o/r.git", "ghp_abcdef123", "github.com/o/r.git"),
-    ("s3://u:pw@bucket/rows", "pw", "bucket/rows"),
-    ("https://host/file?token=abc123&x=1", "abc123", "x=1"),
-    ("https://host/file?X-Amz-Signature=deadbeef#frag", "deadbeef", "#frag"),
-    ("export HF_TOKEN=hf_abc; echo", "hf_abc", "echo"),
-])
+@pytest.mark.parametrize(
+    "value,secret,kept",
+    [
+        ("https://user:pa/ss@host/x", "pa/ss", "host/x"),
+        ("https://user:p@ss@host/x", "p@ss", "host/x"),
+        ("https://ghp_abcdef123@github.com/o/r.git", "ghp_abcdef123", "github.com/o/r.git"),
+        ("s3://u:pw@bucket/rows", "pw", "bucket/rows"),
+        ("https://host/file?token=abc123&x=1", "abc123", "x=1"),
+        ("https://host/file?X-Amz-Signature=deadbeef#frag", "deadbeef", "#frag"),
+        ("export HF_TOKEN=hf_abc; echo", "hf_abc", "echo"),
+    ],
+)
 def test_secret_values_are_redacted(value, secret, kept):
     """Promise: credentials in URLs (passwords holding / or @ included), secret query values and NAME=VALUE secrets
     never survive redaction; the rest of the text does."""
@@ -90,7 +114,9 @@ def test_no_secret_reaches_any_file_of_a_run_directory(secret_run, case):
     secret = SECRETS[case][1]
     files = [p for p in run_dir.rglob("*") if p.is_file()]
     assert {"env.json", "config.yaml", "command.sh", "record.json", "plan.json", "argv.json"} <= {p.name for p in files}
-    assert {".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml"} <= {str(p.relative_to(run_dir)) for p in files}
+    assert {".hydra/config.yaml", ".hydra/overrides.yaml", ".hydra/hydra.yaml"} <= {
+        str(p.relative_to(run_dir)) for p in files
+    }
     leaks = [str(p.relative_to(run_dir)) for p in files if secret.encode() in p.read_bytes()]
     assert leaks == [], f"{secret} in {leaks}"
     assert secret not in result.stdout + result.stderr
@@ -102,8 +128,16 @@ def test_no_secret_reaches_any_file_of_a_multirun(tmp_path):
     sweep_dir = tmp_path / "sweep"
     overrides = [o for o, _ in SECRETS.values()]
     swept = ("k1x2y3", "k4z5w6")  # too short for the redactor to learn one by one: the sweep as typed is learned
-    result = run_train(["-m", f"hydra.sweep.dir={sweep_dir}", "layout=tp2pp4ep8,tp8pp8ep8", *overrides,
-                        f"+env.WANDB_API_KEY={','.join(swept)}"], cwd=tmp_path)
+    result = run_train(
+        [
+            "-m",
+            f"hydra.sweep.dir={sweep_dir}",
+            "layout=tp2pp4ep8,tp8pp8ep8",
+            *overrides,
+            f"+env.WANDB_API_KEY={','.join(swept)}",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr
     files = [p for p in sweep_dir.rglob("*") if p.is_file()]
     assert "multirun.yaml" in {p.name for p in files} and len(list(sweep_dir.glob("*/plan.json"))) == 4
@@ -131,7 +165,9 @@ def test_the_redacted_run_stays_consistent(secret_run):
 def test_a_parse_error_names_the_override_without_its_secret(tmp_path, refused_train):
     """Promise: an override Hydra cannot parse is named in the one-line error, with its secret redacted."""
     result = refused_train(["optim.lr=1e-5", "data.path=https://u:hunter2pw@h/x?token=zzz=1"], cwd=tmp_path)
-    assert_refused(result, "override 'data.path=https://<redacted>@h/x?token=<redacted>", tmp_path / "outputs", "absent")
+    assert_refused(
+        result, "override 'data.path=https://<redacted>@h/x?token=<redacted>", tmp_path / "outputs", "absent"
+    )
     assert "hunter2pw" not in result.stderr
 
 
@@ -203,24 +239,54 @@ def _home(tmp: Path) -> Path:
 
 INTERPOLATED = {
     # name: (arguments, environment builder (tmp) -> {NAME: value}, watched (tmp) -> path, expected message)
-    "current directory, --resume": (["hydra.run.dir=${oc.env:PWD}", "--resume"], lambda tmp: {"PWD": str(tmp)},
-                                    lambda tmp: tmp, "hydra.run.dir=TMP: the current directory"),
-    "one above, --overwrite": (["hydra.run.dir=${oc.env:PWD}/..", "--overwrite"], lambda tmp: {"PWD": str(tmp)},
-                               lambda tmp: tmp, "one above it"),
-    "home, --overwrite": (["hydra.run.dir=${oc.env:HOME}", "--overwrite"], lambda tmp: {"HOME": str(_home(tmp))},
-                          lambda tmp: tmp / "home", "the home directory cannot be a run directory"),
-    "user files, --overwrite": (["hydra.run.dir=${oc.env:MINE}", "--overwrite"],
-                                lambda tmp: {"MINE": str(_user_dir(tmp))}, lambda tmp: tmp / "mine",
-                                "holds files that no run wrote (notes.txt)"),
-    "root": (["hydra.run.dir=${oc.env:ROOT_DIR}"], lambda tmp: {"ROOT_DIR": "/"}, lambda tmp: tmp,
-             "the filesystem root cannot be a run directory"),
-    "unresolvable": (["hydra.run.dir=${oc.env:TRAIN_TEST_NOT_SET}/run", "--resume"], lambda tmp: {},
-                     lambda tmp: tmp, "hydra.run.dir cannot be resolved"),
-    "resolves to null": (["hydra.run.dir=${oc.env:TRAIN_TEST_NOT_SET,null}"], lambda tmp: {}, lambda tmp: tmp,
-                         "hydra.run.dir cannot be resolved"),
-    "sweep dir, --overwrite": (["-m", "hydra.sweep.dir=${oc.env:PWD}", "layout=tp2pp4ep8,tp8pp8ep8", "--overwrite"],
-                               lambda tmp: {"PWD": str(tmp)}, lambda tmp: tmp,
-                               "hydra.sweep.dir=TMP: the current directory"),
+    "current directory, --resume": (
+        ["hydra.run.dir=${oc.env:PWD}", "--resume"],
+        lambda tmp: {"PWD": str(tmp)},
+        lambda tmp: tmp,
+        "hydra.run.dir=TMP: the current directory",
+    ),
+    "one above, --overwrite": (
+        ["hydra.run.dir=${oc.env:PWD}/..", "--overwrite"],
+        lambda tmp: {"PWD": str(tmp)},
+        lambda tmp: tmp,
+        "one above it",
+    ),
+    "home, --overwrite": (
+        ["hydra.run.dir=${oc.env:HOME}", "--overwrite"],
+        lambda tmp: {"HOME": str(_home(tmp))},
+        lambda tmp: tmp / "home",
+        "the home directory cannot be a run directory",
+    ),
+    "user files, --overwrite": (
+        ["hydra.run.dir=${oc.env:MINE}", "--overwrite"],
+        lambda tmp: {"MINE": str(_user_dir(tmp))},
+        lambda tmp: tmp / "mine",
+        "holds files that no run wrote (notes.txt)",
+    ),
+    "root": (
+        ["hydra.run.dir=${oc.env:ROOT_DIR}"],
+        lambda tmp: {"ROOT_DIR": "/"},
+        lambda tmp: tmp,
+        "the filesystem root cannot be a run directory",
+    ),
+    "unresolvable": (
+        ["hydra.run.dir=${oc.env:TRAIN_TEST_NOT_SET}/run", "--resume"],
+        lambda tmp: {},
+        lambda tmp: tmp,
+        "hydra.run.dir cannot be resolved",
+    ),
+    "resolves to null": (
+        ["hydra.run.dir=${oc.env:TRAIN_TEST_NOT_SET,null}"],
+        lambda tmp: {},
+        lambda tmp: tmp,
+        "hydra.run.dir cannot be resolved",
+    ),
+    "sweep dir, --overwrite": (
+        ["-m", "hydra.sweep.dir=${oc.env:PWD}", "layout=tp2pp4ep8,tp8pp8ep8", "--overwrite"],
+        lambda tmp: {"PWD": str(tmp)},
+        lambda tmp: tmp,
+        "hydra.sweep.dir=TMP: the current directory",
+    ),
 }
 
 
@@ -273,8 +339,8 @@ NOT_A_RUNS_RECORD = {
     "unknown status": '{"status": "done", "files_sha256": {}}\n',
     "no files_sha256": '{"status": "planned"}\n',
     "files_sha256 not an object": '{"status": "complete", "files_sha256": ["a"]}\n',
-    "not an object": '[1, 2]\n',
-    "not JSON": 'record of my shards\n',
+    "not an object": "[1, 2]\n",
+    "not JSON": "record of my shards\n",
 }
 
 
@@ -333,8 +399,11 @@ def _more_than_three(run_dir: Path) -> str:
     return "(a.txt, b.txt, c.txt, ...)"
 
 
-FOREIGN = {"notes and a checkpoint": _user_additions, "a file in a listed folder": _unlisted_in_a_listed_folder,
-           "more than three": _more_than_three}
+FOREIGN = {
+    "notes and a checkpoint": _user_additions,
+    "a file in a listed folder": _unlisted_in_a_listed_folder,
+    "more than three": _more_than_three,
+}
 
 
 @pytest.mark.parametrize("case", sorted(FOREIGN))
@@ -346,16 +415,22 @@ def test_overwrite_refuses_a_run_with_files_of_others(planned, tmp_path, case, r
     expected = FOREIGN[case](run_dir)
     before = tree_hash(run_dir)
     result = refused_train([f"hydra.run.dir={run_dir}", "--overwrite"], cwd=tmp_path)
-    assert_refused(result, f"holds files its run's record.json does not list ({expected.strip('()')}", run_dir,
-                   before)
+    assert_refused(result, f"holds files its run's record.json does not list ({expected.strip('()')}", run_dir, before)
 
 
 def test_overwrite_of_a_run_leaves_no_old_file(planned, tmp_path):
     """Promise: --overwrite of a genuine run still works: every file the old run wrote (its record's files, the
     launchers' and workers' names, logs/, probes/, data/) is gone and the directory holds the new plan only."""
     run_dir = _copy_run(planned, tmp_path)
-    for name in ("logs/node-0.log", "probes/node-0.json", "data/rows/rows.jsonl", "probe-rank-0.json", "job.json",
-                 "attestation.json", "extra/deep/listed.txt"):
+    for name in (
+        "logs/node-0.log",
+        "probes/node-0.json",
+        "data/rows/rows.jsonl",
+        "probe-rank-0.json",
+        "job.json",
+        "attestation.json",
+        "extra/deep/listed.txt",
+    ):
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_text(f"old {name}\n")
     _list_in_record(run_dir, "extra/deep/listed.txt")
@@ -420,8 +495,7 @@ def _drop_composition(run_dir: Path) -> str:
 
 RESUME_CASES = {
     # name: (change to the run (run_dir) -> expected, the command line's other overrides)
-    "another layout": (lambda run_dir: "holds a run of another composition (composition sha256 ",
-                       ["layout=tp8pp8ep8"]),
+    "another layout": (lambda run_dir: "holds a run of another composition (composition sha256 ", ["layout=tp8pp8ep8"]),
     "another field": (lambda run_dir: "choose a new directory or --overwrite", ["optim.lr=3e-5"]),
     "a record without the hash": (_drop_composition, []),
 }

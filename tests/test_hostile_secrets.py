@@ -26,8 +26,19 @@ import helpers
 from helpers import run_train
 from trainer.compose.commandline import quote_override_value
 from trainer.compose.render import shell_word
-from trainer.redact import (CHUNK_BYTES, REDACTED, Redactor, RedactingStream, is_secret_name, redact_argv,
-                            redact_error, redact_field, redacted_streams, scrub_file, sweep)
+from trainer.redact import (
+    CHUNK_BYTES,
+    REDACTED,
+    RedactingStream,
+    Redactor,
+    is_secret_name,
+    redact_argv,
+    redact_error,
+    redact_field,
+    redacted_streams,
+    scrub_file,
+    sweep,
+)
 
 # ------------------------------------------------------------------------------------------ the forms
 
@@ -49,8 +60,11 @@ FORMS = {
     "api-key header": ("launcher.job", ["curl", "-H", "Api-Key: cnrApiKey12"], "cnrApiKey12"),
     "x-api-key header": ("launcher.job", ["curl", "-H", "X-Api-Key: cnrXApi13"], "cnrXApi13"),
     "dollar-leading value": ("env.X_KEY", "$cnrDollar14", "cnrDollar14"),
-    "long value with spaces": ("env.LONG_SECRET", " ".join(["word"] * 20 + ["cnrLong15x"] + ["tail"] * 10),
-                               "cnrLong15x"),
+    "long value with spaces": (
+        "env.LONG_SECRET",
+        " ".join(["word"] * 20 + ["cnrLong15x"] + ["tail"] * 10),
+        "cnrLong15x",
+    ),
     "value with a newline": ("env.NL_SECRET", "first line\ncnrNewline16 second", "cnrNewline16"),
     "url fragment token": ("paths.ref_load", "https://host/x#access_token=cnrFrag17", "cnrFrag17"),
     "NAME=VALUE in a list": ("launcher.job", ["x", "HF_TOKEN=cnrAssign18"], "cnrAssign18"),
@@ -80,7 +94,7 @@ def plain_text(value) -> str:
 SYNTAXES = {
     "plain": lambda key, value: f"{key}={plain_text(value)}",
     "quoted": lambda key, value: f"{key}={hydra_text(value)}",
-    "double-quoted": lambda key, value: f'{key}="{plain_text(value)}"' if "\"" not in str(value) else None,
+    "double-quoted": lambda key, value: f'{key}="{plain_text(value)}"' if '"' not in str(value) else None,
     "+": lambda key, value: f"+{key}={hydra_text(value)}",
     "++": lambda key, value: f"++{key}={hydra_text(value)}",
     "list element": lambda key, value: f"{key}=[{hydra_text(value)}]" if isinstance(value, str) else None,
@@ -96,25 +110,32 @@ def serialisations(override: str):
 
     parsed = OverridesParser.create().parse_override(override)
     key, value = parsed.key_or_group, parsed.value()
-    stored = f"{override[:len(override) - len(override.lstrip('+'))]}{key}={parsed.get_value_element_as_str()}"
+    stored = f"{override[: len(override) - len(override.lstrip('+'))]}{key}={parsed.get_value_element_as_str()}"
     strings = value if isinstance(value, list) else [value]
     out = {
-        "typed": override, "hydra stored": stored, "hydra yaml list": yaml.safe_dump([stored]),
-        "override_dirname": f"a=1,{stored},z=2", "repr of overrides": repr([stored]),
-        "config.yaml": OmegaConf.to_yaml(OmegaConf.create({key.rsplit('.', 1)[-1]: value})),
-        "yaml block": yaml.safe_dump({"env": {key.rsplit('.', 1)[-1]: value}}, width=40),
-        "json": json.dumps({key: value}, indent=2), "json ascii": json.dumps({key: value}, ensure_ascii=True),
+        "typed": override,
+        "hydra stored": stored,
+        "hydra yaml list": yaml.safe_dump([stored]),
+        "override_dirname": f"a=1,{stored},z=2",
+        "repr of overrides": repr([stored]),
+        "config.yaml": OmegaConf.to_yaml(OmegaConf.create({key.rsplit(".", 1)[-1]: value})),
+        "yaml block": yaml.safe_dump({"env": {key.rsplit(".", 1)[-1]: value}}, width=40),
+        "json": json.dumps({key: value}, indent=2),
+        "json ascii": json.dumps({key: value}, ensure_ascii=True),
         "json in json": json.dumps({"env": json.dumps({key: value})}),
         "argv.json": json.dumps(["--x", *strings], indent=2),
-        "shell": " ".join(shell_word(s) for s in strings), "shlex": " ".join(shlex.quote(s) for s in strings),
+        "shell": " ".join(shell_word(s) for s in strings),
+        "shlex": " ".join(shlex.quote(s) for s in strings),
         "export": f"export {key.rsplit('.', 1)[-1]}={shlex.quote(str(strings[0]))}",
-        "repr": repr(value), "error": f"Cannot convert 'list' to string: '{value!r}'",
+        "repr": repr(value),
+        "error": f"Cannot convert 'list' to string: '{value!r}'",
     }
     return value, out
 
 
-CASES = [(form, syntax) for form in sorted(FORMS) for syntax in SYNTAXES
-         if SYNTAXES[syntax](*FORMS[form][:2]) is not None]
+CASES = [
+    (form, syntax) for form in sorted(FORMS) for syntax in SYNTAXES if SYNTAXES[syntax](*FORMS[form][:2]) is not None
+]
 
 
 @pytest.mark.parametrize("form,syntax", CASES)
@@ -148,32 +169,58 @@ def test_a_secret_leaves_no_trace_in_any_serialisation(form, syntax):
     assert canary not in " ".join(redact_argv([override]))
 
 
-@pytest.mark.parametrize("env,canary", [
-    ({"CUSTOM_HEADERS": json.dumps({"Authorization": "Bearer cnrCustom19", "Accept": "x"})}, "cnrCustom19"),
-    ({"SSHPASS": "cnrSshpass20"}, "cnrSshpass20"),
-    ({"PIP_INDEX_URL": "https://u:pa'cnrPip21@pypi.example/simple"}, "cnrPip21"),
-    ({"sshpass": "cnrSshpass22"}, "cnrSshpass22"),
-])
+@pytest.mark.parametrize(
+    "env,canary",
+    [
+        ({"CUSTOM_HEADERS": json.dumps({"Authorization": "Bearer cnrCustom19", "Accept": "x"})}, "cnrCustom19"),
+        ({"SSHPASS": "cnrSshpass20"}, "cnrSshpass20"),
+        ({"PIP_INDEX_URL": "https://u:pa'cnrPip21@pypi.example/simple"}, "cnrPip21"),
+        ({"sshpass": "cnrSshpass22"}, "cnrSshpass22"),
+    ],
+)
 def test_an_inherited_secret_leaves_no_trace(env, canary):
     """Promise: secrets of the caller's environment (a JSON of headers, SSHPASS, a URL password with a quote) are
     learnt and replaced in every serialisation of that environment (job.json, logs)."""
     from trainer.redact import redact_env
 
     redactor = Redactor().learn_env(env).freeze()
-    texts = [json.dumps(env), json.dumps({"env": env}, indent=2), yaml.safe_dump(env), repr(env),
-             json.dumps(json.dumps(env)), " ".join(f"export {k}={shlex.quote(v)}" for k, v in env.items())]
+    texts = [
+        json.dumps(env),
+        json.dumps({"env": env}, indent=2),
+        yaml.safe_dump(env),
+        repr(env),
+        json.dumps(json.dumps(env)),
+        " ".join(f"export {k}={shlex.quote(v)}" for k, v in env.items()),
+    ]
     for text in texts:
         assert canary not in redactor.scrub(text), text
     assert canary not in json.dumps(redact_env(env))  # job.json's env, even without the run's redactor
     assert canary not in Redactor().freeze().scrub(json.dumps(redact_env(env)))
 
 
-@pytest.mark.parametrize("name,secret", [
-    ("hf_token", True), ("HfToken", True), ("--hf-token", True), ("--redis-password", True), ("Api-Key", True),
-    ("X-Api-Key", True), ("Authorization", True), ("access_token", True), ("SSHPASS", True), ("api_key", True),
-    ("input_key", False), ("metadata_key", False), ("moe_token_dispatcher_type", False), ("active_per_token", True),
-    ("supervised_token_ratio", False), ("sign-key", False), ("key", False), ("row_tokens", False),
-])
+@pytest.mark.parametrize(
+    "name,secret",
+    [
+        ("hf_token", True),
+        ("HfToken", True),
+        ("--hf-token", True),
+        ("--redis-password", True),
+        ("Api-Key", True),
+        ("X-Api-Key", True),
+        ("Authorization", True),
+        ("access_token", True),
+        ("SSHPASS", True),
+        ("api_key", True),
+        ("input_key", False),
+        ("metadata_key", False),
+        ("moe_token_dispatcher_type", False),
+        ("active_per_token", True),
+        ("supervised_token_ratio", False),
+        ("sign-key", False),
+        ("key", False),
+        ("row_tokens", False),
+    ],
+)
 def test_names_are_matched_case_insensitively_by_rule(name, secret):
     """Promise: names are secret by one rule in any case (a config key, flag or header by its last word); the
     config's own keys that merely hold a word like token or key stay readable."""
@@ -184,13 +231,27 @@ def test_no_over_redaction_of_ordinary_text():
     """Tamper check of the rule: ordinary config, plan numbers and prose keep their values (redaction must not
     break config.yaml, plan.json or command.sh), while the same lines with a secret name lose theirs."""
     r = Redactor().freeze()
-    ordinary = ['  input_key: messages\n', '    "active_per_token": 37000000000,\n', "--input-key messages\n",
-                'export hf_token="${hf_token:?hf_token is a secret: set it in the environment}"\n',
-                "error (key: optim.lr)\n", "moe_token_dispatcher_type: alltoall\n", "lr=1e-5 grad_norm=0.5\n"]
+    ordinary = [
+        "  input_key: messages\n",
+        '    "active_per_token": 37000000000,\n',
+        "--input-key messages\n",
+        'export hf_token="${hf_token:?hf_token is a secret: set it in the environment}"\n',
+        "error (key: optim.lr)\n",
+        "moe_token_dispatcher_type: alltoall\n",
+        "lr=1e-5 grad_norm=0.5\n",
+    ]
     for text in ordinary:
         assert r.scrub(text) == text, text
-    hostile = ["  api_key: cnrq\n", '    "HF_TOKEN": "cnrq",\n', "--hf-token cnrq\n", "hf_token=cnrq\n",
-               "X-Api-Key: cnrq\n", "https://u:cnrq@h/\n", "https\\://u\\:cnrq@h/\n", "x#access_token=cnrq\n"]
+    hostile = [
+        "  api_key: cnrq\n",
+        '    "HF_TOKEN": "cnrq",\n',
+        "--hf-token cnrq\n",
+        "hf_token=cnrq\n",
+        "X-Api-Key: cnrq\n",
+        "https://u:cnrq@h/\n",
+        "https\\://u\\:cnrq@h/\n",
+        "x#access_token=cnrq\n",
+    ]
     for text in hostile:
         assert "cnrq" not in r.scrub(text) and REDACTED in r.scrub(text), text
 
@@ -201,17 +262,23 @@ def test_a_folded_yaml_value_found_by_its_name_is_redacted_whole():
     text = yaml.safe_dump({"api_key": "alpha " * 20 + "cnrFold", "other": "kept"}, width=40)
     assert "\n  " in text  # folded
     clean = Redactor().freeze().scrub(text)
-    assert "cnrFold" not in clean and "alpha" not in clean and yaml.safe_load(clean) == {"api_key": REDACTED,
-                                                                                         "other": "kept"}
+    assert (
+        "cnrFold" not in clean
+        and "alpha" not in clean
+        and yaml.safe_load(clean) == {"api_key": REDACTED, "other": "kept"}
+    )
 
 
 def test_error_lines_and_checks_show_no_secret_value():
     """Promise: an error line is built from redacted values: Hydra's repeats of a value (however short) and our own
     checks name the field and say what was expected, with the value redacted."""
-    assert redact_error("Cannot convert 'list' to string: '['ab', 'c']'", ["+env.API_KEY=[ab,c]"]) == \
-        "Cannot convert 'list' to string: '['<redacted>', '<redacted>']'"
+    assert (
+        redact_error("Cannot convert 'list' to string: '['ab', 'c']'", ["+env.API_KEY=[ab,c]"])
+        == "Cannot convert 'list' to string: '['<redacted>', '<redacted>']'"
+    )
     assert redact_error("The value of 'env.HF_TOKEN' is 'x' and not 'wr'", ["~env.HF_TOKEN=wr"]).endswith(
-        "not '<redacted>'")
+        "not '<redacted>'"
+    )
     assert redact_field("env.HF_TOKEN", "$anything") == REDACTED
     assert redact_field("launcher.time_limit", "https://u:zq@h") == "https://<redacted>@h"
     assert redact_field("launcher.time_limit", "04:00") == "04:00"  # a value without a secret is shown as it is
@@ -223,7 +290,10 @@ def test_an_unset_variable_is_named_without_its_value(tmp_path):
     from trainer.errors import UserError
     from trainer.launch.host.processes import worker_env
 
-    for env, hidden in (({"HF_TOKEN": "cnrUnset26$NOPE_X"}, "cnrUnset26"), ({"MIRROR": "https://u:zq@h/$NOPE_X"}, "zq")):
+    for env, hidden in (
+        ({"HF_TOKEN": "cnrUnset26$NOPE_X"}, "cnrUnset26"),
+        ({"MIRROR": "https://u:zq@h/$NOPE_X"}, "zq"),
+    ):
         with pytest.raises(UserError) as err:
             worker_env(env, {}, tmp_path)
         assert "refers to a variable that is not set" in str(err.value) and hidden not in str(err.value), err.value
@@ -239,8 +309,11 @@ def test_stdout_and_stderr_pass_through_the_redactor(capsys):
 
     redactor = Redactor().learn_overrides(["+env.HF_TOKEN=cnrStream23", "paths.ref_load=https://u:zq@h"]).freeze()
     with redacted_streams(redactor):
-        job = JobReturn(overrides=["+env.HF_TOKEN=cnrStream23", "paths.ref_load=https\\://u\\:zq@h"],
-                        status=JobStatus.FAILED, _return_value=RuntimeError("boom"))
+        job = JobReturn(
+            overrides=["+env.HF_TOKEN=cnrStream23", "paths.ref_load=https\\://u\\:zq@h"],
+            status=JobStatus.FAILED,
+            _return_value=RuntimeError("boom"),
+        )
         with pytest.raises(RuntimeError):
             job.return_value
         handler = logging.StreamHandler(sys.stdout)
@@ -296,18 +369,25 @@ KEY_VALUE = {  # one override per key: the forms that fit the schema, in several
     "paths.prompt_data='https://host/x#access_token=cnrE2e3'": "cnrE2e3",
     "+env.hf_token=lc7abcd": "lc7abcd",
     "++env.HfToken=cnrE2e5": "cnrE2e5",
-    "launcher.job=[x,HF_TOKEN\\=cnrE2e6,'--hf-token=cnrE2e7',--api-key,cnrE2e8,'Authorization: Bearer cnrE2e9']":
-        "cnrE2e6 cnrE2e7 cnrE2e8 cnrE2e9",
+    "launcher.job=[x,HF_TOKEN\\=cnrE2e6,'--hf-token=cnrE2e7',--api-key,cnrE2e8,'Authorization: Bearer cnrE2e9']": "cnrE2e6 cnrE2e7 cnrE2e8 cnrE2e9",
     "launcher.ray_start_args=['--redis-password=cnrE2e10','--password=cnrE2e11']": "cnrE2e10 cnrE2e11",
     "+env.X_KEY=$cnrE2e12": "cnrE2e12",
     "+env.LONG_SECRET='" + " ".join(["word"] * 20 + ["cnrE2e13"] + ["tail"] * 10) + "'": "cnrE2e13",
     "+env.QUOTE_PASSWORD='it\\'s cnrE2e14'": "cnrE2e14",
     "+env.NL_SECRET='first line\ncnrE2e19 second'": "cnrE2e19",
 }
-INHERITED = {"CUSTOM_HEADERS": json.dumps({"Authorization": "Bearer cnrE2e15", "X-Api-Key": "cnrE2e16"}),
-             "SSHPASS": "cnrE2e17", "PIP_INDEX_URL": "https://u:pa'cnrE2e18@pypi.example/simple"}
-CANARIES = [c for v in KEY_VALUE.values() for c in v.split()] + ["cnrE2e15", "cnrE2e16", "cnrE2e17", "cnrE2e18",
-                                                                 "second"]  # the second line of a value too
+INHERITED = {
+    "CUSTOM_HEADERS": json.dumps({"Authorization": "Bearer cnrE2e15", "X-Api-Key": "cnrE2e16"}),
+    "SSHPASS": "cnrE2e17",
+    "PIP_INDEX_URL": "https://u:pa'cnrE2e18@pypi.example/simple",
+}
+CANARIES = [c for v in KEY_VALUE.values() for c in v.split()] + [
+    "cnrE2e15",
+    "cnrE2e16",
+    "cnrE2e17",
+    "cnrE2e18",
+    "second",
+]  # the second line of a value too
 
 
 def leaks(directory: Path, canaries, *texts):
@@ -351,9 +431,17 @@ def test_a_rendered_sbatch_script_keeps_no_secret_and_stays_valid(tmp_path):
     import subprocess
 
     run_dir = tmp_path / "run"
-    result = run_train([f"hydra.run.dir={run_dir}", "launcher=slurm", "launcher.container=none", "+env.hf_token=lc7abcd",
-                        "launcher.ray_start_args=['--redis-password=cnrSb1xx',--password,cnrSb2xx]",
-                        "launcher.job=[x,'Api-Key: cnrSb3xx']"], cwd=tmp_path)
+    result = run_train(
+        [
+            f"hydra.run.dir={run_dir}",
+            "launcher=slurm",
+            "launcher.container=none",
+            "+env.hf_token=lc7abcd",
+            "launcher.ray_start_args=['--redis-password=cnrSb1xx',--password,cnrSb2xx]",
+            "launcher.job=[x,'Api-Key: cnrSb3xx']",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert leaks(run_dir, ["lc7abcd", "cnrSb1xx", "cnrSb2xx", "cnrSb3xx"], result.stdout, result.stderr) == []
     script = (run_dir / "sbatch.sh").read_text()
@@ -365,8 +453,15 @@ def test_a_multirun_prints_and_keeps_no_secret(tmp_path):
     """Promise: a multirun's "#0 : overrides" lines, multirun.yaml and every job's files keep no secret, also the
     values a sweep is over."""
     sweep_dir = tmp_path / "sweep"
-    result = run_train(["-m", f"hydra.sweep.dir={sweep_dir}", "+env.hf_token=cnrMr1a,cnrMr2b",
-                        "paths.ref_load=https://u:s7Cpw@host/x"], cwd=tmp_path)
+    result = run_train(
+        [
+            "-m",
+            f"hydra.sweep.dir={sweep_dir}",
+            "+env.hf_token=cnrMr1a,cnrMr2b",
+            "paths.ref_load=https://u:s7Cpw@host/x",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "#0 :" in result.stdout + result.stderr and len(list(sweep_dir.glob("*/plan.json"))) == 2
     assert leaks(sweep_dir, ["cnrMr1a", "cnrMr2b", "s7Cpw"], result.stdout, result.stderr) == []
@@ -377,8 +472,16 @@ def test_a_signed_failing_run_signs_no_secret(tmp_path):
     signed predicate (the DSSE payload, base64) nor stdout; the reason says <redacted> where the password was."""
     assert helpers.run_trainer("keygen", "--out", tmp_path / "key").returncode == 0
     run_dir = tmp_path / "run"
-    result = run_train([f"hydra.run.dir={run_dir}", "launcher=ray", "launcher.address=http://u:zq9@127.0.0.1:9",
-                        "--sign-key", str(tmp_path / "key")], cwd=tmp_path)
+    result = run_train(
+        [
+            f"hydra.run.dir={run_dir}",
+            "launcher=ray",
+            "launcher.address=http://u:zq9@127.0.0.1:9",
+            "--sign-key",
+            str(tmp_path / "key"),
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 1, result.stderr[-3000:]
     assert "zq9" not in result.stdout + result.stderr and "http://<redacted>@127.0.0.1:9" in result.stdout
     envelope = json.loads((run_dir / "attestation.json").read_text())
@@ -396,21 +499,29 @@ REFUSED = {
     "a list for a secret string": (["+env.API_KEY=[listCnrR1,b]"], "listCnrR1", "env.API_KEY"),
     "an unterminated quote": (["+env.HF_TOKEN='cnrR2abc"], "cnrR2abc", "+env.HF_TOKEN"),
     "a delete of another value": (["+env.HF_TOKEN=cnrR3real", "~env.HF_TOKEN=cnrR3wrong"], "cnrR3", "env.HF_TOKEN"),
-    "a secret where a number is expected": (["+env.HF_TOKEN=cnrR4", "optim.lr=${env.HF_TOKEN}"], "cnrR4",
-                                            "optim.lr"),
-    "a short secret where a number is expected": (["+env.HF_TOKEN=zq", "optim.lr=${env.HF_TOKEN}"], "'zq'",
-                                                  "optim.lr"),
+    "a secret where a number is expected": (["+env.HF_TOKEN=cnrR4", "optim.lr=${env.HF_TOKEN}"], "cnrR4", "optim.lr"),
+    "a short secret where a number is expected": (["+env.HF_TOKEN=zq", "optim.lr=${env.HF_TOKEN}"], "'zq'", "optim.lr"),
     "a sweep without -m": (["+env.HF_TOKEN=cnrR5a,cnrR5b"], "cnrR5", "multirun"),
-    "a URL password in container_mounts": (["launcher=slurm", "launcher.container=none",
-                                            "launcher.container_mounts=[/a:/b:https://u:zq@h/x:/y]"], ":zq@",
-                                           "launcher.container_mounts"),
-    "a URL password in time_limit": (["launcher=slurm", "launcher.container=none",
-                                      "launcher.time_limit=https://u:zq@h"], ":zq@", "launcher.time_limit"),
-    "a URL password in sbatch_args": (["launcher=slurm", "launcher.container=none",
-                                       "launcher.sbatch_args=['--x=https://u:zq@h/ s']"], ":zq@",
-                                      "launcher.sbatch_args[0]"),
-    "a URL password in launcher.address": (["launcher=ray", "launcher.address=ftp://u:zq@h"], ":zq@",
-                                           "launcher.address"),
+    "a URL password in container_mounts": (
+        ["launcher=slurm", "launcher.container=none", "launcher.container_mounts=[/a:/b:https://u:zq@h/x:/y]"],
+        ":zq@",
+        "launcher.container_mounts",
+    ),
+    "a URL password in time_limit": (
+        ["launcher=slurm", "launcher.container=none", "launcher.time_limit=https://u:zq@h"],
+        ":zq@",
+        "launcher.time_limit",
+    ),
+    "a URL password in sbatch_args": (
+        ["launcher=slurm", "launcher.container=none", "launcher.sbatch_args=['--x=https://u:zq@h/ s']"],
+        ":zq@",
+        "launcher.sbatch_args[0]",
+    ),
+    "a URL password in launcher.address": (
+        ["launcher=ray", "launcher.address=ftp://u:zq@h"],
+        ":zq@",
+        "launcher.address",
+    ),
     "a URL password in a checked string": (["optim.lr_decay_style=https://u:zq@h"], ":zq@", "optim.lr_decay_style"),
 }
 
@@ -462,12 +573,14 @@ def test_a_link_in_a_new_run_directory_is_refused_and_nothing_is_written_through
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines() == [
         f"train: error: {run / link}: a symbolic link in the run directory; train writes Hydra's files (.hydra/, "
-        "train.log) only into a directory without links: remove it"]
+        "train.log) only into a directory without links: remove it"
+    ]
     assert helpers.tree_hash(precious) == before
 
 
-@pytest.mark.parametrize("args", [["layout=tp2pp4ep8"], ["--help"], ["--cfg", "job"],
-                                  ["-m", "layout=tp2pp4ep8,tp8pp8ep8"]])
+@pytest.mark.parametrize(
+    "args", [["layout=tp2pp4ep8"], ["--help"], ["--cfg", "job"], ["-m", "layout=tp2pp4ep8,tp8pp8ep8"]]
+)
 def test_a_full_standard_output_is_one_line_on_stderr(tmp_path, args):
     """Promise: standard output on a full disk (here /dev/full) is one line naming it, exit 2, no traceback; the
     run's own files are complete (the record of a plan says planned)."""
@@ -475,8 +588,15 @@ def test_a_full_standard_output_is_one_line_on_stderr(tmp_path, args):
     where = [f"hydra.sweep.dir={run}"] if "-m" in args else [f"hydra.run.dir={run}"]
     with open("/dev/full", "w") as full:
         env = {**os.environ, "PYTHONPATH": str(helpers.REPO_ROOT), "COLUMNS": "160"}
-        r = subprocess.run([sys.executable, "-m", "trainer.train", *args, *where], cwd=tmp_path,
-                                         env=env, stdout=full, stderr=-1, text=True, timeout=120)
+        r = subprocess.run(
+            [sys.executable, "-m", "trainer.train", *args, *where],
+            cwd=tmp_path,
+            env=env,
+            stdout=full,
+            stderr=-1,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 2 and r.stderr.splitlines() == ["train: error: standard output: no space left on device"]
     if args == ["layout=tp2pp4ep8"]:
         assert json.loads((run / "record.json").read_text())["status"] == "planned"
@@ -506,9 +626,20 @@ def test_a_full_disk_leaves_no_secret_in_what_hydra_wrote(tmp_path):
     """Promise: however early a full disk stops a run (while Hydra writes .hydra/, or at the run's files), what
     was written is redacted (rewritten in place, or emptied where even that has no room), and the error line names
     the file that failed."""
-    r = subprocess.run([*helpers.tmpfs_namespace(), sys.executable, "-c", NAMESPACE_DRIVER,
-                                      str(tmp_path), str(helpers.REPO_ROOT), CANARY],
-                                     capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            *helpers.tmpfs_namespace(),
+            sys.executable,
+            "-c",
+            NAMESPACE_DRIVER,
+            str(tmp_path),
+            str(helpers.REPO_ROOT),
+            CANARY,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     cases = json.loads(r.stdout)
     for kb, case in cases.items():

@@ -3,17 +3,15 @@ on sweeps (``a,b``, ``glob()``, ``range()``, ``choice()``, ``hydra.mode=MULTIRUN
 logging and help; and `train.log` holds what the run said and decided, redacted.
 """
 
-import helpers
-
 import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 
 # A plain Hydra app on the bundle's config tree: each job prints its task overrides as JSON, logs one debug line.
@@ -47,13 +45,22 @@ def minimal(tmp_path_factory):
 
 
 def run(argv, cwd, **env):
-    return subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "COLUMNS": "160", **env})
+    return subprocess.run(
+        argv, cwd=cwd, capture_output=True, text=True, timeout=300, env={**os.environ, "COLUMNS": "160", **env}
+    )
 
 
 def minimal_jobs(minimal, args, tmp_path):
-    r = run([sys.executable, str(minimal), *args, f"hydra.sweep.dir={tmp_path / 'minimal'}",
-             f"hydra.run.dir={tmp_path / 'minimal-run'}"], tmp_path)
+    r = run(
+        [
+            sys.executable,
+            str(minimal),
+            *args,
+            f"hydra.sweep.dir={tmp_path / 'minimal'}",
+            f"hydra.run.dir={tmp_path / 'minimal-run'}",
+        ],
+        tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     return sorted(json.loads(line[4:]) for line in r.stdout.splitlines() if line.startswith("JOB "))
 
@@ -69,14 +76,18 @@ def train_jobs(args, tmp_path):
     return sorted(jobs)
 
 
-@pytest.mark.parametrize("args", [
-    ["-m", "layout=tp2pp4ep8,tp8pp8ep8"],
-    ["-m", "layout=glob(tp*)"],
-    ["-m", "layout=glob(tp*,exclude=tp8*)", "optim.lr=1e-5,2e-5"],
-    ["-m", "optim.lr=choice(1e-5,2e-5)"],
-    ["-m", "launcher.steps=range(2,5)"],
-    ["hydra.mode=MULTIRUN", "layout=tp2pp4ep8,tp8pp8ep8"],
-], ids=["list", "glob", "glob-exclude", "choice", "range", "hydra.mode"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["-m", "layout=tp2pp4ep8,tp8pp8ep8"],
+        ["-m", "layout=glob(tp*)"],
+        ["-m", "layout=glob(tp*,exclude=tp8*)", "optim.lr=1e-5,2e-5"],
+        ["-m", "optim.lr=choice(1e-5,2e-5)"],
+        ["-m", "launcher.steps=range(2,5)"],
+        ["hydra.mode=MULTIRUN", "layout=tp2pp4ep8,tp8pp8ep8"],
+    ],
+    ids=["list", "glob", "glob-exclude", "choice", "range", "hydra.mode"],
+)
 def test_a_sweep_runs_the_jobs_a_plain_hydra_app_runs(minimal, tmp_path, args):
     expected = minimal_jobs(minimal, args, tmp_path)
     assert len(expected) >= 2
@@ -88,7 +99,8 @@ def test_a_sweep_without_multirun_is_refused_in_one_line_as_hydra_refuses_it(min
     assert plain.returncode != 0 and "multirun" in plain.stderr.lower()
     ours = run([str(REPO_ROOT / "bin" / "train"), "layout=tp2pp4ep8,tp8pp8ep8"], tmp_path)
     assert ours.returncode == 2 and ours.stderr.splitlines() == [
-        "train: error: layout=tp2pp4ep8,tp8pp8ep8: a sweep needs multirun (-m, or hydra.mode=MULTIRUN)"]
+        "train: error: layout=tp2pp4ep8,tp8pp8ep8: a sweep needs multirun (-m, or hydra.mode=MULTIRUN)"
+    ]
 
 
 def test_shell_completion_is_bound_to_the_command_as_typed(tmp_path):
@@ -99,8 +111,12 @@ def test_shell_completion_is_bound_to_the_command_as_typed(tmp_path):
     assert f'eval "$({train} -sc install=bash)"' in helped.stdout
     install = run([str(train), "-sc", "install=bash"], tmp_path)
     assert install.returncode == 0 and install.stdout.rstrip().endswith("-F hydra_bash_completion train")
-    bound = subprocess.run(["bash", "-c", f'eval "$({train} -sc install=bash)" && complete -p train'],
-                           capture_output=True, text=True, timeout=120)
+    bound = subprocess.run(
+        ["bash", "-c", f'eval "$({train} -sc install=bash)" && complete -p train'],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bound.stdout.strip() == "complete -o default -o nospace -F hydra_bash_completion train"
     query = run([str(train), "-sc", "query=bash"], tmp_path, COMP_LINE="bin/train lay", COMP_POINT="13")
     assert query.stdout.split() == ["layout.", "layout="]
@@ -110,8 +126,7 @@ def test_hydra_verbose_prints_debug_lines_as_a_plain_app_does(minimal, tmp_path)
     plain = run([sys.executable, str(minimal), "hydra.verbose=true", f"hydra.run.dir={tmp_path / 'm'}"], tmp_path)
     assert "[DEBUG] - a debug line of the minimal app" in plain.stdout
     quiet = run([str(REPO_ROOT / "bin" / "train"), f"hydra.run.dir={tmp_path / 'q'}"], tmp_path)
-    verbose = run([str(REPO_ROOT / "bin" / "train"), "hydra.verbose=true", f"hydra.run.dir={tmp_path / 'v'}"],
-                  tmp_path)
+    verbose = run([str(REPO_ROOT / "bin" / "train"), "hydra.verbose=true", f"hydra.run.dir={tmp_path / 'v'}"], tmp_path)
     assert "[DEBUG]" not in quiet.stdout
     debug = [line for line in verbose.stdout.splitlines() if "[trainer][DEBUG] - " in line]
     assert any("with Hydra" in line or "from the cache" in line for line in debug), verbose.stdout
@@ -135,8 +150,10 @@ def test_train_log_holds_what_a_plan_said_and_decided_redacted(tmp_path):
     log = (out / "train.log").read_text()
     assert secret not in log and "+env.HF_TOKEN=<redacted>" in log
     lines = log.splitlines()
-    assert all(re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[[\w.]+\]\[(INFO|DEBUG|WARNING|ERROR)\] - ", l)
-               for l in lines)
+    assert all(
+        re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[[\w.]+\]\[(INFO|DEBUG|WARNING|ERROR)\] - ", l)
+        for l in lines
+    )
     said = [l.split("] - ", 1)[1] for l in lines]
     assert any(s.startswith("checked ") and "stack pins against lockfiles/stack.json" in s for s in said)
     assert any(s.startswith("numerics against layout tp8pp8ep8: ") for s in said)
@@ -146,8 +163,9 @@ def test_train_log_holds_what_a_plan_said_and_decided_redacted(tmp_path):
 
 def test_train_log_of_a_cpu_run_holds_its_launcher_steps(tmp_path):
     out = tmp_path / "run"
-    r = run([str(REPO_ROOT / "bin" / "train"), "experiment=smoke", "launcher.steps=2", f"hydra.run.dir={out}"],
-            tmp_path)
+    r = run(
+        [str(REPO_ROOT / "bin" / "train"), "experiment=smoke", "launcher.steps=2", f"hydra.run.dir={out}"], tmp_path
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[0].startswith("starting ")  # said from the first second, before torch loads
     said = [l.split("] - ", 1)[1] for l in (out / "train.log").read_text().splitlines()]

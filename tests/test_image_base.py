@@ -3,8 +3,6 @@
 The base images are written here (one gzip layer made with gzip mtime 0); nothing is downloaded.
 """
 
-import helpers
-
 import gzip
 import hashlib
 import io
@@ -17,11 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
+from image_fixtures import make_base_image, make_wheel, small_lock
 from trainer.errors import UserError
 from trainer.image.imagelock import load_lock, validate_lock
 from trainer.image.oci import write_archive
-from image_fixtures import make_base_image, make_wheel, small_lock
 
 EPOCH = 1767225600
 BASE_FILES = {
@@ -29,18 +28,31 @@ BASE_FILES = {
     "usr/local/bin/python3.12": (b"#!/bin/sh\necho fake python\n", 0o755),
     "usr/local/lib/python3.12/site-packages/base_pkg/__init__.py": (b"FROM_BASE = True\n", 0o644),
 }
-BASE_CONFIG = {"Entrypoint": ["/usr/local/bin/python3.12"], "WorkingDir": "/workspace", "User": "0",
-               "Labels": {"org.opencontainers.image.source": "https://example.invalid/base", "base.only": "yes"}}
-
+BASE_CONFIG = {
+    "Entrypoint": ["/usr/local/bin/python3.12"],
+    "WorkingDir": "/workspace",
+    "User": "0",
+    "Labels": {"org.opencontainers.image.source": "https://example.invalid/base", "base.only": "yes"},
+}
 
 
 trainer = helpers.run_trainer
 
+
 def write_lock(root: Path, name: str, base_digest: str, wheel: Path, version: str, image=None, base_extra=None) -> Path:
-    lock = small_lock(name, EPOCH, [(wheel, "alpha", version, "rest")], [],
-                      env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "BASE_ONLY": "overridden"})
-    lock["base"] = {"type": "oci", "reference": f"example.invalid/tinybase:1@{base_digest}", "digest": base_digest,
-                    **(base_extra or {})}
+    lock = small_lock(
+        name,
+        EPOCH,
+        [(wheel, "alpha", version, "rest")],
+        [],
+        env={"CUDA_DEVICE_MAX_CONNECTIONS": "1", "BASE_ONLY": "overridden"},
+    )
+    lock["base"] = {
+        "type": "oci",
+        "reference": f"example.invalid/tinybase:1@{base_digest}",
+        "digest": base_digest,
+        **(base_extra or {}),
+    }
     lock["image"].pop("entrypoint")
     lock["image"].update(image or {})
     path = root / f"{name}.lock.json"
@@ -49,8 +61,23 @@ def write_lock(root: Path, name: str, base_digest: str, wheel: Path, version: st
 
 
 def build(world, lock, out, cache, *extra):
-    r = trainer("image", "build", "--lock", lock, "--out", out, "--cache", cache, "--offline", "--bundle-root",
-                world["bundle"], "--revision", "test", "--json", *extra)
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock,
+        "--out",
+        out,
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "--revision",
+        "test",
+        "--json",
+        *extra,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -79,8 +106,17 @@ def world(tmp_path_factory):
     resolved = json.loads(r.stdout)
     for f in (wheel, wheel2):
         assert trainer("cache", "--cache", cache, "add", f).returncode == 0
-    world = {"root": root, "base": base, "digest": digest, "wheel": wheel, "wheel2": wheel2, "lock": lock,
-             "bundle": bundle, "cache": cache, "resolved": resolved}
+    world = {
+        "root": root,
+        "base": base,
+        "digest": digest,
+        "wheel": wheel,
+        "wheel2": wheel2,
+        "lock": lock,
+        "bundle": bundle,
+        "cache": cache,
+        "resolved": resolved,
+    }
     world["result"] = build(world, lock, root / "a.oci", cache)
     world["layout"] = root / "a.oci"
     return world
@@ -97,10 +133,19 @@ def test_add_image_resolves_the_base_block(world):
     diff_id = "sha256:" + hashlib.sha256(gzip.decompress(blob)).hexdigest()
     manifest = json.loads((world["base"] / "blobs/sha256" / world["digest"][7:]).read_bytes())
     assert world["resolved"] == {
-        "type": "oci", "reference": f"example.invalid/tinybase:1@{world['digest']}", "digest": world["digest"],
+        "type": "oci",
+        "reference": f"example.invalid/tinybase:1@{world['digest']}",
+        "digest": world["digest"],
         "config_digest": manifest["config"]["digest"],
-        "layers": [{"digest": layer["digest"], "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-                    "size": len(blob), "diff_id": diff_id}]}
+        "layers": [
+            {
+                "digest": layer["digest"],
+                "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                "size": len(blob),
+                "diff_id": diff_id,
+            }
+        ],
+    }
     for d in (world["digest"], manifest["config"]["digest"], layer["digest"]):
         assert (world["cache"] / "sha256" / d[7:]).is_file()
 
@@ -109,17 +154,27 @@ def test_build_reuses_base_blobs_and_continues_its_config(world):
     manifest, config = read_image(world["layout"])
     layer = base_layer(world)
     # the base layer is the very same compressed blob, ours follow uncompressed
-    assert manifest["layers"][0] == {"mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
-                                     "digest": layer["digest"], "size": layer["size"]}
+    assert manifest["layers"][0] == {
+        "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+        "digest": layer["digest"],
+        "size": layer["size"],
+    }
     ours = [l for l in world["result"]["layers"]]
     assert [l["name"] for l in ours] == ["rest", "bundle"]
     assert [l["digest"] for l in manifest["layers"][1:]] == [l["diff_id"] for l in ours]
     assert config["rootfs"]["diff_ids"] == [world["resolved"]["layers"][0]["diff_id"]] + [l["diff_id"] for l in ours]
     assert [h["created_by"] for h in config["history"]] == [
-        "base: add files", "base: ENV BASE_ONLY=1", "recipe-bundle layer rest", "recipe-bundle layer bundle"]
+        "base: add files",
+        "base: ENV BASE_ONLY=1",
+        "recipe-bundle layer rest",
+        "recipe-bundle layer bundle",
+    ]
     inner = config["config"]
-    assert inner["Env"] == ["BASE_ONLY=overridden", "CUDA_DEVICE_MAX_CONNECTIONS=1",
-                            "PATH=/opt/base/bin:/usr/local/bin:/usr/bin:/bin"]
+    assert inner["Env"] == [
+        "BASE_ONLY=overridden",
+        "CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "PATH=/opt/base/bin:/usr/local/bin:/usr/bin:/bin",
+    ]
     # the lock sets no entrypoint here: the base's Entrypoint and Cmd stay; the lock's WorkingDir wins
     assert inner["Entrypoint"] == ["/usr/local/bin/python3.12"] and inner["Cmd"] == ["/bin/sh"]
     assert inner["WorkingDir"] == "/opt/recipe-bundle" and inner["User"] == "0"
@@ -144,26 +199,41 @@ def test_same_lock_and_base_from_an_oci_archive_give_the_same_digest(world, tmp_
 
 
 def test_entrypoint_and_cmd_from_the_lock(world, tmp_path):
-    lock = write_lock(tmp_path, "ep", world["digest"], world["wheel"], "1.0",
-                      image={"entrypoint": ["python3"], "env": {"PATH": "/opt/venv/bin:/usr/bin"}})
+    lock = write_lock(
+        tmp_path,
+        "ep",
+        world["digest"],
+        world["wheel"],
+        "1.0",
+        image={"entrypoint": ["python3"], "env": {"PATH": "/opt/venv/bin:/usr/bin"}},
+    )
     _, config = read_image(Path(build(world, lock, tmp_path / "ep.oci", world["cache"])["out"]))
     assert config["config"]["Entrypoint"] == ["python3"] and "Cmd" not in config["config"]  # as a Dockerfile ENTRYPOINT
     assert "PATH=/opt/venv/bin:/usr/bin" in config["config"]["Env"]
     lock = write_lock(tmp_path, "cmd", world["digest"], world["wheel"], "1.0", image={"cmd": ["-m", "alpha"]})
     _, config = read_image(Path(build(world, lock, tmp_path / "cmd.oci", world["cache"])["out"]))
-    assert config["config"]["Entrypoint"] == ["/usr/local/bin/python3.12"] and config["config"]["Cmd"] == ["-m", "alpha"]
+    assert config["config"]["Entrypoint"] == ["/usr/local/bin/python3.12"] and config["config"]["Cmd"] == [
+        "-m",
+        "alpha",
+    ]
 
 
 def test_skopeo_and_umoci_see_the_base_files_and_ours(world, tmp_path):
     for tool in ("skopeo", "umoci"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} not installed (bin/setup installs it)")
-    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{world['layout']}:latest"], capture_output=True, text=True,
-                                        check=True).stdout)
+    inspect = json.loads(
+        subprocess.run(
+            ["skopeo", "inspect", f"oci:{world['layout']}:latest"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert inspect["Digest"] == world["result"]["manifest_digest"]
     assert inspect["Layers"] == [base_layer(world)["digest"]] + [l["diff_id"] for l in world["result"]["layers"]]
-    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{world['layout']}:latest", str(tmp_path / "u")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["umoci", "unpack", "--rootless", "--image", f"{world['layout']}:latest", str(tmp_path / "u")],
+        check=True,
+        capture_output=True,
+    )
     rootfs = tmp_path / "u" / "rootfs"
     assert (rootfs / "etc/os-release").read_bytes() == b"ID=tinybase\n"
     site = rootfs / "usr/local/lib/python3.12/site-packages"
@@ -172,7 +242,9 @@ def test_skopeo_and_umoci_see_the_base_files_and_ours(world, tmp_path):
     stamp = json.loads((rootfs / "etc/recipe-bundle/lock.json").read_text())
     assert stamp["base"]["digest"] == world["digest"]
     # a real `skopeo copy ... dir:` is a seed with the same manifest digest and blobs
-    subprocess.run(["skopeo", "copy", "-q", f"oci:{world['base']}", f"dir:{tmp_path / 'sk'}"], check=True, capture_output=True)
+    subprocess.run(
+        ["skopeo", "copy", "-q", f"oci:{world['base']}", f"dir:{tmp_path / 'sk'}"], check=True, capture_output=True
+    )
     r = trainer("cache", "--cache", tmp_path / "cas", "add-image", tmp_path / "sk", "--lock", world["lock"], "--json")
     assert r.returncode == 0 and json.loads(r.stdout) == world["resolved"], r.stderr
 
@@ -208,15 +280,39 @@ def test_tampered_base_blob_in_the_cache_is_refused_and_nothing_written(world, t
     data = bytearray(blob.read_bytes())
     data[20] ^= 0xFF
     blob.write_bytes(bytes(data))
-    r = trainer("image", "build", "--lock", world["lock"], "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", world["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        world["lock"],
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert f"base image layer 1/1 {base_layer(world)['digest']} of example.invalid/tinybase:1@" in r.stderr
     assert "is corrupt" in r.stderr
     assert not (tmp_path / "o.oci").exists() and not blob.exists()
     # then it is missing: one line naming it and how to seed it
-    r = trainer("image", "build", "--lock", world["lock"], "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", world["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        world["lock"],
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert f"missing base image layer 1/1 {base_layer(world)['digest']}" in r.stderr
     assert "trainer cache add-image base-image --lock" in r.stderr
@@ -231,7 +327,11 @@ def test_tampered_seed_or_wrong_digest_is_refused_and_nothing_added(world, tmp_p
     cache = tmp_path / "cas"
     r = trainer("cache", "--cache", cache, "add-image", seed, "--lock", world["lock"])
     error = r.stderr.splitlines()[-1]  # after the progress line "adding base layer 1/1 ..."
-    assert r.returncode == 2 and error.startswith("trainer cache: error: ") and error.endswith("named by the manifest (not added)")
+    assert (
+        r.returncode == 2
+        and error.startswith("trainer cache: error: ")
+        and error.endswith("named by the manifest (not added)")
+    )
     assert not list((cache / "sha256").glob("*"))
     r = trainer("cache", "--cache", cache, "add-image", world["base"], "--digest", "sha256:" + "ab" * 32)
     assert r.returncode == 2 and "does not list manifest sha256:abab" in r.stderr
@@ -248,8 +348,14 @@ def test_tampered_seed_or_wrong_digest_is_refused_and_nothing_added(world, tmp_p
     manifest_bytes = json.dumps(manifest).encode()
     new_digest = "sha256:" + hashlib.sha256(manifest_bytes).hexdigest()
     (base / "blobs/sha256" / new_digest[7:]).write_bytes(manifest_bytes)
-    (base / "index.json").write_text(json.dumps({"schemaVersion": 2, "manifests": [
-        {"mediaType": manifest["mediaType"], "digest": new_digest, "size": len(manifest_bytes)}]}))
+    (base / "index.json").write_text(
+        json.dumps(
+            {
+                "schemaVersion": 2,
+                "manifests": [{"mediaType": manifest["mediaType"], "digest": new_digest, "size": len(manifest_bytes)}],
+            }
+        )
+    )
     r = trainer("cache", "--cache", cache, "add-image", base)
     assert r.returncode == 2 and "!= the config's diff_id sha256:0000" in r.stderr
     assert not list((cache / "sha256").glob("*"))
@@ -263,12 +369,20 @@ def test_docker_archive_is_refused_with_the_reason(world, tmp_path):
         info.size = len(data)
         tar.addfile(info, io.BytesIO(data))
     r = trainer("cache", "--cache", tmp_path / "cas", "add-image", archive)
-    assert r.returncode == 2 and "a docker-archive has no registry manifest" in r.stderr and "dir:base-image" in r.stderr
+    assert (
+        r.returncode == 2 and "a docker-archive has no registry manifest" in r.stderr and "dir:base-image" in r.stderr
+    )
 
 
 def test_resolved_base_block_must_match_the_cache(world, tmp_path):
-    good = write_lock(tmp_path, "resolved", world["digest"], world["wheel"], "1.0",
-                      base_extra={k: world["resolved"][k] for k in ("config_digest", "layers")})
+    good = write_lock(
+        tmp_path,
+        "resolved",
+        world["digest"],
+        world["wheel"],
+        "1.0",
+        base_extra={k: world["resolved"][k] for k in ("config_digest", "layers")},
+    )
     assert load_lock(good)["base"]["layers"] == world["resolved"]["layers"]  # well-formed (stack.json pins sglang)
     malformed = json.loads(good.read_text())
     malformed["base"]["layers"][0]["diff_id"] = "c93b90c2"
@@ -277,8 +391,20 @@ def test_resolved_base_block_must_match_the_cache(world, tmp_path):
     build(world, good, tmp_path / "r.oci", world["cache"])
     layers = [dict(world["resolved"]["layers"][0], diff_id="sha256:" + "1" * 64)]
     bad = write_lock(tmp_path, "bad", world["digest"], world["wheel"], "1.0", base_extra={"layers": layers})
-    r = trainer("image", "build", "--lock", bad, "--out", tmp_path / "x.oci", "--cache", world["cache"], "--offline",
-                "--bundle-root", world["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        bad,
+        "--out",
+        tmp_path / "x.oci",
+        "--cache",
+        world["cache"],
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and "base.layers[0]: the lock does not match the cached manifest" in r.stderr
     assert not (tmp_path / "x.oci").exists()
 
@@ -289,10 +415,15 @@ def test_diff_aligns_base_layers_by_diff_id(world, tmp_path):
     r = trainer("image", "diff", "--json", world["layout"], tmp_path / "v2.oci")
     assert r.returncode == 1, r.stderr
     data = json.loads(r.stdout)
-    assert data["layers"][0] == {"name": "base: add files", "diff_id": world["resolved"]["layers"][0]["diff_id"],
-                                 "status": "same"}
+    assert data["layers"][0] == {
+        "name": "base: add files",
+        "diff_id": world["resolved"]["layers"][0]["diff_id"],
+        "status": "same",
+    }
     assert [(l["name"], l["status"]) for l in data["layers"][1:]] == [
-        ("recipe-bundle layer rest", "changed"), ("recipe-bundle layer bundle", "changed")]
+        ("recipe-bundle layer rest", "changed"),
+        ("recipe-bundle layer bundle", "changed"),
+    ]
     assert data["distributions"] == [{"name": "alpha", "old": "1.0", "new": "1.1"}]
 
 
@@ -301,11 +432,23 @@ def test_full_lock_verifies_but_needs_the_seeded_base(tmp_path):
     r = trainer("lock", "verify", full)
     assert r.returncode == 0 and "base oci" in r.stdout, r.stderr
     digest = json.loads(full.read_text())["base"]["digest"]
-    r = trainer("image", "build", "--lock", full, "--out", tmp_path / "full.oci", "--cache", tmp_path / "empty-cas",
-                "--offline", "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        full,
+        "--out",
+        tmp_path / "full.oci",
+        "--cache",
+        tmp_path / "empty-cas",
+        "--offline",
+        "-q",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert (f"missing base image manifest {digest} of lmsysorg/sglang:v0.5.16@{digest} (builds do not contact a "
-            "registry; this base has not been seeded into the cache)") in r.stderr
+    assert (
+        f"missing base image manifest {digest} of lmsysorg/sglang:v0.5.16@{digest} (builds do not contact a "
+        "registry; this base has not been seeded into the cache)"
+    ) in r.stderr
     assert f"skopeo copy docker://lmsysorg/sglang:v0.5.16@{digest} dir:base-image" in r.stderr
     assert not (tmp_path / "full.oci").exists()
 

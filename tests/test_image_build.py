@@ -3,8 +3,6 @@
 Everything is built offline from fixtures the tests make (tiny wheels, a git source archive, a lock).
 """
 
-import helpers
-
 import hashlib
 import json
 import os
@@ -19,26 +17,39 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 from image_fixtures import make_git_source, make_wheel, small_lock
 
 EPOCH = 1767225600
 
 
-
 trainer = helpers.run_trainer
+
 
 def make_inputs(root: Path, beta="2.0"):
     """Wheels alpha 1.0 (rest, with a console script), beta (torch group), a git source, a bundle conf/."""
     wheels = root / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    alpha = make_wheel(wheels, "alpha", "1.0", {"alpha/__init__.py": b"def main():\n    return 0\n"},
-                       entry_points="[console_scripts]\nalpha = alpha:main\n")
+    alpha = make_wheel(
+        wheels,
+        "alpha",
+        "1.0",
+        {"alpha/__init__.py": b"def main():\n    return 0\n"},
+        entry_points="[console_scripts]\nalpha = alpha:main\n",
+    )
     beta_w = make_wheel(wheels, "beta", beta, {"beta/__init__.py": f"VERSION = {beta!r}\n".encode()})
-    archive, commit, tree = make_git_source(root / "git", "demo", {"README.md": b"demo\n", "demo/run.py": b"print(1)\n"}, EPOCH)
-    source = {"name": "demo", "url": "https://example.invalid/demo.git", "commit": commit, "tree": tree,
-              "dest": "/opt/src/demo",
-              "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()}}
+    archive, commit, tree = make_git_source(
+        root / "git", "demo", {"README.md": b"demo\n", "demo/run.py": b"print(1)\n"}, EPOCH
+    )
+    source = {
+        "name": "demo",
+        "url": "https://example.invalid/demo.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/demo",
+        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
+    }
     lock = small_lock("smoke-test", EPOCH, [(alpha, "alpha", "1.0", "rest"), (beta_w, "beta", beta, "torch")], [source])
     lock_path = root / f"lock-{beta}.json"
     lock_path.write_text(json.dumps(lock, indent=2))
@@ -57,15 +68,31 @@ def inputs(tmp_path_factory):
 
 
 def seeded_cache(path: Path, files, reverse=False):
-    for f in (reversed(files) if reverse else files):
+    for f in reversed(files) if reverse else files:
         r = trainer("cache", "--cache", path, "add", f)
         assert r.returncode == 0, r.stderr
     return path
 
 
 def build(inputs, out, cache, lock=None, extra=(), **kw):
-    r = trainer("image", "build", "--lock", lock or inputs["lock"], "--out", out, "--cache", cache, "--offline",
-                "--bundle-root", inputs["bundle"], "--revision", "test", "--json", *extra, **kw)
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock or inputs["lock"],
+        "--out",
+        out,
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        inputs["bundle"],
+        "--revision",
+        "test",
+        "--json",
+        *extra,
+        **kw,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -90,12 +117,18 @@ def test_build_writes_an_oci_layout_with_grouped_layers(built):
     manifest = json.loads(manifest_bytes)
     config = json.loads((layout / "blobs" / "sha256" / manifest["config"]["digest"][7:]).read_bytes())
     assert config["created"] == "2026-01-01T00:00:00Z"
-    assert config["rootfs"]["diff_ids"] == [l["digest"] for l in manifest["layers"]] == [l["diff_id"] for l in result["layers"]]
+    assert (
+        config["rootfs"]["diff_ids"]
+        == [l["digest"] for l in manifest["layers"]]
+        == [l["diff_id"] for l in result["layers"]]
+    )
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in config["config"]["Env"]
     labels = config["config"]["Labels"]
     assert labels["org.opencontainers.image.revision"] == "test"
     assert set(labels) >= {"org.opencontainers.image.source", "org.opencontainers.image.version"}
-    assert [h["created_by"] for h in config["history"]] == [f"recipe-bundle layer {n}" for n in ("torch", "rest", "sources", "bundle")]
+    assert [h["created_by"] for h in config["history"]] == [
+        f"recipe-bundle layer {n}" for n in ("torch", "rest", "sources", "bundle")
+    ]
     for layer in manifest["layers"]:
         blob = layout / "blobs" / "sha256" / layer["digest"][7:]
         assert hashlib.sha256(blob.read_bytes()).hexdigest() == layer["digest"][7:]
@@ -104,7 +137,10 @@ def test_build_writes_an_oci_layout_with_grouped_layers(built):
     rest = tarfile.open(layout / "blobs" / "sha256" / manifest["layers"][1]["digest"][7:])
     script = rest.extractfile("usr/local/bin/alpha").read()
     assert script.startswith(b"#!/usr/local/bin/python3.12\n") and rest.getmember("usr/local/bin/alpha").mode == 0o755
-    assert rest.extractfile("usr/local/lib/python3.12/site-packages/alpha-1.0.dist-info/INSTALLER").read() == b"recipe-bundle\n"
+    assert (
+        rest.extractfile("usr/local/lib/python3.12/site-packages/alpha-1.0.dist-info/INSTALLER").read()
+        == b"recipe-bundle\n"
+    )
     assert not any(n.endswith(".pyc") for n in rest.getnames())
 
 
@@ -126,15 +162,42 @@ def test_same_lock_same_digest_under_different_conditions(inputs, built, tmp_pat
     time.sleep(1.1)
     wd = tmp_path / "elsewhere"
     wd.mkdir()
-    r = trainer("image", "build", "--lock", inputs["lock"], "--out", tmp_path / "b.oci", "--cache", cache, "--offline",
-                "--bundle-root", inputs["bundle"], "--revision", "test", "--archive", tmp_path / "b.tar", "-q",
-                cwd=wd, env={"TZ": "Pacific/Kiritimati", "LC_ALL": "C"})
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        inputs["lock"],
+        "--out",
+        tmp_path / "b.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        inputs["bundle"],
+        "--revision",
+        "test",
+        "--archive",
+        tmp_path / "b.tar",
+        "-q",
+        cwd=wd,
+        env={"TZ": "Pacific/Kiritimati", "LC_ALL": "C"},
+    )
     assert r.returncode == 0, r.stderr
     # umask is inherited by the child: run the same build once more under umask 077 through a shell
-    r2 = subprocess.run(["sh", "-c", f'umask 077 && exec "$0" -m trainer image build --lock {inputs["lock"]} '
-                         f'--out {tmp_path / "c.oci"} --cache {cache} --offline --bundle-root {inputs["bundle"]} '
-                         f'--revision test -q', sys.executable], env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
-                        capture_output=True, text=True, cwd=wd)
+    r2 = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f'umask 077 && exec "$0" -m trainer image build --lock {inputs["lock"]} '
+            f"--out {tmp_path / 'c.oci'} --cache {cache} --offline --bundle-root {inputs['bundle']} "
+            f"--revision test -q",
+            sys.executable,
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        capture_output=True,
+        text=True,
+        cwd=wd,
+    )
     assert r2.returncode == 0, r2.stderr
     digest = built["result"]["manifest_digest"]
     assert r.stdout.splitlines()[-1] == r2.stdout.splitlines()[-1] == digest
@@ -167,17 +230,26 @@ def test_skopeo_and_umoci_accept_the_layout(built, tmp_path):
     for tool in ("skopeo", "umoci"):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} not installed (bin/setup installs it)")
-    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{built['layout']}:latest"], capture_output=True, text=True,
-                                        check=True).stdout)
+    inspect = json.loads(
+        subprocess.run(
+            ["skopeo", "inspect", f"oci:{built['layout']}:latest"], capture_output=True, text=True, check=True
+        ).stdout
+    )
     assert inspect["Digest"] == built["result"]["manifest_digest"]
     assert inspect["Layers"] == [l["diff_id"] for l in built["result"]["layers"]]
-    subprocess.run(["skopeo", "copy", "-q", f"oci:{built['layout']}:latest", f"docker-archive:{tmp_path / 'd.tar'}:smoke:latest"],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["skopeo", "copy", "-q", f"oci:{built['layout']}:latest", f"docker-archive:{tmp_path / 'd.tar'}:smoke:latest"],
+        check=True,
+        capture_output=True,
+    )
     # the docker-archive skopeo wrote is the same image
     r = trainer("image", "diff", built["layout"], tmp_path / "d.tar")
     assert (r.returncode, r.stdout.strip()) == (0, "identical")
-    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{built['layout']}:latest", str(tmp_path / "b")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["umoci", "unpack", "--rootless", "--image", f"{built['layout']}:latest", str(tmp_path / "b")],
+        check=True,
+        capture_output=True,
+    )
     rootfs = tmp_path / "b" / "rootfs"
     assert (rootfs / "opt/src/demo/demo/run.py").read_bytes() == b"print(1)\n"
     stamp = json.loads((rootfs / "etc/recipe-bundle/lock.json").read_text())
@@ -190,15 +262,41 @@ def test_tampered_cache_entry_is_refused_and_nothing_written(inputs, tmp_path):
     blob = cache / "sha256" / hashlib.sha256(inputs["files"][0].read_bytes()).hexdigest()
     os.chmod(blob, 0o644)
     blob.write_bytes(blob.read_bytes()[:-10])  # truncated
-    r = trainer("image", "build", "--lock", inputs["lock"], "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", inputs["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        inputs["lock"],
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        inputs["bundle"],
+        "-q",
+    )
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "wheel alpha-1.0-py3-none-any.whl is corrupt" in r.stderr
     assert not (tmp_path / "o.oci").exists() and not blob.exists()
     # now it is simply missing: one line with the artifact and its hash
-    r = trainer("image", "build", "--lock", inputs["lock"], "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", inputs["bundle"], "-q")
-    assert r.returncode == 2 and f"missing input wheel alpha-1.0-py3-none-any.whl sha256:{blob.name} (offline)" in r.stderr
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        inputs["lock"],
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        inputs["bundle"],
+        "-q",
+    )
+    assert (
+        r.returncode == 2 and f"missing input wheel alpha-1.0-py3-none-any.whl sha256:{blob.name} (offline)" in r.stderr
+    )
 
 
 def test_cache_trust_survives_removed_outputs_but_not_a_write(inputs, tmp_path, monkeypatch):
@@ -210,7 +308,9 @@ def test_cache_trust_survives_removed_outputs_but_not_a_write(inputs, tmp_path, 
     cache = cas.Cache(seeded_cache(tmp_path / "cas", inputs["files"]))
     hashed = []
     real = cas.hash_file
-    monkeypatch.setattr(cas, "hash_file", lambda path, description="": hashed.append(Path(path).name) or real(path, description))
+    monkeypatch.setattr(
+        cas, "hash_file", lambda path, description="": hashed.append(Path(path).name) or real(path, description)
+    )
     first = build_image(inputs["lock"], tmp_path / "a.oci", cache, inputs["bundle"], offline=True)
     hashed.clear()
     shutil.rmtree(tmp_path / "a.oci")
@@ -232,36 +332,62 @@ def test_cache_add_checks_the_hash(inputs, tmp_path):
     r = trainer("cache", "--cache", tmp_path / "cas", "add", wheel, "--sha256", "0" * 64)
     assert r.returncode == 2 and "!= expected 000" in r.stderr
     assert not list((tmp_path / "cas").glob("sha256/*"))
-    r = trainer("cache", "--cache", tmp_path / "cas", "add", wheel, "--sha256", hashlib.sha256(wheel.read_bytes()).hexdigest())
+    r = trainer(
+        "cache", "--cache", tmp_path / "cas", "add", wheel, "--sha256", hashlib.sha256(wheel.read_bytes()).hexdigest()
+    )
     assert r.returncode == 0 and r.stdout.strip() == "sha256:" + hashlib.sha256(wheel.read_bytes()).hexdigest()
     assert trainer("cache", "--cache", tmp_path / "cas", "verify").returncode == 0
 
 
 def _lock_with(inputs, tmp_path, wheel_path, name="alpha", version="1.0"):
     lock = json.loads(inputs["lock"].read_text())
-    lock["wheels"] = [{"name": name, "version": version, "filename": wheel_path.name, "group": "rest",
-                       "url": "https://files.pythonhosted.org/x/" + wheel_path.name,
-                       "sha256": hashlib.sha256(wheel_path.read_bytes()).hexdigest()}]
+    lock["wheels"] = [
+        {
+            "name": name,
+            "version": version,
+            "filename": wheel_path.name,
+            "group": "rest",
+            "url": "https://files.pythonhosted.org/x/" + wheel_path.name,
+            "sha256": hashlib.sha256(wheel_path.read_bytes()).hexdigest(),
+        }
+    ]
     lock["sources"] = []
     path = tmp_path / "bad.lock.json"
     path.write_text(json.dumps(lock))
     return path
 
 
-@pytest.mark.parametrize("member,target,message", [
-    ("../evil.py", None, "absolute or '..' path"),
-    ("/etc/evil", None, "absolute or '..' path"),
-    ("alpha/link", "/etc/passwd", "is a symlink"),
-])
+@pytest.mark.parametrize(
+    "member,target,message",
+    [
+        ("../evil.py", None, "absolute or '..' path"),
+        ("/etc/evil", None, "absolute or '..' path"),
+        ("alpha/link", "/etc/passwd", "is a symlink"),
+    ],
+)
 def test_bad_wheels_are_refused(inputs, tmp_path, member, target, message):
     info = zipfile.ZipInfo(member, (2020, 1, 1, 0, 0, 0))
     if target:
         info.external_attr = (0o120777) << 16
-    bad = make_wheel(tmp_path, "alpha", "1.0", {"alpha/__init__.py": b""}, extra_members=[(info, (target or "x").encode())])
+    bad = make_wheel(
+        tmp_path, "alpha", "1.0", {"alpha/__init__.py": b""}, extra_members=[(info, (target or "x").encode())]
+    )
     lock = _lock_with(inputs, tmp_path, bad)
     cache = seeded_cache(tmp_path / "cas", [bad])
-    r = trainer("image", "build", "--lock", lock, "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", inputs["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock,
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        inputs["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and message in r.stderr and r.stderr.count("\n") == 1
     assert not (tmp_path / "o.oci").exists()
 
@@ -272,8 +398,20 @@ def test_git_archive_must_match_the_locked_tree(inputs, tmp_path):
     path = tmp_path / "tree.lock.json"
     path.write_text(json.dumps(lock))
     cache = seeded_cache(tmp_path / "cas", inputs["files"])
-    r = trainer("image", "build", "--lock", path, "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", inputs["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        path,
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        inputs["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and "lock says 1111111111111111111111111111111111111111" in r.stderr
 
 
@@ -287,17 +425,41 @@ def test_git_tree_id_matches_git(inputs):
 
 def test_kill_9_and_concurrent_builds_leave_a_consistent_cache(inputs, built, tmp_path):
     cache = seeded_cache(tmp_path / "cas", inputs["files"])
-    cmd = [sys.executable, "-m", "trainer", "image", "build", "--lock", str(inputs["lock"]), "--out",
-           str(tmp_path / "k.oci"), "--cache", str(cache), "--offline", "--bundle-root", str(inputs["bundle"]),
-           "--revision", "test", "-q"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainer",
+        "image",
+        "build",
+        "--lock",
+        str(inputs["lock"]),
+        "--out",
+        str(tmp_path / "k.oci"),
+        "--cache",
+        str(cache),
+        "--offline",
+        "--bundle-root",
+        str(inputs["bundle"]),
+        "--revision",
+        "test",
+        "-q",
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     for delay in (0.3, 0.6, 0.9):
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    procs = [subprocess.Popen(cmd[:8] + [str(tmp_path / f"p{i}.oci")] + cmd[9:], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd[:8] + [str(tmp_path / f"p{i}.oci")] + cmd[9:],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(2)
+    ]
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     assert {o[0].splitlines()[-1] for o in outs} == {built["result"]["manifest_digest"]}

@@ -3,8 +3,6 @@
 The .debs are made here with `dpkg-deb --build`; nothing is downloaded.
 """
 
-import helpers
-
 import hashlib
 import json
 import os
@@ -17,27 +15,46 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 from image_fixtures import debian_base, make_deb, make_wheel, small_lock
 
 EPOCH = 1767225600
 
 
-
 trainer = helpers.run_trainer
+
 
 def make_debs(root: Path):
     root.mkdir(parents=True, exist_ok=True)
-    passwd = make_deb(root, "base-passwd", "3.6.1", {
-        "/usr/share/base-passwd/passwd.master": (b"root:*:0:0:root:/root:/bin/sh\n", 0o644),
-        "/usr/share/base-passwd/group.master": (b"root:*:0:\n", 0o644)})
-    tiny = make_deb(root, "tinybin", "1.0-1", {
-        "/bin/hello": (b"#!/bin/sh\necho hello\n", 0o755),
-        "/usr/bin/passwdish": (b"setuid tool\n", 0o4755),
-        "/lib64/ld-tiny.so.2": (b"\x7fELF tiny loader\n", 0o755)},
-        symlinks={"/usr/bin/hi": "/bin/hello"}, dirs={"/tmp": 0o1777, "/var/local": 0o2775})
-    lib = make_deb(root, "libtiny1", "2:0.5", {"/usr/lib/x86_64-linux-gnu/libtiny.so.1": (b"lib\n" * 100, 0o644)},
-                   control="Multi-Arch: same\n")
+    passwd = make_deb(
+        root,
+        "base-passwd",
+        "3.6.1",
+        {
+            "/usr/share/base-passwd/passwd.master": (b"root:*:0:0:root:/root:/bin/sh\n", 0o644),
+            "/usr/share/base-passwd/group.master": (b"root:*:0:\n", 0o644),
+        },
+    )
+    tiny = make_deb(
+        root,
+        "tinybin",
+        "1.0-1",
+        {
+            "/bin/hello": (b"#!/bin/sh\necho hello\n", 0o755),
+            "/usr/bin/passwdish": (b"setuid tool\n", 0o4755),
+            "/lib64/ld-tiny.so.2": (b"\x7fELF tiny loader\n", 0o755),
+        },
+        symlinks={"/usr/bin/hi": "/bin/hello"},
+        dirs={"/tmp": 0o1777, "/var/local": 0o2775},
+    )
+    lib = make_deb(
+        root,
+        "libtiny1",
+        "2:0.5",
+        {"/usr/lib/x86_64-linux-gnu/libtiny.so.1": (b"lib\n" * 100, 0o644)},
+        control="Multi-Arch: same\n",
+    )
     return [(passwd, "base-passwd", "3.6.1"), (tiny, "tinybin", "1.0-1"), (lib, "libtiny1", "2:0.5")]
 
 
@@ -45,12 +62,14 @@ def make_debs(root: Path):
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("debian")
     debs = make_debs(root / "debs")
-    wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"},
-                       entry_points="[console_scripts]\nalpha = alpha:main\n")
+    wheel = make_wheel(
+        root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"}, entry_points="[console_scripts]\nalpha = alpha:main\n"
+    )
     lock = small_lock("debian-test", EPOCH, [(wheel, "alpha", "1.0", "rest")], [])
     lock["base"] = debian_base(debs)
-    lock["python"].update(version="3.11", site_packages="/usr/local/lib/python3.11/dist-packages",
-                          interpreter="/usr/bin/python3.11")
+    lock["python"].update(
+        version="3.11", site_packages="/usr/local/lib/python3.11/dist-packages", interpreter="/usr/bin/python3.11"
+    )
     lock_path = root / "debian-test.lock.json"
     lock_path.write_text(json.dumps(lock, indent=1))
     bundle = root / "bundle"
@@ -59,11 +78,33 @@ def world(tmp_path_factory):
     cache = root / "cas"
     for f in [d[0] for d in debs] + [wheel]:
         assert trainer("cache", "--cache", cache, "add", f).returncode == 0
-    r = trainer("image", "build", "--lock", lock_path, "--out", root / "a.oci", "--cache", cache, "--offline",
-                "--bundle-root", bundle, "--revision", "test", "--json")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock_path,
+        "--out",
+        root / "a.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        bundle,
+        "--revision",
+        "test",
+        "--json",
+    )
     assert r.returncode == 0, r.stderr
-    return {"root": root, "debs": debs, "wheel": wheel, "lock": lock_path, "bundle": bundle, "cache": cache,
-            "result": json.loads(r.stdout), "layout": root / "a.oci"}
+    return {
+        "root": root,
+        "debs": debs,
+        "wheel": wheel,
+        "lock": lock_path,
+        "bundle": bundle,
+        "cache": cache,
+        "result": json.loads(r.stdout),
+        "layout": root / "a.oci",
+    }
 
 
 def layer_tar(world, name):
@@ -103,14 +144,27 @@ def test_debian_base_is_reproducible_and_unpacks_with_umoci(world, tmp_path):
         assert trainer("cache", "--cache", cache, "add", f).returncode == 0
     wd = tmp_path / "wd"
     wd.mkdir()
-    r = subprocess.run(["sh", "-c", f'umask 077 && exec "$0" -m trainer image build --lock {world["lock"]} --out '
-                        f'{tmp_path / "b.oci"} --cache {cache} --offline --bundle-root {world["bundle"]} '
-                        f'--revision test -q', sys.executable], cwd=wd, capture_output=True, text=True,
-                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "TZ": "Asia/Kathmandu"})
+    r = subprocess.run(
+        [
+            "sh",
+            "-c",
+            f'umask 077 && exec "$0" -m trainer image build --lock {world["lock"]} --out '
+            f"{tmp_path / 'b.oci'} --cache {cache} --offline --bundle-root {world['bundle']} "
+            f"--revision test -q",
+            sys.executable,
+        ],
+        cwd=wd,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "TZ": "Asia/Kathmandu"},
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[-1] == world["result"]["manifest_digest"]
-    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{tmp_path / 'b.oci'}:latest", str(tmp_path / "u")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        ["umoci", "unpack", "--rootless", "--image", f"{tmp_path / 'b.oci'}:latest", str(tmp_path / "u")],
+        check=True,
+        capture_output=True,
+    )
     rootfs = tmp_path / "u" / "rootfs"
     assert (rootfs / "bin" / "hello").read_bytes() == b"#!/bin/sh\necho hello\n"  # through the merged-/usr link
     assert os.readlink(rootfs / "bin") == "usr/bin"
@@ -130,16 +184,40 @@ def test_tampered_or_mislabelled_deb_is_refused(world, tmp_path):
     bad.write_text(json.dumps(lock))
     for f, _, _ in world["debs"]:
         trainer("cache", "--cache", cache, "add", f)
-    r = trainer("image", "build", "--lock", bad, "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", world["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        bad,
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
     assert "deb tinybin_1.0-1_amd64: control says tinybin 1.0-2 amd64 (refused)" in r.stderr
     assert not (tmp_path / "o.oci").exists()
     blob = cache / "sha256" / hashlib.sha256(deb.read_bytes()).hexdigest()
     os.chmod(blob, 0o644)
     blob.write_bytes(blob.read_bytes() + b"x")
-    r = trainer("image", "build", "--lock", world["lock"], "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", world["bundle"], "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        world["lock"],
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "-q",
+    )
     assert r.returncode == 2 and "deb tinybin_1.0-1_amd64 is corrupt" in r.stderr and not (tmp_path / "o.oci").exists()
 
 
@@ -155,10 +233,14 @@ def test_big_wheel_member_is_streamed_not_held_in_memory(tmp_path):
     import base64
 
     b64 = lambda d: base64.urlsafe_b64encode(d).rstrip(b"=").decode()
-    small = {f"{dist}/METADATA": b"Metadata-Version: 2.1\nName: big\nVersion: 1.0\n",
-             f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    small = {
+        f"{dist}/METADATA": b"Metadata-Version: 2.1\nName: big\nVersion: 1.0\n",
+        f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
     record = [f"big/blob.bin,sha256={b64(digest.digest())},{big}"]
-    record += [f"{k},sha256={b64(hashlib.sha256(v).digest())},{len(v)}" for k, v in small.items()] + [f"{dist}/RECORD,,"]
+    record += [f"{k},sha256={b64(hashlib.sha256(v).digest())},{len(v)}" for k, v in small.items()] + [
+        f"{dist}/RECORD,,"
+    ]
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as zf:
         with zf.open(zipfile.ZipInfo("big/blob.bin", (2020, 1, 1, 0, 0, 0)), "w", force_zip64=True) as member:
             for _ in range(big >> 20):
@@ -172,12 +254,19 @@ def test_big_wheel_member_is_streamed_not_held_in_memory(tmp_path):
     lock_path.write_text(json.dumps(lock))
     cache = tmp_path / "cas"
     assert trainer("cache", "--cache", cache, "add", path).returncode == 0
-    code = (f"import sys; from trainer.cli import main; rc = main(['image', 'build', '--lock', {str(lock_path)!r}, "
-            f"'--out', {str(tmp_path / 'o.oci')!r}, '--cache', {str(cache)!r}, '--offline', '--json', '-q']); "
-            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0], file=sys.stderr); "
-            "sys.exit(rc)")  # VmHWM: this process's peak RSS (ru_maxrss would include the pre-exec fork of pytest)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT,
-                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    code = (
+        f"import sys; from trainer.cli import main; rc = main(['image', 'build', '--lock', {str(lock_path)!r}, "
+        f"'--out', {str(tmp_path / 'o.oci')!r}, '--cache', {str(cache)!r}, '--offline', '--json', '-q']); "
+        "print([l.split()[1] for l in open('/proc/self/status') if l.startswith('VmHWM:')][0], file=sys.stderr); "
+        "sys.exit(rc)"
+    )  # VmHWM: this process's peak RSS (ru_maxrss would include the pre-exec fork of pytest)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert r.returncode == 0, r.stderr
     peak_kib = int(r.stderr.strip().splitlines()[-1])
     assert peak_kib * 1024 < big // 3, f"peak RSS {peak_kib} KiB for a {big >> 20} MiB member"
@@ -202,15 +291,31 @@ def test_wheel_member_not_matching_record_is_refused_while_streaming(tmp_path):
     lock_path.write_text(json.dumps(lock))
     cache = tmp_path / "cas"
     assert trainer("cache", "--cache", cache, "add", tampered).returncode == 0
-    r = trainer("image", "build", "--lock", lock_path, "--out", tmp_path / "o.oci", "--cache", cache, "--offline",
-                "--bundle-root", tmp_path, "-q")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock_path,
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        tmp_path,
+        "-q",
+    )
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert "wheel alpha-1.0-py3-none-any.whl: usr/local/lib/python3.12/site-packages/alpha/__init__.py has sha256" in r.stderr
+    assert (
+        "wheel alpha-1.0-py3-none-any.whl: usr/local/lib/python3.12/site-packages/alpha/__init__.py has sha256"
+        in r.stderr
+    )
     assert not (tmp_path / "o.oci").exists() and not list((cache / "layers").glob("*.json"))
 
 
 def test_noop_rebuild_trusts_stamps_and_a_modified_layer_is_rebuilt(world, tmp_path):
-    from trainer.image import build as build_mod, cas
+    from trainer.image import build as build_mod
+    from trainer.image import cas
 
     cache = cas.Cache(world["cache"])
     hashed = []
@@ -236,8 +341,9 @@ def test_noop_rebuild_trusts_stamps_and_a_modified_layer_is_rebuilt(world, tmp_p
         data[1000] ^= 1
         base.write_bytes(bytes(data))
         os.utime(base, ns=(st.st_atime_ns, st.st_mtime_ns))
-        again = build_mod.build_image(world["lock"], tmp_path / "m.oci", cache, world["bundle"], revision="test",
-                                      offline=True)
+        again = build_mod.build_image(
+            world["lock"], tmp_path / "m.oci", cache, world["bundle"], revision="test", offline=True
+        )
         assert [l[3] for l in again.layers] == ["built", "cached", "built"]
         assert again.manifest_digest == world["result"]["manifest_digest"]
         assert base.name in hashed and hashlib.sha256(base.read_bytes()).hexdigest() == base.name
@@ -250,7 +356,10 @@ def test_image_check_against_expected_digests(world, tmp_path):
     r = trainer("image", "check", "--lock", world["lock"], "--expected", expected, "--record", world["layout"])
     assert r.returncode == 0, r.stderr
     r = trainer("image", "check", "--lock", world["lock"], "--expected", expected, world["layout"])
-    assert r.returncode == 0 and r.stdout.splitlines()[-1] == f"ok: {world['result']['manifest_digest']} is the expected digest"
+    assert (
+        r.returncode == 0
+        and r.stdout.splitlines()[-1] == f"ok: {world['result']['manifest_digest']} is the expected digest"
+    )
     data = json.loads(expected.read_text())
     entry = data["debian-test"]
     entry["layers"][1]["diff_id"] = "sha256:" + "0" * 64
@@ -265,10 +374,12 @@ def test_image_check_against_expected_digests(world, tmp_path):
 def test_diff_against_a_run_record(world, tmp_path):
     digest = world["result"]["manifest_digest"]
     lock_sha = hashlib.sha256(world["lock"].read_bytes()).hexdigest()
-    cases = [({"image": {"digest": digest, "lock": lock_sha}}, 0),
-             ({"probe": {"ranks": [{"image": {"lock": lock_sha}}]}}, 0),
-             ({"image": {"digest": "sha256:" + "2" * 64}}, 1),
-             ({"image": {"lock": "3" * 64}}, 1)]
+    cases = [
+        ({"image": {"digest": digest, "lock": lock_sha}}, 0),
+        ({"probe": {"ranks": [{"image": {"lock": lock_sha}}]}}, 0),
+        ({"image": {"digest": "sha256:" + "2" * 64}}, 1),
+        ({"image": {"lock": "3" * 64}}, 1),
+    ]
     for record, code in cases:
         path = tmp_path / "record.json"
         path.write_text(json.dumps(record))
@@ -286,8 +397,24 @@ def test_diff_against_the_lock_reads_dist_packages_and_dpkg(world, tmp_path):
     """The wheels Debian's Python finds under dist-packages and the .debs in the dpkg database are what the
     lock pins: identical; a lock pinning another wheel version or another .deb version is named."""
     layout = tmp_path / "d.oci"  # its own build: other tests here modify cached blobs the module's layout links to
-    assert trainer("image", "build", "--lock", world["lock"], "--out", layout, "--cache", world["cache"], "--offline",
-                   "--bundle-root", world["bundle"], "--revision", "test").returncode == 0
+    assert (
+        trainer(
+            "image",
+            "build",
+            "--lock",
+            world["lock"],
+            "--out",
+            layout,
+            "--cache",
+            world["cache"],
+            "--offline",
+            "--bundle-root",
+            world["bundle"],
+            "--revision",
+            "test",
+        ).returncode
+        == 0
+    )
     r = trainer("image", "diff", layout, world["lock"])
     assert (r.returncode, r.stdout.strip()) == (0, "identical"), r.stdout + r.stderr
     other = json.loads(world["lock"].read_text())

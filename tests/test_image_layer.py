@@ -1,7 +1,5 @@
 """The deterministic layer writer: fixed headers, sorted entries, refused paths, digest = sha256 of the tar."""
 
-import helpers
-
 import hashlib
 import io
 import os
@@ -11,6 +9,7 @@ import tarfile
 
 import pytest
 
+import helpers
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry, entries_from_tree, write_layer
 from trainer.image.tarread import entries_from_tar
@@ -57,7 +56,9 @@ def test_headers_are_fixed_and_entries_sorted_with_parents():
     for m in members:
         assert (m.mtime, m.uid, m.gid, m.uname, m.gname, m.pax_headers) == (EPOCH, 0, 0, "", "", {})
         assert m.type in (tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE)
-        expected = {tarfile.DIRTYPE: 0o755, tarfile.SYMTYPE: 0o777}.get(m.type, 0o755 if m.name.endswith("tool") else 0o644)
+        expected = {tarfile.DIRTYPE: 0o755, tarfile.SYMTYPE: 0o777}.get(
+            m.type, 0o755 if m.name.endswith("tool") else 0o644
+        )
         assert m.mode == expected, m.name
     link = next(m for m in members if m.issym())
     assert link.linkname == "__init__.py"
@@ -68,7 +69,10 @@ def test_gnu_tar_reads_the_same_metadata(tmp_path):
     (tmp_path / "l.tar").write_bytes(data)
     listing = subprocess.run(
         ["tar", "--list", "--verbose", "--numeric-owner", "--full-time", "-f", str(tmp_path / "l.tar")],
-        capture_output=True, text=True, check=True, env={**os.environ, "TZ": "UTC"},
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TZ": "UTC"},
     ).stdout.splitlines()
     tool = next(line for line in listing if line.endswith("usr/local/bin/tool"))
     assert tool.split()[:5] == ["-rwxr-xr-x", "0/0", "18", "2026-01-01", "00:00:00"]
@@ -102,16 +106,19 @@ def test_long_paths_use_gnu_longlink_and_round_trip():
         assert tar.extractfile(long).read() == b"z"
 
 
-@pytest.mark.parametrize("entry,message", [
-    (Entry("a/../b", FILE, data=b""), r"'\.\.' in path"),
-    (Entry("..", DIR), r"'\.\.' in path"),
-    (Entry("a/link", SYMLINK, target="/etc/passwd"), "absolute symlink target"),
-    (Entry("a/link", SYMLINK, target="../../etc"), "escapes the image root"),
-    (Entry("link", SYMLINK, target=".."), "escapes the image root"),
-    (Entry("dev/null", "char"), "type 'char' refused"),
-    (Entry("/", DIR), "empty path"),
-    (Entry("a", FILE), "exactly one of data, source or opener"),
-])
+@pytest.mark.parametrize(
+    "entry,message",
+    [
+        (Entry("a/../b", FILE, data=b""), r"'\.\.' in path"),
+        (Entry("..", DIR), r"'\.\.' in path"),
+        (Entry("a/link", SYMLINK, target="/etc/passwd"), "absolute symlink target"),
+        (Entry("a/link", SYMLINK, target="../../etc"), "escapes the image root"),
+        (Entry("link", SYMLINK, target=".."), "escapes the image root"),
+        (Entry("dev/null", "char"), "type 'char' refused"),
+        (Entry("/", DIR), "empty path"),
+        (Entry("a", FILE), "exactly one of data, source or opener"),
+    ],
+)
 def test_refused_entries(entry, message):
     out = io.BytesIO()
     with pytest.raises(UserError, match=message):

@@ -1,17 +1,16 @@
 """Image locks: `trainer lock verify` (offline) and the pieces of `resolve` that need no network."""
 
-import helpers
-
 import copy
 import hashlib
 import json
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image.imagelockcli import group_of, parse_uv_output, verify, wheel_fits
 from trainer.image.imagelock import find_stack_consistency, validate_lock
+from trainer.image.imagelockcli import group_of, parse_uv_output, verify, wheel_fits
 
 SMOKE = REPO_ROOT / "lockfiles" / "smoke.lock.json"
 STACK = REPO_ROOT / "lockfiles" / "stack.json"
@@ -24,7 +23,9 @@ def smoke():
 def test_smoke_lock_verifies_offline():
     lock = verify(SMOKE, STACK)
     assert lock["base"] == {"type": "scratch"}
-    assert all(len(w["sha256"]) == 64 and w["url"].startswith("https://files.pythonhosted.org/") for w in lock["wheels"])
+    assert all(
+        len(w["sha256"]) == 64 and w["url"].startswith("https://files.pythonhosted.org/") for w in lock["wheels"]
+    )
     assert lock["sources"][0]["commit"] == "7875b87a00de0eba599024fba624b636e483ae2f"
 
 
@@ -33,8 +34,12 @@ def test_smoke_source_is_reproducible_from_its_generator(tmp_path):
 
     archive, commit, tree = make_git_source(tmp_path, "smoke-src", SMOKE_SOURCE_FILES, SMOKE_EPOCH)
     source = smoke()["sources"][0]
-    assert (commit, tree, sha256(archive), archive.name) == (source["commit"], source["tree"],
-                                                             source["archive"]["sha256"], source["archive"]["filename"])
+    assert (commit, tree, sha256(archive), archive.name) == (
+        source["commit"],
+        source["tree"],
+        source["archive"]["sha256"],
+        source["archive"]["filename"],
+    )
 
 
 def mutate(fn):
@@ -43,18 +48,24 @@ def mutate(fn):
     return lock
 
 
-@pytest.mark.parametrize("change,message", [
-    (lambda l: l["wheels"][0].pop("sha256"), r"wheels\[0\]\.sha256: expected str"),
-    (lambda l: l["wheels"][0].update(sha256="ABC"), r"wheels\[0\]\.sha256: expected a sha256"),
-    (lambda l: l["wheels"].append(copy.deepcopy(l["wheels"][0])), r"wheels\[2\]\.name: 'idna' is locked twice"),
-    (lambda l: l["wheels"][1].update(sha256=l["wheels"][0]["sha256"]), r"wheels\[1\]\.sha256: same hash as"),
-    (lambda l: l["wheels"][0].update(group="gpu"), r"wheels\[0\]\.group: 'gpu'"),
-    (lambda l: l["sources"][0].update(commit="7875b87"), r"sources\[0\]\.commit: expected a full 40-hex git id"),
-    (lambda l: l["base"].update(type="docker"), r"base\.type: 'docker'"),
-    (lambda l: l.update(epoch="2026"), r"\.epoch: expected int"),
-    (lambda l: l["python"].update(site_packages="lib/python3.12"), r"python\.site_packages: expected an absolute path"),
-    (lambda l: l["bundle"]["include"].append("../secrets"), r"bundle\.include: '\.\./secrets'"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (lambda l: l["wheels"][0].pop("sha256"), r"wheels\[0\]\.sha256: expected str"),
+        (lambda l: l["wheels"][0].update(sha256="ABC"), r"wheels\[0\]\.sha256: expected a sha256"),
+        (lambda l: l["wheels"].append(copy.deepcopy(l["wheels"][0])), r"wheels\[2\]\.name: 'idna' is locked twice"),
+        (lambda l: l["wheels"][1].update(sha256=l["wheels"][0]["sha256"]), r"wheels\[1\]\.sha256: same hash as"),
+        (lambda l: l["wheels"][0].update(group="gpu"), r"wheels\[0\]\.group: 'gpu'"),
+        (lambda l: l["sources"][0].update(commit="7875b87"), r"sources\[0\]\.commit: expected a full 40-hex git id"),
+        (lambda l: l["base"].update(type="docker"), r"base\.type: 'docker'"),
+        (lambda l: l.update(epoch="2026"), r"\.epoch: expected int"),
+        (
+            lambda l: l["python"].update(site_packages="lib/python3.12"),
+            r"python\.site_packages: expected an absolute path",
+        ),
+        (lambda l: l["bundle"]["include"].append("../secrets"), r"bundle\.include: '\.\./secrets'"),
+    ],
+)
 def test_malformed_locks_are_refused_naming_the_field(change, message):
     with pytest.raises(UserError, match=message):
         validate_lock(mutate(change), "smoke")
@@ -62,14 +73,41 @@ def test_malformed_locks_are_refused_naming_the_field(change, message):
 
 def test_stack_consistency_names_the_package_and_both_versions():
     stack = json.loads(STACK.read_text())
-    lock = mutate(lambda l: l["wheels"].append({"name": "torch", "version": "2.10.0", "filename": "torch-2.10.0-cp312-cp312-manylinux_2_28_x86_64.whl",
-                                                "url": "https://files.pythonhosted.org/t.whl", "sha256": "a" * 64, "group": "torch"}))
+    lock = mutate(
+        lambda l: l["wheels"].append(
+            {
+                "name": "torch",
+                "version": "2.10.0",
+                "filename": "torch-2.10.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                "url": "https://files.pythonhosted.org/t.whl",
+                "sha256": "a" * 64,
+                "group": "torch",
+            }
+        )
+    )
     assert find_stack_consistency(lock, stack) == ["torch: lock has 2.10.0, stack.json components.torch pins 2.11.0"]
-    ok = mutate(lambda l: l["wheels"].append({"name": "torch", "version": "2.11.0", "filename": "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl",
-                                              "url": "https://files.pythonhosted.org/t.whl", "sha256": "a" * 64, "group": "torch"}))
+    ok = mutate(
+        lambda l: l["wheels"].append(
+            {
+                "name": "torch",
+                "version": "2.11.0",
+                "filename": "torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl",
+                "url": "https://files.pythonhosted.org/t.whl",
+                "sha256": "a" * 64,
+                "group": "torch",
+            }
+        )
+    )
     assert find_stack_consistency(ok, stack) == []
-    base = mutate(lambda l: l.update(base={"type": "oci", "reference": "lmsysorg/sglang:v0.5.15@sha256:" + "b" * 64,
-                                           "digest": "sha256:" + "b" * 64}))
+    base = mutate(
+        lambda l: l.update(
+            base={
+                "type": "oci",
+                "reference": "lmsysorg/sglang:v0.5.15@sha256:" + "b" * 64,
+                "digest": "sha256:" + "b" * 64,
+            }
+        )
+    )
     assert find_stack_consistency(base, stack)[0].startswith("base: lock has lmsysorg/sglang:v0.5.15@")
 
 
@@ -98,18 +136,23 @@ def test_parse_uv_output_and_groups():
         ("hydra-core", "1.3.8", ["1" * 64]),
         ("nvidia-nccl-cu13", "2.28.9", ["2" * 64, "3" * 64]),
     ]
-    assert [group_of(n) for n in ("torch", "triton", "transformer_engine_cu13", "nvidia-nccl-cu13", "cuda-toolkit", "hydra-core")] == \
-        ["torch", "torch", "te", "cuda-runtime", "cuda-runtime", "rest"]
+    assert [
+        group_of(n)
+        for n in ("torch", "triton", "transformer_engine_cu13", "nvidia-nccl-cu13", "cuda-toolkit", "hydra-core")
+    ] == ["torch", "torch", "te", "cuda-runtime", "cuda-runtime", "rest"]
 
 
-@pytest.mark.parametrize("filename,fits", [
-    ("six-1.17.0-py2.py3-none-any.whl", True),
-    ("torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl", True),
-    ("torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl", False),
-    ("torch-2.11.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),
-    ("tilelang-0.1.15-cp39-abi3-manylinux2014_x86_64.whl", True),
-    ("x-1.0-cp312-cp312-win_amd64.whl", False),
-])
+@pytest.mark.parametrize(
+    "filename,fits",
+    [
+        ("six-1.17.0-py2.py3-none-any.whl", True),
+        ("torch-2.11.0-cp312-cp312-manylinux_2_28_x86_64.whl", True),
+        ("torch-2.11.0-cp311-cp311-manylinux_2_28_x86_64.whl", False),
+        ("torch-2.11.0-cp312-cp312-manylinux_2_28_aarch64.whl", False),
+        ("tilelang-0.1.15-cp39-abi3-manylinux2014_x86_64.whl", True),
+        ("x-1.0-cp312-cp312-win_amd64.whl", False),
+    ],
+)
 def test_wheel_fits_cpython312_x86_64(filename, fits):
     assert wheel_fits(filename) is fits
 
@@ -126,15 +169,16 @@ def test_expected_digests_follow_the_current_conf():
         lock = REPO_ROOT / "lockfiles" / entry["lock"]
         assert hashlib.sha256(lock.read_bytes()).hexdigest() == entry["lock_sha256"], (
             f"{lock.name} changed since its digest was recorded: rebuild it and re-record with "
-            f"`trainer image check --lock lockfiles/{lock.name} IMAGE --record`")
+            f"`trainer image check --lock lockfiles/{lock.name} IMAGE --record`"
+        )
         predicted = predict_digests(lock, entry, REPO_ROOT)
         assert predicted["manifest_digest"] == entry["manifest_digest"], (
             f"{name}: a build now gives {predicted['manifest_digest']} (bundle layer {predicted['bundle']}), "
             f"expected-digests.json says {entry['manifest_digest']}: conf/ changed since it was recorded; rebuild "
-            f"and re-record with `trainer image check --lock lockfiles/{lock.name} IMAGE --record`")
+            f"and re-record with `trainer image check --lock lockfiles/{lock.name} IMAGE --record`"
+        )
         assert predicted["config_digest"] == entry["config_digest"]
 
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))
-

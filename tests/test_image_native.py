@@ -6,7 +6,6 @@ into this test's cache, hash-checked). The C project is made here. The debian-sm
 CPU torch wheel, which pip finds in this machine's configured wheel directory (`pip download`).
 """
 
-import helpers
 
 import json
 import os
@@ -20,11 +19,11 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO_ROOT
+from image_fixtures import make_git_source, sha256, small_lock
 from trainer.errors import UserError
 from trainer.image import imagelock
 from trainer.image.build import build_image
 from trainer.image.cas import Cache
-from image_fixtures import make_git_source, sha256, small_lock
 
 EPOCH = 1767225600
 SMOKE = REPO_ROOT / "lockfiles" / "debian-smoke.lock.json"
@@ -38,13 +37,26 @@ def lock_for(tmp: Path, name: str, files, command, cache: Cache):
     """A scratch lock with debian-smoke's build root, one git source of ``files`` and one build step."""
     archive, commit, tree = make_git_source(tmp, "hello", files, EPOCH)
     cache.add_file(archive)
-    source = {"name": "hello", "url": "https://example.invalid/hello.git", "commit": commit, "tree": tree,
-              "dest": "/opt/src/hello", "archive": {"filename": archive.name, "sha256": sha256(archive)}}
+    source = {
+        "name": "hello",
+        "url": "https://example.invalid/hello.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/hello",
+        "archive": {"filename": archive.name, "sha256": sha256(archive)},
+    }
     lock = small_lock(name, EPOCH, [], [source])
     lock["build_root"] = json.loads(SMOKE.read_text())["build_root"]
-    lock["builds"] = [{"name": "hello", "input": {"source": "hello"}, "wheels": [],
-                       "command": ["/bin/sh", "-euc", command], "env": {"CC": "gcc"},
-                       "install": {"type": "tree", "dest": "/opt/hello"}}]
+    lock["builds"] = [
+        {
+            "name": "hello",
+            "input": {"source": "hello"},
+            "wheels": [],
+            "command": ["/bin/sh", "-euc", command],
+            "env": {"CC": "gcc"},
+            "install": {"type": "tree", "dest": "/opt/hello"},
+        }
+    ]
     path = tmp / f"{name}.lock.json"
     path.write_text(json.dumps(lock, indent=1))
     return path
@@ -116,29 +128,56 @@ def test_build_step_reproduces_caches_and_rebuilds_only_what_changed(world):
 
     key = step_keys(imagelock.load_lock(lock))["hello"]
     expected = tmp / "expected.json"
-    for recorded, code, line in ((diff_id, 0, f"build hello: same {diff_id} as the reproduced build"),
-                                 ("sha256:" + "0" * 64, 1, f"build hello: {diff_id}, the reproduced build gave sha256:000")):
-        expected.write_text(json.dumps({"hello": {"builds": {"hello": {"key": key, "diff_id": recorded, "size": size}}}}))
-        proc = subprocess.run([sys.executable, "-m", "trainer", "image", "check", str(tmp / "img2"), "--lock", str(lock),
-                               "--expected", str(expected)], capture_output=True, text=True, timeout=120,
-                              env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    for recorded, code, line in (
+        (diff_id, 0, f"build hello: same {diff_id} as the reproduced build"),
+        ("sha256:" + "0" * 64, 1, f"build hello: {diff_id}, the reproduced build gave sha256:000"),
+    ):
+        expected.write_text(
+            json.dumps({"hello": {"builds": {"hello": {"key": key, "diff_id": recorded, "size": size}}}})
+        )
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "trainer",
+                "image",
+                "check",
+                str(tmp / "img2"),
+                "--lock",
+                str(lock),
+                "--expected",
+                str(expected),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+        )
         assert proc.returncode == code, proc.stderr
         assert proc.stdout.splitlines()[0].startswith(line)
 
     # a changed input rebuilds that step (and the layers after it); the layers below stay cached
-    changed = lock_for(tmp / "b", "hello", {"hello.c": HELLO_C.replace(b"pinned", b"changed"), "Makefile": MAKEFILE},
-                       BUILD, cache)
+    changed = lock_for(
+        tmp / "b", "hello", {"hello.c": HELLO_C.replace(b"pinned", b"changed"), "Makefile": MAKEFILE}, BUILD, cache
+    )
     third = build_image(changed, tmp / "img3", cache, world["bundle"], offline=True)
     assert layer(third, "build-hello")[3] == "built" and layer(third, "build-hello")[1] != diff_id
 
 
-@pytest.mark.parametrize("case, command, needle", [
-    # the sandbox has its own network namespace with only loopback: nothing can leave it, a name cannot resolve
-    ("network", "sed -n '3,$p' /proc/net/dev | cut -d: -f1 | tr -d ' '; exec python3 -c \"import urllib.request; "
-                "urllib.request.urlopen('https://pypi.org/simple/', timeout=5)\"", "build step hello failed (exit 1"),
-    ("outside", 'echo x > /usr/escaped; echo ok > "$BUILD_OUT/ok"', "build step hello failed (exit"),
-    ("fails", 'echo "compiler says no" >&2; exit 3', "build step hello failed (exit 3"),
-])
+@pytest.mark.parametrize(
+    "case, command, needle",
+    [
+        # the sandbox has its own network namespace with only loopback: nothing can leave it, a name cannot resolve
+        (
+            "network",
+            "sed -n '3,$p' /proc/net/dev | cut -d: -f1 | tr -d ' '; exec python3 -c \"import urllib.request; "
+            "urllib.request.urlopen('https://pypi.org/simple/', timeout=5)\"",
+            "build step hello failed (exit 1",
+        ),
+        ("outside", 'echo x > /usr/escaped; echo ok > "$BUILD_OUT/ok"', "build step hello failed (exit"),
+        ("fails", 'echo "compiler says no" >&2; exit 3', "build step hello failed (exit 3"),
+    ],
+)
 def test_failing_step_is_one_line_keeps_a_log_and_caches_nothing(world, case, command, needle):
     tmp, cache = world["tmp"], world["cache"]
     lock = lock_for(tmp / case, "hello", {"hello.c": HELLO_C, "Makefile": MAKEFILE}, command, cache)
@@ -155,8 +194,10 @@ def test_failing_step_is_one_line_keeps_a_log_and_caches_nothing(world, case, co
     if case == "network":
         text = log.read_text()
         assert text.splitlines()[0] == "lo" and "URLError" in text
-        assert any(s in text for s in ("Temporary failure in name resolution", "Name or service not known",
-                                       "Network is unreachable"))
+        assert any(
+            s in text
+            for s in ("Temporary failure in name resolution", "Name or service not known", "Network is unreachable")
+        )
     if case == "outside":
         assert "Read-only file system" in log.read_text()
     assert not out.exists()
@@ -186,8 +227,16 @@ def test_unbuilt_sdist_is_refused(world):
     tmp = world["tmp"]
     path = lock_for(tmp / "sd", "hello", {"hello.c": HELLO_C}, "true", world["cache"])
     lock = json.loads(path.read_text())
-    lock["sdists"] = [{"name": "tiny", "version": "1.0", "filename": "tiny-1.0.tar.gz", "group": "rest",
-                       "sha256": "0" * 64, "url": "https://files.pythonhosted.org/packages/tiny-1.0.tar.gz"}]
+    lock["sdists"] = [
+        {
+            "name": "tiny",
+            "version": "1.0",
+            "filename": "tiny-1.0.tar.gz",
+            "group": "rest",
+            "sha256": "0" * 64,
+            "url": "https://files.pythonhosted.org/packages/tiny-1.0.tar.gz",
+        }
+    ]
     path.write_text(json.dumps(lock))
     with pytest.raises(UserError, match="sdists tiny have no builds"):
         build_image(path, tmp / "img-sd", world["cache"], world["bundle"], offline=True)
@@ -197,9 +246,25 @@ def _torch_cpu_wheel(lock, cache: Cache, tmp: Path) -> None:
     item = next(w for w in lock["wheels"] if w["name"] == "torch")
     if cache.has(item["sha256"]):
         return
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-d", str(tmp),
-                    f"torch=={item['version']}", "--python-version", "3.11"], check=True, capture_output=True,
-                   timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "-d",
+            str(tmp),
+            f"torch=={item['version']}",
+            "--python-version",
+            "3.11",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     cache.add_file(tmp / item["filename"], item["sha256"])
 
 
@@ -212,24 +277,50 @@ def test_debian_smoke_image_imports_hydra_torch_and_trainer(world, tmp_path):
     out = tmp_path / "smoke.oci"
     result = build_image(SMOKE, out, cache, REPO_ROOT, offline=False, jobs=2)
     assert layer(result, "build-antlr4-python3-runtime")[2] > 100_000
-    ref = json.loads((out / "index.json").read_text())["manifests"][0]["annotations"]["org.opencontainers.image.ref.name"]
+    ref = json.loads((out / "index.json").read_text())["manifests"][0]["annotations"][
+        "org.opencontainers.image.ref.name"
+    ]
     bundle = tmp_path / "unpacked"
-    subprocess.run(["umoci", "unpack", "--image", f"{out}:{ref}", str(bundle)], check=True, capture_output=True,
-                   timeout=600)
+    subprocess.run(
+        ["umoci", "unpack", "--image", f"{out}:{ref}", str(bundle)], check=True, capture_output=True, timeout=600
+    )
     assert not list((bundle / "rootfs" / "opt" / "recipe-bundle").glob("sdists"))
     # every namespace but, as root, the user namespace: inside another sandbox (CI's fresh root) a nested
     # user namespace may not mount a new /proc (trainer.launch.host.local_image does the same)
     unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if os.geteuid() != 0:
         unshare.append("--unshare-user-try")
-    proc = subprocess.run(["bwrap", "--bind", str(bundle / "rootfs"), "/", "--dev", "/dev", "--proc", "/proc",
-                           "--tmpfs", "/tmp", *unshare, "--die-with-parent", "--clearenv",
-                           "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "PYTHONPATH", "/opt/recipe-bundle",
-                           "/usr/bin/python3", "-c",
-                           "import hydra, omegaconf, torch, trainer, antlr4; "
-                           "print(hydra.__version__, omegaconf.__version__, torch.__version__, "
-                           "int(torch.arange(4).sum()), trainer.__file__)"],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            "bwrap",
+            "--bind",
+            str(bundle / "rootfs"),
+            "/",
+            "--dev",
+            "/dev",
+            "--proc",
+            "/proc",
+            "--tmpfs",
+            "/tmp",
+            *unshare,
+            "--die-with-parent",
+            "--clearenv",
+            "--setenv",
+            "PATH",
+            "/usr/bin:/bin",
+            "--setenv",
+            "PYTHONPATH",
+            "/opt/recipe-bundle",
+            "/usr/bin/python3",
+            "-c",
+            "import hydra, omegaconf, torch, trainer, antlr4; "
+            "print(hydra.__version__, omegaconf.__version__, torch.__version__, "
+            "int(torch.arange(4).sum()), trainer.__file__)",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1.3.8", "2.3.0", "2.13.0+cpu", "6", "/opt/recipe-bundle/trainer/__init__.py"]
 

@@ -12,8 +12,6 @@ from spdx/spdx-spec tag v2.3 (``tests/golden/schemas/``, see its README), Cyclon
 cyclonedx-python-lib.
 """
 
-import helpers
-
 import base64
 import hashlib
 import json
@@ -23,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, run_trainer as trainer
-from trainer.image import sbom
+import helpers
+from helpers import REPO_ROOT
+from helpers import run_trainer as trainer
 from image_fixtures import debian_base, make_deb, make_git_source, make_wheel, small_lock
+from trainer.image import sbom
 
 EPOCH = 1767225600
 
@@ -33,20 +33,33 @@ EPOCH = 1767225600
 def make_world(root: Path, beta: str = "2.0"):
     """A lock of every kind of input the builder takes, its files, and a bundle root."""
     root.mkdir(parents=True, exist_ok=True)
-    passwd = make_deb(root, "base-passwd", "3.6.1", {
-        "/usr/share/base-passwd/passwd.master": (b"root:*:0:0:root:/root:/bin/sh\n", 0o644),
-        "/usr/share/base-passwd/group.master": (b"root:*:0:\n", 0o644)})
+    passwd = make_deb(
+        root,
+        "base-passwd",
+        "3.6.1",
+        {
+            "/usr/share/base-passwd/passwd.master": (b"root:*:0:0:root:/root:/bin/sh\n", 0o644),
+            "/usr/share/base-passwd/group.master": (b"root:*:0:\n", 0o644),
+        },
+    )
     tiny = make_deb(root, "tinybin", "1.0-1", {"/usr/bin/hello": (b"#!/bin/sh\necho hello\n", 0o755)})
     alpha = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
     beta_w = make_wheel(root, "beta", beta, {"beta/__init__.py": f"V = {beta!r}\n".encode()})
     archive, commit, tree = make_git_source(root / "git", "demo", {"README.md": b"demo\n"}, EPOCH)
-    source = {"name": "demo", "url": "https://github.com/example/demo.git", "commit": commit, "tree": tree,
-              "dest": "/opt/src/demo", "archive": {"filename": archive.name, "sha256": sha(archive)}}
+    source = {
+        "name": "demo",
+        "url": "https://github.com/example/demo.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/demo",
+        "archive": {"filename": archive.name, "sha256": sha(archive)},
+    }
     lock = small_lock("sbom-test", EPOCH, [(alpha, "alpha", "1.0", "rest"), (beta_w, "beta", beta, "torch")], [source])
     lock["wheels"][1]["url"] = f"https://download.pytorch.org/whl/cpu/{beta_w.name}"
     lock["base"] = debian_base([(passwd, "base-passwd", "3.6.1"), (tiny, "tinybin", "1.0-1")])
-    lock["python"].update(version="3.11", site_packages="/usr/local/lib/python3.11/dist-packages",
-                          interpreter="/usr/bin/python3.11")
+    lock["python"].update(
+        version="3.11", site_packages="/usr/local/lib/python3.11/dist-packages", interpreter="/usr/bin/python3.11"
+    )
     lock_path = root / f"sbom-test-{beta}.lock.json"
     lock_path.write_text(json.dumps(lock, indent=1))
     bundle = root / "bundle"
@@ -82,15 +95,34 @@ def schema_errors(kind: str, data) -> list:
         assert schema["$id"] == "http://cyclonedx.org/schema/bom-1.6.schema.json"
         registry = referencing.Registry()
         for name in ("spdx.SNAPSHOT.schema.json", "jsf-0.82.SNAPSHOT.schema.json"):  # as the bom schema names them
-            registry = registry.with_resource(f"http://cyclonedx.org/schema/{name}",
-                                              DRAFT7.create_resource(json.loads((res / name).read_text())))
+            registry = registry.with_resource(
+                f"http://cyclonedx.org/schema/{name}", DRAFT7.create_resource(json.loads((res / name).read_text()))
+            )
         validator = jsonschema.Draft7Validator(schema, registry=registry)
-    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in validator.iter_errors(json.loads(data))]
+    return [
+        f"{'/'.join(map(str, e.absolute_path))}: {e.message[:200]}" for e in validator.iter_errors(json.loads(data))
+    ]
 
 
 def build(lock, out, cache, bundle, *extra):
-    r = trainer("image", "build", "--lock", lock, "--out", out, "--cache", cache, "--offline", "--bundle-root", bundle,
-                "--revision", "test", "--json", "-q", *extra)
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock,
+        "--out",
+        out,
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        bundle,
+        "--revision",
+        "test",
+        "--json",
+        "-q",
+        *extra,
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
@@ -110,8 +142,19 @@ def world(tmp_path_factory):
     b = build(lock, root / "b.oci", cache, bundle, "--sign-key", root / "key", "--archive", root / "b.tar")
     plain = build(lock, root / "plain.oci", cache, bundle)
     v2 = build(lock2, root / "v2.oci", cache, bundle)
-    return {"root": root, "lock": lock, "cache": cache, "bundle": bundle, "a": a, "b": b, "plain": plain, "v2": v2,
-            "key": root / "key", "pub": root / "key.pub", "other_pub": root / "other.pub"}
+    return {
+        "root": root,
+        "lock": lock,
+        "cache": cache,
+        "bundle": bundle,
+        "a": a,
+        "b": b,
+        "plain": plain,
+        "v2": v2,
+        "key": root / "key",
+        "pub": root / "key.pub",
+        "other_pub": root / "other.pub",
+    }
 
 
 def index(layout: Path):
@@ -139,15 +182,22 @@ def test_built_twice_the_documents_are_byte_identical_and_the_image_digest_is_th
     # the image comes first, named "latest"; three referrers follow, none named
     listed = index(root / "a.oci")["manifests"]
     assert listed[0]["digest"] == world["a"]["manifest_digest"] and listed[0]["annotations"] == {
-        "org.opencontainers.image.ref.name": "latest"}
+        "org.opencontainers.image.ref.name": "latest"
+    }
     assert [d["artifactType"] for d in listed[1:]] == [
-        "application/spdx+json", "application/vnd.cyclonedx+json", "application/vnd.dsse.envelope.v1+json"]
+        "application/spdx+json",
+        "application/vnd.cyclonedx+json",
+        "application/vnd.dsse.envelope.v1+json",
+    ]
     assert [r["artifactType"] for r in world["a"]["referrers"]] == [d["artifactType"] for d in listed[1:]]
     for d in listed[1:]:
         manifest = json.loads((root / "a.oci/blobs/sha256" / d["digest"][7:]).read_bytes())
         assert manifest["subject"]["digest"] == world["a"]["manifest_digest"]
-        assert manifest["config"] == {"mediaType": "application/vnd.oci.empty.v1+json", "size": 2,
-                                      "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a"}
+        assert manifest["config"] == {
+            "mediaType": "application/vnd.oci.empty.v1+json",
+            "size": 2,
+            "digest": "sha256:44136fa355b3678a1146ad16f7e8649e94fb4fc21fe77e8310c060f61caaff8a",
+        }
     r = trainer("image", "digest", root / "a.oci")
     assert r.stdout.strip() == world["a"]["manifest_digest"]
     assert trainer("image", "digest", root / "b.tar").stdout.strip() == world["a"]["manifest_digest"]
@@ -167,7 +217,9 @@ def test_validators_accept_the_sboms_and_they_list_every_input(world):
     purls = {p["externalRefs"][0]["referenceLocator"]: p for p in packages.values()}
     image = packages["SPDXRef-image"]
     assert image["checksums"] == [{"algorithm": "SHA256", "checksumValue": world["a"]["manifest_digest"][7:]}]
-    assert image["externalRefs"][0]["referenceLocator"] == f"pkg:oci/sbom-test@{world['a']['manifest_digest']}?arch=amd64"
+    assert (
+        image["externalRefs"][0]["referenceLocator"] == f"pkg:oci/sbom-test@{world['a']['manifest_digest']}?arch=amd64"
+    )
     deb = purls["pkg:deb/debian/tinybin@1.0-1?arch=amd64&distro=bookworm"]
     assert deb["checksums"][0]["checksumValue"] == lock["base"]["debs"][1]["sha256"]
     alpha = purls["pkg:pypi/alpha@1.0?file_name=alpha-1.0-py3-none-any.whl"]
@@ -179,13 +231,16 @@ def test_validators_accept_the_sboms_and_they_list_every_input(world):
     assert demo["checksums"][0]["checksumValue"] == lock["sources"][0]["archive"]["sha256"]
     assert demo["downloadLocation"] == f"git+https://github.com/example/demo.git@{commit}"
     assert len(packages) == 1 + 2 + 2 + 1
-    contains = {r["relatedSpdxElement"] for r in json.loads(spdx.stdout)["relationships"]
-                if r["relationshipType"] == "CONTAINS"}
+    contains = {
+        r["relatedSpdxElement"] for r in json.loads(spdx.stdout)["relationships"] if r["relationshipType"] == "CONTAINS"
+    }
     assert contains == set(packages) - {"SPDXRef-image"}
     doc = json.loads(cdx.stdout)
     assert doc["specVersion"] == "1.6" and doc["metadata"]["timestamp"] == "2026-01-01T00:00:00+00:00"
     assert doc["metadata"]["component"]["purl"] == image["externalRefs"][0]["referenceLocator"]
-    assert sorted(c["purl"] for c in doc["components"]) == sorted(set(purls) - {image["externalRefs"][0]["referenceLocator"]})
+    assert sorted(c["purl"] for c in doc["components"]) == sorted(
+        set(purls) - {image["externalRefs"][0]["referenceLocator"]}
+    )
 
 
 def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
@@ -197,9 +252,15 @@ def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
         if lock["base"]["type"] == "debian-rootfs":
             lock["base"]["debs"] = lock["base"]["debs"][:4]
         lock["wheels"], lock["sdists"] = lock["wheels"][:4], lock["sdists"][:2]
-        lock["sources"] = [{"name": "miles", "url": "https://github.com/radixark/miles.git",
-                            "commit": "78527b9102b3a5f15891128cbec3ac6c2dc4089e",
-                            "tree": "6d202c7215156941afe3e53e2d72babe49fb2875", "dest": "/root/miles"}]  # no archive
+        lock["sources"] = [
+            {
+                "name": "miles",
+                "url": "https://github.com/radixark/miles.git",
+                "commit": "78527b9102b3a5f15891128cbec3ac6c2dc4089e",
+                "tree": "6d202c7215156941afe3e53e2d72babe49fb2875",
+                "dest": "/root/miles",
+            }
+        ]  # no archive
         lock["builds"] = [{"name": "deepep", "version": "1.2.1", "sha256": "ab" * 32}]
         digest = "sha256:" + "cd" * 32
         spdx, cdx = sbom.spdx_json(lock, digest), sbom.cyclonedx_json(lock, digest)
@@ -213,18 +274,28 @@ def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
         assert miles["hashes"] == [{"alg": "SHA-1", "content": "6d202c7215156941afe3e53e2d72babe49fb2875"}]  # its tree
         assert "pkg:generic/deepep@1.2.1" in purls
         if name == "full":
-            assert ("pkg:oci/sglang@sha256:7b6a35df9839fd593a94a1eaee82d7777f472225d9f3ad1f8a2e0cb2bd1785d0"
-                    "?repository_url=docker.io/lmsysorg/sglang&tag=v0.5.16") in purls
+            assert (
+                "pkg:oci/sglang@sha256:7b6a35df9839fd593a94a1eaee82d7777f472225d9f3ad1f8a2e0cb2bd1785d0"
+                "?repository_url=docker.io/lmsysorg/sglang&tag=v0.5.16"
+            ) in purls
         else:
-            assert f"pkg:deb/debian/{lock['base']['debs'][0]['name']}@{lock['base']['debs'][0]['version']}" \
-                   f"?arch={lock['base']['debs'][0]['architecture']}&distro=bookworm" in {p.replace("%2B", "+") for p in purls}
+            assert (
+                f"pkg:deb/debian/{lock['base']['debs'][0]['name']}@{lock['base']['debs'][0]['version']}"
+                f"?arch={lock['base']['debs'][0]['architecture']}&distro=bookworm"
+                in {p.replace("%2B", "+") for p in purls}
+            )
 
 
 def step_layers(lock) -> list:
     """(name, diff_id) of an image of ``lock`` as the build passes them on, with made-up digests: its build
     steps' layers ``build-<name>`` (``sha256:<one byte per step, 32 times>``) between ``sources`` and ``bundle``."""
-    steps = [(f"build-{b['name']}", "sha256:" + f"{0xa1 + i:02x}" * 32) for i, b in enumerate(lock["builds"])]
-    return [("base", "sha256:" + "01" * 32), ("sources", "sha256:" + "02" * 32), *steps, ("bundle", "sha256:" + "03" * 32)]
+    steps = [(f"build-{b['name']}", "sha256:" + f"{0xA1 + i:02x}" * 32) for i, b in enumerate(lock["builds"])]
+    return [
+        ("base", "sha256:" + "01" * 32),
+        ("sources", "sha256:" + "02" * 32),
+        *steps,
+        ("bundle", "sha256:" + "03" * 32),
+    ]
 
 
 def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sboms_and_the_provenance():
@@ -278,14 +349,19 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
         wheels = buildroot.wheel_items(lock, step["wheels"], step["name"])
         assert used == {deb_purl(d).replace("+", "%2B") for d in root_debs} | {
             f"pkg:pypi/{canonical_name(w['name'])}@{w['version'].replace('+', '%2B')}?file_name={w['filename']}"
-            for w in wheels}, step["name"]
+            for w in wheels
+        }, step["name"]
         assert len(used) == 179 + len(wheels)
         source = step["input"].get("source") or step["input"]["sdist"]
         (generated,) = [b for a, b in relations["GENERATED_FROM"] if a == out]
         assert packages[generated]["name"] == canonical_name(source) if "sdist" in step["input"] else source
-        assert packages[generated]["comment"] == f"recipe-bundle lock: {'source' if 'source' in step['input'] else 'sdist'}"
+        assert (
+            packages[generated]["comment"]
+            == f"recipe-bundle lock: {'source' if 'source' in step['input'] else 'sdist'}"
+        )
     assert by_purl["pkg:github/deepseek-ai/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee"] in {
-        b for a, b in relations["GENERATED_FROM"] if a == "SPDXRef-build-deepep"}
+        b for a, b in relations["GENERATED_FROM"] if a == "SPDXRef-build-deepep"
+    }
     assert len(relations["BUILD_DEPENDENCY_OF"]) == 4 * 179 + 3 + 3 + 36 + 36
     contained = {b for a, b in relations["CONTAINS"] if a == "SPDXRef-image"}
     assert {f"SPDXRef-build-{s}" for s in outputs} <= contained
@@ -299,17 +375,25 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
     (formula,) = cdx["formulation"]
     transient = {c["bom-ref"]: c for c in formula["components"]}
     assert len(transient) == 69 + 6 + 2 and not set(transient) & set(components)
-    assert {r for r in transient if r.startswith("sdist:")} == {"sdist:antlr4-python3-runtime", "sdist:transformer-engine-torch"}
+    assert {r for r in transient if r.startswith("sdist:")} == {
+        "sdist:antlr4-python3-runtime",
+        "sdist:transformer-engine-torch",
+    }
     assert all(c["hashes"][0]["alg"] == "SHA-256" for c in transient.values())
     every_ref = set(components) | set(transient)
     workflows = {w["bom-ref"]: w for w in formula["workflows"]}
     assert sorted(workflows) == [f"build-step:{s}" for s in sorted(outputs)]
     deepep = workflows["build-step:deepep"]
-    assert deepep["taskTypes"] == ["build"] and deepep["outputs"] == [{"resource": {"ref": "build:deepep"}, "type": "artifact"}]
+    assert deepep["taskTypes"] == ["build"] and deepep["outputs"] == [
+        {"resource": {"ref": "build:deepep"}, "type": "artifact"}
+    ]
     refs = [i["resource"]["ref"] for i in deepep["inputs"] if "resource" in i]
     assert refs[0] == "source:deepep" and len(refs) == 1 + 179 + 36 and set(refs) <= every_ref
     assert {"name": "TORCH_CUDA_ARCH_LIST", "value": "9.0"} in deepep["inputs"][-1]["environmentVars"]
-    assert "TORCH_CUDA_ARCH_LIST" not in json.dumps(deepep["steps"]) and "pip wheel" in deepep["steps"][0]["commands"][0]["executed"]
+    assert (
+        "TORCH_CUDA_ARCH_LIST" not in json.dumps(deepep["steps"])
+        and "pip wheel" in deepep["steps"][0]["commands"][0]["executed"]
+    )
     (image_deps,) = [d for d in cdx["dependencies"] if d["ref"] == "image"]
     assert set(image_deps["dependsOn"]) == set(components)  # the image holds what is in its layers, not its build roots
 
@@ -322,12 +406,18 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
     assert sum(1 for d in resolved if (d.get("annotations") or {}).get("buildRoot") == "build_root.debs") == 69
     byproducts = {b["name"]: b for b in statement["predicate"]["runDetails"]["byproducts"]}
     assert byproducts["layer build-deepep"] == {
-        "name": "layer build-deepep", "digest": {"sha256": outputs["deepep"]},
+        "name": "layer build-deepep",
+        "digest": {"sha256": outputs["deepep"]},
         "mediaType": "application/vnd.oci.image.layer.v1.tar",
-        "annotations": {"buildStep": "deepep", "purl": "pkg:generic/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee",
-                        "builtFrom": "pkg:github/deepseek-ai/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee"}}
+        "annotations": {
+            "buildStep": "deepep",
+            "purl": "pkg:generic/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee",
+            "builtFrom": "pkg:github/deepseek-ai/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee",
+        },
+    }
     assert byproducts["layer build-transformer-engine-torch"]["annotations"]["builtFrom"] == (
-        "pkg:pypi/transformer-engine-torch@2.17.0?file_name=transformer_engine_torch-2.17.0.tar.gz")
+        "pkg:pypi/transformer-engine-torch@2.17.0?file_name=transformer_engine_torch-2.17.0.tar.gz"
+    )
 
 
 def test_the_stored_spdx_schema_refuses_the_spelling_spdx_tools_writes():
@@ -368,26 +458,66 @@ def make_step_world(root: Path):
     import gzip
 
     sdist.write_bytes(gzip.compress(buf.getvalue(), mtime=0))
-    python = {"version": "3.11", "platform": "x86_64-manylinux_2_36", "prefix": "/usr/local",
-              "site_packages": "/usr/local/lib/python3.11/dist-packages", "interpreter": "/usr/bin/python3.11"}
+    python = {
+        "version": "3.11",
+        "platform": "x86_64-manylinux_2_36",
+        "prefix": "/usr/local",
+        "site_packages": "/usr/local/lib/python3.11/dist-packages",
+        "interpreter": "/usr/bin/python3.11",
+    }
     lock["build_root"] = {
-        "suite": "bookworm", "variant": "essential", "include": ["cc-fake"], "links": {}, "python": python,
+        "suite": "bookworm",
+        "variant": "essential",
+        "include": ["cc-fake"],
+        "links": {},
+        "python": python,
         "debs": [dict(lock["base"]["debs"][0]), debian_base([(cc, "cc-fake", "1.0")])["debs"][0]],
-        "wheels": [{"name": "pip", "version": "25.3", "filename": pip.name, "sha256": sha(pip),
-                    "url": f"https://files.pythonhosted.org/packages/test/{pip.name}"}],
-        "requirements": ["pip==25.3"]}
-    lock["sdists"] = [{"name": "gamma", "version": "0.5", "filename": sdist.name, "group": "rest", "sha256": sha(sdist),
-                       "url": f"https://files.pythonhosted.org/packages/test/{sdist.name}"}]
+        "wheels": [
+            {
+                "name": "pip",
+                "version": "25.3",
+                "filename": pip.name,
+                "sha256": sha(pip),
+                "url": f"https://files.pythonhosted.org/packages/test/{pip.name}",
+            }
+        ],
+        "requirements": ["pip==25.3"],
+    }
+    lock["sdists"] = [
+        {
+            "name": "gamma",
+            "version": "0.5",
+            "filename": sdist.name,
+            "group": "rest",
+            "sha256": sha(sdist),
+            "url": f"https://files.pythonhosted.org/packages/test/{sdist.name}",
+        }
+    ]
     wheel_step = ["/bin/sh", "-euc", 'python3 -m pip wheel --no-index --no-deps --wheel-dir "$BUILD_OUT" .']
     lock["builds"] = [
-        {"name": "demo-ext", "input": {"source": "demo"}, "wheels": ["alpha", "pip"], "command": wheel_step,
-         "env": {"CC": "cc-fake"}, "install": {"type": "wheel"}},
-        {"name": "gamma", "input": {"sdist": "gamma"}, "wheels": ["pip"], "command": wheel_step, "env": {},
-         "install": {"type": "wheel"}}]
+        {
+            "name": "demo-ext",
+            "input": {"source": "demo"},
+            "wheels": ["alpha", "pip"],
+            "command": wheel_step,
+            "env": {"CC": "cc-fake"},
+            "install": {"type": "wheel"},
+        },
+        {
+            "name": "gamma",
+            "input": {"sdist": "gamma"},
+            "wheels": ["pip"],
+            "command": wheel_step,
+            "env": {},
+            "install": {"type": "wheel"},
+        },
+    ]
     lock_path.write_text(json.dumps(lock, indent=1))
     (root / "built").mkdir()
-    wheels = {"demo-ext": make_wheel(root / "built", "demo-ext", "0.3", {"demo_ext/__init__.py": b"V = 3\n"}),
-              "gamma": make_wheel(root / "built", "gamma", "0.5", {"gamma/__init__.py": b"V = 5\n"})}
+    wheels = {
+        "demo-ext": make_wheel(root / "built", "demo-ext", "0.3", {"demo_ext/__init__.py": b"V = 3\n"}),
+        "gamma": make_wheel(root / "built", "gamma", "0.5", {"gamma/__init__.py": b"V = 5\n"}),
+    }
     return lock_path, files + [cc, pip, sdist], bundle, wheels
 
 
@@ -415,8 +545,9 @@ def seed_step_outputs(lock_path: Path, cache_dir: Path, wheels, work: Path):
         for h in handles:
             h.close()
         cache.commit(tmp, info.diff_id[7:])
-        cache.put_layer_record(keys[step["name"]], {"diff_id": info.diff_id, "size": info.size,
-                                                    "layer": f"build-{step['name']}"})
+        cache.put_layer_record(
+            keys[step["name"]], {"diff_id": info.diff_id, "size": info.size, "layer": f"build-{step['name']}"}
+        )
         made[step["name"]] = info.diff_id
     return made
 
@@ -437,8 +568,15 @@ def stepped(tmp_path_factory):
 def test_an_image_with_build_steps_names_their_outputs_build_roots_and_built_distributions(stepped):
     layout, outputs = stepped["layout"], stepped["outputs"]
     layers = {l["name"]: l for l in stepped["built"]["layers"]}
-    assert [l["name"] for l in stepped["built"]["layers"]] == ["base", "torch", "rest", "sources", "build-demo-ext",
-                                                               "build-gamma", "bundle"]
+    assert [l["name"] for l in stepped["built"]["layers"]] == [
+        "base",
+        "torch",
+        "rest",
+        "sources",
+        "build-demo-ext",
+        "build-gamma",
+        "bundle",
+    ]
     for step, diff_id in outputs.items():
         assert (layers[f"build-{step}"]["diff_id"], layers[f"build-{step}"]["status"]) == (diff_id, "cached")
     spdx = trainer("image", "sbom", layout, "--validate")
@@ -447,46 +585,75 @@ def test_an_image_with_build_steps_names_their_outputs_build_roots_and_built_dis
     assert schema_errors("spdx", spdx.stdout) == [] and schema_errors("cyclonedx", cdx.stdout) == []
     doc = json.loads(spdx.stdout)
     packages = {p["SPDXID"]: p for p in doc["packages"]}
-    assert packages["SPDXRef-build-demo-ext"]["checksums"] == [{"algorithm": "SHA256",
-                                                                 "checksumValue": outputs["demo-ext"][7:]}]
-    assert packages["SPDXRef-build-gamma"]["checksums"] == [{"algorithm": "SHA256", "checksumValue": outputs["gamma"][7:]}]
+    assert packages["SPDXRef-build-demo-ext"]["checksums"] == [
+        {"algorithm": "SHA256", "checksumValue": outputs["demo-ext"][7:]}
+    ]
+    assert packages["SPDXRef-build-gamma"]["checksums"] == [
+        {"algorithm": "SHA256", "checksumValue": outputs["gamma"][7:]}
+    ]
     commit = json.loads(stepped["lock"].read_text())["sources"][0]["commit"]
     assert packages["SPDXRef-build-demo-ext"]["externalRefs"][0]["referenceLocator"] == f"pkg:generic/demo-ext@{commit}"
     assert packages["SPDXRef-build-root-deb-cc-fake"]["comment"].startswith("recipe-bundle lock: build_root.debs")
     relations = {(r["spdxElementId"], r["relationshipType"], r["relatedSpdxElement"]) for r in doc["relationships"]}
     built_from = {(a, b) for a, t, b in relations if t == "GENERATED_FROM"}
-    assert built_from == {("SPDXRef-build-demo-ext", "SPDXRef-source-demo"), ("SPDXRef-build-gamma", "SPDXRef-sdist-gamma")}
+    assert built_from == {
+        ("SPDXRef-build-demo-ext", "SPDXRef-source-demo"),
+        ("SPDXRef-build-gamma", "SPDXRef-sdist-gamma"),
+    }
     assert {(a, b) for a, t, b in relations if t == "BUILD_DEPENDENCY_OF"} == {
-        ("SPDXRef-deb-base-passwd", "SPDXRef-build-demo-ext"), ("SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-demo-ext"),
-        ("SPDXRef-wheel-alpha", "SPDXRef-build-demo-ext"), ("SPDXRef-build-root-wheel-pip", "SPDXRef-build-demo-ext"),
-        ("SPDXRef-deb-base-passwd", "SPDXRef-build-gamma"), ("SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-gamma"),
-        ("SPDXRef-build-root-wheel-pip", "SPDXRef-build-gamma")}
+        ("SPDXRef-deb-base-passwd", "SPDXRef-build-demo-ext"),
+        ("SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-demo-ext"),
+        ("SPDXRef-wheel-alpha", "SPDXRef-build-demo-ext"),
+        ("SPDXRef-build-root-wheel-pip", "SPDXRef-build-demo-ext"),
+        ("SPDXRef-deb-base-passwd", "SPDXRef-build-gamma"),
+        ("SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-gamma"),
+        ("SPDXRef-build-root-wheel-pip", "SPDXRef-build-gamma"),
+    }
     assert {b for a, t, b in relations if t == "CONTAINS"} == set(packages) - {
-        "SPDXRef-image", "SPDXRef-sdist-gamma", "SPDXRef-build-root-deb-cc-fake", "SPDXRef-build-root-wheel-pip"}
+        "SPDXRef-image",
+        "SPDXRef-sdist-gamma",
+        "SPDXRef-build-root-deb-cc-fake",
+        "SPDXRef-build-root-wheel-pip",
+    }
     bom = json.loads(cdx.stdout)
     assert sorted(c["bom-ref"] for c in bom["formulation"][0]["components"]) == [
-        "build-root-deb:cc-fake", "build-root-wheel:pip", "sdist:gamma"]
+        "build-root-deb:cc-fake",
+        "build-root-wheel:pip",
+        "sdist:gamma",
+    ]
     (workflow,) = [w for w in bom["formulation"][0]["workflows"] if w["bom-ref"] == "build-step:demo-ext"]
-    assert workflow["inputs"] == [{"resource": {"ref": r}} for r in (
-        "source:demo", "deb:base-passwd", "build-root-deb:cc-fake", "wheel:alpha", "build-root-wheel:pip")] + [
-        {"environmentVars": [{"name": "CC", "value": "cc-fake"}]}]
+    assert workflow["inputs"] == [
+        {"resource": {"ref": r}}
+        for r in ("source:demo", "deb:base-passwd", "build-root-deb:cc-fake", "wheel:alpha", "build-root-wheel:pip")
+    ] + [{"environmentVars": [{"name": "CC", "value": "cc-fake"}]}]
     statement = json.loads(trainer("image", "provenance", layout).stdout)
     resolved = statement["predicate"]["buildDefinition"]["resolvedDependencies"]
     assert all(d.get("digest") for d in resolved)
     lock = json.loads(stepped["lock"].read_text())
     assert {d["sha256"] for d in lock["build_root"]["debs"] + lock["build_root"]["wheels"]} <= {
-        d["digest"].get("sha256") for d in resolved}
+        d["digest"].get("sha256") for d in resolved
+    }
     byproduct = [b for b in statement["predicate"]["runDetails"]["byproducts"] if b["name"] == "layer build-gamma"]
-    assert byproduct == [{"name": "layer build-gamma", "digest": {"sha256": outputs["gamma"][7:]},
-                          "mediaType": "application/vnd.oci.image.layer.v1.tar",
-                          "annotations": {"buildStep": "gamma", "purl": "pkg:generic/gamma@0.5",
-                                          "builtFrom": "pkg:pypi/gamma@0.5?file_name=gamma-0.5.tar.gz"}}]
+    assert byproduct == [
+        {
+            "name": "layer build-gamma",
+            "digest": {"sha256": outputs["gamma"][7:]},
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+            "annotations": {
+                "buildStep": "gamma",
+                "purl": "pkg:generic/gamma@0.5",
+                "builtFrom": "pkg:pypi/gamma@0.5?file_name=gamma-0.5.tar.gz",
+            },
+        }
+    ]
 
 
 def test_image_diff_against_its_lock_counts_the_distributions_its_build_steps_installed(stepped, tmp_path):
     layout = stepped["layout"]
     same = trainer("image", "diff", layout, stepped["lock"])
-    assert (same.returncode, same.stdout.strip()) == (0, "identical"), same.stdout  # demo-ext 0.3 and gamma 0.5 are the lock's
+    assert (same.returncode, same.stdout.strip()) == (0, "identical"), (
+        same.stdout
+    )  # demo-ext 0.3 and gamma 0.5 are the lock's
     lock = json.loads(stepped["lock"].read_text())
     lock["builds"] = [b for b in lock["builds"] if b["name"] != "demo-ext"]  # a lock without the step
     other = tmp_path / "other.lock.json"
@@ -511,20 +678,25 @@ def test_provenance_names_the_image_the_lock_and_every_input(world):
     assert statement["predicateType"] == "https://slsa.dev/provenance/v1"
     assert statement["subject"] == [{"name": "sbom-test", "digest": {"sha256": world["a"]["manifest_digest"][7:]}}]
     definition = statement["predicate"]["buildDefinition"]
-    assert definition["externalParameters"] == {"lock": {"path": world["lock"].name, "sha256": sha(world["lock"])},
-                                                "revision": "test"}
+    assert definition["externalParameters"] == {
+        "lock": {"path": world["lock"].name, "sha256": sha(world["lock"])},
+        "revision": "test",
+    }
     lock = json.loads(world["lock"].read_text())
     digests = [d["digest"].get("sha256") for d in definition["resolvedDependencies"]]
     for item in lock["base"]["debs"] + lock["wheels"] + lock["sdists"]:
         assert item["sha256"] in digests
     assert {"gitCommit": lock["sources"][0]["commit"], "sha256": lock["sources"][0]["archive"]["sha256"]} in [
-        d["digest"] for d in definition["resolvedDependencies"]]
+        d["digest"] for d in definition["resolvedDependencies"]
+    ]
     bundle = [l for l in world["a"]["layers"] if l["name"] == "bundle"][0]
     assert {"sha256": bundle["diff_id"][7:]} in [d["digest"] for d in definition["resolvedDependencies"]]
     details = statement["predicate"]["runDetails"]
     assert details["builder"]["id"].endswith("/image-build@0.1.0") and details["metadata"] == {}
     byproducts = {b["mediaType"]: b["digest"]["sha256"] for b in details["byproducts"] if "name" in b}
-    assert byproducts["application/spdx+json"] == sha_bytes(referrer_blob(world["root"] / "a.oci", "application/spdx+json"))
+    assert byproducts["application/spdx+json"] == sha_bytes(
+        referrer_blob(world["root"] / "a.oci", "application/spdx+json")
+    )
 
 
 def sha_bytes(data: bytes) -> str:
@@ -536,24 +708,31 @@ def test_skopeo_and_umoci_still_read_the_image(world, tmp_path):
         if shutil.which(tool) is None:
             pytest.skip(f"{tool} not installed (bin/setup installs it)")
     layout = world["root"] / "a.oci"
-    inspect = json.loads(subprocess.run(["skopeo", "inspect", f"oci:{layout}:latest"], capture_output=True, text=True,
-                                        check=True).stdout)
+    inspect = json.loads(
+        subprocess.run(["skopeo", "inspect", f"oci:{layout}:latest"], capture_output=True, text=True, check=True).stdout
+    )
     assert inspect["Digest"] == world["a"]["manifest_digest"]
     assert inspect["Layers"] == [l["diff_id"] for l in world["a"]["layers"]]
-    subprocess.run(["skopeo", "copy", "-q", f"oci:{layout}:latest", f"oci:{tmp_path / 'copy'}:latest"], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["skopeo", "copy", "-q", f"oci:{layout}:latest", f"oci:{tmp_path / 'copy'}:latest"],
+        check=True,
+        capture_output=True,
+    )
     # skopeo re-serializes the manifest (another digest) but copies the same config and layers
     same = trainer("image", "diff", layout, tmp_path / "copy")
     assert (same.returncode, same.stdout.strip()) == (0, "identical")
-    subprocess.run(["umoci", "unpack", "--rootless", "--image", f"{layout}:latest", str(tmp_path / "u")], check=True,
-                   capture_output=True)
+    subprocess.run(
+        ["umoci", "unpack", "--rootless", "--image", f"{layout}:latest", str(tmp_path / "u")],
+        check=True,
+        capture_output=True,
+    )
     assert (tmp_path / "u/rootfs/usr/bin/hello").read_bytes() == b"#!/bin/sh\necho hello\n"
 
 
 def test_signed_provenance_verifies_with_the_public_key_and_with_in_toto(world, tmp_path):
+    from in_toto.exceptions import SignatureVerificationError
     from in_toto.models._signer import load_public_key_from_file
     from in_toto.models.metadata import Metadata
-    from in_toto.exceptions import SignatureVerificationError
 
     layout = world["root"] / "a.oci"
     r = trainer("verify", layout, "--key", world["pub"])
@@ -579,8 +758,12 @@ def test_ecdsa_p256_keys_sign_and_verify_and_in_toto_agrees(tmp_path):
     from trainer.record import attest
 
     _, pub, keyid = attest.keygen(tmp_path / "ec", "ecdsa")
-    statement = {"_type": attest.STATEMENT_TYPE, "subject": [{"name": "x", "digest": {"sha256": "ab" * 32}}],
-                 "predicateType": "https://example.invalid/p", "predicate": {}}
+    statement = {
+        "_type": attest.STATEMENT_TYPE,
+        "subject": [{"name": "x", "digest": {"sha256": "ab" * 32}}],
+        "predicateType": "https://example.invalid/p",
+        "predicate": {},
+    }
     data = attest.sign(json.dumps(statement).encode(), attest.load_signer(tmp_path / "ec"))
     assert attest.open_envelope(data, attest.load_public_key(pub), "e") == statement
     assert json.loads(data)["signatures"][0]["keyid"] == keyid
@@ -626,31 +809,45 @@ def test_bad_referrers_are_refused_with_one_line(world, tmp_path):
     before = sorted(p.name for p in tmp_path.iterdir())
     one_line(trainer("image", "sbom", cut), 2, "corrupt")
     # an SBOM altered and re-hashed consistently: the signed provenance names the original
-    altered = rewrite_referrer(layout, tmp_path / "altered.oci", "application/spdx+json",
-                               document=spdx.replace(b'"1.0"', b'"1.1"'))
+    altered = rewrite_referrer(
+        layout, tmp_path / "altered.oci", "application/spdx+json", document=spdx.replace(b'"1.0"', b'"1.1"')
+    )
     assert trainer("image", "sbom", altered).returncode == 0  # digests consistent, so only the signature can tell
     one_line(trainer("verify", altered, "--key", world["pub"]), 1, "application/spdx+json", "signed provenance names")
     # ... and a truncated one fails its validation
     truncated = rewrite_referrer(layout, tmp_path / "truncated.oci", "application/spdx+json", document=spdx[:200])
     one_line(trainer("image", "sbom", truncated, "--validate"), 2, "SPDX")
     cdx = referrer_blob(layout, "application/vnd.cyclonedx+json")
-    bad_cdx = rewrite_referrer(layout, tmp_path / "badcdx.oci", "application/vnd.cyclonedx+json",
-                               document=cdx.replace(b'"specVersion": "1.6"', b'"specVersion": 1.6'))
+    bad_cdx = rewrite_referrer(
+        layout,
+        tmp_path / "badcdx.oci",
+        "application/vnd.cyclonedx+json",
+        document=cdx.replace(b'"specVersion": "1.6"', b'"specVersion": 1.6'),
+    )
     one_line(trainer("image", "sbom", bad_cdx, "--format", "cyclonedx", "--validate"), 2, "CycloneDX")
     # a referrer whose subject is another image
-    other = rewrite_referrer(layout, tmp_path / "other.oci", "application/spdx+json", subject=world["v2"]["manifest_digest"])
-    one_line(trainer("image", "sbom", other), 2, "has subject", world["v2"]["manifest_digest"], "not this image's manifest")
+    other = rewrite_referrer(
+        layout, tmp_path / "other.oci", "application/spdx+json", subject=world["v2"]["manifest_digest"]
+    )
+    one_line(
+        trainer("image", "sbom", other), 2, "has subject", world["v2"]["manifest_digest"], "not this image's manifest"
+    )
     # an altered provenance: payload changed, signature kept
     envelope = json.loads(referrer_blob(layout, "application/vnd.dsse.envelope.v1+json"))
     statement = statement_of(json.dumps(envelope).encode())
     statement["predicate"]["buildDefinition"]["externalParameters"]["revision"] = "forged"
     envelope["payload"] = base64.b64encode(json.dumps(statement).encode()).decode()
-    forged = rewrite_referrer(layout, tmp_path / "forged.oci", "application/vnd.dsse.envelope.v1+json",
-                              document=json.dumps(envelope).encode())
+    forged = rewrite_referrer(
+        layout, tmp_path / "forged.oci", "application/vnd.dsse.envelope.v1+json", document=json.dumps(envelope).encode()
+    )
     one_line(trainer("verify", forged, "--key", world["pub"]), 1, "does not verify")
     # a truncated envelope
-    short = rewrite_referrer(layout, tmp_path / "short.oci", "application/vnd.dsse.envelope.v1+json",
-                             document=json.dumps(envelope).encode()[:100])
+    short = rewrite_referrer(
+        layout,
+        tmp_path / "short.oci",
+        "application/vnd.dsse.envelope.v1+json",
+        document=json.dumps(envelope).encode()[:100],
+    )
     one_line(trainer("verify", short, "--key", world["pub"]), 1, "not valid JSON")
     # a provenance signed for another image, attached to this one
     v2_statement = {**statement, "subject": [{"name": "x", "digest": {"sha256": world["v2"]["manifest_digest"][7:]}}]}
@@ -659,8 +856,9 @@ def test_bad_referrers_are_refused_with_one_line(world, tmp_path):
     resigned = attest.sign(json.dumps(v2_statement).encode(), attest.load_signer(world["key"]))
     moved = rewrite_referrer(layout, tmp_path / "moved.oci", "application/vnd.dsse.envelope.v1+json", document=resigned)
     one_line(trainer("verify", moved, "--key", world["pub"]), 1, "is not this image's manifest")
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before + ["altered.oci", "truncated.oci", "badcdx.oci",
-                                                                         "other.oci", "forged.oci", "short.oci", "moved.oci"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        before + ["altered.oci", "truncated.oci", "badcdx.oci", "other.oci", "forged.oci", "short.oci", "moved.oci"]
+    )
 
 
 def test_bad_keys_are_refused_and_nothing_is_written(world, tmp_path):
@@ -668,8 +866,22 @@ def test_bad_keys_are_refused_and_nothing_is_written(world, tmp_path):
     one_line(trainer("keygen", "--out", world["key"]), 2, "exists")
     assert world["pub"].read_bytes() == pub_before
     (tmp_path / "notakey").write_text("hello\n")
-    r = trainer("image", "build", "--lock", world["lock"], "--out", tmp_path / "o.oci", "--cache", world["cache"],
-                "--offline", "--bundle-root", world["bundle"], "-q", "--sign-key", tmp_path / "notakey")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        world["lock"],
+        "--out",
+        tmp_path / "o.oci",
+        "--cache",
+        world["cache"],
+        "--offline",
+        "--bundle-root",
+        world["bundle"],
+        "-q",
+        "--sign-key",
+        tmp_path / "notakey",
+    )
     one_line(r, 2, "--sign-key", "PKCS#8")
     assert not (tmp_path / "o.oci").exists()
     one_line(trainer("verify", world["root"] / "a.oci", "--key", tmp_path / "notakey"), 2, "not a PEM public key")
@@ -699,8 +911,23 @@ def test_the_readme_smoke_image_built_twice_carries_identical_documents(tmp_path
     assert trainer("keygen", "--out", key).returncode == 0
     out = []
     for name in ("one", "two"):
-        r = trainer("image", "build", "--lock", REPO_ROOT / "lockfiles/smoke.lock.json", "--out", tmp_path / f"{name}.oci",
-                    "--cache", cache, "--offline", "--revision", "0.1.0", "--sign-key", key, "--json", "-q")
+        r = trainer(
+            "image",
+            "build",
+            "--lock",
+            REPO_ROOT / "lockfiles/smoke.lock.json",
+            "--out",
+            tmp_path / f"{name}.oci",
+            "--cache",
+            cache,
+            "--offline",
+            "--revision",
+            "0.1.0",
+            "--sign-key",
+            key,
+            "--json",
+            "-q",
+        )
         assert r.returncode == 0, r.stderr
         out.append(json.loads(r.stdout))
     assert out[0]["manifest_digest"] == out[1]["manifest_digest"]

@@ -4,8 +4,6 @@ Every repository here is made by the test (two commits, an executable, a symlink
 ``git`` itself gives the expected commit and tree ids. A refused input must leave the cache as it was.
 """
 
-import helpers
-
 import hashlib
 import http.server
 import io
@@ -20,20 +18,22 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
+from image_fixtures import git_env, make_wheel, small_lock
 from trainer.errors import UserError
 from trainer.image.gittree import check_links_stay_inside, directory_tree_id, git_tree_id
-from image_fixtures import git_env, make_wheel, small_lock
 
 EPOCH = 1767225600
 
 
-
 trainer = helpers.run_trainer
 
+
 def git(repo: Path, *args: str) -> str:
-    return subprocess.run(["git", "-C", str(repo), *args], env=git_env(EPOCH), check=True, capture_output=True,
-                          text=True).stdout.strip()
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], env=git_env(EPOCH), check=True, capture_output=True, text=True
+    ).stdout.strip()
 
 
 def write(repo: Path, files):
@@ -58,8 +58,16 @@ def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("repo") / "demo"
     root.mkdir()
     git(root, "init", "-q")
-    write(root, {"README.md": b"demo\n", "demo/__init__.py": b"VERSION = 1\n", "demo/deep/x.txt": b"x\n",
-                 "bin/run": b"#!/bin/sh\necho run\n", "docs/latest": ("link", "../README.md")})
+    write(
+        root,
+        {
+            "README.md": b"demo\n",
+            "demo/__init__.py": b"VERSION = 1\n",
+            "demo/deep/x.txt": b"x\n",
+            "bin/run": b"#!/bin/sh\necho run\n",
+            "docs/latest": ("link", "../README.md"),
+        },
+    )
     os.chmod(root / "bin" / "run", 0o755)
     v1 = commit(root, "v1")
     write(root, {"demo/__init__.py": b"VERSION = 2\n"})
@@ -69,8 +77,15 @@ def repo(tmp_path_factory):
 
 def source(repo, version="v1", **extra):
     c, t = repo[version]
-    return {"name": "demo", "url": "https://example.invalid/demo", "commit": c, "tree": t, "dest": "/opt/src/demo",
-            "python_path": True, **extra}
+    return {
+        "name": "demo",
+        "url": "https://example.invalid/demo",
+        "commit": c,
+        "tree": t,
+        "dest": "/opt/src/demo",
+        "python_path": True,
+        **extra,
+    }
 
 
 def lock_file(tmp: Path, repo, version="v1", **extra) -> Path:
@@ -87,8 +102,11 @@ def snapshot(root: Path):
     """Every file under ``root`` with its sha256: what a refused input must leave unchanged."""
     if not root.exists():
         return {}
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and "tmp" not in p.relative_to(root).parts}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "tmp" not in p.relative_to(root).parts
+    }
 
 
 def build(tmp: Path, lock: Path, cache: Path, name: str):
@@ -98,8 +116,22 @@ def build(tmp: Path, lock: Path, cache: Path, name: str):
     bundle = tmp / "bundle"
     (bundle / "conf").mkdir(parents=True, exist_ok=True)
     (bundle / "conf" / "x.yaml").write_text("a: 1\n")
-    r = trainer("image", "build", "--lock", lock, "--out", tmp / name, "--cache", cache, "--offline",
-                "--bundle-root", bundle, "--revision", "test", "--json")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock,
+        "--out",
+        tmp / name,
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        bundle,
+        "--revision",
+        "test",
+        "--json",
+    )
     return r
 
 
@@ -122,16 +154,18 @@ def test_tree_id_matches_git_for_modes_links_and_nesting(repo, tmp_path):
 def test_add_git_seeds_builds_and_the_image_holds_the_tree(repo, tmp_path):
     cache = tmp_path / "cas"
     lock = lock_file(tmp_path, repo)
-    r = trainer("cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v1"][0][:10], "--lock", lock,
-                "--json")
+    r = trainer(
+        "cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v1"][0][:10], "--lock", lock, "--json"
+    )
     assert r.returncode == 0, r.stderr
     added = json.loads(r.stdout)
     assert (added["commit"], added["tree"], added["files"]) == (repo["v1"][0], repo["v1"][1], 5)
     # a bare clone serves the same way and stores the same blob
     bare = tmp_path / "bare.git"
     subprocess.run(["git", "clone", "-q", "--bare", str(repo["path"]), str(bare)], check=True)
-    r2 = trainer("cache", "--cache", tmp_path / "cas-bare", "add-git", bare, "--commit", repo["v1"][0], "--lock", lock,
-                 "--json")
+    r2 = trainer(
+        "cache", "--cache", tmp_path / "cas-bare", "add-git", bare, "--commit", repo["v1"][0], "--lock", lock, "--json"
+    )
     assert r2.returncode == 0, r2.stderr
     assert json.loads(r2.stdout)["sha256"] == added["sha256"]
     r = build(tmp_path, lock, cache, "img")
@@ -142,25 +176,49 @@ def test_add_git_seeds_builds_and_the_image_holds_the_tree(repo, tmp_path):
         names = {m.name: m for m in tar.getmembers()}
         assert tar.extractfile("opt/src/demo/demo/__init__.py").read() == b"VERSION = 1\n"
         assert names["opt/src/demo/bin/run"].mode == 0o755
-        assert names["opt/src/demo/docs/latest"].issym() and names["opt/src/demo/docs/latest"].linkname == "../README.md"
+        assert (
+            names["opt/src/demo/docs/latest"].issym() and names["opt/src/demo/docs/latest"].linkname == "../README.md"
+        )
         pth = tar.extractfile("usr/local/lib/python3.12/site-packages/recipe-bundle-sources.pth").read()
         assert pth == b"/opt/src/demo\n"
-    stamp = json.loads(subprocess.run(["tar", "-xOf", str(tmp_path / "img" / "blobs" / "sha256" / layers["bundle"][7:]),
-                                       "etc/recipe-bundle/lock.json"], capture_output=True, check=True).stdout)
-    assert stamp["sources"]["demo"] == {"commit": repo["v1"][0], "tree": repo["v1"][1],
-                                        "url": "https://example.invalid/demo", "dest": "/opt/src/demo"}
+    stamp = json.loads(
+        subprocess.run(
+            [
+                "tar",
+                "-xOf",
+                str(tmp_path / "img" / "blobs" / "sha256" / layers["bundle"][7:]),
+                "etc/recipe-bundle/lock.json",
+            ],
+            capture_output=True,
+            check=True,
+        ).stdout
+    )
+    assert stamp["sources"]["demo"] == {
+        "commit": repo["v1"][0],
+        "tree": repo["v1"][1],
+        "url": "https://example.invalid/demo",
+        "dest": "/opt/src/demo",
+    }
 
 
 def _tar_of_tree(repo, version, compress=""):
-    return subprocess.run(["git", "-C", str(repo["path"]), "archive", f"--format=tar{compress}", "--prefix=demo-x/",
-                           repo[version][0]], capture_output=True, check=True).stdout
+    return subprocess.run(
+        ["git", "-C", str(repo["path"]), "archive", f"--format=tar{compress}", "--prefix=demo-x/", repo[version][0]],
+        capture_output=True,
+        check=True,
+    ).stdout
 
 
 def test_archive_formats_of_one_tree_give_one_layer(repo, tmp_path):
     """git archive tar, tar.gz and zip, and a zip made by Python's zipfile: the same sources layer digest."""
-    archives = {"tar": _tar_of_tree(repo, "v1"),
-                "zip": subprocess.run(["git", "-C", str(repo["path"]), "archive", "--format=zip", "--prefix=demo-x/",
-                                       repo["v1"][0]], capture_output=True, check=True).stdout}
+    archives = {
+        "tar": _tar_of_tree(repo, "v1"),
+        "zip": subprocess.run(
+            ["git", "-C", str(repo["path"]), "archive", "--format=zip", "--prefix=demo-x/", repo["v1"][0]],
+            capture_output=True,
+            check=True,
+        ).stdout,
+    }
     archives["tar.gz"] = subprocess.run(["gzip", "-n"], input=archives["tar"], capture_output=True, check=True).stdout
     own = io.BytesIO()
     with zipfile.ZipFile(own, "w") as z:  # directories left out, Unix modes set by hand
@@ -169,7 +227,7 @@ def test_archive_formats_of_one_tree_give_one_layer(repo, tmp_path):
                 if m.isdir():
                     continue
                 info = zipfile.ZipInfo(m.name)
-                info.external_attr = ((0o120777 if m.issym() else 0o100000 | m.mode) << 16)
+                info.external_attr = (0o120777 if m.issym() else 0o100000 | m.mode) << 16
                 z.writestr(info, m.linkname.encode() if m.issym() else tar.extractfile(m).read())
     archives["python-zip"] = own.getvalue()
     digests = set()
@@ -204,9 +262,16 @@ def test_fetch_downloads_an_archive_and_checks_its_tree(repo, tmp_path):
     thread.start()
     try:
         base = f"http://127.0.0.1:{server.server_address[1]}/"
-        lock = lock_file(tmp_path, repo, "v2", archive={"filename": "demo.tar.gz",
-                                                        "sha256": hashlib.sha256(data).hexdigest(),
-                                                        "url": base + "demo.tar.gz"})
+        lock = lock_file(
+            tmp_path,
+            repo,
+            "v2",
+            archive={
+                "filename": "demo.tar.gz",
+                "sha256": hashlib.sha256(data).hexdigest(),
+                "url": base + "demo.tar.gz",
+            },
+        )
         cache = tmp_path / "cas"
         wheel = next((tmp_path / "wheels").glob("*.whl"))
         assert trainer("cache", "--cache", cache, "add", wheel).returncode == 0
@@ -240,26 +305,43 @@ def test_add_git_refusals_store_nothing(repo, tmp_path):
     line = refused(["cache", "--cache", cache, "add-git", repo["path"], "--commit", absent, "--lock", lock], cache)
     assert f"commit {absent} is not in this repository" in line
     # v2 is not what the lock pins
-    line = refused(["cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v2"][0], "--lock", lock], cache)
+    line = refused(
+        ["cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v2"][0], "--lock", lock], cache
+    )
     assert "is not pinned by any lock given" in line
     # the lock pins v1's commit with another tree
     bad = json.loads(lock.read_text())
     bad["sources"][0]["tree"] = repo["v2"][1]
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    line = refused(["cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v1"][0], "--lock",
-                    tmp_path / "bad.json"], cache)
+    line = refused(
+        [
+            "cache",
+            "--cache",
+            cache,
+            "add-git",
+            repo["path"],
+            "--commit",
+            repo["v1"][0],
+            "--lock",
+            tmp_path / "bad.json",
+        ],
+        cache,
+    )
     assert f"has tree {repo['v1'][1]} for this commit" in line and f"pins {repo['v2'][1]}" in line
     line = refused(["cache", "--cache", cache, "add-git", tmp_path, "--commit", repo["v1"][0], "--lock", lock], cache)
     assert "not a git repository" in line
 
 
-@pytest.mark.parametrize("links, why", [
-    ({"esc": "../../etc/passwd"}, "resolves outside the source tree"),
-    ({"abs": "/etc/shadow"}, "absolute target"),
-    # each link alone stays inside lexically; through the chain, esc leaves the tree
-    ({"top/up": "..", "top/esc": "up/../../etc/shadow"}, "resolves outside the source tree"),
-    ({"a": "b", "b": "a"}, "a loop"),
-])
+@pytest.mark.parametrize(
+    "links, why",
+    [
+        ({"esc": "../../etc/passwd"}, "resolves outside the source tree"),
+        ({"abs": "/etc/shadow"}, "absolute target"),
+        # each link alone stays inside lexically; through the chain, esc leaves the tree
+        ({"top/up": "..", "top/esc": "up/../../etc/shadow"}, "resolves outside the source tree"),
+        ({"a": "b", "b": "a"}, "a loop"),
+    ],
+)
 def test_symlink_escapes_are_refused(links, why, tmp_path):
     with pytest.raises(UserError, match=why):
         check_links_stay_inside(links, "source t")
@@ -282,14 +364,31 @@ def test_links_inside_the_tree_pass():
 def test_tampered_cached_tree_is_refused_at_build(repo, tmp_path):
     cache = tmp_path / "cas"
     lock = lock_file(tmp_path, repo)
-    assert trainer("cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v1"][0], "--lock",
-                   lock).returncode == 0
+    assert (
+        trainer(
+            "cache", "--cache", cache, "add-git", repo["path"], "--commit", repo["v1"][0], "--lock", lock
+        ).returncode
+        == 0
+    )
     wheel = next((tmp_path / "wheels").glob("*.whl"))
     assert trainer("cache", "--cache", cache, "add", wheel).returncode == 0
     # point the tree index at another blob that holds other files (v2): its tree id gives it away
     other = tmp_path / "cas-v2"
-    assert trainer("cache", "--cache", other, "add-git", repo["path"], "--commit", repo["v2"][0], "--tree",
-                   repo["v2"][1], "--json").returncode == 0
+    assert (
+        trainer(
+            "cache",
+            "--cache",
+            other,
+            "add-git",
+            repo["path"],
+            "--commit",
+            repo["v2"][0],
+            "--tree",
+            repo["v2"][1],
+            "--json",
+        ).returncode
+        == 0
+    )
     v2_record = json.loads((other / "trees" / f"{repo['v2'][1]}.json").read_text())
     blob = other / "sha256" / v2_record["sha256"]
     assert trainer("cache", "--cache", cache, "add", blob).returncode == 0
@@ -328,15 +427,23 @@ def test_verify_compares_the_image_stamps_sources(tmp_path):
     from trainer.record.verify import read_lock, verify
 
     stack = json.loads((REPO_ROOT / "lockfiles" / "stack.json").read_text())["components"]
-    stamp = {"lock": {"name": "x"}, "distributions": {}, "python": {"version": "3.11"},
-             "sources": {"megatron_lm": stack["megatron_lm"], "miles": stack["miles"]}}
+    stamp = {
+        "lock": {"name": "x"},
+        "distributions": {},
+        "python": {"version": "3.11"},
+        "sources": {"megatron_lm": stack["megatron_lm"], "miles": stack["miles"]},
+    }
     path = tmp_path / "stamp-lock.json"
     path.write_text(json.dumps(stamp))
     pins = read_lock(path)
     assert pins["megatron_lm_tree"] == "a37cb22fbe3089d8c8ec617a42e8c623ea1679e3"
-    probe = {"python": "3.11.2", "megatron_lm_commit": stack["megatron_lm"]["commit"],
-             "megatron_lm_tree": stack["megatron_lm"]["tree"], "miles_commit": stack["miles"]["commit"],
-             "miles_tree": "f" * 40}
+    probe = {
+        "python": "3.11.2",
+        "megatron_lm_commit": stack["megatron_lm"]["commit"],
+        "megatron_lm_tree": stack["megatron_lm"]["tree"],
+        "miles_commit": stack["miles"]["commit"],
+        "miles_tree": "f" * 40,
+    }
     rows = {r["component"]: r["verdict"] for r in verify({"probe": probe}, pins, {})}
     assert rows["megatron_lm_commit"] == rows["megatron_lm_tree"] == rows["miles_commit"] == rows["python"] == "ok"
     assert rows["miles_tree"] == "drift"
@@ -368,15 +475,27 @@ def _crafted_tar(members):
     return out.getvalue()
 
 
-@pytest.mark.parametrize("members, why", [
-    ([("top/ok", "file", b"1"), ("top/../../escape", "file", b"x")], "'..' in path"),
-    ([("top/ok", "file", b"1"), ("top/d", "link", "ok"), ("top/d/x", "file", b"x")], "d/x lies under the symlink d"),
-    ([("top/ok", "file", b"1"), ("other/x", "file", b"x")], "expected one top-level directory"),
-    ([("top/up", "link", ".."), ("top/esc", "link", "up/../../etc/shadow")], "resolves outside the source tree"),
-    # a path both a file and a directory, in both orders: no git tree holds it
-    ([("top/README.md/evil.py", "file", b"x"), ("top/README.md", "file", b"demo\n")], "both a file and a directory"),
-    ([("top/README.md", "file", b"demo\n"), ("top/README.md/evil.py", "file", b"x")], "both a file and a directory"),
-])
+@pytest.mark.parametrize(
+    "members, why",
+    [
+        ([("top/ok", "file", b"1"), ("top/../../escape", "file", b"x")], "'..' in path"),
+        (
+            [("top/ok", "file", b"1"), ("top/d", "link", "ok"), ("top/d/x", "file", b"x")],
+            "d/x lies under the symlink d",
+        ),
+        ([("top/ok", "file", b"1"), ("other/x", "file", b"x")], "expected one top-level directory"),
+        ([("top/up", "link", ".."), ("top/esc", "link", "up/../../etc/shadow")], "resolves outside the source tree"),
+        # a path both a file and a directory, in both orders: no git tree holds it
+        (
+            [("top/README.md/evil.py", "file", b"x"), ("top/README.md", "file", b"demo\n")],
+            "both a file and a directory",
+        ),
+        (
+            [("top/README.md", "file", b"demo\n"), ("top/README.md/evil.py", "file", b"x")],
+            "both a file and a directory",
+        ),
+    ],
+)
 def test_crafted_archives_are_refused_at_build(members, why, repo, tmp_path):
     data = _crafted_tar(members)
     path = tmp_path / "crafted.tar"
@@ -422,8 +541,9 @@ def test_non_utf8_names_hash_the_same_from_git_zip_and_tar(tmp_path):
     from trainer.image.sources import verified_files
 
     for fmt in ("tar", "zip"):
-        data = subprocess.run(["git", "-C", str(work), "archive", f"--format={fmt}", "--prefix=n/", c],
-                              capture_output=True, check=True).stdout
+        data = subprocess.run(
+            ["git", "-C", str(work), "archive", f"--format={fmt}", "--prefix=n/", c], capture_output=True, check=True
+        ).stdout
         path = tmp_path / f"n.{fmt}"
         path.write_bytes(data)
         assert set(verified_files(path, src)) == {os.fsdecode(b"caf\xe9.txt")}, fmt
@@ -453,7 +573,9 @@ def test_add_archive_takes_an_archive_of_a_pinned_tree_and_refuses_any_other(tmp
     from trainer.image.sources import add_archive, cached_archive
 
     archive, commit, tree = make_git_source(tmp_path / "git", "demo", {"demo/a.py": b"A = 1\n"}, 1767225600)
-    pins = [{"name": "demo", "url": "https://example.invalid/demo", "commit": commit, "tree": tree, "where": "x.lock.json"}]
+    pins = [
+        {"name": "demo", "url": "https://example.invalid/demo", "commit": commit, "tree": tree, "where": "x.lock.json"}
+    ]
     cache = Cache(tmp_path / "cache")
     with pytest.raises(UserError, match=f"hash to git tree {tree}, which no lock given pins"):
         add_archive(cache, archive, [])
@@ -468,6 +590,7 @@ def test_add_archive_takes_an_archive_of_a_pinned_tree_and_refuses_any_other(tmp
     r = helpers.run_trainer("cache", "--cache", tmp_path / "cache2", "add-archive", other, "--tree", tree)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and f"hash to git tree {other_tree}" in r.stderr, r.stderr
     assert not (tmp_path / "cache2" / "trees").exists() or not list((tmp_path / "cache2" / "trees").iterdir())
+
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -1,8 +1,6 @@
 """launcher=local-image: a real image built from a lock, unpacked by digest with umoci and probed inside with
 bubblewrap; `trainer verify` checks the image's stamped lock against what the probe saw inside."""
 
-import helpers
-
 import hashlib
 import json
 import shutil
@@ -11,13 +9,15 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import run_train
 from image_fixtures import make_git_source, make_wheel, small_lock
 from trainer.launch.host.local_image import HOST_MOUNT, elf_interpreter
 
-pytestmark = pytest.mark.skipif(shutil.which("umoci") is None or shutil.which("bwrap") is None,
-                                reason="umoci and bubblewrap (Debian umoci, bubblewrap) are not installed")
-
+pytestmark = pytest.mark.skipif(
+    shutil.which("umoci") is None or shutil.which("bwrap") is None,
+    reason="umoci and bubblewrap (Debian umoci, bubblewrap) are not installed",
+)
 
 
 trainer = helpers.run_trainer
@@ -31,6 +31,7 @@ def rootfs_cache(tmp_path_factory, monkeypatch):
     """Every test's unpacked images in one cache of this module's own (TRAINER_ROOTFS_CACHE), not the user's."""
     monkeypatch.setenv("TRAINER_ROOTFS_CACHE", str(tmp_path_factory.getbasetemp() / "rootfs-cache"))
 
+
 @pytest.fixture(scope="module")
 def image(tmp_path_factory):
     root = tmp_path_factory.mktemp("image")
@@ -39,22 +40,45 @@ def image(tmp_path_factory):
     wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n", "alpha/smb.conf": PLANTED.encode()})
     # stand-ins for the recipe's git sources, installed as the recipe's locks install miles and Megatron-LM
     sources, archives = [], []
-    for name, files in (("miles", {"miles/__init__.py": b"NAME = 'miles'\n"}),
-                        ("megatron_lm", {"megatron/core/package_info.py": b"MAJOR = 0\nMINOR = 16\nPATCH = 0\n"
-                                                                            b"PRE_RELEASE = 'rc0'\n"})):
+    for name, files in (
+        ("miles", {"miles/__init__.py": b"NAME = 'miles'\n"}),
+        ("megatron_lm", {"megatron/core/package_info.py": b"MAJOR = 0\nMINOR = 16\nPATCH = 0\nPRE_RELEASE = 'rc0'\n"}),
+    ):
         archive, commit, tree = make_git_source(root / "git", name, files, 1767225600)
         archives.append(archive)
-        sources.append({"name": name, "url": f"https://example.invalid/{name}", "commit": commit, "tree": tree,
-                        "dest": f"/root/{name}", "python_path": True,
-                        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()}})
+        sources.append(
+            {
+                "name": name,
+                "url": f"https://example.invalid/{name}",
+                "commit": commit,
+                "tree": tree,
+                "dest": f"/root/{name}",
+                "python_path": True,
+                "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
+            }
+        )
     lock = small_lock("local-image-test", 1767225600, [(wheel, "alpha", "1.0", "rest")], sources)
     (root / "lock.json").write_text(json.dumps(lock))
     (root / "bundle" / "conf").mkdir(parents=True)
     (root / "bundle" / "conf" / "x.yaml").write_text("a: 1\n")
     for path in [wheel, *archives]:
         assert trainer("cache", "--cache", root / "cas", "add", path).returncode == 0
-    out = trainer("image", "build", "--lock", root / "lock.json", "--out", root / "oci", "--cache", root / "cas",
-                  "--offline", "--bundle-root", root / "bundle", "--revision", "test", "--json")
+    out = trainer(
+        "image",
+        "build",
+        "--lock",
+        root / "lock.json",
+        "--out",
+        root / "oci",
+        "--cache",
+        root / "cas",
+        "--offline",
+        "--bundle-root",
+        root / "bundle",
+        "--revision",
+        "test",
+        "--json",
+    )
     assert out.returncode == 0, out.stderr
     return {"layout": root / "oci", "digest": json.loads(out.stdout)["manifest_digest"], "sources": sources}
 
@@ -62,8 +86,17 @@ def image(tmp_path_factory):
 def launch(tmp_path, image, digest=None, *extra):
     tmp_path.mkdir(parents=True, exist_ok=True)
     run_dir = tmp_path / "run"
-    result = run_train(["experiment=smoke", "launcher=local-image", f"launcher.image={digest or image['digest']}",
-                        f"launcher.image_layout={image['layout']}", f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
+    result = run_train(
+        [
+            "experiment=smoke",
+            "launcher=local-image",
+            f"launcher.image={digest or image['digest']}",
+            f"launcher.image_layout={image['layout']}",
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=tmp_path,
+    )
     return result, run_dir
 
 
@@ -74,8 +107,11 @@ def test_git_sources_in_the_image_are_probed_from_their_files(tmp_path, image):
     assert result.returncode == 0, result.stdout + result.stderr
     probe = json.loads((run_dir / "record.json").read_text())["probe"]["ranks"][0]
     pins = {s["name"]: s for s in image["sources"]}
-    assert probe["sources"]["miles"] == {"commit": pins["miles"]["commit"], "tree": pins["miles"]["tree"],
-                                         "path": "/root/miles"}
+    assert probe["sources"]["miles"] == {
+        "commit": pins["miles"]["commit"],
+        "tree": pins["miles"]["tree"],
+        "path": "/root/miles",
+    }
     assert probe["megatron_lm_tree"] == pins["megatron_lm"]["tree"]
     assert probe["components"]["megatron_core"] == "0.16.0rc0"
     rows = {r["component"]: r["verdict"] for r in json.loads(trainer("verify", run_dir, "--json").stdout)["rows"]}
@@ -99,6 +135,7 @@ def test_probe_inside_the_image_and_verify_against_its_stamp(tmp_path, image):
     stamp = (run_dir / "image" / "lock.json").read_bytes()
     assert probe["image"]["digest"] == image["digest"]
     import hashlib
+
     assert probe["image"]["lock.json"]["sha256"] == hashlib.sha256(stamp).hexdigest() == record["image"]["stamp_sha256"]
     # only the image's site-packages are visible inside: none of the launcher environment's packages
     assert probe["distributions"] == {"alpha": "1.0"}
@@ -113,7 +150,9 @@ def test_probe_inside_the_image_and_verify_against_its_stamp(tmp_path, image):
 
 
 def test_a_job_inside_the_image_that_fails_is_recorded(tmp_path, image):
-    result, run_dir = launch(tmp_path, image, None, "launcher.job=[python3,-c,'import alpha, sys; sys.exit(alpha.X + 6)']")
+    result, run_dir = launch(
+        tmp_path, image, None, "launcher.job=[python3,-c,'import alpha, sys; sys.exit(alpha.X + 6)']"
+    )
     assert result.returncode == 1
     record = json.loads((run_dir / "record.json").read_text())
     assert record["status"] == "failed"
@@ -125,7 +164,9 @@ def test_every_file_the_launcher_writes_is_hashed_in_the_record(tmp_path, image)
     result, run_dir = launch(tmp_path, image, None, "launcher.job=[python3,-c,pass]")
     assert result.returncode == 0, result.stderr
     hashes = json.loads((run_dir / "record.json").read_text())["files_sha256"]
-    assert {"sandbox.json", "argv.json", "job.json", "probes/image.json", "logs/unpack.log", "logs/probe.log"} <= set(hashes)
+    assert {"sandbox.json", "argv.json", "job.json", "probes/image.json", "logs/unpack.log", "logs/probe.log"} <= set(
+        hashes
+    )
     for name, digest in hashes.items():
         assert hashlib.sha256((run_dir / name).read_bytes()).hexdigest() == digest, name
 
@@ -139,7 +180,7 @@ def test_the_run_directory_holds_records_and_the_image_stays_read_only(tmp_path,
 
     monkeypatch.setenv("TRAINER_ROOTFS_CACHE", str(tmp_path / "own-cache"))
 
-    job = "launcher.job=[python3,-c,'open(\"/usr/written\",\"w\")']"
+    job = 'launcher.job=[python3,-c,\'open("/usr/written","w")\']'
     result, run_dir = launch(tmp_path / "a", image, None, job)
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Read-only file system" in (run_dir / "logs" / "job.log").read_text()
@@ -177,7 +218,7 @@ def test_secrets_in_the_image_are_redacted_its_words_are_not_and_every_hash_hold
     result, run_dir = launch(tmp_path, image, None, job, f"+env.HF_TOKEN={SECRET}", "--sign-key", str(tmp_path / "key"))
     assert result.returncode == 0, result.stdout + result.stderr
     log = (run_dir / "logs" / "job.log").read_text()
-    assert SECRET not in log and f"token <redacted>" in log
+    assert SECRET not in log and "token <redacted>" in log
     assert WORDS in log and "SMB_PASSWORD=<redacted>" in log and "USERNAME: username" in log  # not a secret name
     texts = {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
     assert not [name for name, data in texts.items() if SECRET.encode() in data]
@@ -205,15 +246,22 @@ def test_a_link_in_the_image_never_reads_a_file_of_this_machine(tmp_path):
     host_file = tmp_path / "host-secret.json"
     host_file.write_text('{"lock": "forged", "python": {"version": "3.11.7"}, "distributions": {}, "sources": {}}')
     layout, bundle = tmp_path / "layout", tmp_path / "bundle"
-    for command in (["umoci", "init", "--layout", layout], ["umoci", "new", "--image", f"{layout}:t"],
-                    ["umoci", "unpack", "--image", f"{layout}:t", bundle]):
+    for command in (
+        ["umoci", "init", "--layout", layout],
+        ["umoci", "new", "--image", f"{layout}:t"],
+        ["umoci", "unpack", "--image", f"{layout}:t", bundle],
+    ):
         subprocess.run([str(c) for c in command], check=True, capture_output=True)
     stamp = bundle / "rootfs" / "etc" / "recipe-bundle" / "lock.json"
     stamp.parent.mkdir(parents=True)
     stamp.symlink_to(host_file)
     subprocess.run(["umoci", "repack", "--image", f"{layout}:t", str(bundle)], check=True, capture_output=True)
     index = json.loads((layout / "index.json").read_text())
-    digest = next(m["digest"] for m in index["manifests"] if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == "t")
+    digest = next(
+        m["digest"]
+        for m in index["manifests"]
+        if m.get("annotations", {}).get("org.opencontainers.image.ref.name") == "t"
+    )
     result, run_dir = launch(tmp_path / "run", {"layout": layout}, digest)
     assert result.returncode == 0, result.stdout + result.stderr
     record = json.loads((run_dir / "record.json").read_text())

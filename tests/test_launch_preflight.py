@@ -1,8 +1,6 @@
 """The preflight comparison of per-node probes (trainer.launch.preflight): real probes of this machine, one node
 changed per case, and the command line the generated sbatch.sh runs."""
 
-import helpers
-
 import copy
 import json
 import subprocess
@@ -10,6 +8,7 @@ import sys
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 from trainer.launch import preflight
 from trainer.probe import probe
@@ -21,7 +20,9 @@ DIGEST = "sha256:" + "ab" * 32
 def base():
     info = probe()
     info["image"] = {"digest": DIGEST, "lock.json": {"sha256": "cd" * 32}}
-    info["torch"] = dict(info["torch"] or {}, nccl="2.28.9", gpus=[{"name": "NVIDIA H200", "memory_bytes": 150_000_000_000}] * 8)
+    info["torch"] = dict(
+        info["torch"] or {}, nccl="2.28.9", gpus=[{"name": "NVIDIA H200", "memory_bytes": 150_000_000_000}] * 8
+    )
     info["driver"] = "580.95.05"
     info["nccl_net_plugin"] = {"env": None, "loaded": ["/opt/amazon/ofi-nccl/lib/libnccl-net-ofi.so"]}
     return info
@@ -41,12 +42,29 @@ def test_one_node_with_another_nccl_is_named_with_the_field(base):
     report = preflight.compare(probes, expect_gpus=8)
     assert not report.ok
     assert [(d.node, d.field, d.value, d.expected) for d in report.differences] == [
-        ("node2", "NCCL net plugin", "-", "libnccl-net-ofi.so"), ("node5", "NCCL", "2.27.3", "2.28.9")]
-    assert report.reason() == ("preflight: 2 of 8 node(s) differ: node2: NCCL net plugin - != libnccl-net-ofi.so | "
-                               "node5: NCCL 2.27.3 != 2.28.9")
+        ("node2", "NCCL net plugin", "-", "libnccl-net-ofi.so"),
+        ("node5", "NCCL", "2.27.3", "2.28.9"),
+    ]
+    assert report.reason() == (
+        "preflight: 2 of 8 node(s) differ: node2: NCCL net plugin - != libnccl-net-ofi.so | "
+        "node5: NCCL 2.27.3 != 2.28.9"
+    )
     table = report.table().splitlines()
-    assert table[0].split() == ["node", "image", "digest", "image", "stamp", "python", "torch", "NCCL", "NCCL", "net",
-                                "plugin", "driver", "GPUs"]
+    assert table[0].split() == [
+        "node",
+        "image",
+        "digest",
+        "image",
+        "stamp",
+        "python",
+        "torch",
+        "NCCL",
+        "NCCL",
+        "net",
+        "plugin",
+        "driver",
+        "GPUs",
+    ]
     node5 = next(line for line in table if line.startswith("node5"))
     assert "2.27.3 *" in node5 and node5.count("*") == 1
 
@@ -64,8 +82,12 @@ def test_missing_probe_gpu_count_and_digest(base):
 def test_command_line_exit_codes(base, tmp_path):
     for name in ("n1", "n2"):
         (tmp_path / f"{name}.json").write_text(json.dumps(base))
-    run = lambda *a: subprocess.run([sys.executable, "-m", "trainer.launch.preflight", str(tmp_path), *a],
-                                    capture_output=True, text=True, cwd=REPO_ROOT)
+    run = lambda *a: subprocess.run(
+        [sys.executable, "-m", "trainer.launch.preflight", str(tmp_path), *a],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+    )
     ok = run("--nodes", "n1,n2", "--expect-gpus", "8", "--out", str(tmp_path / "pf.json"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert json.loads((tmp_path / "pf.json").read_text())["ok"] is True

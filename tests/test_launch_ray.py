@@ -1,12 +1,11 @@
 """launcher=ray against a real Ray head on 127.0.0.1 (started and stopped here): a probe-only job with the
 preflight on every node, a job that exits non-zero, and a cluster that cannot be reached."""
 
-import helpers
-
 import json
 
 import pytest
 
+import helpers
 from helpers import run_train
 from launch_fixtures import LocalRay, free_port, missing_ray
 
@@ -22,10 +21,21 @@ def ray_head(tmp_path_factory):
 
 def submit(tmp_path, address, *extra):
     run_dir = tmp_path / "run"
-    result = run_train(["experiment=smoke", "launcher=ray", f"launcher.address={address}",
-                        f"launcher.image=registry.example.invalid/smoke@{DIGEST}", "launcher.expect_gpus=false", "launcher.workdir=null",
-                        f"paths.kernel_cache={tmp_path}/kernels", f"hydra.run.dir={run_dir}", *extra],
-                       cwd=tmp_path, timeout=180)
+    result = run_train(
+        [
+            "experiment=smoke",
+            "launcher=ray",
+            f"launcher.address={address}",
+            f"launcher.image=registry.example.invalid/smoke@{DIGEST}",
+            "launcher.expect_gpus=false",
+            "launcher.workdir=null",
+            f"paths.kernel_cache={tmp_path}/kernels",
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=tmp_path,
+        timeout=180,
+    )
     record = json.loads((run_dir / "record.json").read_text())
     return result, run_dir, record
 
@@ -45,14 +55,19 @@ def test_probe_job_on_every_node(tmp_path, ray_head):
     assert runtime_env["env_vars"]["RECIPE_BUNDLE_IMAGE_DIGEST"] == DIGEST
     # the job's own output (a probe run as the job, with the recipe's env expanded on the cluster) is in its log
     log = (run_dir / "logs" / "job.log").read_text()
-    job_probe = json.loads(log[log.index('{\n  "components"'):log.rindex("}") + 1])
+    job_probe = json.loads(log[log.index('{\n  "components"') : log.rindex("}") + 1])
     assert job_probe["node"] == "job" and job_probe["image"]["digest"] == DIGEST
-    assert (run_dir / "submit.sh").read_text().startswith("#!/usr/bin/env bash\nray job submit --address " + ray_head.address)
+    assert (
+        (run_dir / "submit.sh")
+        .read_text()
+        .startswith("#!/usr/bin/env bash\nray job submit --address " + ray_head.address)
+    )
 
 
 def test_job_that_exits_non_zero(tmp_path, ray_head):
-    result, run_dir, record = submit(tmp_path, ray_head.address,
-                                     "launcher.job=[python3,-c,'import sys; print(\"boom\"); sys.exit(7)']")
+    result, run_dir, record = submit(
+        tmp_path, ray_head.address, "launcher.job=[python3,-c,'import sys; print(\"boom\"); sys.exit(7)']"
+    )
     assert result.returncode == 1
     assert record["status"] == "failed"
     assert record["reason"].endswith("failed: Job entrypoint command failed with exit code 7; last log line: boom")

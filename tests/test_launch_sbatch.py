@@ -1,13 +1,12 @@
 """The rendered sbatch.sh for the recipe (layout=tp2pp4ep8 cluster=p5en-8x8) reviewed against the recipe: 8 nodes,
 8 GPUs each, the image by digest, and exactly the seed's environment and argv (via the plan's argv.json)."""
 
-import helpers
-
 import json
 import os
 import re
 import subprocess
 
+import helpers
 from helpers import run_train, seed_command
 
 IMAGE = "registry.example.invalid/recipe-bundle/full@sha256:" + "0123456789abcdef" * 4
@@ -15,8 +14,19 @@ IMAGE = "registry.example.invalid/recipe-bundle/full@sha256:" + "0123456789abcde
 
 def render(tmp_path, *extra):
     run_dir = tmp_path / "run"
-    result = run_train(["layout=tp2pp4ep8", "cluster=p5en-8x8", "launcher=slurm", f"launcher.image={IMAGE}",
-                        "cluster.partition=h200", "cluster.account=llm", f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
+    result = run_train(
+        [
+            "layout=tp2pp4ep8",
+            "cluster=p5en-8x8",
+            "launcher=slurm",
+            f"launcher.image={IMAGE}",
+            "cluster.partition=h200",
+            "cluster.account=llm",
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=tmp_path,
+    )
     return result, run_dir
 
 
@@ -37,8 +47,15 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
     record = json.loads((run_dir / "record.json").read_text())
     assert record["status"] == "rendered" and record["image"]["digest"] == IMAGE.split("@")[1]
     directives = [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
-    assert directives[:7] == ["--job-name=recipe-tp2pp4ep8", "--nodes=8", "--ntasks-per-node=1", "--gpus-per-node=8",
-                              "--time=04:00:00", "--partition=h200", "--account=llm"]
+    assert directives[:7] == [
+        "--job-name=recipe-tp2pp4ep8",
+        "--nodes=8",
+        "--ntasks-per-node=1",
+        "--gpus-per-node=8",
+        "--time=04:00:00",
+        "--partition=h200",
+        "--account=llm",
+    ]
     # every srun step runs in the image pinned by digest (pyxis)
     assert f"IMAGE={IMAGE}" in script
     assert '--container-image="$IMAGE"' in script
@@ -49,8 +66,11 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
     assert "--expect-gpus 8 --expect-digest " + IMAGE.split("@")[1] in script
     # the environment: the seed's export lines, in its order and quoting
     seed_argv, seed_env = seed_command()
-    exports = dict(line[len("export "):].split("=", 1) for line in script.splitlines()
-                   if line.startswith("export ") and line.split("=")[0][7:] in seed_env)
+    exports = dict(
+        line[len("export ") :].split("=", 1)
+        for line in script.splitlines()
+        if line.startswith("export ") and line.split("=")[0][7:] in seed_env
+    )
     assert list(exports) == list(seed_env)
     for name, value in seed_env.items():
         assert exports[name].strip('"') == value, name
@@ -58,20 +78,34 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
     argv = bash_array(script, "ARGV", ["HF_CKPT", "TORCH_DIST", "SFT_DATA", "KERNEL_CACHE"])
     plan_argv = json.loads((run_dir / "argv.json").read_text())
     assert argv == plan_argv
-    assert argv[:8] == ["python3", "train.py", "--actor-num-nodes", "8", "--actor-num-gpus-per-node", "8",
-                        "--num-gpus-per-node", "8"]
+    assert argv[:8] == [
+        "python3",
+        "train.py",
+        "--actor-num-nodes",
+        "8",
+        "--actor-num-gpus-per-node",
+        "8",
+        "--num-gpus-per-node",
+        "8",
+    ]
     assert len(argv) == len(seed_argv) and [(a, b) for a, b in zip(argv, seed_argv) if a != b] == []
     # and the same command as command.sh
     command = (run_dir / "command.sh").read_text()
-    assert " \\\n  ".join(line.strip() for line in re.search(r"^ARGV=\(\n(.*?)^\)$", script, re.M | re.S).group(1)
-                         .splitlines()) in command
+    assert (
+        " \\\n  ".join(
+            line.strip() for line in re.search(r"^ARGV=\(\n(.*?)^\)$", script, re.M | re.S).group(1).splitlines()
+        )
+        in command
+    )
 
 
 def test_refusals_are_one_line(tmp_path):
     result, run_dir = render(tmp_path, "launcher.image=registry.example.invalid/full:latest")
     assert result.returncode == 2 and not run_dir.exists()
-    assert result.stderr.strip() == ("train: error: launcher.image 'registry.example.invalid/full:latest': expected an "
-                                     "image pinned by digest, NAME@sha256:<64 hex>")
+    assert result.stderr.strip() == (
+        "train: error: launcher.image 'registry.example.invalid/full:latest': expected an "
+        "image pinned by digest, NAME@sha256:<64 hex>"
+    )
     result, _ = render(tmp_path, "launcher.time_limit=soon")
     assert result.returncode == 2 and "launcher.time_limit 'soon'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1

@@ -2,19 +2,20 @@
 here): a probe-only job through sbatch -> preflight -> Ray head -> ray job submit, followed with `trainer status`;
 a node that fails its probe (it sees 0 GPUs where the job asked for 1); a submission Slurm refuses."""
 
-import helpers
-
 import json
 import os
 
 import pytest
 
+import helpers
 from helpers import run_train
 from launch_fixtures import LocalSlurm, free_port, missing_ray, missing_slurm, ray_port_args
 
 pytestmark = [
-    pytest.mark.skipif(bool(missing_slurm()), reason=f"Slurm is not installed (missing: {' '.join(missing_slurm())}; "
-                                                     "Debian slurm-wlm munge)"),
+    pytest.mark.skipif(
+        bool(missing_slurm()),
+        reason=f"Slurm is not installed (missing: {' '.join(missing_slurm())}; Debian slurm-wlm munge)",
+    ),
     pytest.mark.skipif(missing_ray() is not None, reason=str(missing_ray())),
     pytest.mark.skipif(os.geteuid() != 0, reason="the private Slurm cluster runs its daemons as root"),
 ]
@@ -30,11 +31,23 @@ def submit(tmp_path, slurm, *extra):
     run_dir = tmp_path / "run"
     os.environ.update(SLURM_CONF=str(slurm.conf), RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", RAY_USAGE_STATS_ENABLED="0")
     ray_args = ",".join(repr(a) for a in ray_port_args())
-    result = run_train(["experiment=smoke", "launcher=slurm", "launcher.container=none", "launcher.submit=true",
-                        "launcher.head_ip=127.0.0.1", f"launcher.ray_port={free_port()}",
-                        f"launcher.dashboard_port={free_port()}", f"launcher.ray_start_args=[{ray_args}]",
-                        "launcher.time_limit=00:05:00", f"paths.kernel_cache={tmp_path}/kernels",
-                        f"hydra.run.dir={run_dir}", *extra], cwd=tmp_path)
+    result = run_train(
+        [
+            "experiment=smoke",
+            "launcher=slurm",
+            "launcher.container=none",
+            "launcher.submit=true",
+            "launcher.head_ip=127.0.0.1",
+            f"launcher.ray_port={free_port()}",
+            f"launcher.dashboard_port={free_port()}",
+            f"launcher.ray_start_args=[{ray_args}]",
+            "launcher.time_limit=00:05:00",
+            f"paths.kernel_cache={tmp_path}/kernels",
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=tmp_path,
+    )
     return result, run_dir
 
 
@@ -43,8 +56,9 @@ def status(run_dir, *args):
 
 
 def test_probe_job_end_to_end(tmp_path, slurm):
-    result, run_dir = submit(tmp_path, slurm, "launcher.expect_gpus=false",
-                             "launcher.job=[python3,-m,trainer.probe,--node,job]")
+    result, run_dir = submit(
+        tmp_path, slurm, "launcher.expect_gpus=false", "launcher.job=[python3,-m,trainer.probe,--node,job]"
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     job_id = result.stdout.split("submitted Slurm job ")[1].split()[0]
     assert json.loads((run_dir / "record.json").read_text())["slurm"]["job_id"] == job_id

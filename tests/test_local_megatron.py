@@ -13,18 +13,23 @@ import pytest
 
 import helpers
 from helpers import compose
+from trainer.compose import checks
+from trainer.compose.compose import validate
+from trainer.compose.plan import build_plan
 from trainer.errors import CheckError
 from trainer.launch.host.checkout import verify_checkouts
 from trainer.launch.host.local_megatron import megatron_choice
 from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
-from trainer.compose.plan import build_plan
-from trainer.compose.compose import validate
-from trainer.compose import checks
 
 
 def _git(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t"}
+    env = {
+        **os.environ,
+        "GIT_AUTHOR_NAME": "t",
+        "GIT_AUTHOR_EMAIL": "t@t",
+        "GIT_COMMITTER_NAME": "t",
+        "GIT_COMMITTER_EMAIL": "t@t",
+    }
     return subprocess.run(["git", *args], cwd=cwd, env=env, check=True, capture_output=True, text=True).stdout.strip()
 
 
@@ -88,7 +93,9 @@ def test_checkouts_come_from_the_cache_when_no_path_is_given(checkouts, tmp_path
     cache = Cache(tmp_path / "cache")
     megatron_root, miles_root = launcher.megatron_lm_path, launcher.miles_path
     launcher.megatron_lm_path = launcher.miles_path = None
-    with pytest.raises(UserError, match=r"missing input source megatron_lm@[0-9a-f]{12} .*trainer cache add-git CLONE --commit"):
+    with pytest.raises(
+        UserError, match=r"missing input source megatron_lm@[0-9a-f]{12} .*trainer cache add-git CLONE --commit"
+    ):
         verify_checkouts(launcher, lock, cache)
     for repo, name in ((megatron_root, "megatron_lm"), (miles_root, "miles")):
         add_git(cache, Path(repo), pins[name]["commit"], pins_for([lock]))
@@ -108,24 +115,45 @@ def test_megatron_argv_of_the_proxy_on_the_local_spec():
     argv = megatron_argv(compose("experiment=proxy-h200"), "local", "unfused", 12)
     assert not any(t.startswith(("--dsv4-", "--dsa-", "--spec", "--experimental-attention-variant")) for t in argv)
     assert "--moe-grouped-gemm" not in argv and "--multi-latent-attention" not in argv
-    for flag, value in (("--num-layers", "8"), ("--hidden-size", "2048"), ("--seq-length", "4096"),
-                        ("--global-batch-size", "16"), ("--train-iters", "12"), ("--transformer-impl", "local"),
-                        ("--attention-backend", "unfused"), ("--moe-router-score-function", "sigmoid")):
+    for flag, value in (
+        ("--num-layers", "8"),
+        ("--hidden-size", "2048"),
+        ("--seq-length", "4096"),
+        ("--global-batch-size", "16"),
+        ("--train-iters", "12"),
+        ("--transformer-impl", "local"),
+        ("--attention-backend", "unfused"),
+        ("--moe-router-score-function", "sigmoid"),
+    ):
         assert argv[argv.index(flag) + 1] == value
-    for flag in ("--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
-                 "--bf16", "--use-distributed-optimizer", "--calculate-per-token-loss"):
+    for flag in (
+        "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm",
+        "--no-masked-softmax-fusion",
+        "--bf16",
+        "--use-distributed-optimizer",
+        "--calculate-per-token-loss",
+    ):
         assert flag in argv
 
 
 def test_megatron_argv_of_dsv4_tiny_names_miles_v4_spec():
     argv = megatron_argv(compose("experiment=dsv4-tiny-h200"), "transformer_engine", "unfused", 20)
     assert argv[argv.index("--spec") + 1 : argv.index("--spec") + 3] == [
-        "miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec"]
+        "miles_plugins.models.deepseek_v4.deepseek_v4",
+        "get_dsv4_spec",
+    ]
     ratios = argv.index("--dsv4-compress-ratios")
     assert argv[ratios + 1 : ratios + 5] == ["0", "4", "128", "4"]
-    for flag, value in (("--experimental-attention-variant", "dsv4"), ("--dsv4-hc-mult", "4"),
-                        ("--dsv4-n-hash-layers", "1"), ("--moe-router-score-function", "sqrtsoftplus"),
-                        ("--seq-length", "8192"), ("--micro-batch-size", "1"), ("--kv-lora-rank", "512")):
+    for flag, value in (
+        ("--experimental-attention-variant", "dsv4"),
+        ("--dsv4-hc-mult", "4"),
+        ("--dsv4-n-hash-layers", "1"),
+        ("--moe-router-score-function", "sqrtsoftplus"),
+        ("--seq-length", "8192"),
+        ("--micro-batch-size", "1"),
+        ("--kv-lora-rank", "512"),
+    ):
         assert argv[argv.index(flag) + 1] == value
     assert "--moe-grouped-gemm" in argv and "--no-persist-layer-norm" not in argv and "--mtp-num-layers" not in argv
 
@@ -151,7 +179,6 @@ def test_the_plan_says_which_implementation_and_attention_backend_and_why():
     assert megatron_choice(proxy)["why"][1] == "attention_backend fused: asked for"
 
 
-
 @pytest.fixture()
 def megatron_parser(monkeypatch):
     """Megatron-LM and miles at the locked commits on ``sys.path`` (``$MEGATRON_LM_PATH`` / ``$MILES_PATH`` or the
@@ -163,6 +190,7 @@ def megatron_parser(monkeypatch):
     import types
 
     import torch
+
     from trainer.errors import UserError
 
     helpers.seed_sources()  # $RECIPE_BUNDLE_SOURCES: the locked commits' archives (CI sets it)
@@ -216,14 +244,39 @@ def _field(cfg, name):
 
 # the config fields the worker read by hand before it read Megatron-LM's namespace
 WORKER_READ_BEFORE = {
-    **{n: f"layout.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                                 "context_parallel_size", "expert_model_parallel_size", "expert_tensor_parallel_size")},
-    "distributed_timeout_minutes": "launcher.distributed_timeout_minutes", "seed": "launcher.seed",
-    **{n: f"optim.{n}" for n in ("optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
-                                 "global_batch_size", "lr_warmup_fraction", "lr_decay_style", "moe_router_freeze_gate",
-                                 "freeze_e_score_correction_bias")},
-    "micro_batch_size": "layout.micro_batch_size", "seq_length": "data.seq_length",
-    "num_experts": "model.num_experts", "train_iters": "megatron.train_iters",
+    **{
+        n: f"layout.{n}"
+        for n in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "expert_tensor_parallel_size",
+        )
+    },
+    "distributed_timeout_minutes": "launcher.distributed_timeout_minutes",
+    "seed": "launcher.seed",
+    **{
+        n: f"optim.{n}"
+        for n in (
+            "optimizer",
+            "lr",
+            "min_lr",
+            "weight_decay",
+            "adam_beta1",
+            "adam_beta2",
+            "clip_grad",
+            "global_batch_size",
+            "lr_warmup_fraction",
+            "lr_decay_style",
+            "moe_router_freeze_gate",
+            "freeze_e_score_correction_bias",
+        )
+    },
+    "micro_batch_size": "layout.micro_batch_size",
+    "seq_length": "data.seq_length",
+    "num_experts": "model.num_experts",
+    "train_iters": "megatron.train_iters",
 }
 
 
@@ -270,8 +323,16 @@ def test_a_flag_no_part_of_the_worker_reads_is_refused_and_ddp_and_optimizer_fla
 
     cfg, args = megatron_parser("experiment=proxy-h200", impl="local")
     flags = megatron_argv(cfg, "local", cfg.launcher.attention_backend, STEPS)
-    extra = flags + ["--overlap-grad-reduce", "--adam-eps", "1e-6", "--ddp-bucket-size", "1000",
-                     "--log-interval", "7", "--no-such-flag-anywhere"]
+    extra = flags + [
+        "--overlap-grad-reduce",
+        "--adam-eps",
+        "1e-6",
+        "--ddp-bucket-size",
+        "1000",
+        "--log-interval",
+        "7",
+        "--no-such-flag-anywhere",
+    ]
     parsed = megatron_args(extra, cfg.cluster.nodes * cfg.cluster.gpus_per_node)
     landing = flag_landing(extra, parsed)
     assert landing["--overlap-grad-reduce"] == "ddp_config" and landing["--adam-eps"] == "optimizer_config"
@@ -290,16 +351,20 @@ def test_a_flag_no_part_of_the_worker_reads_is_refused_and_ddp_and_optimizer_fla
 
 
 def test_the_router_freeze_flags_parse_off_when_the_config_turns_them_off(megatron_parser):
-    cfg, args = megatron_parser("experiment=proxy-h200", "optim.moe_router_freeze_gate=false",
-                                "optim.freeze_e_score_correction_bias=false")
+    cfg, args = megatron_parser(
+        "experiment=proxy-h200", "optim.moe_router_freeze_gate=false", "optim.freeze_e_score_correction_bias=false"
+    )
     assert (args.moe_router_freeze_gate, args.freeze_e_score_correction_bias) == (False, False)
 
 
 def test_miles_and_megatron_overwrite_the_fields_the_worker_keeps_from_the_config(megatron_parser):
     from trainer.launch.megatron_worker import CONFIG_NOT_ARGS
 
-    off = ["layout.use_distributed_optimizer=false", "optim.bf16=false",
-           "optim.accumulate_allreduce_grads_in_fp32=false"]
+    off = [
+        "layout.use_distributed_optimizer=false",
+        "optim.bf16=false",
+        "optim.accumulate_allreduce_grads_in_fp32=false",
+    ]
     cfg, args = megatron_parser("experiment=proxy-h200", *off, impl="local")
     assert {n: _field(cfg, n) for n in CONFIG_NOT_ARGS} == dict.fromkeys(CONFIG_NOT_ARGS, False)
     assert {n: getattr(args, n) for n in CONFIG_NOT_ARGS} == dict.fromkeys(CONFIG_NOT_ARGS, True)
@@ -353,15 +418,15 @@ def test_hadamard_stand_in_is_x_times_the_sylvester_matrix():
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 128, generator=generator, dtype=torch.float64)
-    want = (x @ _sylvester(128)) * 128 ** -0.5
-    got = hadamard_transform(x.to(torch.bfloat16), scale=128 ** -0.5)
+    want = (x @ _sylvester(128)) * 128**-0.5
+    got = hadamard_transform(x.to(torch.bfloat16), scale=128**-0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (3, 5, 128)
-    assert torch.equal(got, hadamard_transform(x.bfloat16().float(), scale=128 ** -0.5).bfloat16())
+    assert torch.equal(got, hadamard_transform(x.bfloat16().float(), scale=128**-0.5).bfloat16())
     assert (got.double() - want).abs().max().item() < 0.02 * want.abs().max().item()
     # exact in float32 for float32 input; orthogonal up to the scale: applying it twice gives x back
     x32 = x.float()
     assert torch.allclose(hadamard_transform(x32, 2.0), (x32.double() @ _sylvester(128) * 2.0).float(), atol=1e-4)
-    assert torch.allclose(hadamard_transform(hadamard_transform(x32, 128 ** -0.5), 128 ** -0.5), x32, atol=1e-5)
+    assert torch.allclose(hadamard_transform(hadamard_transform(x32, 128**-0.5), 128**-0.5), x32, atol=1e-5)
     # a width that is not a power of two is zero-padded to the next one and cut back
     short = x32[..., :100]
     padded = torch.nn.functional.pad(short, (0, 28))
@@ -390,7 +455,9 @@ def test_hadamard_stand_in_binds_the_package_name_only_when_it_is_missing(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     lines = megatron_worker.hadamard_stand_in()
     assert sys.modules["fast_hadamard_transform"] is hadamard
-    assert len(lines) == 1 and lines[0].startswith("fast_hadamard_transform.hadamard_transform: trainer.models.hadamard")
+    assert len(lines) == 1 and lines[0].startswith(
+        "fast_hadamard_transform.hadamard_transform: trainer.models.hadamard"
+    )
     from fast_hadamard_transform import hadamard_transform  # the import miles' rotate_activation does
 
     assert hadamard_transform is hadamard.hadamard_transform

@@ -9,8 +9,8 @@ import pytest
 import helpers
 from helpers import REPO_ROOT, compose
 from trainer.compose.compose import validate
-from trainer.errors import UserError
 from trainer.compose.stackpins import load_stack_lock, verify_stack
+from trainer.errors import UserError
 from trainer.publish import atomic_write
 from trainer.record.record import git_revision, write_json
 
@@ -50,7 +50,9 @@ def test_stack_config_agrees_with_the_lockfile():
     assert data["components"]["miles"]["commit"] == "78527b9102b3a5f15891128cbec3ac6c2dc4089e"
 
 
-@pytest.mark.parametrize("content,message", [("{", "not valid JSON"), ("[]", "expected an object with a 'components' object")])
+@pytest.mark.parametrize(
+    "content,message", [("{", "not valid JSON"), ("[]", "expected an object with a 'components' object")]
+)
 def test_bad_stack_lockfile(tmp_path, content, message):
     path = tmp_path / "stack.json"
     path.write_text(content)
@@ -90,10 +92,14 @@ def test_write_json_is_canonical(tmp_path):
 def test_redaction_of_argv_and_url_credentials():
     from trainer.redact import redact_argv, redact_env
 
-    assert redact_argv(["train", "+env.HF_TOKEN=hf_abc", "optim.lr=1e-5", "paths.prompt_data=s3://u:pw@bucket/rows"]) == [
-        "train", "+env.HF_TOKEN=<redacted>", "optim.lr=1e-5", "paths.prompt_data=s3://<redacted>@bucket/rows"]
+    assert redact_argv(
+        ["train", "+env.HF_TOKEN=hf_abc", "optim.lr=1e-5", "paths.prompt_data=s3://u:pw@bucket/rows"]
+    ) == ["train", "+env.HF_TOKEN=<redacted>", "optim.lr=1e-5", "paths.prompt_data=s3://<redacted>@bucket/rows"]
     assert redact_env({"PIP_INDEX_URL": "https://user:pw@pypi.example/simple", "DB_PASSWD": "x", "PATH": "/bin"}) == {
-        "DB_PASSWD": "<redacted>", "PATH": "/bin", "PIP_INDEX_URL": "https://<redacted>@pypi.example/simple"}
+        "DB_PASSWD": "<redacted>",
+        "PATH": "/bin",
+        "PIP_INDEX_URL": "https://<redacted>@pypi.example/simple",
+    }
 
 
 def test_verify_versions_and_commits():

@@ -8,18 +8,16 @@
   predicted and is refused.
 """
 
-import helpers
-
 import hashlib
 import json
 import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 
 trainer = helpers.run_trainer
@@ -40,8 +38,10 @@ def test_every_lock_records_the_requirements_it_was_resolved_from(name):
     requirements = REPO_ROOT / "lockfiles" / inputs["requirements"]
     assert inputs["requirements"] == f"{name}.in"
     assert inputs["sha256"] == hashlib.sha256(requirements.read_bytes()).hexdigest()
-    assert (inputs["python_version"], inputs["python_platform"]) == (lock["python"]["version"],
-                                                                    lock["python"]["platform"])
+    assert (inputs["python_version"], inputs["python_platform"]) == (
+        lock["python"]["version"],
+        lock["python"]["platform"],
+    )
     assert inputs["index_url"] == "https://pypi.org/simple"
 
 
@@ -60,9 +60,13 @@ def test_a_changed_requirements_file_is_refused_with_the_command_that_re_resolve
     with open(tmp_path / "smoke.in", "a") as handle:
         handle.write("packaging==26.0\n")  # a pin appended, the lock not re-resolved
     stale = trainer("lock", "verify", lock)
-    one_line_refusal(stale, "smoke.in changed since the lock was resolved",
-                     f"trainer lock resolve --requirements {tmp_path}/smoke.in --template {lock} --out {lock} "
-                     "--python-version 3.12 --python-platform x86_64-manylinux_2_28", "--frozen")
+    one_line_refusal(
+        stale,
+        "smoke.in changed since the lock was resolved",
+        f"trainer lock resolve --requirements {tmp_path}/smoke.in --template {lock} --out {lock} "
+        "--python-version 3.12 --python-platform x86_64-manylinux_2_28",
+        "--frozen",
+    )
     frozen = trainer("lock", "verify", "--frozen", lock)
     assert frozen.returncode == 0 and "(not compared: --frozen)" in frozen.stdout
     out = tmp_path / "out.oci"
@@ -73,11 +77,14 @@ def test_a_changed_requirements_file_is_refused_with_the_command_that_re_resolve
     one_line_refusal(trainer("lock", "verify", lock), "smoke.in, which is missing")
 
 
-@pytest.mark.parametrize("field,value,needle", [
-    ("sha256", "not-a-sha", "resolved_from.sha256: expected a sha256"),
-    ("requirements", "/etc/passwd", "resolved_from.requirements: expected a path relative to the lock's folder"),
-    ("python_platform", 3, "resolved_from.python_platform: expected str"),
-])
+@pytest.mark.parametrize(
+    "field,value,needle",
+    [
+        ("sha256", "not-a-sha", "resolved_from.sha256: expected a sha256"),
+        ("requirements", "/etc/passwd", "resolved_from.requirements: expected a path relative to the lock's folder"),
+        ("python_platform", 3, "resolved_from.python_platform: expected str"),
+    ],
+)
 def test_a_malformed_inputs_record_is_one_line(tmp_path, field, value, needle):
     lock = copied(tmp_path)
     data = json.loads(lock.read_text())
@@ -119,12 +126,19 @@ def test_train_refuses_a_launcher_lock_whose_requirements_changed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(root), "TRAINER_COMPOSE_CACHE": "off"}
 
     def train(*args):
-        return subprocess.run([sys.executable, "-m", "trainer.train", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=120)
+        return subprocess.run(
+            [sys.executable, "-m", "trainer.train", *args],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
 
     r = train(f"hydra.run.dir={tmp_path / 'run'}")
-    one_line_refusal(r, "launcher.in changed since the lock was resolved", "bin/lock-launcher",
-                     "pass --frozen to train")
+    one_line_refusal(
+        r, "launcher.in changed since the lock was resolved", "bin/lock-launcher", "pass --frozen to train"
+    )
     assert not (tmp_path / "run").exists()
     frozen = train("--frozen", f"hydra.run.dir={tmp_path / 'run'}")
     assert frozen.returncode == 0, frozen.stderr
@@ -152,12 +166,14 @@ def test_a_conf_change_is_predicted_without_building(tmp_path):
     assert same.returncode == 0 and same.stdout.startswith("ok: a build now gives"), same.stderr
     bundle = tmp_path / "bundle"
     shutil.copytree(REPO_ROOT / "conf", bundle / "conf")
-    (bundle / "conf" / "optim" / "recipe-sft.yaml").write_text((bundle / "conf" / "optim" / "recipe-sft.yaml").read_text()
-                                                         + "# edited\n")
+    (bundle / "conf" / "optim" / "recipe-sft.yaml").write_text(
+        (bundle / "conf" / "optim" / "recipe-sft.yaml").read_text() + "# edited\n"
+    )
     changed = trainer("image", "check", "--lock", lock, "--expected", expected, "--predict", "--bundle-root", bundle)
     assert changed.returncode == 1 and changed.stdout.startswith("different: a build now gives")
-    recorded = trainer("image", "check", "--lock", lock, "--expected", expected, "--predict", "--record",
-                       "--bundle-root", bundle)
+    recorded = trainer(
+        "image", "check", "--lock", lock, "--expected", expected, "--predict", "--record", "--bundle-root", bundle
+    )
     assert recorded.returncode == 0, recorded.stderr
     old = json.loads((REPO_ROOT / "lockfiles" / "expected-digests.json").read_text())["debian-full"]
     new = json.loads(expected.read_text())["debian-full"]
@@ -165,8 +181,12 @@ def test_a_conf_change_is_predicted_without_building(tmp_path):
     assert [l["diff_id"] for l in new["layers"][:-1]] == [l["diff_id"] for l in old["layers"][:-1]]
     assert new["layers"][-1]["diff_id"] != old["layers"][-1]["diff_id"]
     assert new["builds"] == old["builds"]
-    assert trainer("image", "check", "--lock", lock, "--expected", expected, "--predict",
-                   "--bundle-root", bundle).returncode == 0
+    assert (
+        trainer(
+            "image", "check", "--lock", lock, "--expected", expected, "--predict", "--bundle-root", bundle
+        ).returncode
+        == 0
+    )
 
 
 def test_a_real_build_of_the_smoke_lock_matches_its_prediction_byte_for_byte(tmp_path):
@@ -187,18 +207,48 @@ def test_a_real_build_of_the_smoke_lock_matches_its_prediction_byte_for_byte(tmp
     expected = tmp_path / "expected.json"
 
     def build(name):
-        r = trainer("image", "build", "--lock", lock, "--out", tmp_path / name, "--cache", cache, "--offline",
-                    "--revision", "0.1.0", "--bundle-root", bundle, "--json", "-q")
+        r = trainer(
+            "image",
+            "build",
+            "--lock",
+            lock,
+            "--out",
+            tmp_path / name,
+            "--cache",
+            cache,
+            "--offline",
+            "--revision",
+            "0.1.0",
+            "--bundle-root",
+            bundle,
+            "--json",
+            "-q",
+        )
         assert r.returncode == 0, r.stderr
         return json.loads(r.stdout)
 
     first = build("first.oci")
-    assert trainer("image", "check", tmp_path / "first.oci", "--lock", lock, "--expected", expected, "--record",
-                   "--bundle-root", bundle).returncode == 0
+    assert (
+        trainer(
+            "image",
+            "check",
+            tmp_path / "first.oci",
+            "--lock",
+            lock,
+            "--expected",
+            expected,
+            "--record",
+            "--bundle-root",
+            bundle,
+        ).returncode
+        == 0
+    )
     (bundle / "conf" / "layout" / "tp2pp4ep8.yaml").write_text(
-        (bundle / "conf" / "layout" / "tp2pp4ep8.yaml").read_text() + "# a comment changes the bundle layer\n")
-    predicted = trainer("image", "check", "--lock", lock, "--expected", expected, "--predict", "--record",
-                        "--bundle-root", bundle)
+        (bundle / "conf" / "layout" / "tp2pp4ep8.yaml").read_text() + "# a comment changes the bundle layer\n"
+    )
+    predicted = trainer(
+        "image", "check", "--lock", lock, "--expected", expected, "--predict", "--record", "--bundle-root", bundle
+    )
     assert predicted.returncode == 0, predicted.stderr
     entry = json.loads(expected.read_text())["smoke"]
     assert entry["manifest_digest"] != first["manifest_digest"]
@@ -206,7 +256,8 @@ def test_a_real_build_of_the_smoke_lock_matches_its_prediction_byte_for_byte(tmp
     assert second["manifest_digest"] == entry["manifest_digest"]
     assert second["config_digest"] == entry["config_digest"]
     assert [(l["name"], l["diff_id"], l["size"]) for l in second["layers"]] == [
-        (l["name"], l["diff_id"], l["size"]) for l in entry["layers"]]
+        (l["name"], l["diff_id"], l["size"]) for l in entry["layers"]
+    ]
     check = trainer("image", "check", tmp_path / "second.oci", "--lock", lock, "--expected", expected)
     assert check.returncode == 0 and "is the expected digest" in check.stdout
 

@@ -7,23 +7,22 @@ import shutil
 import pytest
 
 import helpers
-from helpers import RECIPE_TPS, recipe_rows, write_rows
-from helpers import compose
+from helpers import RECIPE_TPS, compose, recipe_rows, write_rows
 from trainer import cli
 from trainer.compose.compose import validate
+from trainer.compose.params import count_params
 from trainer.errors import UserError
 from trainer.report.metrics import (
     Step,
     _mean_keys,
     cv_percent,
-    model_flops_per_token,
     mfu,
+    model_flops_per_token,
     read_metrics,
     select_window,
     usd_per_million_tokens,
     write_metrics,
 )
-from trainer.compose.params import count_params
 
 N_FLASH = 13_268_221_952  # the recipe's active parameters per token
 
@@ -97,8 +96,14 @@ def test_gpu_hours_without_admission_times_say_so(tmp_path):
     from trainer.report.metrics import ReportInputs, summarize
 
     rows = [Step(**r) for r in recipe_rows()]
-    inputs = ReportInputs(gpus=64, gpus_per_node=8, active_params=N_FLASH, active_params_source="test", peak_flops=989e12,
-                          usd_per_node_hour=63.296)
+    inputs = ReportInputs(
+        gpus=64,
+        gpus_per_node=8,
+        active_params=N_FLASH,
+        active_params_source="test",
+        peak_flops=989e12,
+        usd_per_node_hour=63.296,
+    )
     summary = summarize(rows, inputs)
     assert summary["gpu_hours"] == pytest.approx(64 * sum(r.step_time_s for r in rows) / 3600)
     assert "startup is not included" in summary["gpu_hours_note"]
@@ -141,8 +146,14 @@ def test_mean_attended_keys_by_hand():
         ('{"step": 1}\n', "missing key 'lm_loss'"),
         ('{"step": 1, "lm_loss": "x"}\n', "lm_loss is 'x', expected a number"),
         ('{"step": 1, "lm_loss": 1, "loss": 2}\n', "unknown key 'loss'"),
-        ('{"step": 1, "lm_loss": "nan"}\n', "lm_loss is 'nan', expected a number"),  # only "NaN", "Infinity", "-Infinity"
-        ('{"step": 1, "lm_loss": 1.0, "skipped_iterations": 1.5}\n', "skipped_iterations is 1.5, expected an integer >= 0 or null"),
+        (
+            '{"step": 1, "lm_loss": "nan"}\n',
+            "lm_loss is 'nan', expected a number",
+        ),  # only "NaN", "Infinity", "-Infinity"
+        (
+            '{"step": 1, "lm_loss": 1.0, "skipped_iterations": 1.5}\n',
+            "skipped_iterations is 1.5, expected an integer >= 0 or null",
+        ),
         ('{"step": 1, "lm_loss": 1.0, "nan_iterations": -1}\n', "nan_iterations is -1"),
     ],
 )
@@ -159,10 +170,14 @@ def test_a_raw_log_is_refused_with_the_command_to_run(tmp_path):
     path.write_text("[2026-10-13 10:00:01] startup\n iteration 1/ 20 | lm loss: 2.0 |\n")
     with pytest.raises(UserError) as err:
         read_metrics(path)
-    assert str(err.value) == (f"{path}: a training log, not metrics.jsonl (line 2 is a Megatron iteration line); run "
-                              f"`trainer logs {path} -o DIR` first (add --run RUN_DIR for tokens per step) and pass DIR")
+    assert str(err.value) == (
+        f"{path}: a training log, not metrics.jsonl (line 2 is a Megatron iteration line); run "
+        f"`trainer logs {path} -o DIR` first (add --run RUN_DIR for tokens per step) and pass DIR"
+    )
     path.write_text("hello\nworld\n")  # not JSON and no step line: the JSON error, as before
-    with pytest.raises(UserError, match=r"metrics.jsonl line 1: not valid JSON \(Expecting value at line 1 column 1\)$"):
+    with pytest.raises(
+        UserError, match=r"metrics.jsonl line 1: not valid JSON \(Expecting value at line 1 column 1\)$"
+    ):
         read_metrics(path)
 
 
@@ -171,9 +186,11 @@ def test_window_without_tokens_says_how_to_get_them():
     rows[4]["tokens"] = None
     with pytest.raises(UserError) as err:
         select_window([Step(**r) for r in rows], (5, 19))
-    assert str(err.value).startswith("metrics.jsonl step 5: tokens is None, expected a positive number; a log without a "
-                                     "global batch size (miles prints none) gives no tokens: make metrics.jsonl with "
-                                     "`trainer logs LOG --run RUN_DIR`")
+    assert str(err.value).startswith(
+        "metrics.jsonl step 5: tokens is None, expected a positive number; a log without a "
+        "global batch size (miles prints none) gives no tokens: make metrics.jsonl with "
+        "`trainer logs LOG --run RUN_DIR`"
+    )
 
 
 def test_nan_loss_is_read(tmp_path):
@@ -181,19 +198,37 @@ def test_nan_loss_is_read(tmp_path):
     path.write_text('{"step": 1, "lm_loss": NaN, "grad_norm": Infinity}\n')  # bare tokens of older files
     (row,) = read_metrics(path)
     assert math.isnan(row.lm_loss) and math.isinf(row.grad_norm)
-    path.write_text('{"step": 1, "lm_loss": "NaN", "grad_norm": "-Infinity", "skipped_iterations": 1, "nan_iterations": 0}\n')
+    path.write_text(
+        '{"step": 1, "lm_loss": "NaN", "grad_norm": "-Infinity", "skipped_iterations": 1, "nan_iterations": 0}\n'
+    )
     (row,) = read_metrics(path)
-    assert math.isnan(row.lm_loss) and row.grad_norm == -math.inf and (row.skipped_iterations, row.nan_iterations) == (1, 0)
+    assert (
+        math.isnan(row.lm_loss)
+        and row.grad_norm == -math.inf
+        and (row.skipped_iterations, row.nan_iterations) == (1, 0)
+    )
     assert row.no_loss_reason == "1 skipped iteration"
 
 
 def test_write_metrics_is_strict_json(tmp_path):
-    steps = [Step(step=1, lm_loss=math.nan, grad_norm=math.inf, skipped_iterations=1, nan_iterations=1), Step(step=2, lm_loss=2.0)]
+    steps = [
+        Step(step=1, lm_loss=math.nan, grad_norm=math.inf, skipped_iterations=1, nan_iterations=1),
+        Step(step=2, lm_loss=2.0),
+    ]
     write_metrics(tmp_path / "metrics.jsonl", steps)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert json.loads(lines[0], parse_constant=lambda c: pytest.fail(c)) == {
-        "step": 1, "lm_loss": "NaN", "grad_norm": "Infinity", "lr": None, "tokens": None, "supervised_tokens": None,
-        "step_time_s": None, "max_memory_bytes": None, "skipped_iterations": 1, "nan_iterations": 1}
+        "step": 1,
+        "lm_loss": "NaN",
+        "grad_norm": "Infinity",
+        "lr": None,
+        "tokens": None,
+        "supervised_tokens": None,
+        "step_time_s": None,
+        "max_memory_bytes": None,
+        "skipped_iterations": 1,
+        "nan_iterations": 1,
+    }
     assert "iterations" not in lines[1]  # counts only where known
     back = read_metrics(tmp_path / "metrics.jsonl")
     assert math.isnan(back[0].lm_loss) and back[0].skipped_iterations == 1 and back[1] == steps[1]
@@ -203,7 +238,9 @@ def test_report_reads_a_run_with_a_nan_step(recipe_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(recipe_run, run)
     rows = recipe_rows()
-    rows[-1].update(lm_loss="NaN", grad_norm="NaN", skipped_iterations=0, nan_iterations=1)  # step 20: outside the window
+    rows[-1].update(
+        lm_loss="NaN", grad_norm="NaN", skipped_iterations=0, nan_iterations=1
+    )  # step 20: outside the window
     write_rows(run / "metrics.jsonl", rows)
     code, out, err = trainer(["report", str(run), "--json"], capsys)
     assert code == 0, err
@@ -246,7 +283,9 @@ def test_cli_refusals_are_one_line(recipe_run, tmp_path, capsys):
 
 
 def test_cluster_without_price(tmp_path, capsys):
-    proc = helpers.run_train([f"hydra.run.dir={tmp_path / 'run'}", "layout=gpu1-tp1pp1ep1", "model=deepseek-v4-tiny"], cwd=tmp_path)
+    proc = helpers.run_train(
+        [f"hydra.run.dir={tmp_path / 'run'}", "layout=gpu1-tp1pp1ep1", "model=deepseek-v4-tiny"], cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     rows = recipe_rows()
     write_rows(tmp_path / "run" / "metrics.jsonl", rows)

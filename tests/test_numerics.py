@@ -42,7 +42,8 @@ def test_numerics_changes_are_flagged(override, key):
 
 
 @pytest.mark.parametrize(
-    "override", ["layout.recompute_num_layers=2", "layout.moe_token_dispatcher_type=allgather", "model.moe_grouped_gemm=false"]
+    "override",
+    ["layout.recompute_num_layers=2", "layout.moe_token_dispatcher_type=allgather", "model.moe_grouped_gemm=false"],
 )
 def test_performance_changes_keep_equivalence(override):
     verdict = compare(compose(override), compose())

@@ -1,6 +1,5 @@
 """Parameter counts from config shapes (transformers' DeepseekV4ForCausalLM layout)."""
 
-
 import helpers
 from helpers import compose
 from trainer.compose.compose import validate

@@ -160,7 +160,10 @@ def test_plan_bytes_do_not_depend_on_directory_time_zone_or_umask(tmp_path):
             os.environ.pop("TZ")
         assert proc.returncode == 0, proc.stderr
         digests.append(
-            {n: hashlib.sha256((cwd / "run" / n).read_bytes()).hexdigest() for n in ("argv.json", "env.json", "plan.json", "config.yaml", "command.sh")}
+            {
+                n: hashlib.sha256((cwd / "run" / n).read_bytes()).hexdigest()
+                for n in ("argv.json", "env.json", "plan.json", "config.yaml", "command.sh")
+            }
         )
     assert digests[0] == digests[1]
 

@@ -38,8 +38,11 @@ def test_a_layout_override_reaches_the_miles_argv_through_compose_and_render_onl
     assert calls == [["layout=tp8pp8ep8"], ["layout=tp8pp8ep8"]]  # the job, then the reference (the same layout)
     assert prepared.launch.argv == render(compose("layout=tp8pp8ep8")).argv
     flags = pairs(prepared.launch.argv)
-    assert (flags["--tensor-model-parallel-size"], flags["--pipeline-model-parallel-size"],
-            flags["--expert-model-parallel-size"]) == ("8", "8", "8")
+    assert (
+        flags["--tensor-model-parallel-size"],
+        flags["--pipeline-model-parallel-size"],
+        flags["--expert-model-parallel-size"],
+    ) == ("8", "8", "8")
     assert prepared.choices["layout"] == "tp8pp8ep8" and prepared.par.data_parallel_size == 1
     assert prepared.numerics["reference_layout"] == "tp8pp8ep8" and prepared.numerics["differences"] == []
 
@@ -62,8 +65,10 @@ def test_a_prepared_run_is_frozen():
 
 
 def test_the_reference_keeps_every_override_but_layout_and_cluster():
-    assert reference_overrides(["layout=gpu8-tp2pp2ep4", "layout.micro_batch_size=2", "cluster=local", "optim.lr=2e-5",
-                                "+env.X=1"], "tp8pp8ep8") == ["optim.lr=2e-5", "+env.X=1", "layout=tp8pp8ep8"]
+    assert reference_overrides(
+        ["layout=gpu8-tp2pp2ep4", "layout.micro_batch_size=2", "cluster=local", "optim.lr=2e-5", "+env.X=1"],
+        "tp8pp8ep8",
+    ) == ["optim.lr=2e-5", "+env.X=1", "layout=tp8pp8ep8"]
 
 
 def test_a_bad_job_is_refused_on_one_line():
@@ -89,7 +94,12 @@ def test_run_dir_states(tmp_path):
     record = {"status": RUNNING, "pid": 1, "files_sha256": {}}
     rundir.save_record(record)
     ended = rundir.hand_back(rundir.end(dict(record), FAILED, "x"))
-    assert (ended["status"], ended["reason"], "finished_utc" in ended, "handed_off_utc" in ended) == (FAILED, "x", True, False)
+    assert (ended["status"], ended["reason"], "finished_utc" in ended, "handed_off_utc" in ended) == (
+        FAILED,
+        "x",
+        True,
+        False,
+    )
     with pytest.raises(AssertionError):
         rundir.end(dict(record), "rendered")  # handed off is not an end
     # a submitted job that already wrote its own state (no pid) keeps it; our Slurm fields are merged in
@@ -143,9 +153,12 @@ def test_the_smoke_source_command_makes_the_pinned_source(tmp_path):
     assert made.returncode == 0, made.stderr
     out = json.loads(made.stdout)
     pinned = json.loads((REPO_ROOT / "lockfiles" / "smoke.lock.json").read_text())["sources"][0]
-    assert (out["commit"], out["tree"], out["sha256"]) == (pinned["commit"], pinned["tree"], pinned["archive"]["sha256"])
+    assert (out["commit"], out["tree"], out["sha256"]) == (
+        pinned["commit"],
+        pinned["tree"],
+        pinned["archive"]["sha256"],
+    )
     assert out["archive"].endswith(pinned["archive"]["filename"])
-
 
 
 def test_run_dir_begins_with_the_launch_and_hashes_what_is_on_disk(tmp_path):
@@ -166,11 +179,17 @@ def test_run_dir_begins_with_the_launch_and_hashes_what_is_on_disk(tmp_path):
     assert set(record["files_sha256"]) == {"config.yaml", "command.sh", "plan.json", "argv.json", "env.json"}
     for name, digest in record["files_sha256"].items():
         assert hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() == digest, name
-    assert (record["status"], record["kind"], record["launcher"], record["choices"]["layout"]) == \
-        (PLANNED, "plan", "plan", "tp8pp8ep8")
+    assert (record["status"], record["kind"], record["launcher"], record["choices"]["layout"]) == (
+        PLANNED,
+        "plan",
+        "plan",
+        "tp8pp8ep8",
+    )
     rundir.write_job(["python3", "-c", "pass"], {"HF_TOKEN": "hf_secret_value", "A": "1"})
-    assert json.loads((tmp_path / JOB).read_text()) == {"argv": ["python3", "-c", "pass"],
-                                                         "env": {"A": "1", "HF_TOKEN": "<redacted>"}}
+    assert json.loads((tmp_path / JOB).read_text()) == {
+        "argv": ["python3", "-c", "pass"],
+        "env": {"A": "1", "HF_TOKEN": "<redacted>"},
+    }
 
 
 def test_run_dir_finish_attests_an_ended_run_and_not_a_handed_off_one(tmp_path):

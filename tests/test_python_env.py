@@ -11,25 +11,31 @@ from packaging.tags import sys_tags
 import helpers
 from helpers import REPO_ROOT
 
-TORCH_PIN = next(line.split()[0] for line in (REPO_ROOT / "lockfiles" / "launcher.lock").read_text().splitlines()
-                 if line.startswith("torch=="))
+TORCH_PIN = next(
+    line.split()[0]
+    for line in (REPO_ROOT / "lockfiles" / "launcher.lock").read_text().splitlines()
+    if line.startswith("torch==")
+)
 
 
 def torch_source(**pip_env):
     """`bin/python-env --torch-source` with pip's configuration files ignored and no index: only ``pip_env``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", **pip_env)
-    return subprocess.run([str(REPO_ROOT / "bin" / "python-env"), "--torch-source"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [str(REPO_ROOT / "bin" / "python-env"), "--torch-source"], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_pytorchs_cpu_index_is_added_when_pip_does_not_find_the_wheel():
     out = torch_source()
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["--extra-index-url", "https://download.pytorch.org/whl/cpu"]
-    assert out.stderr.strip() == (f"bin/python-env: {TORCH_PIN} is not where pip is configured to look; adding "
-                                  "PyTorch's CPU index https://download.pytorch.org/whl/cpu (the lock's sha256 is "
-                                  "checked as for every file)")
+    assert out.stderr.strip() == (
+        f"bin/python-env: {TORCH_PIN} is not where pip is configured to look; adding "
+        "PyTorch's CPU index https://download.pytorch.org/whl/cpu (the lock's sha256 is "
+        "checked as for every file)"
+    )
 
 
 def test_nothing_is_added_when_a_configured_wheel_folder_has_it(tmp_path):
@@ -61,7 +67,7 @@ def _fast_path_setup(tmp_path):
     log = tmp_path / "starts.log"
     wrapper = tmp_path / "bin" / "python-wrapped"
     wrapper.parent.mkdir()
-    wrapper.write_text(f"#!/bin/sh\necho start >> {log}\nexec {sys.executable} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\necho start >> {log}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     work = tmp_path / "work"
     work.mkdir()
@@ -70,8 +76,9 @@ def _fast_path_setup(tmp_path):
 
 
 def _python_env(env, cwd):
-    return subprocess.run([str(REPO_ROOT / "bin" / "python-env")], capture_output=True, text=True, env=env,
-                          cwd=cwd, timeout=60)
+    return subprocess.run(
+        [str(REPO_ROOT / "bin" / "python-env")], capture_output=True, text=True, env=env, cwd=cwd, timeout=60
+    )
 
 
 def _starts(log):

@@ -8,8 +8,7 @@ import pytest
 import yaml
 
 import helpers
-from helpers import recipe_rows, write_rows
-from helpers import GOLDEN
+from helpers import GOLDEN, recipe_rows, write_rows
 from trainer import cli
 from trainer.report.recipe import load_schema, validation_errors
 
@@ -42,7 +41,10 @@ def test_seed_recipe_validates():
         (lambda r: r.update(status="great"), "status: 'great' is not one of"),
         (lambda r: r["result"].update(window=[5]), "result.window"),
         (lambda r: r["layout"].update(tp=0), "layout.tp: 0 is less than the minimum of 1"),
-        (lambda r: r["stack"].update(torch="2.11"), "stack: Additional properties are not allowed ('torch' was unexpected)"),
+        (
+            lambda r: r["stack"].update(torch="2.11"),
+            "stack: Additional properties are not allowed ('torch' was unexpected)",
+        ),
         (lambda r: r["workload"]["dataset"].update(rows_sha256="abc"), "workload.dataset.rows_sha256"),
     ],
 )
@@ -65,35 +67,73 @@ def runs(tmp_path_factory):
                 r["lm_loss"] *= 1.002
         write_rows(root / name / "metrics.jsonl", rows)
     record = json.loads((root / "cand" / "record.json").read_text())
-    record.update(admitted_utc="2026-10-13T10:00:00Z", finished_utc="2026-10-13T10:11:24Z",
-                  observed={"nccl": "2.28.9 (printed by the run)"}, image_digest="sha256:" + "ab" * 32)
+    record.update(
+        admitted_utc="2026-10-13T10:00:00Z",
+        finished_utc="2026-10-13T10:11:24Z",
+        observed={"nccl": "2.28.9 (printed by the run)"},
+        image_digest="sha256:" + "ab" * 32,
+    )
     (root / "cand" / "record.json").write_text(json.dumps(record))
     return root
 
 
 def test_emitted_recipe_reproduces_the_seed_result(runs, capsys):
     out = runs / "recipe.yaml"
-    code = cli.main(["recipe", str(runs / "cand"), "--reference", str(runs / "ref"), "--author", "ATTUNE", "-o", str(out)])
+    code = cli.main(
+        ["recipe", str(runs / "cand"), "--reference", str(runs / "ref"), "--author", "ATTUNE", "-o", str(out)]
+    )
     _, err = capsys.readouterr()
     assert code == 0, err
-    assert out.read_text().startswith("# recipe.yaml\n# A recipe; the fields are documented in schema/recipe.schema.yaml.\n")
+    assert out.read_text().startswith(
+        "# recipe.yaml\n# A recipe; the fields are documented in schema/recipe.schema.yaml.\n"
+    )
     recipe = yaml.safe_load(out.read_text())
     assert validation_errors(recipe) == []
     want = seed()
-    for key in ("tokens_per_s_per_gpu", "usd_per_million_tokens", "step_time_cv_percent", "mfu", "window",
-                "window_tokens", "gpu_hours", "steps_per_run"):
+    for key in (
+        "tokens_per_s_per_gpu",
+        "usd_per_million_tokens",
+        "step_time_cv_percent",
+        "mfu",
+        "window",
+        "window_tokens",
+        "gpu_hours",
+        "steps_per_run",
+    ):
         assert recipe["result"][key] == want["result"][key], key
     assert recipe["result"]["active_params"]["count"] == want["result"]["active_params"]["count"]
     assert recipe["result"]["measured"] == "2026-10-13"
-    for key in ("tp", "pp", "cp", "ep", "etp", "dp", "sequence_parallel", "layer_split", "recompute", "dispatcher", "summary"):
+    for key in (
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "etp",
+        "dp",
+        "sequence_parallel",
+        "layer_split",
+        "recompute",
+        "dispatcher",
+        "summary",
+    ):
         assert recipe["layout"][key] == want["layout"][key], key
     assert recipe["gpu"] == want["gpu"] and recipe["env"] == want["env"] and recipe["model"] == want["model"]
-    assert recipe["workload"]["dataset"]["build"]["parquet_sha256"] == want["workload"]["dataset"]["build"]["parquet_sha256"]
-    assert recipe["stack"]["nccl"] == "2.28.9 (printed by the run)" and recipe["stack"]["image_digest"] == "sha256:" + "ab" * 32
+    assert (
+        recipe["workload"]["dataset"]["build"]["parquet_sha256"]
+        == want["workload"]["dataset"]["build"]["parquet_sha256"]
+    )
+    assert (
+        recipe["stack"]["nccl"] == "2.28.9 (printed by the run)"
+        and recipe["stack"]["image_digest"] == "sha256:" + "ab" * 32
+    )
     assert recipe["stack"]["lock_sha256"]["lockfiles/stack.json"]
     assert recipe["status"] == "verified" and recipe["correctness"]["result"] == "pass"
     conv = recipe["correctness"]["convergence"]
-    assert conv["steps"] == 20 and conv["pointwise_failures"] == 0 and conv["final_loss_difference"] == pytest.approx(0.002, abs=1e-4)
+    assert (
+        conv["steps"] == 20
+        and conv["pointwise_failures"] == 0
+        and conv["final_loss_difference"] == pytest.approx(0.002, abs=1e-4)
+    )
     assert recipe["correctness"]["configuration"] == "pass"
     assert recipe["run"] == (runs / "cand" / "command.sh").read_text()
 

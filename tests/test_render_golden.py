@@ -98,19 +98,24 @@ def test_shell_words_expand_plain_variables_only(token, quoted):
     # bash agrees: a command substitution is never run
     import subprocess
 
-    out = subprocess.run(["bash", "-c", f"HF_CKPT=/ckpt KERNEL_CACHE=/kc; printf %s {quoted}"], capture_output=True, text=True)
+    out = subprocess.run(
+        ["bash", "-c", f"HF_CKPT=/ckpt KERNEL_CACHE=/kc; printf %s {quoted}"], capture_output=True, text=True
+    )
     expected = {"$HF_CKPT": "/ckpt", "${KERNEL_CACHE}/triton": "/kc/triton"}.get(token, token)
     assert out.stdout == expected
 
 
 @pytest.mark.parametrize(
-    "value,text", [(1e-6, "1e-6"), (1e-5, "1e-5"), (0.0, "0.0"), (0.98, "0.98"), (160000.0, "160000.0"), (True, "true"), (7, "7")]
+    "value,text",
+    [(1e-6, "1e-6"), (1e-5, "1e-5"), (0.0, "0.0"), (0.98, "0.98"), (160000.0, "160000.0"), (True, "true"), (7, "7")],
 )
 def test_format_value(value, text):
     assert format_value(value) == text
 
 
-@pytest.mark.parametrize("value,text", [(16.0, "16"), (0.0, "0"), (160000.0, "160000"), (16.5, "16.5"), (1e-6, "1e-6"), (7, "7")])
+@pytest.mark.parametrize(
+    "value,text", [(16.0, "16"), (0.0, "0"), (160000.0, "160000"), (16.5, "16.5"), (1e-6, "1e-6"), (7, "7")]
+)
 def test_format_value_integral_form(value, text):
     assert format_value(value, integral=True) == text
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import helpers
-from helpers import REPO_ROOT, run_train
 from conftest import TEST_ROOT
+from helpers import REPO_ROOT, run_train
 from trainer.launch.cpu_worker import megatron_lr
 from trainer.launch.host.processes import default_kernel_cache
 from trainer.record.record import effective_status
@@ -35,8 +35,15 @@ def smoke_runs(tmp_path_factory):
         cwd = tmp_path_factory.mktemp(name)
         run_dir = cwd / "run"
         env = {**os.environ, **SECRETS, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160"}
-        argv = [sys.executable, "-m", "trainer.train", "experiment=smoke", f"launcher.steps={STEPS}",
-                f"hydra.run.dir={run_dir}", *extra]
+        argv = [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "experiment=smoke",
+            f"launcher.steps={STEPS}",
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ]
         if read_only_home:
             (cwd / "home").mkdir()
             env["HOME"] = str(cwd / "home")
@@ -73,8 +80,8 @@ def lr10(smoke_runs):
     return finished(smoke_runs, "lr10")
 
 
-
 trainer = helpers.run_trainer
+
 
 def metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -83,7 +90,16 @@ def metrics(run_dir):
 def test_loss_falls_and_metrics_have_the_schema(dp1):
     rows = metrics(dp1)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    assert set(rows[0]) == {"step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "step_time_s", "max_memory_bytes"}
+    assert set(rows[0]) == {
+        "step",
+        "lm_loss",
+        "grad_norm",
+        "lr",
+        "tokens",
+        "supervised_tokens",
+        "step_time_s",
+        "max_memory_bytes",
+    }
     assert rows[0]["lm_loss"] == pytest.approx(math.log(129_280), abs=0.3)  # random init: ~uniform over the vocabulary
     assert rows[-1]["lm_loss"] < rows[0]["lm_loss"] - 0.1
     assert all(r["tokens"] == 4 * 256 for r in rows)  # global batch 4 rows x 256 tokens
@@ -102,8 +118,12 @@ def test_a_run_with_a_read_only_home_completes(dp1):
     assert json.loads((dp1 / "record.json").read_text())["status"] == "complete"
     env = json.loads((dp1 / "job.json").read_text())["env"]  # the environment the workers got
     assert env["HOME"] == str(home) and "XDG_CACHE_HOME" not in env
-    assert env["KERNEL_CACHE"] == str(dp1 / "kernels") and env["TORCHINDUCTOR_CACHE_DIR"] == str(dp1 / "kernels/inductor")
-    expected = f"kernel cache {home}/.cache/recipe-bundle/kernels not writable (Read-only file system); using {dp1}/kernels"
+    assert env["KERNEL_CACHE"] == str(dp1 / "kernels") and env["TORCHINDUCTOR_CACHE_DIR"] == str(
+        dp1 / "kernels/inductor"
+    )
+    expected = (
+        f"kernel cache {home}/.cache/recipe-bundle/kernels not writable (Read-only file system); using {dp1}/kernels"
+    )
     assert expected in (dp1.parent / "train-output.log").read_text()
     assert (dp1 / "kernels").is_dir() and list(home.iterdir()) == []
 
@@ -138,7 +158,9 @@ def test_record_says_what_ran(dp1):
     assert probe["torch"]["version"] == torch.__version__
     assert probe["components"]["transformers"] == transformers.__version__
     assert probe["components"]["megatron_core"] is None  # absent, not guessed
-    assert record["data"]["manifest"]["rows_sha256"] == "6ceb4f6e949f5e183b4e5cc48187c1ad247edb3770d7d060de7d58d6fd5711f3"
+    assert (
+        record["data"]["manifest"]["rows_sha256"] == "6ceb4f6e949f5e183b4e5cc48187c1ad247edb3770d7d060de7d58d6fd5711f3"
+    )
     for name in ("config.yaml", "argv.json", "job.json", "env.json", "plan.json", "metrics.jsonl", "logs/rank-0.log"):
         assert (dp1 / name).is_file(), name
     job = json.loads((dp1 / "job.json").read_text())  # what the launcher started: rank 0's worker
@@ -177,7 +199,9 @@ def test_convergence_passes_for_another_layout_and_fails_for_another_learning_ra
     assert other.returncode == 1
     failed = {c["name"] for c in json.loads(other.stdout)["checks"] if not c["passed"]}
     assert "final_loss" in failed
-    predicted = trainer("converge", "--predict", "--candidate", "experiment=smoke optim.lr=3e-2", "--reference", "experiment=smoke")
+    predicted = trainer(
+        "converge", "--predict", "--candidate", "experiment=smoke optim.lr=3e-2", "--reference", "experiment=smoke"
+    )
     assert predicted.returncode == 1 and "--lr" in predicted.stdout
 
 
@@ -194,8 +218,12 @@ def test_the_run_as_a_recipe(dp1, dp2, tmp_path):
 
 
 def test_verify_passes_and_catches_planted_drift(dp1, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "trainer", "verify", str(dp1), "--json"], capture_output=True, text=True,
-                        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    ok = subprocess.run(
+        [sys.executable, "-m", "trainer", "verify", str(dp1), "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert ok.returncode == 0, ok.stderr
     rows = {r["component"]: r for r in json.loads(ok.stdout)["rows"]}
     assert rows["torch"]["verdict"] == "ok" and rows["megatron_core"]["verdict"] == "-"
@@ -205,8 +233,12 @@ def test_verify_passes_and_catches_planted_drift(dp1, tmp_path):
     record["probe"]["ranks"][0]["torch"]["version"] = "2.12.0+cpu"
     record["probe"]["ranks"][0]["components"]["transformers"] = None
     (drifted / "record.json").write_text(json.dumps(record))
-    bad = subprocess.run([sys.executable, "-m", "trainer", "verify", str(drifted), "--json"], capture_output=True, text=True,
-                         env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    bad = subprocess.run(
+        [sys.executable, "-m", "trainer", "verify", str(drifted), "--json"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+    )
     assert bad.returncode == 1
     rows = {r["component"]: r for r in json.loads(bad.stdout)["rows"]}
     assert (rows["torch"]["verdict"], rows["torch"]["observed"]) == ("drift", "2.12.0+cpu")
@@ -231,8 +263,18 @@ def test_a_run_stopped_midway_leaves_a_record_that_says_so(tmp_path):
         run_dir = tmp_path / sig.name / "run"
         run_dir.parent.mkdir()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trainer.train", "experiment=smoke", "launcher.steps=50", f"hydra.run.dir={run_dir}"],
-            cwd=run_dir.parent, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "trainer.train",
+                "experiment=smoke",
+                "launcher.steps=50",
+                f"hydra.run.dir={run_dir}",
+            ],
+            cwd=run_dir.parent,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         runs[sig] = (proc, run_dir, expected)
     try:
@@ -261,10 +303,25 @@ def test_a_run_stopped_midway_leaves_a_record_that_says_so(tmp_path):
 
 
 def test_redact_env():
-    env = {"HF_TOKEN": "a", "aws_secret_access_key": "b", "DB_PASSWORD": "c", "GCP_CREDENTIALS": "d", "PATH": "/bin", "KEYBOARD": "x", "GITHUB_PAT": "e"}
+    env = {
+        "HF_TOKEN": "a",
+        "aws_secret_access_key": "b",
+        "DB_PASSWORD": "c",
+        "GCP_CREDENTIALS": "d",
+        "PATH": "/bin",
+        "KEYBOARD": "x",
+        "GITHUB_PAT": "e",
+    }
     out = redact_env(env)
-    assert out == {"DB_PASSWORD": "<redacted>", "GCP_CREDENTIALS": "<redacted>", "HF_TOKEN": "<redacted>",
-                   "GITHUB_PAT": "<redacted>", "KEYBOARD": "x", "PATH": "/bin", "aws_secret_access_key": "<redacted>"}
+    assert out == {
+        "DB_PASSWORD": "<redacted>",
+        "GCP_CREDENTIALS": "<redacted>",
+        "HF_TOKEN": "<redacted>",
+        "GITHUB_PAT": "<redacted>",
+        "KEYBOARD": "x",
+        "PATH": "/bin",
+        "aws_secret_access_key": "<redacted>",
+    }
 
 
 def test_megatron_learning_rate_schedule():
@@ -278,7 +335,9 @@ def test_megatron_learning_rate_schedule():
     assert megatron_lr(2, 25, lr, low, 0.1) == pytest.approx(lr * 2 / 2.5)
     # the other --lr-decay-style values the workers follow; Megatron's others are refused
     assert megatron_lr(11, 20, lr, low, 0.1, "linear") == pytest.approx(low + (lr - low) * 0.5)
-    assert megatron_lr(15, 20, lr, low, 0.1, "constant") == lr and megatron_lr(1, 20, lr, low, 0.1, "constant") == lr / 2
+    assert (
+        megatron_lr(15, 20, lr, low, 0.1, "constant") == lr and megatron_lr(1, 20, lr, low, 0.1, "constant") == lr / 2
+    )
     with pytest.raises(ValueError, match="lr_decay_style 'WSD'"):
         megatron_lr(3, 20, lr, low, 0.1, "WSD")
 

@@ -6,8 +6,6 @@ layout, changes ``index.json`` or a blob, and checks that ``trainer verify LAYOU
 one line naming the problem (exit 1) and what ``trainer image sbom`` does with the same layout.
 """
 
-import helpers
-
 import base64
 import hashlib
 import json
@@ -16,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import run_trainer as trainer
 from image_fixtures import make_wheel, small_lock
 from trainer.image.referrers import Document, referrer
@@ -45,8 +44,25 @@ def signed(tmp_path_factory):
     assert trainer("cache", "--cache", cache, "add", wheel).returncode == 0
     made = trainer("keygen", "--out", root / "key")
     assert made.returncode == 0, made.stderr
-    r = trainer("image", "build", "--lock", lock, "--out", root / "image.oci", "--cache", cache, "--offline",
-                "--bundle-root", bundle, "--revision", "test", "--json", "-q", "--sign-key", root / "key")
+    r = trainer(
+        "image",
+        "build",
+        "--lock",
+        lock,
+        "--out",
+        root / "image.oci",
+        "--cache",
+        cache,
+        "--offline",
+        "--bundle-root",
+        bundle,
+        "--revision",
+        "test",
+        "--json",
+        "-q",
+        "--sign-key",
+        root / "key",
+    )
     assert r.returncode == 0, r.stderr
     return {"layout": root / "image.oci", "key": root / "key", "pub": root / "key.pub", "build": json.loads(r.stdout)}
 
@@ -165,10 +181,17 @@ def test_a_forged_spdx_referrer_beside_the_genuine_one_is_refused(signed, tmp_pa
 @pytest.mark.parametrize("removed", [[SPDX], [CDX], [SPDX, CDX]], ids=["spdx", "cyclonedx", "both"])
 def test_an_sbom_referrer_the_provenance_names_but_the_index_lacks_fails(signed, tmp_path, removed):
     layout = copy(signed, tmp_path)
-    named = {b["mediaType"]: b["digest"]["sha256"] for b in statement_of(layout)["predicate"]["runDetails"]["byproducts"]}
+    named = {
+        b["mediaType"]: b["digest"]["sha256"] for b in statement_of(layout)["predicate"]["runDetails"]["byproducts"]
+    }
     drop(layout, *removed)
     first = removed[0]  # the provenance names SPDX before CycloneDX
-    one_line(verify(signed, layout), 1, layout, f"the signed provenance names {first} sha256 {named[first]}; none is attached")
+    one_line(
+        verify(signed, layout),
+        1,
+        layout,
+        f"the signed provenance names {first} sha256 {named[first]}; none is attached",
+    )
     for media in removed:
         fmt = "spdx" if media == SPDX else "cyclonedx"
         one_line(trainer("image", "sbom", layout, "--format", fmt), 2, f"no referrer of type {media}")
@@ -215,7 +238,11 @@ def test_a_duplicated_index_entry_is_refused(signed, tmp_path, artifact_type):
 def test_a_flipped_byte_in_a_referrer_blob_is_refused(signed, tmp_path, artifact_type, part):
     layout = copy(signed, tmp_path)
     descriptor = descriptor_of(layout, artifact_type)
-    digest = descriptor["digest"] if part == "manifest" else json.loads(blob(layout, descriptor["digest"]))["layers"][0]["digest"]
+    digest = (
+        descriptor["digest"]
+        if part == "manifest"
+        else json.loads(blob(layout, descriptor["digest"]))["layers"][0]["digest"]
+    )
     path = layout / "blobs/sha256" / digest[7:]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01

@@ -13,24 +13,38 @@ import importlib
 import os
 import signal
 import sys
-from typing import Dict, List, Optional, Tuple
 
 from trainer.errors import UserError, os_error_line
 
 # subcommand -> (module, one-line help)
-COMMANDS: Dict[str, Tuple[str, str]] = {
+COMMANDS: dict[str, tuple[str, str]] = {
     "data": ("trainer.data.cli", "build, verify and generate the fixed-length SFT rows (deepseek_v4 loss mask)"),
-    "verify": ("trainer.record.verify", "compare what a run observed (its probe) with its lock and the recipe; --key: signatures"),
+    "verify": (
+        "trainer.record.verify",
+        "compare what a run observed (its probe) with its lock and the recipe; --key: signatures",
+    ),
     "keygen": ("trainer.record.keygen", "make an offline key pair for signing image provenance and run attestations"),
-    "attest": ("trainer.record.attest", "write the (signed) attestation of a run that ended outside `train`, e.g. a Slurm job"),
+    "attest": (
+        "trainer.record.attest",
+        "write the (signed) attestation of a run that ended outside `train`, e.g. a Slurm job",
+    ),
     "train": ("trainer.train", "compose, check and plan a run (Hydra overrides follow; same as `train`)"),
     "image": ("trainer.image.cli", "build an OCI image from a lock, print its digest, diff two images"),
     "lock": ("trainer.image.imagelockcli", "verify an image lock offline; resolve one from PyPI (network)"),
     "cache": ("trainer.image.cachecli", "the content-addressed input cache: add a file (hash-checked), locate, verify"),
     "report": ("trainer.report.report", "throughput, MFU, model TFLOP/s, cost, step-time CV and GPU-hours of a run"),
-    "converge": ("trainer.report.convergence_cli", "convergence check of a candidate run against a reference (--predict: from configs)"),
-    "recipe": ("trainer.report.recipe", "write a run as a recipe YAML (schema/recipe.schema.yaml); --validate recipe files"),
-    "logs": ("trainer.report.logs", "read per-step loss and iteration time from a Megatron/miles log into metrics.jsonl"),
+    "converge": (
+        "trainer.report.convergence_cli",
+        "convergence check of a candidate run against a reference (--predict: from configs)",
+    ),
+    "recipe": (
+        "trainer.report.recipe",
+        "write a run as a recipe YAML (schema/recipe.schema.yaml); --validate recipe files",
+    ),
+    "logs": (
+        "trainer.report.logs",
+        "read per-step loss and iteration time from a Megatron/miles log into metrics.jsonl",
+    ),
     "status": ("trainer.record.status", "where a run stands; follows its Slurm job (--wait) and records how it ended"),
 }
 
@@ -52,7 +66,7 @@ def _terminate(signum: int, frame: object) -> None:
     raise Terminated()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Dispatch ``argv`` (default ``sys.argv[1:]``) to a subcommand; return its exit code.
 
     Exit codes: 0 ok, 1 a command's negative answer (e.g. images differ, a check failed),
@@ -100,8 +114,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         # traceback; TRAINER_DEBUG=1 shows the traceback
         if os.environ.get("TRAINER_DEBUG"):
             raise
-        print(f"trainer {name}: error: an input has an unexpected shape ({type(err).__name__}: "
-              f"{' '.join(str(err).split())[:200]}); TRAINER_DEBUG=1 shows where", file=sys.stderr)
+        print(
+            f"trainer {name}: error: an input has an unexpected shape ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:200]}); TRAINER_DEBUG=1 shows where",
+            file=sys.stderr,
+        )
         return 2
 
 

@@ -26,8 +26,17 @@ class CheckError(UserError):
 # The errors of a place rather than of a program (a full disk, a quota, a read-only mount, a name longer than the
 # file system takes, no permission): each is reported as one line naming the file (:func:`os_error_line`).
 STORAGE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)  # writing stopped: the disk, the quota, the mount
-PLACE_ERRNOS = (*STORAGE_ERRNOS, errno.ENAMETOOLONG, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
-                errno.ENOENT, errno.EEXIST, errno.ELOOP)
+PLACE_ERRNOS = (
+    *STORAGE_ERRNOS,
+    errno.ENAMETOOLONG,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENOENT,
+    errno.EEXIST,
+    errno.ELOOP,
+)
 
 
 def os_error_line(err: OSError, where: str = "") -> str:
@@ -40,7 +49,7 @@ def os_error_line(err: OSError, where: str = "") -> str:
     return " ".join((f"{os.fsdecode(name)}: {text}" if name else text).split())
 
 
-def place_error(err: BaseException) -> "UserError | None":
+def place_error(err: BaseException) -> UserError | None:
     """A :class:`UserError` of one line (:func:`os_error_line`) for an ``OSError`` whose errno is one of
     :data:`PLACE_ERRNOS` (``ENOSPC``, ``EDQUOT``, ``EROFS``, ``ENAMETOOLONG``, ``EACCES``, ...), else None (a
     program's error, left to its own handler)."""

@@ -18,8 +18,9 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Optional
+from typing import Any, BinaryIO
 
 import yaml
 
@@ -42,8 +43,13 @@ MAX_DEPTH = 64  # nesting of JSON/YAML documents (the bundle's own documents nes
 MAX_NODES = 1_000_000  # values of one document after YAML aliases are expanded (an alias bomb expands to billions)
 MAX_NUMBER_CHARS = 400  # digits of one JSON number (a float has 17 significant digits; an int64 has 19)
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
 def kind_of(mode: int) -> str:
@@ -51,7 +57,7 @@ def kind_of(mode: int) -> str:
     return next((words for test, words in _KINDS if test(mode)), "not a regular file")
 
 
-def open_regular(path: Path, what: str = "file", limit: Optional[int] = MAX_TEXT_BYTES) -> BinaryIO:
+def open_regular(path: Path, what: str = "file", limit: int | None = MAX_TEXT_BYTES) -> BinaryIO:
     """``path`` opened for binary reading, refusing anything but a regular file without blocking.
 
     Opened with ``O_NONBLOCK | O_NOCTTY`` (a FIFO without a writer, a terminal or a device never blocks the open),
@@ -106,8 +112,9 @@ def decode(data: bytes, where: str, what: str = "file") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as ex:
-        raise UserError(f"{where}: not UTF-8 text (byte 0x{data[ex.start]:02x} at offset {ex.start}; "
-                        f"a {what} is UTF-8)") from None
+        raise UserError(
+            f"{where}: not UTF-8 text (byte 0x{data[ex.start]:02x} at offset {ex.start}; a {what} is UTF-8)"
+        ) from None
 
 
 def _walk(obj: Any, where: str) -> None:
@@ -180,8 +187,9 @@ def _yaml_number(kind: str):
 
     def construct(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
         if len(node.value) > MAX_NUMBER_CHARS:
-            raise yaml.constructor.ConstructorError(None, None, f"a number of {len(node.value):,} characters",
-                                                    node.start_mark)
+            raise yaml.constructor.ConstructorError(
+                None, None, f"a number of {len(node.value):,} characters", node.start_mark
+            )
         return base(loader, node)
 
     return construct
@@ -208,8 +216,9 @@ def read_yaml(path: Path, what: str = "YAML file", limit: int = MAX_TEXT_BYTES) 
     return parse_yaml(read_text(path, what, limit), str(path))
 
 
-def raw_lines(path: Path, what: str = "JSON lines file", max_line: int = MAX_LINE_BYTES,
-              long: str = "refuse") -> Iterator[tuple]:
+def raw_lines(
+    path: Path, what: str = "JSON lines file", max_line: int = MAX_LINE_BYTES, long: str = "refuse"
+) -> Iterator[tuple]:
     """``(line number, bytes)`` of a file read as a stream (:func:`open_regular` without a size limit: memory is
     bounded by ``max_line`` bytes whatever the file's size; the newline is kept). A line longer than ``max_line``
     bytes raises :class:`UserError` naming the file and line (``long="refuse"``), or (``long="skip"``) is skipped
@@ -292,7 +301,7 @@ def lines(path: Path, what: str = "JSON lines file", max_line: int = MAX_LINE_BY
         yield number, decode(raw, f"{path} line {number}", what)
 
 
-def optional(kind: type, value: Any, where: str) -> Optional[Any]:
+def optional(kind: type, value: Any, where: str) -> Any | None:
     """``value`` when it is None or of ``kind``; else :class:`UserError` naming ``where`` and both types."""
     if value is None or isinstance(value, kind):
         return value

@@ -17,7 +17,7 @@ import socket
 import subprocess
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any
 
 # component -> distributions to try, in order
 DISTRIBUTIONS = {
@@ -37,7 +37,7 @@ STAMP_DIR = Path("/etc/recipe-bundle")
 SOURCE_MODULES = {"megatron_lm": "megatron", "miles": "miles"}
 
 
-def _dist_version(names) -> Optional[str]:
+def _dist_version(names) -> str | None:
     for name in names:
         try:
             return metadata.version(name)
@@ -46,7 +46,7 @@ def _dist_version(names) -> Optional[str]:
     return None
 
 
-def _megatron_version(checkout: str) -> Optional[str]:
+def _megatron_version(checkout: str) -> str | None:
     """megatron-core's version from a Megatron-LM checkout, read (not imported) from
     ``megatron/core/package_info.py``: MAJOR.MINOR.PATCH + PRE_RELEASE, as its ``__version__`` forms it."""
     import ast
@@ -78,7 +78,7 @@ def _mapped_libraries() -> list:
     return sorted({line.split()[-1] for line in text.splitlines() if ".so" in line.split()[-1]})
 
 
-def _package_dir(module_name: str) -> Optional[Path]:
+def _package_dir(module_name: str) -> Path | None:
     """The (first) directory of the importable package ``module_name``, resolved, found without importing it;
     None for a module that is not a package or not importable."""
     import importlib.util
@@ -91,7 +91,7 @@ def _package_dir(module_name: str) -> Optional[Path]:
     return Path(locations[0]).resolve() if locations else None
 
 
-def _git_commit_of(module_name: str) -> Optional[str]:
+def _git_commit_of(module_name: str) -> str | None:
     """The commit of a package installed from its own git checkout, or None.
 
     A ``GIT_COMMIT`` file stamped in or beside the package wins; otherwise ``git rev-parse HEAD``, accepted only
@@ -105,8 +105,9 @@ def _git_commit_of(module_name: str) -> Optional[str]:
         if candidate.is_file():
             return candidate.read_text().strip() or None
     try:
-        top = subprocess.run(["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                             timeout=5)
+        top = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=5
+        )
         if top.returncode != 0 or Path(top.stdout.strip()).resolve() / module_name != root:
             return None
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5)
@@ -115,10 +116,10 @@ def _git_commit_of(module_name: str) -> Optional[str]:
         return None
 
 
-def _pins() -> Dict[str, Dict[str, str]]:
+def _pins() -> dict[str, dict[str, str]]:
     """Git sources this process could be running, by tree id -> {"name", "commit"}: the image's stamp
     (``/etc/recipe-bundle/lock.json`` ``sources``) and the bundle's ``lockfiles/stack.json``."""
-    pins: Dict[str, Dict[str, str]] = {}
+    pins: dict[str, dict[str, str]] = {}
     candidates = [STAMP_DIR / "lock.json", Path(__file__).absolute().parent.parent / "lockfiles" / "stack.json"]
     for path in candidates:
         try:
@@ -132,7 +133,7 @@ def _pins() -> Dict[str, Dict[str, str]]:
     return pins
 
 
-def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None) -> Dict[str, Optional[str]]:
+def source_of(module_name: str, pins: dict[str, dict[str, str]] | None = None) -> dict[str, str | None]:
     """Which commit of its repository the importable package ``module_name`` comes from, read from the files.
 
     The package's checkout root (the directory holding ``<module_name>/``) is hashed as git hashes a tree
@@ -145,7 +146,7 @@ def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None
     """
     from trainer.image.gittree import directory_tree_id
 
-    out: Dict[str, Optional[str]] = {"commit": None, "tree": None, "path": None}
+    out: dict[str, str | None] = {"commit": None, "tree": None, "path": None}
     package = _package_dir(module_name)
     if package is None:
         return out
@@ -162,11 +163,13 @@ def source_of(module_name: str, pins: Optional[Dict[str, Dict[str, str]]] = None
     return out
 
 
-def _driver_version() -> Optional[str]:
+def _driver_version() -> str | None:
     try:
         out = subprocess.run(
             ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20,
+            capture_output=True,
+            text=True,
+            timeout=20,
         )
     except (OSError, subprocess.SubprocessError):
         return None
@@ -174,7 +177,7 @@ def _driver_version() -> Optional[str]:
     return lines[0].strip() if out.returncode == 0 and lines else None
 
 
-def _cpu_model() -> Optional[str]:
+def _cpu_model() -> str | None:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -184,9 +187,9 @@ def _cpu_model() -> Optional[str]:
     return platform.processor() or None
 
 
-def _image() -> Dict[str, Any]:
+def _image() -> dict[str, Any]:
     """The image this process runs in, from the builder's stamp; empty when not in a bundle image."""
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for name in ("image.json", "lock.json"):
         path = STAMP_DIR / name
         if path.is_file():
@@ -205,7 +208,7 @@ def _image() -> Dict[str, Any]:
     return out
 
 
-def probe() -> Dict[str, Any]:
+def probe() -> dict[str, Any]:
     """Probe this process's environment. Returns a JSON-ready dict (see the module docstring).
 
     Keys: ``python``, ``host``, ``cpu``, ``components`` (name -> version or None), ``torch`` (version, CUDA,
@@ -217,7 +220,7 @@ def probe() -> Dict[str, Any]:
     sources = {name: source_of(module, pins) for name, module in SOURCE_MODULES.items()}
     if components["megatron_core"] is None and sources["megatron_lm"]["path"]:
         components["megatron_core"] = _megatron_version(sources["megatron_lm"]["path"])
-    info: Dict[str, Any] = {
+    info: dict[str, Any] = {
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "cpu": {"model": _cpu_model(), "count": os.cpu_count()},
@@ -271,10 +274,10 @@ def probe() -> Dict[str, Any]:
     return info
 
 
-def distributions() -> Dict[str, str]:
+def distributions() -> dict[str, str]:
     """Every distribution importable from ``sys.path`` (name -> version, names lower-case with ``-``), for
     comparing an image's site-packages with the lock stamped into it."""
-    out: Dict[str, str] = {}
+    out: dict[str, str] = {}
     for dist in metadata.distributions():
         name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
         if name:
@@ -282,7 +285,7 @@ def distributions() -> Dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     """``python -m trainer.probe [--out PATH] [--distributions] [--node NAME]``: print the probe as JSON.
 
     ``--out`` writes it (atomically) instead; ``{node}`` in PATH becomes the node name (``--node``, else

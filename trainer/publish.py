@@ -15,8 +15,9 @@ import io
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO, Iterator, Optional, Sequence
+from typing import BinaryIO
 
 
 def umask() -> int:
@@ -77,8 +78,9 @@ class _Handle(io.BufferedWriter):
 
 
 @contextlib.contextmanager
-def atomic_file(path: Path, mode: int = 0o666, umask_applies: bool = True,
-                prefix: Optional[str] = None) -> Iterator[BinaryIO]:
+def atomic_file(
+    path: Path, mode: int = 0o666, umask_applies: bool = True, prefix: str | None = None
+) -> Iterator[BinaryIO]:
     """A binary handle on a temporary sibling of ``path`` (name ``prefix`` + random, default ``.NAME.``); on a
     clean exit it is flushed, fsynced, given ``mode`` (less the process umask unless ``umask_applies`` is false)
     and renamed onto ``path``; on an exception it is removed and ``path`` is left as it was.
@@ -140,7 +142,7 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True,
     return hashlib.sha256(data).hexdigest()
 
 
-def temp_dir(out: Path, prefix: Optional[str] = None, mode: Optional[int] = None) -> Path:
+def temp_dir(out: Path, prefix: str | None = None, mode: int | None = None) -> Path:
     """A new empty temporary sibling of ``out`` (name ``prefix`` + random, default ``.NAME.``) to build a
     directory in; ``mode`` (less the umask) replaces mkdtemp's 0700 when given."""
     tmp = Path(tempfile.mkdtemp(prefix=prefix or f".{out.name}.", dir=out.parent))

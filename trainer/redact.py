@@ -46,32 +46,75 @@ from __future__ import annotations
 import contextlib
 import re
 import sys
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any
 
 REDACTED = "<redacted>"
 
 # A word equal to one of these makes a name secret (case-insensitive).
-SECRET_WORDS = frozenset({
-    "TOKEN", "KEY", "APIKEY", "SECRET", "SECRETS", "PASSWORD", "PASSWD", "PASSPHRASE", "PASS", "PWD",
-    "PAT", "CREDENTIAL", "CREDENTIALS", "CREDS", "AUTH", "AUTHORIZATION", "PRIVATE", "COOKIE", "SIG", "SIGNATURE",
-    "JWT", "BEARER", "DSN", "OTP", "SSHPASS",
-})
+SECRET_WORDS = frozenset(
+    {
+        "TOKEN",
+        "KEY",
+        "APIKEY",
+        "SECRET",
+        "SECRETS",
+        "PASSWORD",
+        "PASSWD",
+        "PASSPHRASE",
+        "PASS",
+        "PWD",
+        "PAT",
+        "CREDENTIAL",
+        "CREDENTIALS",
+        "CREDS",
+        "AUTH",
+        "AUTHORIZATION",
+        "PRIVATE",
+        "COOKIE",
+        "SIG",
+        "SIGNATURE",
+        "JWT",
+        "BEARER",
+        "DSN",
+        "OTP",
+        "SSHPASS",
+    }
+)
 # A word ending with one of these is secret too (``HFTOKEN``, ``GHAPIKEY``, ``DBPASSWORD``).
 SECRET_SUFFIXES = ("TOKEN", "SECRET", "PASSWORD", "PASSWD", "APIKEY", "CREDENTIAL", "CREDENTIALS")
 # In a name with lower-case letters, a last word KEY is secret only after one of these (``api_key``, ``X-Api-Key``,
 # ``aws_secret_access_key``), not after others (``input_key``, ``metadata_key``, ``--sign-key``).
-KEY_QUALIFIERS = frozenset({
-    "API", "ACCESS", "SECRET", "PRIVATE", "AUTH", "CLIENT", "MASTER", "ENCRYPTION", "SESSION", "SSH", "LICENSE",
-    "ACCOUNT", "SERVICE", "SUBSCRIPTION", "DEPLOY", "HF", "WANDB", "OPENAI",
-})
+KEY_QUALIFIERS = frozenset(
+    {
+        "API",
+        "ACCESS",
+        "SECRET",
+        "PRIVATE",
+        "AUTH",
+        "CLIENT",
+        "MASTER",
+        "ENCRYPTION",
+        "SESSION",
+        "SSH",
+        "LICENSE",
+        "ACCOUNT",
+        "SERVICE",
+        "SUBSCRIPTION",
+        "DEPLOY",
+        "HF",
+        "WANDB",
+        "OPENAI",
+    }
+)
 # The shell's working-directory variables: PWD is a secret word (DB_PWD), these two are paths.
 NOT_SECRET_VARIABLES = frozenset({"PWD", "OLDPWD"})
 
 _WORD = re.compile(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+|[0-9]+")
 
 
-def name_words(name: str) -> List[str]:
+def name_words(name: str) -> list[str]:
     """The words of a name, upper-cased: ``hfAccess_TOKEN-2`` -> ``["HF", "ACCESS", "TOKEN", "2"]``."""
     return [w.upper() for part in re.split(r"[^A-Za-z0-9]+", name) for w in _WORD.findall(part)]
 
@@ -108,25 +151,35 @@ _VALUE = rf"(?:'[^'\n]*'|\"(?:[^\"\\\n]|\\.)*\"|{_BARE})"
 # Hydra's escaped form too (https\://u\:pw@); matched from its "//" on (a literal the search skips to), the scheme
 # before it checked by _SCHEME_END
 _SCHEME = r"\b[A-Za-z][A-Za-z0-9+.-]*\\?:(?:\\?/){2}"
-_URL_AT = re.compile(rf"//(?P<info>(?:[^\s/@:'\"<>\\]|\\[^:\s])*\\?:(?:[^\s'\"<>\\]|{_ESCAPED})*@"
-                     rf"|(?:[^\s/@:'\"<>\\]|{_ESCAPED})+@)")
+_URL_AT = re.compile(
+    rf"//(?P<info>(?:[^\s/@:'\"<>\\]|\\[^:\s])*\\?:(?:[^\s'\"<>\\]|{_ESCAPED})*@"
+    rf"|(?:[^\s/@:'\"<>\\]|{_ESCAPED})+@)"
+)
 _SCHEME_END = re.compile(r"(?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*\\*:\Z")  # any backslashes: repr doubles them
 # in one value (learning): the password may hold quotes too
 _URL_LAX = re.compile(rf"(?P<scheme>{_SCHEME})(?P<info>[^\s/@:]*\\?:\S*@|[^\s/@:]+@)")
 _QUERY = re.compile(rf"(?P<head>[?&;#](?P<name>[A-Za-z0-9_.~-]+)\\?=)(?P<value>(?:[^&#\s'\"<>\\]|{_ESCAPED})*)")
 # NAME=VALUE (shell, Hydra overrides: ``+env.HF_TOKEN=...``, list elements ``[x,HF_TOKEN\=V]``)
-_ASSIGN = re.compile(rf"(?<![A-Za-z0-9_\\?&;#-])(?P<head>(?:[A-Za-z_][A-Za-z0-9_-]*\.)*(?P<name>[A-Za-z_][A-Za-z0-9_-]*)"
-                     rf"\\?=)(?P<value>{_VALUE})")
+_ASSIGN = re.compile(
+    rf"(?<![A-Za-z0-9_\\?&;#-])(?P<head>(?:[A-Za-z_][A-Za-z0-9_-]*\.)*(?P<name>[A-Za-z_][A-Za-z0-9_-]*)"
+    rf"\\?=)(?P<value>{_VALUE})"
+)
 # --name=VALUE, --name VALUE, "--name", "VALUE" (JSON, Python lists), [--name,VALUE] (Hydra lists)
-_FLAG = re.compile(rf"(?<![A-Za-z0-9_-])(?P<head>--?(?P<name>[A-Za-z][A-Za-z0-9_.-]*)"
-                   rf"(?:\\?=|[\"']?[ \t]*,\s*[\"']?|[ \t]+))(?!-)(?P<value>{_VALUE})")
+_FLAG = re.compile(
+    rf"(?<![A-Za-z0-9_-])(?P<head>--?(?P<name>[A-Za-z][A-Za-z0-9_.-]*)"
+    rf"(?:\\?=|[\"']?[ \t]*,\s*[\"']?|[ \t]+))(?!-)(?P<value>{_VALUE})"
+)
 # Name: [Bearer|Basic|Token] VALUE (HTTP headers, also inside a value: a capitalised name, Api-Key, X-Api-Key, or
 # authorization in any case; prose such as "is a secret: set it" is no header)
-_HEADER = re.compile(rf"(?<![A-Za-z0-9_-])(?P<name>[A-Z][A-Za-z0-9]*(?:-[A-Za-z0-9]+)*|(?i:authorization))[ \t]*\\?:[ \t]*"
-                     rf"(?:(?i:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?(?P<value>(?!//){_BARE})")
+_HEADER = re.compile(
+    rf"(?<![A-Za-z0-9_-])(?P<name>[A-Z][A-Za-z0-9]*(?:-[A-Za-z0-9]+)*|(?i:authorization))[ \t]*\\?:[ \t]*"
+    rf"(?:(?i:Bearer|Basic|Token|Digest|Negotiate)[ \t]+)?(?P<value>(?!//){_BARE})"
+)
 # NAME: VALUE (YAML; its more-indented continuation lines are part of the value, see _yaml_end)
-_YAML = re.compile(r"(?m)^(?P<head>[ \t]*(?:-[ \t]+)?(?P<q>[\"']?)(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)(?P=q):[ \t]+)"
-                   r"(?P<value>\S[^\n]*)")
+_YAML = re.compile(
+    r"(?m)^(?P<head>[ \t]*(?:-[ \t]+)?(?P<q>[\"']?)(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)(?P=q):[ \t]+)"
+    r"(?P<value>\S[^\n]*)"
+)
 _JSON = re.compile(r"(?P<head>\"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)\"\s*:\s*)(?P<value>\"(?:[^\"\\\n]|\\.)*\")")
 # a JSON object inside a JSON string: \"NAME\": \"VALUE\"
 _JSON_IN_JSON = re.compile(r"\\\"(?P<name>[A-Za-z_][A-Za-z0-9_.-]*)\\\"\s*:\s*\\\"(?P<value>(?:[^\"\\]|\\[^\"])*)\\\"")
@@ -163,7 +216,7 @@ def _char_pattern(c: str) -> str:
     if c == "'":
         alts += [r"'\\''", "'\"'\"'", "''"]
     o = ord(c)
-    if o < 0x20 or o >= 0x7f:
+    if o < 0x20 or o >= 0x7F:
         if o > 0xFFFF:
             hi, lo = 0xD800 + ((o - 0x10000) >> 10), 0xDC00 + ((o - 0x10000) & 0x3FF)
             alts.append(rf"(?i:\\u{hi:04x}\\u{lo:04x})")
@@ -188,7 +241,7 @@ def serialised_pattern(value: str, bounded: bool) -> str:
     return rf"(?<![A-Za-z0-9]){body}(?![A-Za-z0-9])" if bounded else body
 
 
-def _anchor(value: str) -> Optional[str]:
+def _anchor(value: str) -> str | None:
     """The longest run of letters and digits of ``value`` (never escaped by any serialisation): text without it
     cannot hold ``value``."""
     runs = re.findall(r"[A-Za-z0-9]+", value)
@@ -203,18 +256,18 @@ class Redactor:
     letters and digits occurs)."""
 
     def __init__(self, short: int = 4) -> None:
-        self.known: Set[str] = set()
+        self.known: set[str] = set()
         self.frozen = False
         self.short = short
-        self._compiled: Dict[str, Tuple[Optional[str], "re.Pattern[str]"]] = {}
+        self._compiled: dict[str, tuple[str | None, re.Pattern[str]]] = {}
 
-    def freeze(self) -> "Redactor":
+    def freeze(self) -> Redactor:
         """Stop learning: later :meth:`scrub` calls redact what the patterns find in place but add no value to
         :attr:`known` (the run's secrets come from its overrides and environment, never from files)."""
         self.frozen = True
         return self
 
-    def teach(self, other: "Redactor") -> "Redactor":
+    def teach(self, other: Redactor) -> Redactor:
         """Add the values ``other`` knows (also to a frozen redactor: the caller vouches for them)."""
         self.known |= other.known
         return self
@@ -227,7 +280,7 @@ class Redactor:
             return  # a number or a YAML word everywhere would be replaced in every JSON and YAML file
         self.known.add(value)
 
-    def learn_secret(self, value: Any) -> "Redactor":
+    def learn_secret(self, value: Any) -> Redactor:
         """Learn ``value`` whole, as a secret (one that is secret because of its name): a string, and its lines;
         each string of a list or mapping."""
         for text in _strings(value):
@@ -237,13 +290,17 @@ class Redactor:
                 self._keep(line)
         return self
 
-    def learn_value(self, value: Any) -> "Redactor":
+    def learn_value(self, value: Any) -> Redactor:
         """Learn the secrets inside ``value`` (any string of it): what the rule's patterns find, a URL password
         holding quotes, and the argument after a secret flag in a list (``[x, --hf-token, V]``)."""
         for items in _lists(value):
             for flag, following in zip(items, items[1:]):
-                if isinstance(flag, str) and re.fullmatch(r"--?[A-Za-z][A-Za-z0-9_.-]*", flag) and \
-                        is_secret_name(flag.lstrip("-")) and isinstance(following, str):
+                if (
+                    isinstance(flag, str)
+                    and re.fullmatch(r"--?[A-Za-z][A-Za-z0-9_.-]*", flag)
+                    and is_secret_name(flag.lstrip("-"))
+                    and isinstance(following, str)
+                ):
                     self.learn_secret(following)
         for name, text in _named_strings(value):
             if name is not None and is_secret_name(name):
@@ -257,7 +314,7 @@ class Redactor:
                 self._spans(unescape(text), learn=True)
         return self
 
-    def learn_env(self, env: Mapping[str, object]) -> "Redactor":
+    def learn_env(self, env: Mapping[str, object]) -> Redactor:
         """Learn the values of the secret-named variables of an environment (the run's ``env`` block, the caller's
         environment; ``PWD`` and ``OLDPWD`` are paths), and the secrets inside every value (``CUSTOM_HEADERS``
         holding ``{"Authorization": "Bearer V"}``, a URL with a password)."""
@@ -269,7 +326,7 @@ class Redactor:
             self.learn_value(value)
         return self
 
-    def learn_overrides(self, overrides: Iterable[str]) -> "Redactor":
+    def learn_overrides(self, overrides: Iterable[str]) -> Redactor:
         """Learn the secret values of Hydra overrides as Hydra reads them (:func:`override_parts`): the whole value of
         one that sets a secret-named key (``+env.hf_token=...``; each value of a sweep or list, and the value as
         typed), and the secrets inside every value (URLs with credentials, ``NAME=VALUE`` and secret flags in a
@@ -285,16 +342,16 @@ class Redactor:
 
     # ------------------------------------------------------------------------------------------- scrubbing
 
-    def _pattern(self, value: str) -> Tuple[Optional[str], "re.Pattern[str]"]:
+    def _pattern(self, value: str) -> tuple[str | None, re.Pattern[str]]:
         if value not in self._compiled:
             bounded = len(value) < MIN_LEARNED or value.isdigit()
             self._compiled[value] = (_anchor(value), re.compile(serialised_pattern(value, bounded)))
         return self._compiled[value]
 
-    def _spans(self, text: str, learn: bool = False) -> List[Tuple[int, int]]:
+    def _spans(self, text: str, learn: bool = False) -> list[tuple[int, int]]:
         """The spans of ``text`` to replace (merged, sorted): the rule's patterns, then the known values. With
         ``learn`` (and not frozen), the values the patterns find are learnt first."""
-        spans: List[Tuple[int, int]] = []
+        spans: list[tuple[int, int]] = []
 
         def found(start: int, end: int, value: str, name: str) -> None:
             if _skip(value) or _PLAIN_SCALAR.fullmatch(value) and any(c.islower() for c in name):
@@ -325,7 +382,7 @@ class Redactor:
                         stop = m.end("value") - (1 if m.group("value").endswith(",") else 0)
                     else:
                         stop = _yaml_end(text, m)
-                    found(m.start("value"), stop, text[m.start("value"):stop], m.group("name"))
+                    found(m.start("value"), stop, text[m.start("value") : stop], m.group("name"))
         for value in sorted(self.known, key=len, reverse=True):
             anchor, pattern = self._pattern(value)
             for start, end in _windows(text, [anchor] if anchor else None, 8 * len(value) + 64, 8 * len(value) + 64):
@@ -347,12 +404,33 @@ class Redactor:
 
 
 # every secret name holds one of these (lower-cased): where none occurs, no named pattern is tried
-_STEMS = ("token", "key", "secret", "pass", "pwd", "pat", "cred", "auth", "private", "cookie", "sig", "jwt", "bearer",
-          "dsn", "otp")
+_STEMS = (
+    "token",
+    "key",
+    "secret",
+    "pass",
+    "pwd",
+    "pat",
+    "cred",
+    "auth",
+    "private",
+    "cookie",
+    "sig",
+    "jwt",
+    "bearer",
+    "dsn",
+    "otp",
+)
 
 
-def _windows(text: str, needles: Optional[Sequence[str]], before: int, after: int,
-             lowered: Optional[str] = None, lines: bool = False) -> List[Tuple[int, int]]:
+def _windows(
+    text: str,
+    needles: Sequence[str] | None,
+    before: int,
+    after: int,
+    lowered: str | None = None,
+    lines: bool = False,
+) -> list[tuple[int, int]]:
     """The parts of ``text`` around each occurrence of a needle (``before`` characters before it, ``after`` after
     it; with ``lines``, from the start of its line when that is nearer, to the end of the line after it when that
     is nearer), merged; the whole text when ``needles`` is None. ``lowered``: the text to look in (same length)."""
@@ -365,7 +443,7 @@ def _windows(text: str, needles: Optional[Sequence[str]], before: int, after: in
         while at >= 0:
             hits.append(at)
             at = haystack.find(needle, at + len(needle))
-    out: List[Tuple[int, int]] = []
+    out: list[tuple[int, int]] = []
     for at in sorted(hits):
         start, end = max(at - before, 0), min(at + after, len(text))
         if lines:
@@ -380,7 +458,7 @@ def _windows(text: str, needles: Optional[Sequence[str]], before: int, after: in
     return out
 
 
-def _name_windows(text: str) -> List[Tuple[int, int]]:
+def _name_windows(text: str) -> list[tuple[int, int]]:
     """Where a secret name may stand in ``text``: around the :data:`_STEMS` (a name is at most 256 characters
     before its stem, a value on its line or the next, at most :data:`OVERLAP` characters)."""
     lowered = text.replace("\u0130", "I").lower()  # U+0130 is the one character whose lower case is two
@@ -389,7 +467,7 @@ def _name_windows(text: str) -> List[Tuple[int, int]]:
     return _windows(text, _STEMS, 256, OVERLAP, lowered, lines=True)
 
 
-def _yaml_end(text: str, m: "re.Match[str]") -> int:
+def _yaml_end(text: str, m: re.Match[str]) -> int:
     """Where the YAML value of ``m`` ends: after its line and the lines below that are indented more than its key
     (a folded plain or quoted scalar, a block scalar's lines; blank lines between them), trailing blanks left out."""
     line_start = text.rfind("\n", 0, m.start()) + 1
@@ -398,7 +476,7 @@ def _yaml_end(text: str, m: "re.Match[str]") -> int:
     pos = end
     while pos < len(text) and text[pos] == "\n":
         nxt = text.find("\n", pos + 1)
-        line = text[pos + 1:nxt if nxt >= 0 else len(text)]
+        line = text[pos + 1 : nxt if nxt >= 0 else len(text)]
         if line.strip():
             indent = len(line) - len(line.lstrip(" \t"))
             if indent <= column:
@@ -410,8 +488,8 @@ def _yaml_end(text: str, m: "re.Match[str]") -> int:
     return end
 
 
-def _merge(spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
-    out: List[Tuple[int, int]] = []
+def _merge(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
     for start, end in sorted(spans):
         if out and start <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], end))
@@ -420,7 +498,7 @@ def _merge(spans: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
     return out
 
 
-def _unquoted_in_shell(text: str, positions: Sequence[int]) -> Set[int]:
+def _unquoted_in_shell(text: str, positions: Sequence[int]) -> set[int]:
     """Those of ``positions`` (sorted) of the shell script ``text`` that are outside quotes and comments."""
     out, wanted, state, i, n = set(), list(positions), "", 0, len(text)
     k = 0
@@ -449,7 +527,7 @@ def _unquoted_in_shell(text: str, positions: Sequence[int]) -> Set[int]:
     return out
 
 
-def _apply(text: str, spans: Sequence[Tuple[int, int]], quoted: Set[int] = frozenset()) -> str:
+def _apply(text: str, spans: Sequence[tuple[int, int]], quoted: set[int] = frozenset()) -> str:
     """``text`` with each span replaced by ``<redacted>`` (by ``'<redacted>'`` where it starts at one of ``quoted``)."""
     parts, last = [], 0
     for start, end in spans:
@@ -470,13 +548,13 @@ def _strings(value: Any) -> Iterator[str]:
     elif isinstance(value, (list, tuple, set)):
         for v in value:
             yield from _strings(v)
-    elif hasattr(value, "list") and isinstance(getattr(value, "list"), list):  # ChoiceSweep
+    elif hasattr(value, "list") and isinstance(value.list, list):  # ChoiceSweep
         yield from _strings(value.list)
     elif hasattr(value, "include"):  # Glob
         yield from _strings(list(value.include) + list(getattr(value, "exclude", [])))
 
 
-def _named_strings(value: Any, name: Optional[str] = None) -> Iterator[Tuple[Optional[str], str]]:
+def _named_strings(value: Any, name: str | None = None) -> Iterator[tuple[str | None, str]]:
     """(the key it is under or None, string) for every string of ``value``."""
     if isinstance(value, Mapping):
         for k, v in value.items():
@@ -496,11 +574,11 @@ def _lists(value: Any) -> Iterator[list]:
     elif isinstance(value, Mapping):
         for v in value.values():
             yield from _lists(v)
-    elif hasattr(value, "list") and isinstance(getattr(value, "list"), list):
+    elif hasattr(value, "list") and isinstance(value.list, list):
         yield from _lists(value.list)
 
 
-def override_parts(word: str) -> Tuple[Optional[str], Any, str]:
+def override_parts(word: str) -> tuple[str | None, Any, str]:
     """(key, value, the value as typed) of a Hydra override as Hydra reads it: quotes and escapes undone, a list or
     sweep as its values (``+env.A=[x,'--hf-token=V']`` -> ``("env.A", ["x", "--hf-token=V"], "[x,'--hf-token=V']")``).
     An override Hydra cannot parse (an unterminated quote) gives its key as typed and its value as typed, with
@@ -525,7 +603,7 @@ def redact_value(value: str) -> str:
     return Redactor(short=1).learn_value(value).scrub(value)
 
 
-def redact_env(env: Mapping[str, str]) -> Dict[str, str]:
+def redact_env(env: Mapping[str, str]) -> dict[str, str]:
     """A copy of ``env`` sorted by name: secret-named variables become ``<redacted>``, other values lose the secrets
     inside them (:func:`redact_value`)."""
     return {name: (REDACTED if is_secret_name(name) else redact_value(value)) for name, value in sorted(env.items())}
@@ -546,12 +624,13 @@ def redact_override(word: str) -> str:
     return Redactor(short=1).learn_overrides([word]).scrub(word)
 
 
-def redact_argv(argv: Iterable[str]) -> List[str]:
+def redact_argv(argv: Iterable[str]) -> list[str]:
     """A command line with each word redacted (:func:`redact_override`)."""
     return [redact_override(word) for word in argv]
 
 
 # ------------------------------------------------------------------------------------------------ streams
+
 
 class RedactingStream:
     """A text stream (stdout, stderr) whose every line passes through a redactor before it reaches ``stream``.
@@ -567,7 +646,7 @@ class RedactingStream:
         self.stream = stream
         self.redactor = redactor
         self.name = name
-        self.failed: Optional[OSError] = None
+        self.failed: OSError | None = None
         self._held = ""
 
     def _emit(self, text: str, flush: bool = False) -> None:
@@ -675,7 +754,7 @@ def _last_words(line: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ files
 
-_GUARDED: Dict[Path, Redactor] = {}
+_GUARDED: dict[Path, Redactor] = {}
 
 
 def guard(directory: Path, redactor: Redactor) -> None:
@@ -683,7 +762,7 @@ def guard(directory: Path, redactor: Redactor) -> None:
     _GUARDED[Path(directory).absolute()] = redactor
 
 
-def redactor_for(path: Path) -> Optional[Redactor]:
+def redactor_for(path: Path) -> Redactor | None:
     """The redactor guarding ``path``'s directory (or one above it), or None."""
     path = Path(path).absolute()
     for directory, redactor in _GUARDED.items():
@@ -698,7 +777,7 @@ CHUNK_BYTES = 16 << 20
 OVERLAP = 1 << 20
 
 
-def sweep(directory: Path, redactor: Redactor, verbatim: Iterable[str] = ()) -> List[str]:
+def sweep(directory: Path, redactor: Redactor, verbatim: Iterable[str] = ()) -> list[str]:
     """Pass every regular file under ``directory`` through ``redactor`` and rewrite those that changed (atomically,
     keeping their mode: :func:`scrub_file`); returns their paths relative to ``directory``, sorted.
 
@@ -719,7 +798,7 @@ def sweep(directory: Path, redactor: Redactor, verbatim: Iterable[str] = ()) -> 
     return changed
 
 
-def _pieces(handle: Any, redactor: Redactor) -> Iterator[Tuple[str, List[Tuple[int, int]]]]:
+def _pieces(handle: Any, redactor: Redactor) -> Iterator[tuple[str, list[tuple[int, int]]]]:
     """The text of ``handle`` (bytes, surrogateescape) in pieces of about :data:`CHUNK_BYTES`, each with the spans to
     redact in it. A piece ends at a line end with :data:`OVERLAP` characters or more of the file read past it, and
     no span found in what was read crosses its end; a line longer than a chunk is cut inside, after the end of
@@ -815,7 +894,7 @@ class _Unchanged(Exception):
     """Nothing to redact in a large file: its temporary copy is dropped (:func:`trainer.publish.atomic_file`)."""
 
 
-def resweep(directory: Path, verbatim: Iterable[str] = ()) -> List[str]:
+def resweep(directory: Path, verbatim: Iterable[str] = ()) -> list[str]:
     """Pass the files others wrote into the guarded ``directory`` (Hydra's, the workers') through its redactor now
     (:func:`sweep`, ``verbatim`` folders aside), so that hashes taken next are those of the files as they stay;
     nothing happens outside a guarded directory. Returns the paths it rewrote."""

@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import logging
 import logging.handlers
-from typing import List
 
 log = logging.getLogger("trainer")
 
-_HELD: List[logging.handlers.MemoryHandler] = []
+_HELD: list[logging.handlers.MemoryHandler] = []
 
 
 def info(text: str) -> None:
@@ -59,7 +58,7 @@ def release() -> None:
     handler.buffer.clear()
 
 
-_REDACTOR: List = []  # the redactor every record passes through before any handler writes it (train's)
+_REDACTOR: list = []  # the redactor every record passes through before any handler writes it (train's)
 
 
 def redact_with(redactor) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -39,15 +38,26 @@ from trainer.compose.compose import CONF_DIR
 from trainer.compose.prepare import FROZEN, PreparedRun, prepare
 from trainer.errors import STORAGE_ERRNOS, UserError, os_error_line, place_error
 from trainer.record.attest import ATTESTATION, take_sign_key
-from trainer.record.rundir import (COMPLETE, FAILED, FINAL, HANDED_OFF, INTERRUPTED, PLANNED, RUNNING, VERBATIM,
-                                   RunDir, claim_run_dir, others_in)
+from trainer.record.rundir import (
+    COMPLETE,
+    FAILED,
+    FINAL,
+    HANDED_OFF,
+    INTERRUPTED,
+    PLANNED,
+    RUNNING,
+    VERBATIM,
+    RunDir,
+    claim_run_dir,
+    others_in,
+)
 from trainer.redact import Redactor, guard, redacted_streams, scrub_file, sweep
 
 SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
 RUN_DIR_MODE = "new"  # how a run directory that already holds a run is treated: new, resume, overwrite
-COMMAND_LINE: List[str] = []  # the overrides as typed (a multirun's sweeps unexpanded)
+COMMAND_LINE: list[str] = []  # the overrides as typed (a multirun's sweeps unexpanded)
 STREAMS = Redactor()  # what stdout and stderr pass through (taught the command line's and each job's secrets)
-ERRORS: Optional[Redactor] = None  # what an error line passes through: also the short values of secret overrides
+ERRORS: Redactor | None = None  # what an error line passes through: also the short values of secret overrides
 
 
 def error_line(err: object) -> str:
@@ -56,7 +66,7 @@ def error_line(err: object) -> str:
     return (ERRORS or STREAMS).scrub(text)
 
 
-def teach_command_line(argv: List[str]) -> None:
+def teach_command_line(argv: list[str]) -> None:
     """:data:`STREAMS` and :data:`ERRORS` taught the secrets of ``argv`` (as Hydra reads each override) and of
     this process's environment; both frozen."""
     global ERRORS, STREAMS
@@ -110,11 +120,12 @@ def run_main() -> None:
         schema.register()  # @hydra.main composes itself (a composition from the cache needs no ConfigStore)
         run()
     else:
-        commandline.hydra_run(*single, task=lambda prepared, run_dir: guarded(prepared, Path(run_dir)),
-                              unfinished=scrub_unfinished)
+        commandline.hydra_run(
+            *single, task=lambda prepared, run_dir: guarded(prepared, Path(run_dir)), unfinished=scrub_unfinished
+        )
 
 
-def prepare_command_line(argv: List[str]):
+def prepare_command_line(argv: list[str]):
     """:func:`trainer.compose.commandline.prepare_jobs`, then the run directory the command line names claimed
     (:func:`trainer.record.rundir.claim_run_dir`, in :data:`RUN_DIR_MODE`; for ``--resume`` with the job's
     ``composition_sha256``, :meth:`~trainer.compose.prepare.PreparedRun.record_fields`). ``argv`` is rewritten in
@@ -143,8 +154,10 @@ def refuse_links(directory: Path) -> None:
         for name in sorted(dirs + files):
             path = Path(root) / name
             if path.is_symlink():
-                raise UserError(f"{path}: a symbolic link in the run directory; train writes Hydra's files "
-                                "(.hydra/, train.log) only into a directory without links: remove it")
+                raise UserError(
+                    f"{path}: a symbolic link in the run directory; train writes Hydra's files "
+                    "(.hydra/, train.log) only into a directory without links: remove it"
+                )
 
 
 def run_one(prepared: PreparedRun, run_dir: Path) -> None:
@@ -166,10 +179,19 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
     except KeyboardInterrupt:
         fail(rundir, record, INTERRUPTED, "interrupted by a signal", f"train: interrupted ({run_dir})", 130)
     except Exception as err:  # noqa: BLE001 - the record must say how the run ended, whatever ended it
-        reason = (os_error_line(err) if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS  # a full disk
-                  else f"{type(err).__name__}: {' '.join(str(err).split())}")
-        fail(rundir, record, FAILED, f"launcher {prepared.launcher} raised {reason}",
-             error_line(f"launcher {prepared.launcher} failed: {reason} ({run_dir})"), 1)
+        reason = (
+            os_error_line(err)
+            if isinstance(err, OSError) and err.errno in STORAGE_ERRNOS  # a full disk
+            else f"{type(err).__name__}: {' '.join(str(err).split())}"
+        )
+        fail(
+            rundir,
+            record,
+            FAILED,
+            f"launcher {prepared.launcher} raised {reason}",
+            error_line(f"launcher {prepared.launcher} failed: {reason} ({run_dir})"),
+            1,
+        )
     message = record.pop("message", None)
     handed_off = record["status"] in HANDED_OFF
     # the log's last line goes in before the run is sealed (train.log is one of the files its record hashes)
@@ -178,8 +200,10 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
         record = rundir.finish(record, SIGNER)
     except OSError as err:  # the disk filled during the run: the record says so where it can (exit 1)
         out_of_room(rundir, record, err)
-    print(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "")
-          + f" ({run_dir})")
+    print(
+        message
+        or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})"
+    )
     if not handed_off and record["status"] != COMPLETE:
         sys.exit(1)
 
@@ -205,9 +229,16 @@ def out_of_room(rundir: RunDir, record: dict, err: OSError) -> None:
         raise err
     REPORTED.add(os_error_line(err))
     saved = rundir.record_out_of_room(record, err)
-    print(f"train: error: run {record.get('status')}: {record.get('reason') or os_error_line(err)} ({rundir.path}); "
-          + ("its record says so, not attested" if saved else "record.json could not be updated: `trainer status` "
-             "reports the run interrupted once this process has ended"), file=sys.stderr)
+    print(
+        f"train: error: run {record.get('status')}: {record.get('reason') or os_error_line(err)} ({rundir.path}); "
+        + (
+            "its record says so, not attested"
+            if saved
+            else "record.json could not be updated: `trainer status` "
+            "reports the run interrupted once this process has ended"
+        ),
+        file=sys.stderr,
+    )
     sys.exit(1)
 
 
@@ -266,12 +297,15 @@ def guarded(prepared: PreparedRun, run_dir: Path) -> None:
     that another run took in the meantime."""
     left = others_in(run_dir)
     if left and RUN_DIR_MODE == "new":
-        print(f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
-              file=sys.stderr)
+        print(
+            f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
+            file=sys.stderr,
+        )
         sys.exit(2)
     runlog.release()  # Hydra has opened the job's log (train.log): what was decided before goes in first
-    runlog.info(f"run directory {run_dir}: overrides {' '.join(prepared.overrides) or '(none)'}; "
-                f"launcher {prepared.launcher}")
+    runlog.info(
+        f"run directory {run_dir}: overrides {' '.join(prepared.overrides) or '(none)'}; launcher {prepared.launcher}"
+    )
     redactor = learn_secrets(Redactor(), prepared).learn_env(os.environ).freeze()
     STREAMS.teach(redactor)
     if ERRORS is not None:

@@ -55,9 +55,10 @@ import stat
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from enum import Enum
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -79,7 +80,7 @@ ENTRY_NAME = re.compile(r"^[0-9a-f]{64}\.composition(\.json)?$")
 TEMP_NAME = re.compile(r"^\.[0-9a-f]{64}\.composition(\.json)?\.[A-Za-z0-9_]{8}$")
 
 
-def default_root() -> Optional[Path]:
+def default_root() -> Path | None:
     """The cache directory (see the module docstring), or None when ``TRAINER_COMPOSE_CACHE=off``."""
     chosen = os.environ.get("TRAINER_COMPOSE_CACHE", "")
     if chosen.lower() in OFF:
@@ -139,10 +140,10 @@ def tree_digest(conf_dir: Path, schema_file: Path) -> bytes:
     digest = hashlib.sha256()
     conf_dir = Path(conf_dir)
     top = os.stat(conf_dir)
-    seen: Dict[Tuple[int, int], bytes] = {(top.st_dev, top.st_ino): b"."}
+    seen: dict[tuple[int, int], bytes] = {(top.st_dev, top.st_ino): b"."}
     budget = [MAX_TREE_ENTRIES, MAX_TREE_BYTES]
 
-    def listing(path: str, rel: str) -> List[Tuple[str, str]]:
+    def listing(path: str, rel: str) -> list[tuple[str, str]]:
         names = sorted(os.listdir(path))
         budget[0] -= len(names)
         if budget[0] < 0:
@@ -211,7 +212,7 @@ def cacheable(composed: DictConfig, conf_dir: Path, overrides: Sequence[str]) ->
         return False
     redactor = Redactor().learn_overrides(overrides).learn_env(os.environ)  # as trainer.train learns the run's
     texts = [OmegaConf.to_yaml(composed)]  # as the old cache checked it; then each key and string on its own line
-    stack: List[Tuple[Optional[str], Any]] = [(None, OmegaConf.to_container(composed, resolve=False))]
+    stack: list[tuple[str | None, Any]] = [(None, OmegaConf.to_container(composed, resolve=False))]
     while stack:
         name, value = stack.pop()
         if isinstance(value, dict):
@@ -228,24 +229,49 @@ def cacheable(composed: DictConfig, conf_dir: Path, overrides: Sequence[str]) ->
 
 # --- the composition as data -------------------------------------------------------------------------------
 
+
 class Unstorable(ValueError):
     """A composition holding a node, value or type that :func:`to_data` does not name: it is not stored."""
 
 
-def _node_classes() -> Dict[str, type]:
+def _node_classes() -> dict[str, type]:
     from omegaconf import nodes
 
-    return {"D": DictConfig, "L": ListConfig, "A": nodes.AnyNode, "S": nodes.StringNode, "I": nodes.IntegerNode,
-            "F": nodes.FloatNode, "B": nodes.BooleanNode, "E": nodes.EnumNode, "P": nodes.PathNode}
+    return {
+        "D": DictConfig,
+        "L": ListConfig,
+        "A": nodes.AnyNode,
+        "S": nodes.StringNode,
+        "I": nodes.IntegerNode,
+        "F": nodes.FloatNode,
+        "B": nodes.BooleanNode,
+        "E": nodes.EnumNode,
+        "P": nodes.PathNode,
+    }
 
 
-_BUILTIN_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "bytes": bytes, "dict": dict, "list": list,
-                  "tuple": tuple, "None": type(None), "Path": Path}
+_BUILTIN_TYPES = {
+    "int": int,
+    "float": float,
+    "str": str,
+    "bool": bool,
+    "bytes": bytes,
+    "dict": dict,
+    "list": list,
+    "tuple": tuple,
+    "None": type(None),
+    "Path": Path,
+}
 _MODULES = ("trainer.compose.schema",)  # and Hydra's own: hydra.*, hydra_plugins.*
 # The modules a type may be looked up in that are imported for it when not yet imported (the structured configs of a
 # composition: the schema, Hydra's hydra node); any other allowed module is looked up only when already imported.
-_IMPORTABLE = ("trainer.compose.schema", "hydra.conf", "hydra.types", "hydra._internal.core_plugins.basic_launcher",
-               "hydra._internal.core_plugins.basic_sweeper")
+_IMPORTABLE = (
+    "trainer.compose.schema",
+    "hydra.conf",
+    "hydra.types",
+    "hydra._internal.core_plugins.basic_launcher",
+    "hydra._internal.core_plugins.basic_sweeper",
+)
 
 
 def _allowed_module(module: str) -> bool:
@@ -269,8 +295,12 @@ def _named_class(module: str, qualname: str) -> type:
         found = importlib.import_module(module)
     for part in parts:
         found = getattr(found, part, None)
-    if (not isinstance(found, type) or not (dataclasses.is_dataclass(found) or issubclass(found, Enum))
-            or found.__module__ != module or found.__qualname__ != qualname):
+    if (
+        not isinstance(found, type)
+        or not (dataclasses.is_dataclass(found) or issubclass(found, Enum))
+        or found.__module__ != module
+        or found.__qualname__ != qualname
+    ):
         raise Unstorable(f"{module}:{qualname}")
     return found
 
@@ -282,10 +312,10 @@ class _Writer:
         import typing
 
         self.typing = typing
-        self.types: List[Any] = []
-        self.type_index: Dict[Any, int] = {}
-        self.metas: List[list] = []
-        self.meta_index: Dict[str, int] = {}
+        self.types: list[Any] = []
+        self.type_index: dict[Any, int] = {}
+        self.metas: list[list] = []
+        self.meta_index: dict[str, int] = {}
         self.codes = {cls: code for code, cls in _node_classes().items()}
 
     def type_of(self, t: Any) -> int:
@@ -404,8 +434,8 @@ def from_data(data: Any) -> DictConfig:
         raise Unstorable("not a composition")
     classes = _node_classes()
     rebuild = _Writer().rebuild
-    described: List[Any] = data["types"]
-    types: List[Any] = [None] * len(described)
+    described: list[Any] = data["types"]
+    types: list[Any] = [None] * len(described)
     made = [0] * len(described)  # 0: not yet, 1: being made, 2: made
 
     def type_at(index: Any) -> Any:
@@ -433,7 +463,7 @@ def from_data(data: Any) -> DictConfig:
 
     metas = data["metas"]
 
-    checked: Dict[Tuple[int, bool], Tuple[type, Dict[str, Any]]] = {}
+    checked: dict[tuple[int, bool], tuple[type, dict[str, Any]]] = {}
 
     def metadata(index: Any, key: Any, container: bool) -> Any:
         """The metadata of table entry ``index`` for a node of ``key``: the entry is checked (and made once, through
@@ -447,11 +477,16 @@ def from_data(data: Any) -> DictConfig:
             if not isinstance(record, list) or len(record) != (7 if container else 5):
                 raise Unstorable("metadata")
             ref, obj, optional, flags, flags_root = record[:5]
-            if type(optional) is not bool or type(flags_root) is not bool or not isinstance(flags, dict) or not all(
-                    v in (True, False, None) for v in flags.values()):
+            if (
+                type(optional) is not bool
+                or type(flags_root) is not bool
+                or not isinstance(flags, dict)
+                or not all(v in (True, False, None) for v in flags.values())
+            ):
                 raise Unstorable("metadata")
-            fields = dict(ref_type=type_at(ref), object_type=type_at(obj), optional=optional, flags=flags,
-                          flags_root=flags_root)
+            fields = dict(
+                ref_type=type_at(ref), object_type=type_at(obj), optional=optional, flags=flags, flags_root=flags_root
+            )
             if container:
                 fields.update(key_type=type_at(record[5]), element_type=type_at(record[6]))
             cls = ContainerMetadata if container else Metadata
@@ -502,7 +537,7 @@ def from_data(data: Any) -> DictConfig:
         if content is None or isinstance(content, str):
             state["_content"] = content
         elif code == "D" and isinstance(content, list):
-            children: Dict[Any, Any] = {}
+            children: dict[Any, Any] = {}
             for pair in content:
                 if not isinstance(pair, list) or len(pair) != 2:
                     raise Unstorable("dict item")
@@ -522,7 +557,7 @@ def from_data(data: Any) -> DictConfig:
 
 # --- the key that makes an entry this user's ---------------------------------------------------------------
 
-_KEY: Optional[bytes] = None
+_KEY: bytes | None = None
 
 
 def key_path() -> Path:
@@ -532,7 +567,7 @@ def key_path() -> Path:
     return Path(base) / "recipe-bundle" / "cache-stamp.key"
 
 
-def mac_key() -> Optional[bytes]:
+def mac_key() -> bytes | None:
     """This user's cache key (:func:`trainer.image.cas.stamp_key`, made by it when absent), read at most once per
     process, without blocking; None where it cannot be used (not a regular file of 32 bytes, owned by this user,
     that no one else may read or write; one :func:`trainer.image.cas.stamp_key` could not keep in its file, its key
@@ -583,8 +618,16 @@ class CompositionCache:
         self.conf_dir, self.schema_file = Path(conf_dir), Path(schema_file)
         self.tree = tree_digest(conf_dir, schema_file)
         head = hashlib.sha256(FORMAT)
-        for part in (hydra.__version__, omegaconf.__version__, sys.version, sys.executable, *sys.path,
-                     os.path.abspath(conf_dir), config_name, os.getcwd()):
+        for part in (
+            hydra.__version__,
+            omegaconf.__version__,
+            sys.version,
+            sys.executable,
+            *sys.path,
+            os.path.abspath(conf_dir),
+            config_name,
+            os.getcwd(),
+        ):
             head.update(part.encode() + b"\0")
         head.update(self.tree)
         self._head = head
@@ -610,7 +653,7 @@ class CompositionCache:
             return False
         return stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o022
 
-    def get(self, overrides: Sequence[str], hydra_node: bool) -> Optional[DictConfig]:
+    def get(self, overrides: Sequence[str], hydra_node: bool) -> DictConfig | None:
         """The stored composition, its MAC verified under its own key; None on a miss (see the module docstring:
         absent, forged, damaged, renamed, oversized, not a regular file, a link, another user's or one others may
         write, in a directory others may write, no usable key)."""
@@ -624,7 +667,7 @@ class CompositionCache:
             return None
         if not blob.startswith(FORMAT) or not self.usable_root():
             return None
-        mac, _, payload = blob[len(FORMAT):].partition(b"\n")
+        mac, _, payload = blob[len(FORMAT) :].partition(b"\n")
         if not hmac.compare_digest(mac, entry_mac(secret, key, payload)):
             return None
         try:

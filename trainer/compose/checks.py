@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator, List, Optional, Tuple
+from typing import Any
 
-from trainer.errors import CheckError
 from trainer.compose.schema import TrainConfig
+from trainer.errors import CheckError
 from trainer.redact import redact_field
 
 
@@ -46,11 +47,11 @@ class Parallelism:
     expert_tensor_parallel_size: int
     data_parallel_size: int
     expert_data_parallel_size: int
-    stage_layers: List[int] = field(default_factory=list)
+    stage_layers: list[int] = field(default_factory=list)
     microbatches: int = 1
 
 
-def stage_split(num_layers: int, pp: int, first: Optional[int], last: Optional[int]) -> List[int]:
+def stage_split(num_layers: int, pp: int, first: int | None, last: int | None) -> list[int]:
     """Decoder layers per pipeline stage, as Megatron splits them.
 
     ``first``/``last`` pin the first/last stage (``--decoder-first/last-pipeline-num-layers``); the
@@ -89,10 +90,24 @@ def stage_split(num_layers: int, pp: int, first: Optional[int], last: Optional[i
 
 # Fields that must be > 0 (a size, a rate, a capacity); every other number must be finite and >= 0.
 POSITIVE = (
-    "model.num_layers", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads", "model.vocab_size",
-    "model.q_lora_rank", "model.kv_lora_rank", "model.qk_head_dim", "model.v_head_dim",
-    "model.moe_ffn_hidden_size", "model.norm_epsilon", "cluster.gpu_memory_gb", "cluster.gpu_peak_bf16_flops",
-    "optim.lr", "optim.global_batch_size", "optim.num_rollout", "optim.rollout_batch_size", "data.seq_length",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.ffn_hidden_size",
+    "model.num_attention_heads",
+    "model.vocab_size",
+    "model.q_lora_rank",
+    "model.kv_lora_rank",
+    "model.qk_head_dim",
+    "model.v_head_dim",
+    "model.moe_ffn_hidden_size",
+    "model.norm_epsilon",
+    "cluster.gpu_memory_gb",
+    "cluster.gpu_peak_bf16_flops",
+    "optim.lr",
+    "optim.global_batch_size",
+    "optim.num_rollout",
+    "optim.rollout_batch_size",
+    "data.seq_length",
 )
 SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # The --lr-decay-style values the workers' schedule follows (trainer.launch.cpu_worker.megatron_lr, after
@@ -100,7 +115,7 @@ SHELL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
-def _numbers(node: Any, prefix: str) -> Iterator[Tuple[str, float]]:
+def _numbers(node: Any, prefix: str) -> Iterator[tuple[str, float]]:
     """(dotted key, value) of every int/float leaf of a typed config (lists included, bools not)."""
     if dataclasses.is_dataclass(node):
         for f in dataclasses.fields(node):
@@ -126,9 +141,11 @@ def check_values(cfg: TrainConfig) -> None:
             raise CheckError(f"{key} must be a finite number (got {value})")
         if value < 0 or (value == 0 and key in POSITIVE):
             raise CheckError(f"{key} must be {'> 0' if key in POSITIVE else '>= 0'} (got {value})")
-    for name in (cfg.env or {}):
+    for name in cfg.env or {}:
         if not SHELL_NAME.fullmatch(str(name)):
-            raise CheckError(f"env.{name}: not a shell variable name (letters, digits and _, not starting with a digit)")
+            raise CheckError(
+                f"env.{name}: not a shell variable name (letters, digits and _, not starting with a digit)"
+            )
 
 
 def check(cfg: TrainConfig) -> Parallelism:
@@ -157,9 +174,7 @@ def check(cfg: TrainConfig) -> Parallelism:
     world = cluster.nodes * cluster.gpus_per_node
     world_text = f"world size {world} = cluster.nodes {cluster.nodes} x cluster.gpus_per_node {cluster.gpus_per_node}"
     if world % (tp * pp * cp):
-        raise CheckError(
-            f"layout: TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp} does not divide the {world_text}"
-        )
+        raise CheckError(f"layout: TP {tp} x PP {pp} x CP {cp} = {tp * pp * cp} does not divide the {world_text}")
     dp = world // (tp * pp * cp)
     if lay.data_parallel_size is not None and lay.data_parallel_size != dp:
         raise CheckError(
@@ -167,9 +182,7 @@ def check(cfg: TrainConfig) -> Parallelism:
             f"({world_text})"
         )
     if world % (etp * ep * pp):
-        raise CheckError(
-            f"layout: ETP {etp} x EP {ep} x PP {pp} = {etp * ep * pp} does not divide the {world_text}"
-        )
+        raise CheckError(f"layout: ETP {etp} x EP {ep} x PP {pp} = {etp * ep * pp} does not divide the {world_text}")
     expert_dp = world // (etp * ep * pp)
 
     if len(model.moe_layer_freq) != model.num_layers:
@@ -187,16 +200,16 @@ def check(cfg: TrainConfig) -> Parallelism:
     )
     vpp = lay.num_virtual_stages_per_pipeline_rank
     if vpp is not None and vpp > 1 and any(n % vpp for n in stages):
-        raise CheckError(
-            f"layout.num_virtual_stages_per_pipeline_rank {vpp} does not divide the stage layers {stages}"
-        )
+        raise CheckError(f"layout.num_virtual_stages_per_pipeline_rank {vpp} does not divide the stage layers {stages}")
 
     if model.num_experts % ep:
         raise CheckError(
             f"model.num_experts {model.num_experts} is not divisible by layout.expert_model_parallel_size {ep}"
         )
     if not 1 <= model.moe_router_topk <= model.num_experts:
-        raise CheckError(f"model.moe_router_topk {model.moe_router_topk} must be in 1..model.num_experts {model.num_experts}")
+        raise CheckError(
+            f"model.moe_router_topk {model.moe_router_topk} must be in 1..model.num_experts {model.num_experts}"
+        )
     if model.num_attention_heads % tp:
         raise CheckError(
             f"model.num_attention_heads {model.num_attention_heads} is not divisible by "
@@ -210,7 +223,9 @@ def check(cfg: TrainConfig) -> Parallelism:
             f"layout.tensor_model_parallel_size {tp} > 1 needs sequence parallel in Megatron"
         )
     if lay.recompute_granularity not in (None, "full", "selective"):
-        raise CheckError(f"layout.recompute_granularity must be full, selective or null (got {redact_field('recompute_granularity', lay.recompute_granularity)})")
+        raise CheckError(
+            f"layout.recompute_granularity must be full, selective or null (got {redact_field('recompute_granularity', lay.recompute_granularity)})"
+        )
     if lay.recompute_granularity == "full":
         if lay.recompute_method not in ("uniform", "block"):
             raise CheckError(
@@ -251,8 +266,10 @@ def check(cfg: TrainConfig) -> Parallelism:
     if not 0.0 <= optim.lr_warmup_fraction <= 1.0:
         raise CheckError(f"optim.lr_warmup_fraction must be in [0, 1] (got {optim.lr_warmup_fraction})")
     if optim.lr_decay_style not in LR_DECAY_STYLES:
-        raise CheckError(f"optim.lr_decay_style {redact_field('lr_decay_style', optim.lr_decay_style)!r}: expected one of {', '.join(LR_DECAY_STYLES)} "
-                         "(the styles the workers' learning-rate schedule follows)")
+        raise CheckError(
+            f"optim.lr_decay_style {redact_field('lr_decay_style', optim.lr_decay_style)!r}: expected one of {', '.join(LR_DECAY_STYLES)} "
+            "(the styles the workers' learning-rate schedule follows)"
+        )
     if optim.min_lr > optim.lr:
         raise CheckError(f"optim.min_lr {optim.min_lr} > optim.lr {optim.lr}")
     return Parallelism(

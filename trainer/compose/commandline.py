@@ -19,7 +19,8 @@ from __future__ import annotations
 import pickle
 import re
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
@@ -30,11 +31,12 @@ from trainer.errors import PLACE_ERRNOS, UserError, os_error_line
 from trainer.redact import redact_argv, redact_error, redact_value
 
 # The jobs of the command line, prepared before any runs: their task overrides -> PreparedRun.
-PREPARED: Dict[Tuple[str, ...], PreparedRun] = {}
+PREPARED: dict[tuple[str, ...], PreparedRun] = {}
 
 
-def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, PreparedRun]], Optional[Tuple[str, str]],
-                                          List[str]]:
+def prepare_jobs(
+    argv: list[str],
+) -> tuple[tuple[DictConfig, Any, PreparedRun] | None, tuple[str, str] | None, list[str]]:
     """Prepare every job of a command line before any runs (into :data:`PREPARED`, emptied first).
 
     Returns (``single``, ``named``, ``argv``): ``single`` is (the composition with its ``hydra`` node, Hydra's
@@ -57,8 +59,10 @@ def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, Prepa
         return None, None, list(argv)
     sweeper = [o for o in args.overrides if _override_key(o).startswith("hydra.sweeper.params")]
     if sweeper:
-        raise UserError(f"{redact_argv(sweeper)[0]}: sweeper parameters are not read by train; write the sweep on "
-                        "the command line (-m layout=a,b)")
+        raise UserError(
+            f"{redact_argv(sweeper)[0]}: sweeper parameters are not read by train; write the sweep on "
+            "the command line (-m layout=a,b)"
+        )
     modes = [o.partition("=")[2] for o in args.overrides if o.lstrip("+").startswith("hydra.mode=")]
     multirun = bool(args.multirun or (modes and modes[-1] == "MULTIRUN"))
     if uses_glob(args.overrides):  # glob(tp*) lists the layout group's options: Hydra's config loader does
@@ -69,8 +73,9 @@ def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, Prepa
         jobs = expand_sweep(args.overrides)
     if len(jobs) > 1 and not multirun:
         raise UserError(f"{' '.join(redact_argv(args.overrides))}: a sweep needs multirun (-m, or hydra.mode=MULTIRUN)")
-    plain = not args.multirun and not (args.config_path or args.config_name or args.config_dir
-                                       or args.experimental_rerun or modes)
+    plain = not args.multirun and not (
+        args.config_path or args.config_name or args.config_dir or args.experimental_rerun or modes
+    )
     field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o for o in args.overrides if _override_key(o) == field]
     single, named, argv = None, None, list(argv)
@@ -87,11 +92,15 @@ def prepare_jobs(argv: List[str]) -> Tuple[Optional[Tuple[DictConfig, Any, Prepa
             single = (full, composer.config_loader, prepared) if plain else None
         if given:
             if any(_is_sweep(o) for o in given):
-                raise UserError(f"{redact_argv(given)[-1]}: a sweep over {field} (one run directory per command "
-                                "line: name one)")
+                raise UserError(
+                    f"{redact_argv(given)[-1]}: a sweep over {field} (one run directory per command line: name one)"
+                )
             # the directory as Hydra will use it: from the composition of the (first) job with the hydra node
-            composed = single[0] if single is not None else composer.compose(
-                [*jobs[0], f"hydra.mode={'MULTIRUN' if multirun else 'RUN'}"], hydra_node=True)
+            composed = (
+                single[0]
+                if single is not None
+                else composer.compose([*jobs[0], f"hydra.mode={'MULTIRUN' if multirun else 'RUN'}"], hydra_node=True)
+            )
             raw, literal = resolve_run_dir(composed, field, given[-1])
             if raw != literal:  # an interpolation: Hydra gets the literal, resolved once
                 argv = literal_override(argv, given, field, literal)
@@ -113,7 +122,7 @@ def _override_key(override: str) -> str:
     return override.partition("=")[0].strip().lstrip("+~").strip()
 
 
-def resolve_run_dir(composed: DictConfig, field: str, override: str) -> Tuple[str, str]:
+def resolve_run_dir(composed: DictConfig, field: str, override: str) -> tuple[str, str]:
     """The value of ``field`` (``hydra.run.dir`` or ``hydra.sweep.dir``) in ``composed`` (a composition with its
     ``hydra`` node) as typed and as Hydra will use it: every interpolation resolved once, with Hydra's resolvers
     (``now``, ``hydra:``, with :class:`~hydra.core.hydra_config.HydraConfig` set to a copy of the composition for
@@ -139,7 +148,9 @@ def resolve_run_dir(composed: DictConfig, field: str, override: str) -> Tuple[st
         instance.set_config(probe)
         value = OmegaConf.select(probe, field, throw_on_resolution_failure=True)
     except (OmegaConfBaseException, ValueError, KeyError, TypeError) as ex:
-        raise UserError(f"{shown}: {field} cannot be resolved ({redact_error(describe_error(ex), [override])})") from None
+        raise UserError(
+            f"{shown}: {field} cannot be resolved ({redact_error(describe_error(ex), [override])})"
+        ) from None
     finally:
         instance.cfg = before
     if value is None:
@@ -158,7 +169,7 @@ def quote_override_value(value: str) -> str:
     return "'" + body + "\\" * trailing + "'"
 
 
-def literal_override(words: List[str], given: List[str], field: str, literal: str) -> List[str]:
+def literal_override(words: list[str], given: list[str], field: str, literal: str) -> list[str]:
     """A copy of ``words`` (a command line) whose overrides ``given`` (those that set ``field``) set it to
     ``literal`` instead, each with its own ``+``/``++`` prefix (:func:`quote_override_value`). Raises
     :class:`UserError` when Hydra would not read the override back as ``literal`` (a value the override grammar
@@ -171,7 +182,7 @@ def _literal(override: str, field: str, literal: str) -> str:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
-    prefix = override[:len(override) - len(override.lstrip("+"))]
+    prefix = override[: len(override) - len(override.lstrip("+"))]
     new = f"{prefix}{field}={quote_override_value(literal)}"
     try:
         parsed = OverridesParser.create().parse_override(new)
@@ -179,8 +190,10 @@ def _literal(override: str, field: str, literal: str) -> str:
     except HydraException:
         same = False
     if not same:
-        raise UserError(f"{field}: resolves to {redact_value(literal)!r}, which a Hydra override cannot carry; "
-                        "name the directory without an interpolation")
+        raise UserError(
+            f"{field}: resolves to {redact_value(literal)!r}, which a Hydra override cannot carry; "
+            "name the directory without an interpolation"
+        )
     return new
 
 
@@ -191,13 +204,18 @@ def literal_composition(composed: DictConfig, field: str, literal: str) -> None:
     with read_write(composed.hydra), open_dict(composed.hydra):
         OmegaConf.update(composed, field, literal, merge=False)
         typed = OmegaConf.to_container(composed.hydra.overrides, resolve=False).get("hydra") or []
-        composed.hydra.overrides.hydra = [_literal(word, field, literal) if _override_key(word) == field else word
-                                          for word in typed]
+        composed.hydra.overrides.hydra = [
+            _literal(word, field, literal) if _override_key(word) == field else word for word in typed
+        ]
 
 
-def hydra_run(composed: DictConfig, config_loader: Any, prepared: PreparedRun,
-              task: Callable[[PreparedRun, str], None],
-              unfinished: Optional[Callable[[PreparedRun, str], None]] = None) -> None:
+def hydra_run(
+    composed: DictConfig,
+    config_loader: Any,
+    prepared: PreparedRun,
+    task: Callable[[PreparedRun, str], None],
+    unfinished: Callable[[PreparedRun, str], None] | None = None,
+) -> None:
     """Run the single job ``prepared`` from its composition ``composed`` (with the ``hydra`` node) the way
     ``@hydra.main`` runs a job: Hydra makes the run directory and writes ``.hydra/`` and ``train.log``
     (``hydra.core.utils.run_job``), then ``task(prepared, run_dir)`` runs in it. An ``OSError`` of the place
@@ -228,7 +246,11 @@ def hydra_run(composed: DictConfig, config_loader: Any, prepared: PreparedRun,
             ret = run_job(
                 hydra_context=HydraContext(config_loader=config_loader, callbacks=callbacks),
                 task_function=job,
-                config=composed, job_dir_key="hydra.run.dir", job_subdir_key=None, configure_logging=True)
+                config=composed,
+                job_dir_key="hydra.run.dir",
+                job_subdir_key=None,
+                configure_logging=True,
+            )
             callbacks.on_run_end(config=composed, config_name="train", job_return=ret)
             failed = getattr(ret, "_return_value", None)  # what the job raised, read without Hydra's extra line
             if isinstance(failed, OSError) and failed.errno in PLACE_ERRNOS:

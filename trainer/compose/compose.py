@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import pickle
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence
+from typing import Any
 
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -22,8 +23,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer import REPO_ROOT
-from trainer import runlog
+from trainer import REPO_ROOT, runlog
 from trainer.compose import schema
 from trainer.compose.cache import CompositionCache, cacheable, default_root
 from trainer.errors import UserError
@@ -48,7 +48,7 @@ def describe_error(ex: BaseException) -> str:
         if options:
             head += f" (available: {', '.join(sorted(options))})"
         return head
-    cause: Optional[BaseException] = ex
+    cause: BaseException | None = ex
     while cause is not None and not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
         cause = cause.__cause__
     head = str(ex).splitlines()[0] if str(ex) else type(ex).__name__
@@ -64,13 +64,13 @@ def describe_error(ex: BaseException) -> str:
     return " ".join(head.split())
 
 
-def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: str = "") -> List[str]:
+def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: str = "") -> list[str]:
     """Dotted keys of ``cfg`` that the schema dataclass ``node_type`` does not declare (recursively).
 
     OmegaConf lets a ``+key=value`` override add keys to a structured node; this catches them.
     """
     fields = {f.name: f for f in dataclasses.fields(node_type)}
-    bad: List[str] = []
+    bad: list[str] = []
     for key in cfg.keys():
         dotted = f"{prefix}{key}"
         if key not in fields:
@@ -85,7 +85,7 @@ def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: 
     return bad
 
 
-def expand_sweep(overrides: Sequence[str], config_loader: Any = None) -> List[List[str]]:
+def expand_sweep(overrides: Sequence[str], config_loader: Any = None) -> list[list[str]]:
     """The jobs of a command line: ``["layout=a,b", "x=1"]`` -> ``[["layout=a", "x=1"], ["layout=b", "x=1"]]``.
 
     Uses Hydra's override grammar (sweeps ``a,b``, ``range()``, ``choice()``, ``glob()``) as Hydra's basic
@@ -102,8 +102,9 @@ def expand_sweep(overrides: Sequence[str], config_loader: Any = None) -> List[Li
             try:
                 parser.parse_overrides([override])
             except HydraException as one:
-                raise UserError(f"override {redact_argv([override])[0]!r}: "
-                                f"{redact_error(describe_error(one), [override])}") from None
+                raise UserError(
+                    f"override {redact_argv([override])[0]!r}: {redact_error(describe_error(one), [override])}"
+                ) from None
         raise UserError(redact_error(describe_error(ex), overrides)) from None
     try:
         batches = BasicSweeper.split_arguments(parsed, max_batch_size=None)
@@ -128,7 +129,7 @@ class Composer:
     """Compositions of ``conf/train.yaml`` under one initialisation of Hydra (:func:`session`), made on the first
     composition the cache (:mod:`trainer.compose.cache`) does not hold."""
 
-    def __init__(self, conf_dir: Path = CONF_DIR, cache: Optional[CompositionCache] = None) -> None:
+    def __init__(self, conf_dir: Path = CONF_DIR, cache: CompositionCache | None = None) -> None:
         self.conf_dir = conf_dir
         self.cache = cache
         self.config_loader: Any = None  # Hydra's ConfigLoader once initialised (None while every composition hit)
@@ -172,8 +173,7 @@ class Composer:
         wanted = list(overrides) if hydra_node else [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
         cfg = self.cache.get(wanted, hydra_node) if self.cache is not None else None
         if cfg is not None:
-            runlog.log.debug("composition of %s from the cache (%s)", " ".join(wanted) or "(defaults)",
-                             self.cache.root)
+            runlog.log.debug("composition of %s from the cache (%s)", " ".join(wanted) or "(defaults)", self.cache.root)
         if cfg is not None and self.config_loader is None:
             self._as_initialised()
         if cfg is None:
@@ -183,12 +183,19 @@ class Composer:
             except (HydraException, OmegaConfBaseException) as ex:
                 raise UserError(redact_error(describe_error(ex), wanted)) from None
             except AssertionError as ex:  # Hydra's own asserts on an override it cannot apply (hydra.* nodes)
-                raise UserError(redact_error(f"{' '.join(wanted)}: Hydra cannot apply these overrides ({ex})",
-                                             wanted)) from None
+                raise UserError(
+                    redact_error(f"{' '.join(wanted)}: Hydra cannot apply these overrides ({ex})", wanted)
+                ) from None
             store = self.cache is not None and cacheable(cfg, self.conf_dir, wanted)
-            runlog.log.debug("composed %s with Hydra; %s", " ".join(wanted) or "(defaults)",
-                             "stored in the cache" if store else "not cached" if self.cache is None else
-                             "not stored: it reads what the cache key leaves out, or holds a secret")
+            runlog.log.debug(
+                "composed %s with Hydra; %s",
+                " ".join(wanted) or "(defaults)",
+                "stored in the cache"
+                if store
+                else "not cached"
+                if self.cache is None
+                else "not stored: it reads what the cache key leaves out, or holds a secret",
+            )
             if not hydra_node:  # as hydra.compose(return_hydra_config=False) removes it
                 with open_dict(cfg):
                     del cfg["hydra"]
@@ -227,7 +234,7 @@ def job_config(cfg: DictConfig) -> DictConfig:
     return job
 
 
-def choices_of(cfg: DictConfig) -> Dict[str, Optional[str]]:
+def choices_of(cfg: DictConfig) -> dict[str, str | None]:
     """The option chosen per config group of a composition with its ``hydra`` node (Hydra's own groups left
     out)."""
     return {k: v for k, v in cfg.hydra.runtime.choices.items() if not k.startswith("hydra")}

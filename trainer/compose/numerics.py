@@ -14,7 +14,7 @@ miles is classed, and over the environment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -34,7 +34,9 @@ PERFORMANCE_KEYS = frozenset(
 )
 PERFORMANCE_PREFIXES = ("layout.", "cluster.", "launcher.")
 # Keys that describe rather than configure (names, labels, provenance): never compared.
-DESCRIPTIVE = frozenset({"model.name", "model.display_name", "model.source", "layout.name", "layout.label", "data.name"})
+DESCRIPTIVE = frozenset(
+    {"model.name", "model.display_name", "model.source", "layout.name", "layout.label", "data.name"}
+)
 # launcher.* keys that do change the function computed by an executed run.
 LAUNCHER_NUMERICS = frozenset({"launcher.seed", "launcher.steps"})
 
@@ -58,19 +60,25 @@ class Difference:
     reference: Any
     cls: str
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """The difference as JSON-able data: ``flag``, ``key``, ``candidate``, ``reference``, ``class``."""
-        return {"flag": self.flag, "key": self.key, "candidate": self.candidate, "reference": self.reference, "class": self.cls}
+        return {
+            "flag": self.flag,
+            "key": self.key,
+            "candidate": self.candidate,
+            "reference": self.reference,
+            "class": self.cls,
+        }
 
 
 @dataclass
 class Verdict:
     """Result of :func:`compare`: ``equivalent`` is true when no numerics-affecting argument differs."""
 
-    differences: List[Difference] = field(default_factory=list)
+    differences: list[Difference] = field(default_factory=list)
 
     @property
-    def numerics_differences(self) -> List[Difference]:
+    def numerics_differences(self) -> list[Difference]:
         """The differences classed ``numerics`` (those that can change the function computed)."""
         return [d for d in self.differences if d.cls == NUMERICS]
 
@@ -79,7 +87,7 @@ class Verdict:
         """True when no numerics-affecting argument differs (performance differences are allowed)."""
         return not self.numerics_differences
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """The verdict as JSON-able data: ``equivalent`` (bool), ``verdict`` (one sentence naming the differing
         numerics arguments) and ``differences`` (:meth:`Difference.as_dict` each).
         """
@@ -98,7 +106,7 @@ class Verdict:
         }
 
 
-def _value(data: Dict[str, Any], key: str) -> Any:
+def _value(data: dict[str, Any], key: str) -> Any:
     """The value at dotted ``key`` of the resolved container ``data`` (None where a key is absent, as
     ``OmegaConf.select`` gives it)."""
     for part in key.split("."):
@@ -108,11 +116,11 @@ def _value(data: Dict[str, Any], key: str) -> Any:
     return data
 
 
-def _flatten(data: Any, prefix: str = "") -> Dict[str, Any]:
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     """Dotted leaf keys of nested dicts; lists are leaves."""
     if not isinstance(data, dict):
         return {prefix[:-1]: data}
-    out: Dict[str, Any] = {}
+    out: dict[str, Any] = {}
     for key, value in data.items():
         out.update(_flatten(value, f"{prefix}{key}."))
     return out
@@ -148,5 +156,7 @@ def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
     for name in sorted(set(env_a) | set(env_b)):
         if env_a.get(name) != env_b.get(name):
             # Environment variables can select kernels and algorithms (NCCL, cuBLAS); count them as numerics.
-            verdict.differences.append(Difference(f"env {name}", f"env.{name}", env_a.get(name), env_b.get(name), NUMERICS))
+            verdict.differences.append(
+                Difference(f"env {name}", f"env.{name}", env_a.get(name), env_b.get(name), NUMERICS)
+            )
     return verdict

@@ -42,7 +42,6 @@ sliding-window layer plus its [H, 2H] input projection and is used only in the m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List
 
 from trainer.compose.schema import ModelConfig
 
@@ -86,7 +85,7 @@ class LayerParams:
 class ModelParams:
     """Parameter counts of a whole model (scalars). See the module docstring for the basis of N."""
 
-    layers: List[LayerParams] = field(default_factory=list)
+    layers: list[LayerParams] = field(default_factory=list)
     embedding: int = 0
     output: int = 0
     hc_head: int = 0
@@ -109,10 +108,15 @@ class ModelParams:
         """Every parameter, MTP estimate included."""
         return (
             sum(layer.dense + layer.expert_total for layer in self.layers)
-            + self.embedding + self.output + self.hc_head + self.final_norm + self.mtp_dense + self.mtp_expert
+            + self.embedding
+            + self.output
+            + self.hc_head
+            + self.final_norm
+            + self.mtp_dense
+            + self.mtp_expert
         )
 
-    def summary(self) -> Dict[str, int]:
+    def summary(self) -> dict[str, int]:
         """JSON-ready counts: ``active_per_token``, ``total_matrices``, ``embedding``, ``total``."""
         return {
             "active_per_token": self.active_per_token,
@@ -162,9 +166,7 @@ def count_params(m: ModelConfig) -> ModelParams:
     """
     if len(m.moe_layer_freq) < m.num_layers or len(m.dsv4_compress_ratios) < m.num_layers:
         raise ValueError("model.moe_layer_freq and model.dsv4_compress_ratios need one entry per layer")
-    layers = [
-        _layer(m, i, m.dsv4_compress_ratios[i], bool(m.moe_layer_freq[i])) for i in range(m.num_layers)
-    ]
+    layers = [_layer(m, i, m.dsv4_compress_ratios[i], bool(m.moe_layer_freq[i])) for i in range(m.num_layers)]
     H, V, k = m.hidden_size, m.vocab_size, m.dsv4_hc_mult
     mtp_dense = mtp_expert = 0
     if m.mtp_num_layers:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Dict, List
+from typing import Any
 
 from trainer.compose.checks import Parallelism
 from trainer.compose.params import ModelParams, count_params
@@ -53,7 +53,7 @@ def run_steps(cfg: TrainConfig) -> int:
     return cfg.launcher.steps or recipe_steps(cfg)
 
 
-def rank_table(cfg: TrainConfig, par: Parallelism) -> List[Dict[str, Any]]:
+def rank_table(cfg: TrainConfig, par: Parallelism) -> list[dict[str, Any]]:
     """One entry per global rank: node, local GPU, stage, TP/CP/DP and ETP/EP/EDP ranks, layers and experts.
 
     ``layers`` and ``experts`` are half-open ``[start, end)`` index ranges.
@@ -90,7 +90,7 @@ def rank_table(cfg: TrainConfig, par: Parallelism) -> List[Dict[str, Any]]:
     return ranks
 
 
-def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> Dict[str, Any]:
+def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> dict[str, Any]:
     """Per-stage memory estimate per GPU in GB (1e9 bytes), by the formula in the module docstring.
 
     Returns ``{"formula", "per_stage": [{stage, params, weights_gb, grads_gb, optimizer_gb, activations_gb,
@@ -116,8 +116,12 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
             expert += params.mtp_expert
         on_gpu = dense / tp + expert / (par.expert_model_parallel_size * par.expert_tensor_parallel_size)
         if lay.use_distributed_optimizer:
-            optimizer = 12 * (dense / tp / par.data_parallel_size + expert / (
-                par.expert_model_parallel_size * par.expert_tensor_parallel_size) / par.expert_data_parallel_size)
+            optimizer = 12 * (
+                dense / tp / par.data_parallel_size
+                + expert
+                / (par.expert_model_parallel_size * par.expert_tensor_parallel_size)
+                / par.expert_data_parallel_size
+            )
         else:
             optimizer = 12 * on_gpu
         in_flight = min(pp - stage, par.microbatches)
@@ -151,7 +155,7 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     }
 
 
-def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> Dict[str, Any]:
+def build_plan(cfg: TrainConfig, par: Parallelism, numerics: dict[str, Any]) -> dict[str, Any]:
     """The plan as JSON-ready data: parallelism, stages, ranks, memory, numerics verdict, throughput inputs, submission.
 
     Depends only on the composition (no paths, times or hosts), so the same config gives the same bytes.
@@ -166,7 +170,11 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: Dict[str, Any]) -> 
             "num_layers": n,
             "ranks": [r["rank"] for r in ranks if r["pipeline_stage"] == i],
             "extra": (["embedding"] if i == 0 else [])
-            + (["output head", "final norm"] + (["MTP"] * bool(cfg.model.mtp_num_layers)) if i == len(starts) - 1 else []),
+            + (
+                ["output head", "final norm"] + (["MTP"] * bool(cfg.model.mtp_num_layers))
+                if i == len(starts) - 1
+                else []
+            ),
         }
         for i, n in enumerate(par.stage_layers)
     ]

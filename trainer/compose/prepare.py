@@ -16,18 +16,19 @@ added in ``schema.py``, its ``conf/`` default, and one row of ``render.py``.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import REPO_ROOT, runlog
-from trainer.errors import UserError
 from trainer.compose import checks
 from trainer.compose.compose import Composer, choices_of, job_config, session, validate
 from trainer.compose.render import Launch
 from trainer.compose.schema import TrainConfig
+from trainer.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -44,21 +45,21 @@ class PreparedRun:
     JSON-ready plan (:func:`trainer.compose.plan.build_plan`).
     """
 
-    overrides: Tuple[str, ...]
+    overrides: tuple[str, ...]
     cfg: DictConfig
     config: TrainConfig
     par: checks.Parallelism
-    choices: Dict[str, Optional[str]]
+    choices: dict[str, str | None]
     launch: Launch
-    numerics: Dict[str, Any]
-    plan: Dict[str, Any]
+    numerics: dict[str, Any]
+    plan: dict[str, Any]
 
     @property
     def launcher(self) -> str:
         """``launcher.name`` (``plan``, ``local-cpu``, ``slurm``, ...)."""
         return self.config.launcher.name
 
-    def record_fields(self) -> Dict[str, Any]:
+    def record_fields(self) -> dict[str, Any]:
         """What every ``record.json`` of this run says about its composition: ``kind`` (``plan`` or ``run``), the
         launcher, the overrides (secrets redacted), the chosen options, the resolved stack pins, the launcher
         lock's path and ``composition_sha256``: the sha256 of the canonical JSON
@@ -105,15 +106,16 @@ def check_launcher_lock(root: Path = REPO_ROOT) -> None:
         raise UserError(stale.replace("pass --frozen", "pass --frozen to train"))
 
 
-def reference_overrides(overrides: Sequence[str], reference_layout: str) -> List[str]:
+def reference_overrides(overrides: Sequence[str], reference_layout: str) -> list[str]:
     """The overrides of the reference composition: the job's, less those that choose or change the layout or the
     cluster, plus ``layout=REFERENCE``."""
     kept = [o for o in overrides if not o.lstrip("+~").startswith(("layout=", "layout.", "cluster="))]
     return kept + [f"layout={reference_layout}"]
 
 
-def prepare(overrides: Sequence[str] = (), composer: Optional[Composer] = None,
-            composed: Optional[DictConfig] = None) -> PreparedRun:
+def prepare(
+    overrides: Sequence[str] = (), composer: Composer | None = None, composed: DictConfig | None = None
+) -> PreparedRun:
     """Compose (unless ``composed``, the composition of ``overrides`` with its ``hydra`` node, is given),
     validate, check, render and plan one job; the reference layout is composed in the same Hydra session
     (``composer``, or a session of its own).
@@ -138,8 +140,13 @@ def prepare(overrides: Sequence[str] = (), composer: Optional[Composer] = None,
     verify_stack(typed.stack)
     check_launcher_lock()
     launch.check(typed, par)
-    runlog.log.info("checked %s: schema, layout (world %d), stack pins against %s, launcher %s", " ".join(task)
-                    or "(defaults)", par.world_size, typed.stack.lockfile, typed.launcher.name)
+    runlog.log.info(
+        "checked %s: schema, layout (world %d), stack pins against %s, launcher %s",
+        " ".join(task) or "(defaults)",
+        par.world_size,
+        typed.stack.lockfile,
+        typed.launcher.name,
+    )
     reference_layout = typed.launcher.reference_layout
     reference = composer.compose(reference_overrides(task, reference_layout))
     numerics = {"reference_layout": reference_layout, **compare(cfg, reference).as_dict()}

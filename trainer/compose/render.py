@@ -41,22 +41,22 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.redact import is_secret_name
 
-Row = Tuple[str, str, str]  # (flag, dotted config key, kind)
+Row = tuple[str, str, str]  # (flag, dotted config key, kind)
 
-LAUNCHER_ARGS: Tuple[Row, ...] = (
+LAUNCHER_ARGS: tuple[Row, ...] = (
     ("--actor-num-nodes", "cluster.nodes", "value"),
     ("--actor-num-gpus-per-node", "cluster.gpus_per_node", "value"),
     ("--num-gpus-per-node", "cluster.gpus_per_node", "value"),
 )
 
 # miles 78527b91 `model_args_utils.py deepseek-v4-flash`, in its order.
-MODEL_ARGS: Tuple[Row, ...] = (
+MODEL_ARGS: tuple[Row, ...] = (
     ("--disable-bias-linear", "model.add_bias_linear", "false"),
     ("--num-layers", "model.num_layers", "value"),
     ("--hidden-size", "model.hidden_size", "value"),
@@ -115,7 +115,7 @@ MODEL_ARGS: Tuple[Row, ...] = (
     ("--no-activation-func-clamp-shared-expert", "model.activation_func_clamp_shared_expert", "false"),
 )
 
-RUN_ARGS: Tuple[Row, ...] = (
+RUN_ARGS: tuple[Row, ...] = (
     ("--hf-checkpoint", "paths.hf_checkpoint", "value"),
     ("--ref-load", "paths.ref_load", "value"),
     ("--model-name", "model.model_name", "value"),
@@ -135,7 +135,7 @@ RUN_ARGS: Tuple[Row, ...] = (
     ("--debug-train-only", "launcher.debug_train_only", "true"),
 )
 
-LAYOUT_ARGS: Tuple[Row, ...] = (
+LAYOUT_ARGS: tuple[Row, ...] = (
     ("--tensor-model-parallel-size", "layout.tensor_model_parallel_size", "value"),
     ("--sequence-parallel", "layout.sequence_parallel", "true"),
     ("--pipeline-model-parallel-size", "layout.pipeline_model_parallel_size", "value"),
@@ -152,7 +152,7 @@ LAYOUT_ARGS: Tuple[Row, ...] = (
     ("--max-tokens-per-gpu", "layout.max_tokens_per_gpu", "value"),
 )
 
-OPTIM_ARGS: Tuple[Row, ...] = (
+OPTIM_ARGS: tuple[Row, ...] = (
     ("--optimizer", "optim.optimizer", "value"),
     ("--lr", "optim.lr", "value"),
     ("--lr-decay-style", "optim.lr_decay_style", "value"),
@@ -165,7 +165,7 @@ OPTIM_ARGS: Tuple[Row, ...] = (
 )
 
 # Restated by the recipe after the model arguments; the same fields as above.
-TAIL_ARGS: Tuple[Row, ...] = (
+TAIL_ARGS: tuple[Row, ...] = (
     ("--attention-dropout", "model.attention_dropout", "value"),
     ("--hidden-dropout", "model.hidden_dropout", "value"),
     ("--accumulate-allreduce-grads-in-fp32", "optim.accumulate_allreduce_grads_in_fp32", "true"),
@@ -173,7 +173,7 @@ TAIL_ARGS: Tuple[Row, ...] = (
     ("--distributed-timeout-minutes", "launcher.distributed_timeout_minutes", "value"),
 )
 
-SECTIONS: Tuple[Tuple[str, Tuple[Row, ...]], ...] = (
+SECTIONS: tuple[tuple[str, tuple[Row, ...]], ...] = (
     ("launcher", LAUNCHER_ARGS),
     ("model", MODEL_ARGS),
     ("run", RUN_ARGS),
@@ -192,7 +192,7 @@ _ROWS = {row[0]: row for _, rows in SECTIONS for row in rows}
 # (``gradient_accumulation_fusion``, ``persist_layer_norm``, ``masked_softmax_fusion``): Megatron-LM defaults
 # them on, they need APEX's CUDA extensions or Megatron's own compiled kernels, which the bundle does not build
 # (the recipe's image has APEX); the persistent layer norm and fused softmax only matter for the local spec.
-MEGATRON_ARGS: Tuple[Row, ...] = (
+MEGATRON_ARGS: tuple[Row, ...] = (
     ("--seq-length", "data.seq_length", "value"),
     ("--max-position-embeddings", "data.seq_length", "value"),
     _ROWS["--global-batch-size"],
@@ -220,7 +220,7 @@ MEGATRON_ARGS: Tuple[Row, ...] = (
 # one of these renders there only when the boolean key is true (miles always gets it). ``--max-tokens-per-gpu``
 # is miles' own flag (Megatron-LM's parser has none); the V4 rows need the V4 attention variant; the local
 # transformer implementation gets no ``--moe-grouped-gemm`` (its grouped GEMM for experts is TransformerEngine's).
-MEGATRON_WHEN: Tuple[Tuple[str, str], ...] = (
+MEGATRON_WHEN: tuple[tuple[str, str], ...] = (
     ("--max-tokens-per-gpu", "megatron.miles"),
     ("--moe-grouped-gemm", "megatron.transformer_engine"),
     ("--dsv4-", "megatron.v4"),
@@ -251,13 +251,13 @@ def format_value(value: Any, integral: bool = False) -> str:
     return str(value)
 
 
-def render_rows(cfg: DictConfig, rows: Tuple[Row, ...]) -> List[str]:
+def render_rows(cfg: DictConfig, rows: tuple[Row, ...]) -> list[str]:
     """Render one table of ``(flag, key, kind)`` rows against a composed config into argv tokens.
 
     Raises ``KeyError`` for a key the config lacks and ``ValueError`` for an unknown kind or a
     non-boolean value under a boolean kind (programming errors, not user errors).
     """
-    out: List[str] = []
+    out: list[str] = []
     for flag, key, kind in rows:
         value = OmegaConf.select(cfg, key, throw_on_missing=True, default=KeyError)
         if value is KeyError:
@@ -285,19 +285,22 @@ def _condition(cfg: DictConfig, key: str) -> bool:
     """The boolean at ``key`` of a row condition; ``KeyError``/``ValueError`` as :func:`render_rows`."""
     value = OmegaConf.select(cfg, key, throw_on_missing=True, default=KeyError)
     if not isinstance(value, bool):
-        raise (KeyError if value is KeyError else ValueError)(f"render: row condition {key} must be a boolean, got {value!r}")
+        raise (KeyError if value is KeyError else ValueError)(
+            f"render: row condition {key} must be a boolean, got {value!r}"
+        )
     return value
 
 
-def render_megatron(cfg: DictConfig) -> List[str]:
+def render_megatron(cfg: DictConfig) -> list[str]:
     """The megatron-core argv (without the program name) of a composed config that also holds the ``megatron``
     node of :data:`MEGATRON_ARGS` (:func:`trainer.launch.megatron_args.megatron_argv` adds it): the model, layout
     and optimizer rows that :data:`MEGATRON_WHEN` keeps, then :data:`MEGATRON_ARGS`. Raises as :func:`render_rows`.
     """
-    argv: List[str] = []
+    argv: list[str] = []
     for rows in (MODEL_ARGS, LAYOUT_ARGS, OPTIM_ARGS):
-        keep = tuple(r for r in rows if all(_condition(cfg, when) for prefix, when in MEGATRON_WHEN
-                                             if r[0].startswith(prefix)))
+        keep = tuple(
+            r for r in rows if all(_condition(cfg, when) for prefix, when in MEGATRON_WHEN if r[0].startswith(prefix))
+        )
         argv += render_rows(cfg, keep)
     return argv + render_rows(cfg, MEGATRON_ARGS)
 
@@ -312,9 +315,9 @@ class Launch:
     would print for the model.
     """
 
-    argv: List[str]
-    env: Dict[str, str]
-    model_args: List[str]
+    argv: list[str]
+    env: dict[str, str]
+    model_args: list[str]
 
     def shell_script(self) -> str:
         """The launch as a bash script in the recipe's style: ``export`` lines, then the command.
@@ -323,8 +326,12 @@ class Launch:
         """
         lines = ["#!/usr/bin/env bash", "set -euo pipefail"]
         # a secret-named variable is taken from the caller's environment: its value is never written out
-        lines += [f'export {k}="${{{k}:?{k} is a secret: set it in the environment}}"' if is_secret_name(k)
-                  else f"export {k}={shell_word(v)}" for k, v in self.env.items()]
+        lines += [
+            f'export {k}="${{{k}:?{k} is a secret: set it in the environment}}"'
+            if is_secret_name(k)
+            else f"export {k}={shell_word(v)}"
+            for k, v in self.env.items()
+        ]
         lines.append("")
         lines.append(" \\\n  ".join(argv_words(self.argv)))
         return "\n".join(lines) + "\n"
@@ -333,10 +340,10 @@ class Launch:
 _SIMPLE_REFS = re.compile(r"\$(?:[A-Za-z_][A-Za-z0-9_]*|\{[A-Za-z_][A-Za-z0-9_]*\})")
 
 
-def argv_words(argv: List[str]) -> List[str]:
+def argv_words(argv: list[str]) -> list[str]:
     """``argv`` quoted for bash (:func:`shell_word`), one flag and its values per item (the recipe's style:
     ``--tensor-model-parallel-size 2``); a first item without ``--`` is the program."""
-    words: List[List[str]] = []
+    words: list[list[str]] = []
     for token in argv:
         if not words or token.startswith("--"):
             words.append([])
@@ -360,8 +367,8 @@ def render(cfg: DictConfig) -> Launch:
     ``cfg`` is the Hydra composition (``conf/train.yaml``); interpolations are resolved here.
     Returns a :class:`Launch`; raises ``KeyError``/``ValueError`` only on a programming error.
     """
-    argv: List[str] = [str(t) for t in cfg.launcher.entrypoint]
-    model_args: List[str] = []
+    argv: list[str] = [str(t) for t in cfg.launcher.entrypoint]
+    model_args: list[str] = []
     for name, rows in SECTIONS:
         tokens = render_rows(cfg, rows)
         if name == "model":

@@ -14,7 +14,7 @@ Units: sizes are counts (layers, heads, experts, tokens); memory in GB (1e9 byte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -55,7 +55,7 @@ class ModelConfig:
     attention_softmax_in_fp32: bool = True
     apply_rope_fusion: bool = False  # --no-rope-fusion sets false
     num_experts: int = MISSING  # routed experts per MoE layer
-    moe_layer_freq: List[int] = MISSING  # 1 = MoE layer, 0 = dense, one entry per decoder layer
+    moe_layer_freq: list[int] = MISSING  # 1 = MoE layer, 0 = dense, one entry per decoder layer
     moe_ffn_hidden_size: int = MISSING  # width of one routed expert
     moe_router_topk: int = MISSING  # routed experts per token
     moe_shared_expert_intermediate_size: int = MISSING  # width of the shared expert(s)
@@ -69,7 +69,7 @@ class ModelConfig:
     experimental_attention_variant: str = "dsv4"
     dsv4_hc_mult: int = 4  # hyper-connection streams: the residual stream is hc_mult x hidden_size wide
     dsv4_hc_sinkhorn_iters: int = 20
-    dsv4_compress_ratios: List[int] = MISSING  # KV compression ratio per layer (+ the MTP layer)
+    dsv4_compress_ratios: list[int] = MISSING  # KV compression ratio per layer (+ the MTP layer)
     dsv4_compress_rope_theta: float = 160000.0
     dsv4_o_groups: int = 8
     dsv4_o_lora_rank: int = 1024
@@ -78,7 +78,7 @@ class ModelConfig:
     dsa_indexer_n_heads: int = 64
     dsa_indexer_head_dim: int = 128
     dsa_indexer_topk: int = 512  # compressed KV entries each query attends to
-    spec: List[str] = field(default_factory=lambda: ["miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec"])
+    spec: list[str] = field(default_factory=lambda: ["miles_plugins.models.deepseek_v4.deepseek_v4", "get_dsv4_spec"])
     activation_func_clamp_value: float = 10.0
     bias_swiglu_fusion: bool = False  # --no-bias-swiglu-fusion sets false
     activation_func_clamp_shared_expert: bool = False  # --no-activation-func-clamp-shared-expert sets false
@@ -95,22 +95,24 @@ class LayoutConfig:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
     pipeline_model_parallel_size: int = 1
-    num_virtual_stages_per_pipeline_rank: Optional[int] = None  # interleaved (virtual) pipeline stages per rank; null = 1
-    decoder_first_pipeline_num_layers: Optional[int] = None  # layers on the first stage; null = even split
-    decoder_last_pipeline_num_layers: Optional[int] = None  # layers on the last stage; null = even split
+    num_virtual_stages_per_pipeline_rank: int | None = (
+        None  # interleaved (virtual) pipeline stages per rank; null = 1
+    )
+    decoder_first_pipeline_num_layers: int | None = None  # layers on the first stage; null = even split
+    decoder_last_pipeline_num_layers: int | None = None  # layers on the last stage; null = even split
     context_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: int = 1
-    data_parallel_size: Optional[int] = None  # expected DP; checked against world / (TP x PP x CP)
+    data_parallel_size: int | None = None  # expected DP; checked against world / (TP x PP x CP)
     micro_batch_size: int = 1  # rows per microbatch
-    recompute_granularity: Optional[str] = None  # full | selective | null
-    recompute_method: Optional[str] = None  # uniform | block | null
-    recompute_num_layers: Optional[int] = None
+    recompute_granularity: str | None = None  # full | selective | null
+    recompute_method: str | None = None  # uniform | block | null
+    recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = True
     moe_token_dispatcher_type: str = "alltoall"  # allgather | alltoall | flex
     qkv_format: str = "bshd"  # miles --qkv-format: bshd (padded rows) | thd (packed)
-    max_tokens_per_gpu: Optional[int] = None  # miles dynamic batching budget; null = off
-    offload: Optional[str] = None  # CPU offload of optimizer/activations; null = none
+    max_tokens_per_gpu: int | None = None  # miles dynamic batching budget; null = off
+    offload: str | None = None  # CPU offload of optimizer/activations; null = none
 
 
 @dataclass
@@ -148,7 +150,7 @@ class DataConfig:
     input_key: str = "messages"  # miles --input-key
     metadata_key: str = "metadata"  # miles --metadata-key
     rollout_function_path: str = "pretokenized_sft_rollout.generate_rollout"  # miles --rollout-function-path
-    synthetic_conversations: Optional[int] = None  # local runs: generate this many conversations and build rows
+    synthetic_conversations: int | None = None  # local runs: generate this many conversations and build rows
     synthetic_seed: int = 0  # seed of the generated conversations (trainer.data.synthetic)
 
 
@@ -164,10 +166,10 @@ class ClusterConfig:
     gpu_peak_bf16_flops: float = 989e12  # dense bf16 FLOP/s per GPU (H200 SXM; torchtitan's figure)
     instance: str = ""
     interconnect: str = ""
-    usd_per_node_hour: Optional[float] = None  # on-demand price of one node
+    usd_per_node_hour: float | None = None  # on-demand price of one node
     price_source: str = ""
-    partition: Optional[str] = None  # Slurm partition
-    account: Optional[str] = None  # Slurm account
+    partition: str | None = None  # Slurm partition
+    account: str | None = None  # Slurm account
 
 
 @dataclass
@@ -229,36 +231,42 @@ class LauncherConfig:
     distributed_timeout_minutes: int = 30  # --distributed-timeout-minutes
     debug_train_only: bool = True  # miles --debug-train-only: no rollout engine, train only
     disable_compute_advantages_and_returns: bool = True  # miles: SFT has no advantages
-    entrypoint: List[str] = field(default_factory=lambda: ["python3", "train.py"])  # run in the miles checkout
+    entrypoint: list[str] = field(default_factory=lambda: ["python3", "train.py"])  # run in the miles checkout
     reference_layout: str = "tp8pp8ep8"  # layout the numerics verdict compares against
     submit: bool = False
     seed: int = 1234  # Megatron --seed (its default): model init and data order of executed local runs
-    steps: Optional[int] = None  # optimizer steps of an executed run; null = optim.num_rollout
+    steps: int | None = None  # optimizer steps of an executed run; null = optim.num_rollout
     # cluster launchers (slurm, ray, local-image; trainer/launch/)
-    image: Optional[str] = None  # the job's image pinned by digest: NAME@sha256:<64 hex> (slurm, ray); sha256:<hex> (local-image)
-    image_layout: Optional[str] = None  # local-image: OCI image layout directory holding `image`
+    image: str | None = (
+        None  # the job's image pinned by digest: NAME@sha256:<64 hex> (slurm, ray); sha256:<hex> (local-image)
+    )
+    image_layout: str | None = None  # local-image: OCI image layout directory holding `image`
     container: str = "pyxis"  # slurm: pyxis (srun --container-image) | none (the nodes' own environment)
-    container_mounts: List[str] = field(default_factory=list)  # slurm/pyxis: SRC:DST[:ro] mounts (checkpoints, data)
+    container_mounts: list[str] = field(default_factory=list)  # slurm/pyxis: SRC:DST[:ro] mounts (checkpoints, data)
     time_limit: str = "04:00:00"  # slurm --time (D-HH:MM:SS or HH:MM:SS)
     gpus_flag: str = "gpus-per-node"  # slurm: gpus-per-node (--gpus-per-node=N) | gres (--gres=gpu:N) | none
-    sbatch_args: List[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. [--qos=high, --exclusive]
+    sbatch_args: list[str] = field(default_factory=list)  # extra #SBATCH lines, e.g. [--qos=high, --exclusive]
     ray_port: int = 6379  # Ray GCS port on the head node
     dashboard_port: int = 8265  # Ray dashboard (job submission) port on the head node
-    ray_start_args: List[str] = field(default_factory=list)  # slurm: extra `ray start` arguments (head and workers)
-    head_ip: Optional[str] = None  # slurm: address Ray binds on the head node; null = the head's `hostname -i`
-    address: Optional[str] = None  # ray: job submission address of an existing cluster, http://HOST:8265
-    python: Optional[str] = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
-    workdir: Optional[str] = None  # directory the job starts in on the cluster (the image's miles checkout, /root/miles, in conf/launcher/); null = as started
-    job: List[str] = field(default_factory=list)  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
+    ray_start_args: list[str] = field(default_factory=list)  # slurm: extra `ray start` arguments (head and workers)
+    head_ip: str | None = None  # slurm: address Ray binds on the head node; null = the head's `hostname -i`
+    address: str | None = None  # ray: job submission address of an existing cluster, http://HOST:8265
+    python: str | None = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
+    workdir: str | None = (
+        None  # directory the job starts in on the cluster (the image's miles checkout, /root/miles, in conf/launcher/); null = as started
+    )
+    job: list[str] = field(
+        default_factory=list
+    )  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
-    wait_s: Optional[int] = None  # ray: seconds to wait for the job; null = until it ends
-    master_port: Optional[int] = None  # torchrun rendezvous port on 127.0.0.1 (local-megatron); null = a free one
+    wait_s: int | None = None  # ray: seconds to wait for the job; null = until it ends
+    master_port: int | None = None  # torchrun rendezvous port on 127.0.0.1 (local-megatron); null = a free one
     # local-megatron: the Megatron-LM and miles sources (checkouts of the locked commits, verified by git tree hash)
-    megatron_lm_path: Optional[str] = None  # Megatron-LM checkout; null = $MEGATRON_LM_PATH
-    miles_path: Optional[str] = None  # miles checkout; null = $MILES_PATH
+    megatron_lm_path: str | None = None  # Megatron-LM checkout; null = $MEGATRON_LM_PATH
+    miles_path: str | None = None  # miles checkout; null = $MILES_PATH
     transformer_impl: str = "auto"  # Megatron --transformer-impl: auto (TE when installed) | transformer_engine | local
     attention_backend: str = "unfused"  # Megatron --attention-backend: unfused | fused | flash | local | auto
-    profile_step: Optional[int] = None  # local-megatron: run this step under torch.profiler (top kernels table)
+    profile_step: int | None = None  # local-megatron: run this step under torch.profiler (top kernels table)
 
 
 @dataclass
@@ -271,7 +279,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     stack: StackConfig = field(default_factory=StackConfig)
-    env: Dict[str, str] = field(default_factory=dict)  # environment of every training process
+    env: dict[str, str] = field(default_factory=dict)  # environment of every training process
     paths: PathsConfig = field(default_factory=PathsConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
 

@@ -10,13 +10,12 @@ truth. :func:`verify_stack` refuses a composition whose pins differ from the loc
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any
 
 from trainer import REPO_ROOT
+from trainer.compose.schema import StackConfig
 from trainer.errors import UserError
 from trainer.inputs import read_json
-from trainer.compose.schema import StackConfig
-
 
 # conf field -> (component, key) in lockfiles/stack.json
 STACK_FIELDS = {
@@ -33,7 +32,7 @@ STACK_FIELDS = {
 }
 
 
-def load_stack_lock(path: Path) -> Dict[str, Any]:
+def load_stack_lock(path: Path) -> dict[str, Any]:
     """Read a stack lockfile (JSON, ``{"schema_version": 1, "components": {...}}``).
 
     Raises :class:`UserError` naming the file when it is missing, not JSON, or lacks ``components``.
@@ -49,7 +48,7 @@ def load_stack_lock(path: Path) -> Dict[str, Any]:
     return data
 
 
-def verify_stack(stack: StackConfig, root: Path = REPO_ROOT) -> Dict[str, Any]:
+def verify_stack(stack: StackConfig, root: Path = REPO_ROOT) -> dict[str, Any]:
     """Check every pin of ``stack`` against the lockfile it names (``stack.lockfile``, relative to ``root``).
 
     Returns the lockfile's data. Raises :class:`UserError` with the field and both values on a mismatch.
@@ -60,7 +59,5 @@ def verify_stack(stack: StackConfig, root: Path = REPO_ROOT) -> Dict[str, Any]:
         locked = data["components"].get(component, {}).get(key)
         wanted = getattr(stack, name)
         if str(locked) != str(wanted):
-            raise UserError(
-                f"stack.{name} {wanted} != {stack.lockfile} components.{component}.{key} {locked}"
-            )
+            raise UserError(f"stack.{name} {wanted} != {stack.lockfile} components.{component}.{key} {locked}")
     return data

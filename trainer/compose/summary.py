@@ -10,45 +10,69 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 STAGE_COLUMNS = ("stage", "layers", "weights", "grads", "optimizer", "activations", "total")
 
 
-def summary_rows(plan: Dict[str, Any], run_dir: Path) -> Dict[str, Any]:
+def summary_rows(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     """The summary of ``plan`` as data: ``title``; ``head`` (label, value, style) rows; ``stages`` (one row of
     :data:`STAGE_COLUMNS` strings per pipeline stage, memory in GB per GPU); ``lines`` (style, text) after the
     tables (peak memory, warnings, how to submit)."""
     par = plan["parallelism"]
     verdict = plan["numerics"]
-    head: List[Tuple[str, str, str]] = [
-        ("world", f"{par['world_size']} GPUs = TP {par['tensor_model_parallel_size']} x PP "
-                  f"{par['pipeline_model_parallel_size']} x CP {par['context_parallel_size']} x DP "
-                  f"{par['data_parallel_size']}", ""),
-        ("experts", f"EP {par['expert_model_parallel_size']} x ETP {par['expert_tensor_parallel_size']} x expert-DP "
-                    f"{par['expert_data_parallel_size']}: {plan['experts_per_ep_rank']} experts per EP rank", ""),
+    head: list[tuple[str, str, str]] = [
+        (
+            "world",
+            f"{par['world_size']} GPUs = TP {par['tensor_model_parallel_size']} x PP "
+            f"{par['pipeline_model_parallel_size']} x CP {par['context_parallel_size']} x DP "
+            f"{par['data_parallel_size']}",
+            "",
+        ),
+        (
+            "experts",
+            f"EP {par['expert_model_parallel_size']} x ETP {par['expert_tensor_parallel_size']} x expert-DP "
+            f"{par['expert_data_parallel_size']}: {plan['experts_per_ep_rank']} experts per EP rank",
+            "",
+        ),
         ("params", f"N active/token {plan['params']['active_per_token']:,} · total {plan['params']['total']:,}", ""),
-        ("step", f"{plan['tokens_per_step']:,} tokens · {par['microbatches']} microbatches per DP rank · "
-                 f"{plan['steps']} steps", ""),
+        (
+            "step",
+            f"{plan['tokens_per_step']:,} tokens · {par['microbatches']} microbatches per DP rank · "
+            f"{plan['steps']} steps",
+            "",
+        ),
         (f"vs {verdict['reference_layout']}", verdict["verdict"], "green" if verdict["equivalent"] else "red"),
         ("run dir", str(run_dir), ""),
     ]
     stages = []
     for stage, mem in zip(plan["pipeline"], plan["memory"]["per_stage"]):
         lo, hi = stage["layers"]
-        stages.append([str(stage["stage"]), f"{lo}..{hi - 1} ({stage['num_layers']})",
-                       *(f"{mem[k]:.1f}" for k in ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb",
-                                                   "total_gb"))])
+        stages.append(
+            [
+                str(stage["stage"]),
+                f"{lo}..{hi - 1} ({stage['num_layers']})",
+                *(f"{mem[k]:.1f}" for k in ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "total_gb")),
+            ]
+        )
     mem = plan["memory"]
-    lines = [("green" if mem["fits"] else "red",
-              f"peak estimate {mem['max_gb']:.1f} GB of {mem['gpu_memory_gb']:.0f} GB per GPU")]
+    lines = [
+        (
+            "green" if mem["fits"] else "red",
+            f"peak estimate {mem['max_gb']:.1f} GB of {mem['gpu_memory_gb']:.0f} GB per GPU",
+        )
+    ]
     lines += [("yellow", f"warning: {warning}") for warning in plan["warnings"]]
     lines.append(("", f"submit: {plan['submit']['how']}"))
-    return {"title": f"plan: {plan['model']} · {plan['layout']} · {plan['cluster']}", "head": head,
-            "stages": stages, "lines": lines}
+    return {
+        "title": f"plan: {plan['model']} · {plan['layout']} · {plan['cluster']}",
+        "head": head,
+        "stages": stages,
+        "lines": lines,
+    }
 
 
-def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None) -> None:
+def print_plan_summary(plan: dict[str, Any], run_dir: Path, console: Any = None) -> None:
     """Print a short summary of a plan: layout, per-stage layers and memory, numerics verdict, where it was
     written. ``console`` (a ``rich.console.Console``) forces the rich rendering; without it, rich is used when
     stdout is a terminal."""
@@ -80,7 +104,7 @@ def print_plan_summary(plan: Dict[str, Any], run_dir: Path, console: Any = None)
         console.print(f"[{style}]{text}" if style else text, highlight=False, overflow="fold")
 
 
-def plain_summary(rows: Dict[str, Any]) -> str:
+def plain_summary(rows: dict[str, Any]) -> str:
     """The rows of :func:`summary_rows` as plain text: ``label: value`` lines, then the stage table with
     right-aligned columns, then the closing lines."""
     width = max(len(label) for label, _, _ in rows["head"])

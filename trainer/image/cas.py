@@ -43,16 +43,23 @@ import shutil
 import tempfile
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Optional
 
 from trainer import inputs
 from trainer.errors import UserError
 
 HEX = re.compile(r"^[0-9a-f]{64}$")
-DOWNLOAD_HOSTS = ("https://files.pythonhosted.org/", "https://pypi.org/",
-                  "http://deb.debian.org/", "https://deb.debian.org/", "http://security.debian.org/",
-                  "https://security.debian.org/", "http://snapshot.debian.org/", "https://snapshot.debian.org/")
+DOWNLOAD_HOSTS = (
+    "https://files.pythonhosted.org/",
+    "https://pypi.org/",
+    "http://deb.debian.org/",
+    "https://deb.debian.org/",
+    "http://security.debian.org/",
+    "https://security.debian.org/",
+    "http://snapshot.debian.org/",
+    "https://snapshot.debian.org/",
+)
 CHUNK = 1 << 20
 PROGRESS_MIN_BYTES = 32 << 20  # show a bar when hashing or downloading at least this much
 
@@ -65,7 +72,7 @@ def default_root() -> Path:
 
 def parse_sha256(value: str, what: str) -> str:
     """``value`` ("<hex>" or "sha256:<hex>") as 64 lowercase hex digits; :class:`UserError` naming ``what``."""
-    hexdigest = value[len("sha256:"):] if value.startswith("sha256:") else value
+    hexdigest = value[len("sha256:") :] if value.startswith("sha256:") else value
     if not HEX.match(hexdigest):
         raise UserError(f"{what}: expected a sha256 (64 lowercase hex digits), got {value!r}")
     return hexdigest
@@ -81,8 +88,14 @@ def _progress(total: int, description: str):
     console = Console(stderr=True)
     if not console.is_terminal:  # a transient bar off a terminal leaves only blank lines behind
         return None
-    progress = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                        console=console, transient=True)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=console,
+        transient=True,
+    )
     return progress, progress.add_task(description, total=total)
 
 
@@ -125,7 +138,7 @@ def hash_file(path: Path, description: str = "") -> str:
     return digest.hexdigest()
 
 
-_PROCESS_KEY: Optional[bytes] = None
+_PROCESS_KEY: bytes | None = None
 
 
 def stamp_key_path() -> Path:
@@ -171,7 +184,7 @@ _LIVE: dict = {}
 class Cache:
     """The cache at ``root`` (created on first write). All methods raise :class:`UserError` for bad input."""
 
-    def __init__(self, root: Optional[Path] = None) -> None:
+    def __init__(self, root: Path | None = None) -> None:
         self.root = Path(root) if root is not None else default_root()
 
     def blob_path(self, hexdigest: str) -> Path:
@@ -204,7 +217,7 @@ class Cache:
 
         atexit.register(release)
 
-    def _oldest_live(self, tmp: Path) -> Optional[float]:
+    def _oldest_live(self, tmp: Path) -> float | None:
         """The start time (marker mtime) of the oldest live process using this cache, or None."""
         import fcntl
 
@@ -265,7 +278,7 @@ class Cache:
         """Whether blob ``hexdigest`` is present as a file (its content is not re-hashed; use :meth:`get`)."""
         return self.blob_path(hexdigest).is_file()
 
-    def get(self, hexdigest: str, name: str, trust_stamp: bool = False) -> Optional[Path]:
+    def get(self, hexdigest: str, name: str, trust_stamp: bool = False) -> Path | None:
         """The blob ``hexdigest`` after re-hashing it, or None when absent. With ``trust_stamp`` a blob whose
         stat still matches its stamp (see the module docstring) is not re-hashed. A blob whose bytes do not
         match is removed and :class:`UserError` names ``name`` and both hashes."""
@@ -292,15 +305,21 @@ class Cache:
 
     @staticmethod
     def _stamp_of(st: os.stat_result) -> dict:
-        return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino,
-                "nlink": st.st_nlink, "dev": st.st_dev}
+        return {
+            "size": st.st_size,
+            "mtime_ns": st.st_mtime_ns,
+            "ctime_ns": st.st_ctime_ns,
+            "ino": st.st_ino,
+            "nlink": st.st_nlink,
+            "dev": st.st_dev,
+        }
 
     def _signed_stamp(self, hexdigest: str, st: os.stat_result) -> dict:
         """The stamp of blob ``hexdigest`` with stat ``st``: the stat and a MAC binding it to the digest."""
         stamp = self._stamp_of(st)
         return {**stamp, "mac": self.mac("stamp", hexdigest, stamp)}
 
-    def _stamp_matches(self, hexdigest: str, st: os.stat_result, stamp: Optional[dict]) -> bool:
+    def _stamp_matches(self, hexdigest: str, st: os.stat_result, stamp: dict | None) -> bool:
         """Whether ``st`` is the stat blob ``hexdigest`` had when its hash was checked, as its stamp says.
 
         The stamp must carry a MAC under this user's key (:meth:`mac`) over the stat it records and the digest:
@@ -321,7 +340,7 @@ class Cache:
         same_bytes = all(now[k] == recorded.get(k) for k in ("size", "mtime_ns", "ino", "dev"))
         return same_bytes and "nlink" in recorded and now["nlink"] != recorded["nlink"]
 
-    def _read_stamp(self, hexdigest: str) -> Optional[dict]:
+    def _read_stamp(self, hexdigest: str) -> dict | None:
         try:
             stamp = json.loads(inputs.read_bytes(self._stamp_path(hexdigest), "cache stamp"))  # a FIFO refused
         except (OSError, ValueError):
@@ -336,7 +355,7 @@ class Cache:
         message = json.dumps([kind, *fields], sort_keys=True, separators=(",", ":")).encode()
         return hmac.new(stamp_key(), message, hashlib.sha256).hexdigest()
 
-    def stamp(self, hexdigest: str, st: Optional[os.stat_result] = None) -> None:
+    def stamp(self, hexdigest: str, st: os.stat_result | None = None) -> None:
         """Record the blob's current stat (``st``: taken before its hash was checked) as trusted."""
         from trainer.publish import atomic_write
 
@@ -344,7 +363,9 @@ class Cache:
         now = path.stat()
         if st is not None and self._stamp_of(st) != self._stamp_of(now):
             return  # changed while it was hashed: leave it untrusted
-        atomic_write(self._stamp_path(hexdigest), json.dumps(self._signed_stamp(hexdigest, now), sort_keys=True).encode())
+        atomic_write(
+            self._stamp_path(hexdigest), json.dumps(self._signed_stamp(hexdigest, now), sort_keys=True).encode()
+        )
 
     def new_temp(self) -> Path:
         """A fresh, empty temporary file in the cache (same filesystem as the blobs, for atomic renames)."""
@@ -361,7 +382,7 @@ class Cache:
         self.stamp(hexdigest)
         return dest
 
-    def add_file(self, source: Path, expected: Optional[str] = None, name: Optional[str] = None) -> str:
+    def add_file(self, source: Path, expected: str | None = None, name: str | None = None) -> str:
         """Copy ``source`` into the cache; return its sha256 hex. With ``expected`` a mismatch is refused
         (nothing is added)."""
         name = name or str(source)
@@ -400,7 +421,9 @@ class Cache:
     def download(self, url: str, hexdigest: str, name: str) -> Path:
         """Download ``url`` (PyPI hosts only) into the cache, checking its sha256 before it is renamed in."""
         if not url.startswith(DOWNLOAD_HOSTS):
-            raise UserError(f"{name}: will not download {url} (only PyPI URLs are fetched; seed the cache with `trainer cache add`)")
+            raise UserError(
+                f"{name}: will not download {url} (only PyPI URLs are fetched; seed the cache with `trainer cache add`)"
+            )
         tmp = self.new_temp()
         try:
             digest = hashlib.sha256()
@@ -425,7 +448,7 @@ class Cache:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def ensure(self, hexdigest: str, name: str, url: Optional[str] = None, offline: bool = False) -> Path:
+    def ensure(self, hexdigest: str, name: str, url: str | None = None, offline: bool = False) -> Path:
         """The verified blob for artifact ``name``: from the cache, else downloaded from ``url``.
 
         Raises :class:`UserError` with one line naming the artifact and its hash when it is neither cached nor
@@ -447,7 +470,7 @@ class Cache:
         )
 
     # built layers, keyed by the hash of their inputs
-    def layer_record(self, key: str) -> Optional[dict]:
+    def layer_record(self, key: str) -> dict | None:
         """The built-layer record ``ROOT/layers/<key>.json`` (``{"diff_id": "sha256:<hex>", "size": bytes, ...}``), or
         None when it is absent, not valid JSON, not an object, or has no valid ``diff_id``. ``key``: the sha256 of the
         layer's inputs. The blob itself is not checked here.
@@ -487,13 +510,15 @@ class Cache:
 
     # git trees: which blob holds a tree's files (the blob is re-hashed and its files' tree id recomputed
     # on every use, so this index is a hint, never trusted; see trainer.image.sources)
-    def tree_record(self, tree: str) -> Optional[dict]:
+    def tree_record(self, tree: str) -> dict | None:
         """``ROOT/trees/<tree>.json`` (``{"sha256": hex, "commit": hex, "source": ...}``), or None when absent or
         malformed. ``tree``: a git tree id, 40 hex."""
         if not re.match(r"^[0-9a-f]{40}$", tree):
             return None
         try:
-            record = json.loads(inputs.read_bytes(self.root / "trees" / f"{tree}.json", "cas tree record"))  # FIFO refused
+            record = json.loads(
+                inputs.read_bytes(self.root / "trees" / f"{tree}.json", "cas tree record")
+            )  # FIFO refused
         except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
             return None
         if not isinstance(record, dict) or not HEX.match(str(record.get("sha256", ""))):
@@ -516,8 +541,10 @@ class Cache:
             self.commit(tmp, info.hex)
         finally:
             tmp.unlink(missing_ok=True)
-        atomic_write(self.root / "trees" / f"{tree}.json",
-                     (json.dumps({**record, "sha256": info.hex}, sort_keys=True) + "\n").encode())
+        atomic_write(
+            self.root / "trees" / f"{tree}.json",
+            (json.dumps({**record, "sha256": info.hex}, sort_keys=True) + "\n").encode(),
+        )
         return info.hex
 
     def link_or_copy(self, hexdigest: str, dest: Path) -> None:

@@ -13,13 +13,11 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import List
-
-from trainer.errors import UserError
-from trainer.inputs import read_json
 
 from trainer import REPO_ROOT
+from trainer.errors import UserError
 from trainer.image.cas import Cache
+from trainer.inputs import read_json
 
 EPILOG = """examples:
   trainer image build --lock lockfiles/smoke.lock.json --out build/smoke.oci --archive build/smoke.oci.tar
@@ -64,16 +62,33 @@ def cmd_build(args: argparse.Namespace) -> int:
         if stale:
             raise UserError(stale)
     console = Console(stderr=True, highlight=False)
-    result = build_image(Path(args.lock), Path(args.out), Cache(args.cache), Path(args.bundle_root),
-                         Path(args.archive) if args.archive else None, _revision(args.revision), args.offline,
-                         None if args.quiet else console, args.verify_cache,
-                         Path(args.sign_key) if args.sign_key else None, args.jobs)
+    result = build_image(
+        Path(args.lock),
+        Path(args.out),
+        Cache(args.cache),
+        Path(args.bundle_root),
+        Path(args.archive) if args.archive else None,
+        _revision(args.revision),
+        args.offline,
+        None if args.quiet else console,
+        args.verify_cache,
+        Path(args.sign_key) if args.sign_key else None,
+        args.jobs,
+    )
     if args.json:
-        print(json.dumps({"manifest_digest": result.manifest_digest, "config_digest": result.config_digest,
-                          "archive_sha256": result.archive_digest, "out": args.out,
-                          "referrers": [{"artifactType": t, "digest": d} for t, d in result.referrers],
-                          "layers": [{"name": n, "diff_id": d, "size": s, "status": st} for n, d, s, st in result.layers]},
-                         indent=2))
+        print(
+            json.dumps(
+                {
+                    "manifest_digest": result.manifest_digest,
+                    "config_digest": result.config_digest,
+                    "archive_sha256": result.archive_digest,
+                    "out": args.out,
+                    "referrers": [{"artifactType": t, "digest": d} for t, d in result.referrers],
+                    "layers": [{"name": n, "diff_id": d, "size": s, "status": st} for n, d, s, st in result.layers],
+                },
+                indent=2,
+            )
+        )
     else:
         if args.archive:
             print(f"archive {args.archive} {result.archive_digest}")
@@ -92,14 +107,26 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
     image = open_image(Path(args.image))
     if args.json:
-        print(json.dumps({"kind": image.kind, "manifest_digest": image.manifest_digest,
-                          "config_digest": image.config_digest,
-                          "layers": [{"diff_id": l.diff_id, "digest": l.digest, "size": l.size, "mediaType": l.media_type}
-                                     for l in image.layers]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "kind": image.kind,
+                    "manifest_digest": image.manifest_digest,
+                    "config_digest": image.config_digest,
+                    "layers": [
+                        {"diff_id": l.diff_id, "digest": l.digest, "size": l.size, "mediaType": l.media_type}
+                        for l in image.layers
+                    ],
+                },
+                indent=2,
+            )
+        )
         return 0
     if image.manifest_digest is None:
-        raise UserError(f"{args.image}: a docker-archive has no manifest digest (its config digest, the image ID, is "
-                        f"{image.config_digest}); compare images with `trainer image diff`")
+        raise UserError(
+            f"{args.image}: a docker-archive has no manifest digest (its config digest, the image ID, is "
+            f"{image.config_digest}); compare images with `trainer image diff`"
+        )
     print(image.manifest_digest)
     return 0
 
@@ -123,7 +150,9 @@ def cmd_sbom(args: argparse.Namespace) -> int:
     media = sbom.SPDX_MEDIA_TYPE if args.format == "spdx" else sbom.CYCLONEDX_MEDIA_TYPE
     _, data = referrers.find(image, (media,))
     if args.validate:
-        (sbom.validate_spdx if args.format == "spdx" else sbom.validate_cyclonedx)(data, f"{args.image} {args.format} SBOM")
+        (sbom.validate_spdx if args.format == "spdx" else sbom.validate_cyclonedx)(
+            data, f"{args.image} {args.format} SBOM"
+        )
     sys.stdout.buffer.write(data)
     return 0
 
@@ -133,9 +162,9 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     statement, or its DSSE envelope when the build was signed; ``--statement`` prints the statement inside an
     envelope). Raises :class:`UserError` (one line) as :func:`cmd_sbom` does, and for a payload that is not a
     statement; the signature is checked by ``trainer verify IMAGE --key``, not here."""
-    from trainer.record import attest
     from trainer.image import provenance, referrers
     from trainer.image.oci import open_image
+    from trainer.record import attest
 
     image = open_image(Path(args.image))
     kind, data = referrers.find(image, (referrers.MT_DSSE, provenance.INTOTO_MEDIA_TYPE), provenance.SLSA_PROVENANCE)
@@ -152,9 +181,9 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     return 0
 
 
-def _layer_names(image) -> List[str]:
+def _layer_names(image) -> list[str]:
     prefix = "recipe-bundle layer "
-    return [l.history[len(prefix):] if l.history.startswith(prefix) else l.history for l in image.layers]
+    return [l.history[len(prefix) :] if l.history.startswith(prefix) else l.history for l in image.layers]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -182,16 +211,23 @@ def cmd_check(args: argparse.Namespace) -> int:
     layers = [{"name": n, "diff_id": l.diff_id, "size": l.size} for n, l in zip(_layer_names(image), image.layers)]
     if args.record:
         if labels.get(LOCK_LABEL) != lock["_sha256"]:
-            raise UserError(f"{args.image}: built from lock sha256 {labels.get(LOCK_LABEL)}, not {args.lock} ({lock['_sha256']})")
+            raise UserError(
+                f"{args.image}: built from lock sha256 {labels.get(LOCK_LABEL)}, not {args.lock} ({lock['_sha256']})"
+            )
         from trainer.image.build import layer_keys
 
         builds = (table.get(lock["name"]) or {}).get("builds")
         keys = layer_keys(lock, Path(args.bundle_root))
-        table[lock["name"]] = {"lock": Path(args.lock).name, "lock_sha256": lock["_sha256"],
-                               "manifest_digest": image.manifest_digest, "config_digest": image.config_digest,
-                               "revision": labels.get("org.opencontainers.image.revision"),
-                               "layers": [{**layer, "key": keys.get(layer["name"], "")} for layer in layers],
-                               "recorded_by": "build", **({"builds": builds} if builds else {})}
+        table[lock["name"]] = {
+            "lock": Path(args.lock).name,
+            "lock_sha256": lock["_sha256"],
+            "manifest_digest": image.manifest_digest,
+            "config_digest": image.config_digest,
+            "revision": labels.get("org.opencontainers.image.revision"),
+            "layers": [{**layer, "key": keys.get(layer["name"], "")} for layer in layers],
+            "recorded_by": "build",
+            **({"builds": builds} if builds else {}),
+        }
         atomic_write(expected_path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode(), 0o644)
         print(f"recorded {image.manifest_digest} for {lock['name']} in {expected_path}")
         return 0
@@ -206,8 +242,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             print(line)
         return 0 if builds_ok else 1
     if entry.get("lock_sha256") != lock["_sha256"]:
-        raise UserError(f"{expected_path}: the expected digest of {lock['name']!r} was recorded for lock sha256 "
-                        f"{entry.get('lock_sha256')}, but {args.lock} is {lock['_sha256']} (re-record after a re-lock)")
+        raise UserError(
+            f"{expected_path}: the expected digest of {lock['name']!r} was recorded for lock sha256 "
+            f"{entry.get('lock_sha256')}, but {args.lock} is {lock['_sha256']} (re-record after a re-lock)"
+        )
     lines = []
     if labels.get(LOCK_LABEL) != lock["_sha256"]:
         lines.append(f"lock: image built from lock sha256 {labels.get(LOCK_LABEL)}, expected {lock['_sha256']}")
@@ -225,17 +263,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     lines += build_lines
     ok = image.manifest_digest == entry.get("manifest_digest") and builds_ok
     if args.json:
-        print(json.dumps({"ok": ok, "manifest_digest": image.manifest_digest, "expected": entry.get("manifest_digest"),
-                          "details": lines}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": ok,
+                    "manifest_digest": image.manifest_digest,
+                    "expected": entry.get("manifest_digest"),
+                    "details": lines,
+                },
+                indent=2,
+            )
+        )
         return 0 if ok else 1
     for line in lines:
         print(line)
     if ok:
         print(f"ok: {image.manifest_digest} is the expected digest")
         return 0
-    print(f"different: {image.manifest_digest}, expected {entry.get('manifest_digest')} (recorded with --revision "
-          f"{entry.get('revision')}; the bundle layer also holds conf/, so a changed conf/ or revision changes only "
-          "the bundle layer and the config)")
+    print(
+        f"different: {image.manifest_digest}, expected {entry.get('manifest_digest')} (recorded with --revision "
+        f"{entry.get('revision')}; the bundle layer also holds conf/, so a changed conf/ or revision changes only "
+        "the bundle layer and the config)"
+    )
     return 1
 
 
@@ -248,23 +297,33 @@ def _check_predicted(args: argparse.Namespace, lock: dict, table: dict, expected
 
     entry = table.get(lock["name"])
     if entry is None or "manifest_digest" not in entry:
-        raise UserError(f"{expected_path}: no recorded build of lock {lock['name']!r} to predict from (build the "
-                        "image and record it with `trainer image check --lock LOCK IMAGE --record`)")
+        raise UserError(
+            f"{expected_path}: no recorded build of lock {lock['name']!r} to predict from (build the "
+            "image and record it with `trainer image check --lock LOCK IMAGE --record`)"
+        )
     predicted = predicted_record(Path(args.lock), entry, Path(args.bundle_root))
     if args.record:
         table[lock["name"]] = predicted
         atomic_write(expected_path, (json.dumps(table, indent=1, sort_keys=True) + "\n").encode(), 0o644)
-        print(f"recorded {predicted['manifest_digest']} for {lock['name']} in {expected_path} (predicted: bundle "
-              f"layer {predicted['layers'][-1]['diff_id']}, every other layer as built)")
+        print(
+            f"recorded {predicted['manifest_digest']} for {lock['name']} in {expected_path} (predicted: bundle "
+            f"layer {predicted['layers'][-1]['diff_id']}, every other layer as built)"
+        )
         return 0
     same = predicted["manifest_digest"] == entry["manifest_digest"]
     if args.json:
-        print(json.dumps({"ok": same, "predicted": predicted["manifest_digest"],
-                          "expected": entry["manifest_digest"]}, indent=2))
+        print(
+            json.dumps(
+                {"ok": same, "predicted": predicted["manifest_digest"], "expected": entry["manifest_digest"]}, indent=2
+            )
+        )
     else:
-        print(f"ok: a build now gives {predicted['manifest_digest']}, the expected digest" if same else
-              f"different: a build now gives {predicted['manifest_digest']}, expected {entry['manifest_digest']} "
-              "(record the prediction with --record)")
+        print(
+            f"ok: a build now gives {predicted['manifest_digest']}, the expected digest"
+            if same
+            else f"different: a build now gives {predicted['manifest_digest']}, expected {entry['manifest_digest']} "
+            "(record the prediction with --record)"
+        )
     return 0 if same else 1
 
 
@@ -280,8 +339,12 @@ def parser() -> argparse.ArgumentParser:
     """The argument parser of ``trainer image`` with its ``build``, ``digest``, ``diff`` and ``check``
     subcommands; each sets ``func`` to its ``cmd_*`` handler.
     """
-    p = argparse.ArgumentParser(prog="trainer image", description=__doc__.splitlines()[0], epilog=EPILOG,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="trainer image",
+        description=__doc__.splitlines()[0],
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("build", help="build an OCI image layout (and oci-archive) from a lock; prints its digest")
     b.add_argument("--lock", required=True, help="the image lock (lockfiles/*.lock.json)")
@@ -289,18 +352,31 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--archive", help="also write an oci-archive tar here")
     b.add_argument("--cache", help="content-addressed cache directory (default $XDG_CACHE_HOME/recipe-bundle/cas)")
     b.add_argument("--bundle-root", default=str(REPO_ROOT), help="directory whose conf/ goes into the bundle layer")
-    b.add_argument("--revision", default="auto",
-                   help="org.opencontainers.image.revision label (default: git HEAD, '-dirty' when modified)")
+    b.add_argument(
+        "--revision",
+        default="auto",
+        help="org.opencontainers.image.revision label (default: git HEAD, '-dirty' when modified)",
+    )
     b.add_argument("--offline", action="store_true", help="never download; missing inputs are an error")
-    b.add_argument("--verify-cache", action="store_true",
-                   help="re-hash every cached layer in full (default: trust a layer blob whose stat matches the stamp "
-                        "recorded when its hash was last checked; inputs are always re-hashed when read)")
+    b.add_argument(
+        "--verify-cache",
+        action="store_true",
+        help="re-hash every cached layer in full (default: trust a layer blob whose stat matches the stamp "
+        "recorded when its hash was last checked; inputs are always re-hashed when read)",
+    )
     b.add_argument("--sign-key", help="private key (`trainer keygen`): attach the provenance as a signed DSSE envelope")
-    b.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
-                   help="parallel jobs of build steps (BUILD_JOBS inside; not part of any cache key; default: the cores)")
+    b.add_argument(
+        "--jobs",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="parallel jobs of build steps (BUILD_JOBS inside; not part of any cache key; default: the cores)",
+    )
     b.add_argument("--json", action="store_true", help="print digests and layers as JSON")
-    b.add_argument("--frozen", action="store_true",
-                   help="build the lock as it is even when its requirements file changed since it was resolved")
+    b.add_argument(
+        "--frozen",
+        action="store_true",
+        help="build the lock as it is even when its requirements file changed since it was resolved",
+    )
     b.add_argument("-q", "--quiet", action="store_true", help="no per-layer lines or progress bars")
     b.set_defaults(func=cmd_build)
     d = sub.add_parser("digest", help="print an image's manifest digest (last line: sha256:<hex>)")
@@ -314,32 +390,48 @@ def parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_diff)
     s = sub.add_parser("sbom", help="print the SBOM attached to an image (OCI 1.1 referrer)")
     s.add_argument("image", help="OCI layout directory or oci-archive")
-    s.add_argument("--format", choices=("spdx", "cyclonedx"), default="spdx", help="SPDX 2.3 (default) or CycloneDX 1.6 JSON")
+    s.add_argument(
+        "--format", choices=("spdx", "cyclonedx"), default="spdx", help="SPDX 2.3 (default) or CycloneDX 1.6 JSON"
+    )
     s.add_argument("--validate", action="store_true", help="validate it first (spdx-tools / the CycloneDX JSON schema)")
     s.set_defaults(func=cmd_sbom)
     v = sub.add_parser("provenance", help="print the SLSA provenance attached to an image (OCI 1.1 referrer)")
     v.add_argument("image", help="OCI layout directory or oci-archive")
-    v.add_argument("--statement", action="store_true", help="the in-toto statement even when it is signed (the DSSE payload)")
+    v.add_argument(
+        "--statement", action="store_true", help="the in-toto statement even when it is signed (the DSSE payload)"
+    )
     v.set_defaults(func=cmd_provenance)
-    c = sub.add_parser("check", help="compare an image with the expected digest recorded for its lock (exit 0 match, 1 not)")
+    c = sub.add_parser(
+        "check", help="compare an image with the expected digest recorded for its lock (exit 0 match, 1 not)"
+    )
     c.add_argument("image", nargs="?", help="OCI layout directory or oci-archive (none with --predict)")
     c.add_argument("--lock", required=True, help="the lock the image was built from")
-    c.add_argument("--expected", default=str(EXPECTED), help="expected digests (default lockfiles/expected-digests.json)")
-    c.add_argument("--record", action="store_true", help="record this image's digests as the expected ones for the lock")
-    c.add_argument("--predict", action="store_true",
-                   help="no image: the digests a build would give now, from the recorded build and this checkout's "
-                        "conf/ (only the bundle layer may have changed); with --record, record them")
+    c.add_argument(
+        "--expected", default=str(EXPECTED), help="expected digests (default lockfiles/expected-digests.json)"
+    )
+    c.add_argument(
+        "--record", action="store_true", help="record this image's digests as the expected ones for the lock"
+    )
+    c.add_argument(
+        "--predict",
+        action="store_true",
+        help="no image: the digests a build would give now, from the recorded build and this checkout's "
+        "conf/ (only the bundle layer may have changed); with --record, record them",
+    )
     c.add_argument("--bundle-root", default=str(REPO_ROOT), help="directory whose conf/ goes into the bundle layer")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=cmd_check)
-    m = sub.add_parser("smoke-source", help="write the smoke lock's git source archive into DIR; print path, commit, "
-                                            "tree and sha256 as JSON (then `trainer cache add PATH --sha256 HEX`)")
+    m = sub.add_parser(
+        "smoke-source",
+        help="write the smoke lock's git source archive into DIR; print path, commit, "
+        "tree and sha256 as JSON (then `trainer cache add PATH --sha256 HEX`)",
+    )
     m.add_argument("dir", help="directory to write the archive into")
     m.set_defaults(func=cmd_smoke_source)
     return p
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer image``; returns the exit code (see the module docstring)."""
     args = parser().parse_args(argv)
     return int(args.func(args) or 0)

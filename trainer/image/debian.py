@@ -36,8 +36,9 @@ import subprocess
 import tarfile
 import tempfile
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
@@ -49,18 +50,34 @@ KEYRING = "/usr/share/keyrings/debian-archive-keyring.gpg"
 FORMAT = 1  # bump when the rootfs bytes for the same .debs would change
 
 
-def default_sources(suite: str) -> List[str]:
+def default_sources(suite: str) -> list[str]:
     """Debian's three archives for ``suite`` (main, updates, security), as apt ``deb`` lines."""
-    return [f"deb http://deb.debian.org/debian {suite} main",
-            f"deb http://deb.debian.org/debian {suite}-updates main",
-            f"deb http://deb.debian.org/debian-security {suite}-security main"]
+    return [
+        f"deb http://deb.debian.org/debian {suite} main",
+        f"deb http://deb.debian.org/debian {suite}-updates main",
+        f"deb http://deb.debian.org/debian-security {suite}-security main",
+    ]
 
 
 def _apt(root: Path, *args: str) -> str:
-    opts = ["-o", f"Dir={root}", "-o", f"Dir::State::status={root}/var/lib/dpkg/status",
-            "-o", "Dir::Etc::TrustedParts=/usr/share/keyrings", "-o", "APT::Architecture=amd64",
-            "-o", "APT::Architectures=amd64", "-o", "Debug::NoLocking=true",
-            "-o", "APT::Install-Recommends=false", "-o", "APT::Get::AllowUnauthenticated=false"]
+    opts = [
+        "-o",
+        f"Dir={root}",
+        "-o",
+        f"Dir::State::status={root}/var/lib/dpkg/status",
+        "-o",
+        "Dir::Etc::TrustedParts=/usr/share/keyrings",
+        "-o",
+        "APT::Architecture=amd64",
+        "-o",
+        "APT::Architectures=amd64",
+        "-o",
+        "Debug::NoLocking=true",
+        "-o",
+        "APT::Install-Recommends=false",
+        "-o",
+        "APT::Get::AllowUnauthenticated=false",
+    ]
     proc = subprocess.run(["apt-get", *opts, *args], capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["apt-get failed"])[-1]
@@ -68,10 +85,10 @@ def _apt(root: Path, *args: str) -> str:
     return proc.stdout
 
 
-def _paragraphs(text: str) -> List[Dict[str, str]]:
+def _paragraphs(text: str) -> list[dict[str, str]]:
     out = []
     for block in text.split("\n\n"):
-        fields: Dict[str, str] = {}
+        fields: dict[str, str] = {}
         key = ""
         for line in block.splitlines():
             if line[:1] in (" ", "\t") and key:
@@ -84,32 +101,42 @@ def _paragraphs(text: str) -> List[Dict[str, str]]:
     return out
 
 
-def resolve_debs(base: Dict[str, Any]) -> List[Dict[str, Any]]:
+def resolve_debs(base: dict[str, Any]) -> list[dict[str, Any]]:
     """The pinned .debs of a ``debian-rootfs`` base block (``suite``, ``variant`` "essential", ``include``,
     optional ``sources``): [{name, version, architecture, url, sha256, size}] sorted by name; the sha256 is
     the Packages index's (signed through the suite's InRelease, which apt verified). Network (the Debian
     mirror); raises :class:`UserError` with apt's last line when apt fails."""
     if base.get("variant", "essential") != "essential":
-        raise UserError(f"base.variant {base.get('variant')!r}: only 'essential' (Essential: yes + include) is resolved")
+        raise UserError(
+            f"base.variant {base.get('variant')!r}: only 'essential' (Essential: yes + include) is resolved"
+        )
     if shutil.which("apt-get") is None:
         raise UserError("base.debs: resolving a Debian base needs apt-get (Debian's apt)")
     suite = base["suite"]
     with tempfile.TemporaryDirectory(prefix="debian-resolve-") as tmp:
         root = Path(tmp)
-        for d in ("etc/apt/apt.conf.d", "etc/apt/preferences.d", "etc/apt/sources.list.d", "var/lib/apt/lists/partial",
-                  "var/cache/apt/archives/partial", "var/lib/dpkg"):
+        for d in (
+            "etc/apt/apt.conf.d",
+            "etc/apt/preferences.d",
+            "etc/apt/sources.list.d",
+            "var/lib/apt/lists/partial",
+            "var/cache/apt/archives/partial",
+            "var/lib/dpkg",
+        ):
             (root / d).mkdir(parents=True)
         (root / "var/lib/dpkg/status").write_text("")
         lines = base.get("sources") or default_sources(suite)
         (root / "etc/apt/sources.list").write_text(
-            "".join(re.sub(r"^deb\s+", f"deb [arch=amd64 signed-by={KEYRING}] ", l) + "\n" for l in lines))
+            "".join(re.sub(r"^deb\s+", f"deb [arch=amd64 signed-by={KEYRING}] ", l) + "\n" for l in lines)
+        )
         _apt(root, "update", "-q")
         essential = set()
-        index: Dict[str, Dict[str, str]] = {}  # pool file name -> its paragraph (apt checked the signed Release)
+        index: dict[str, dict[str, str]] = {}  # pool file name -> its paragraph (apt checked the signed Release)
         for lists in sorted((root / "var/lib/apt/lists").glob("*_Packages*")):
             # apt may keep the index compressed (host config: Acquire::GzipIndexes); apt-helper reads any
-            text = subprocess.run(["/usr/lib/apt/apt-helper", "cat-file", str(lists)], capture_output=True,
-                                  check=True).stdout.decode("utf-8", "replace")
+            text = subprocess.run(
+                ["/usr/lib/apt/apt-helper", "cat-file", str(lists)], capture_output=True, check=True
+            ).stdout.decode("utf-8", "replace")
             for para in _paragraphs(text):
                 if para.get("Essential") == "yes" and para.get("Architecture") in ("amd64", "all"):
                     essential.add(para["Package"])
@@ -126,14 +153,22 @@ def resolve_debs(base: Dict[str, Any]) -> List[Dict[str, Any]]:
         para = index.get(urllib.parse.unquote(url.rsplit("/", 1)[-1]))
         if para is None or not re.match(r"^[0-9a-f]{64}$", para.get("SHA256", "")):
             raise UserError(f"{filename}: no SHA256 for it in the suite's Packages index (refused)")
-        debs.append({"name": para["Package"], "version": para["Version"], "architecture": para["Architecture"],
-                     "url": url, "sha256": para["SHA256"], "size": int(para.get("Size", size))})
+        debs.append(
+            {
+                "name": para["Package"],
+                "version": para["Version"],
+                "architecture": para["Architecture"],
+                "url": url,
+                "sha256": para["SHA256"],
+                "size": int(para.get("Size", size)),
+            }
+        )
     if not debs:
         raise UserError(f"base: apt resolved no packages for {suite}")
     return sorted(debs, key=lambda d: d["name"])
 
 
-def _merged(parts: List[str]) -> List[str]:
+def _merged(parts: list[str]) -> list[str]:
     return ["usr", *parts] if parts and parts[0] in MERGED else parts
 
 
@@ -161,27 +196,29 @@ MAX_CONTROL_BYTES = 16 << 20  # one file of a .deb's control archive (control, m
 MAX_MEMBER_BYTES = 8 << 30  # one file of a .deb's data archive (the largest CUDA library is ~1 GB)
 
 
-def _read_control(path: Path, label: str) -> Dict[str, bytes]:
-    files: Dict[str, bytes] = {}
+def _read_control(path: Path, label: str) -> dict[str, bytes]:
+    files: dict[str, bytes] = {}
     with _dpkg_tar(path, "--ctrl-tarfile", label, "control") as tar:
         for member in tar:
             name = member_name(member.name)
             if member.isreg() and name and "/" not in name:
                 if member.size > MAX_CONTROL_BYTES:
-                    raise UserError(f"{label}: control member {name!r} is {member.size:,} bytes (at most "
-                                    f"{MAX_CONTROL_BYTES:,}; refused)")
+                    raise UserError(
+                        f"{label}: control member {name!r} is {member.size:,} bytes (at most "
+                        f"{MAX_CONTROL_BYTES:,}; refused)"
+                    )
                 files[name] = tar.extractfile(member).read()
     if "control" not in files:
         raise UserError(f"{label}: no control file")
     return files
 
 
-def _data_entries(path: Path, label: str, spool: Path, counter: List[int]) -> Tuple[List[Entry], List[str]]:
+def _data_entries(path: Path, label: str, spool: Path, counter: list[int]) -> tuple[list[Entry], list[str]]:
     """Entries of the package's data archive (merged /usr applied) and its paths as dpkg lists them."""
-    listed: List[str] = []
+    listed: list[str] = []
     with _dpkg_tar(path, "--fsys-tarfile", label, "data") as tar:
 
-        def path_of(parts: List[str]) -> Optional[str]:
+        def path_of(parts: list[str]) -> str | None:
             if not parts:
                 return None
             listed.append("/" + "/".join(parts))
@@ -191,8 +228,10 @@ def _data_entries(path: Path, label: str, spool: Path, counter: List[int]) -> Tu
 
         def file_entry(member: tarfile.TarInfo, image_path: str, mode: dict) -> Entry:
             if member.size > MAX_MEMBER_BYTES:  # checked from the header: a sparse 30 GB member is refused
-                raise UserError(f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
-                                f"{MAX_MEMBER_BYTES:,} per file; refused)")
+                raise UserError(
+                    f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
+                    f"{MAX_MEMBER_BYTES:,} per file; refused)"
+                )
             handle = tar.extractfile(member)
             if member.size > SPOOL_BYTES:
                 counter[0] += 1
@@ -202,8 +241,14 @@ def _data_entries(path: Path, label: str, spool: Path, counter: List[int]) -> Tu
                 return Entry(image_path, FILE, source=spooled, **mode)
             return Entry(image_path, FILE, data=handle.read(), **mode)
 
-        entries = tar_entries(tar, f"{label}: archive", path_of, file_entry, keep_modes=True,
-                              key_of=lambda parts: "/".join(_merged(parts)))
+        entries = tar_entries(
+            tar,
+            f"{label}: archive",
+            path_of,
+            file_entry,
+            keep_modes=True,
+            key_of=lambda parts: "/".join(_merged(parts)),
+        )
     return entries, listed
 
 
@@ -213,33 +258,46 @@ def _status_paragraph(control: bytes) -> bytes:
     return ("\n".join(out) + "\n").encode("utf-8", "surrogateescape")
 
 
-def rootfs_entries(debs: List[Tuple[Path, Dict[str, Any]]], spool: Path) -> List[Entry]:
+def rootfs_entries(debs: list[tuple[Path, dict[str, Any]]], spool: Path) -> list[Entry]:
     """Layer entries of the Debian root filesystem unpacked from ``debs`` ((verified .deb file, lock item)
     each). Raises :class:`UserError` naming the package for an unreadable .deb, a refused member, a
     package whose name or version differs from the lock, or two packages shipping one path differently."""
-    entries: Dict[str, Tuple[Entry, str]] = {}
-    status: List[bytes] = []
-    info: List[Entry] = []
+    entries: dict[str, tuple[Entry, str]] = {}
+    status: list[bytes] = []
+    info: list[Entry] = []
     counter = [0]
     for path, deb in sorted(debs, key=lambda x: x[1]["name"]):
         label = f"deb {deb['name']}_{deb['version']}_{deb['architecture']}"
         control = _read_control(path, label)
         fields = _paragraphs(control["control"].decode("utf-8", "replace"))[0]
         if (fields.get("Package"), fields.get("Version"), fields.get("Architecture")) != (
-                deb["name"], deb["version"], deb["architecture"]):
-            raise UserError(f"{label}: control says {fields.get('Package')} {fields.get('Version')} "
-                            f"{fields.get('Architecture')} (refused)")
+            deb["name"],
+            deb["version"],
+            deb["architecture"],
+        ):
+            raise UserError(
+                f"{label}: control says {fields.get('Package')} {fields.get('Version')} "
+                f"{fields.get('Architecture')} (refused)"
+            )
         data, listed = _data_entries(path, label, spool, counter)
         for entry in data:
             previous = entries.get(entry.path)
             if previous is not None:
                 if entry.type == DIR and previous[0].type == DIR:
                     continue
-                if previous[0].type == entry.type and previous[0].content_id() == entry.content_id() \
-                        and previous[0].target == entry.target:
+                if (
+                    previous[0].type == entry.type
+                    and previous[0].content_id() == entry.content_id()
+                    and previous[0].target == entry.target
+                ):
                     continue
-                if entry.type == FILE and previous[0].type == FILE and entry.data is not None \
-                        and previous[0].data is not None and entry.data == previous[0].data:
+                if (
+                    entry.type == FILE
+                    and previous[0].type == FILE
+                    and entry.data is not None
+                    and previous[0].data is not None
+                    and entry.data == previous[0].data
+                ):
                     continue
                 raise UserError(f"{label}: /{entry.path} is also shipped, differently, by {previous[1]} (refused)")
             entries[entry.path] = (entry, deb["name"])
@@ -249,8 +307,14 @@ def rootfs_entries(debs: List[Tuple[Path, Dict[str, Any]]], spool: Path) -> List
         info.append(Entry(f"var/lib/dpkg/info/{pkg}.list", FILE, data=("\n".join(listing) + "\n").encode()))
         for name, content in sorted(control.items()):
             if name != "control":
-                info.append(Entry(f"var/lib/dpkg/info/{pkg}.{name}", FILE, data=content,
-                                  executable=name in ("preinst", "postinst", "prerm", "postrm", "config")))
+                info.append(
+                    Entry(
+                        f"var/lib/dpkg/info/{pkg}.{name}",
+                        FILE,
+                        data=content,
+                        executable=name in ("preinst", "postinst", "prerm", "postrm", "config"),
+                    )
+                )
     out = [e for e, _ in entries.values()]
     shipped_tops = {e.path.split("/")[1] for e in out if e.path.startswith("usr/") and e.path.count("/") >= 1}
     for top in MERGED:
@@ -258,7 +322,10 @@ def rootfs_entries(debs: List[Tuple[Path, Dict[str, Any]]], spool: Path) -> List
             out.append(Entry(top, SYMLINK, target=f"usr/{top}"))
     out.append(Entry("var/lib/dpkg/status", FILE, data=b"\n".join(status)))
     out += info
-    for name, master in (("passwd", "usr/share/base-passwd/passwd.master"), ("group", "usr/share/base-passwd/group.master")):
+    for name, master in (
+        ("passwd", "usr/share/base-passwd/passwd.master"),
+        ("group", "usr/share/base-passwd/group.master"),
+    ):
         found = entries.get(master)
         if found is not None and f"etc/{name}" not in entries:
             e = found[0]
@@ -266,9 +333,13 @@ def rootfs_entries(debs: List[Tuple[Path, Dict[str, Any]]], spool: Path) -> List
     return out
 
 
-def deb_inputs(base: Dict[str, Any]) -> Dict[str, Any]:
+def deb_inputs(base: dict[str, Any]) -> dict[str, Any]:
     """What the base layer's cache key hashes: the rootfs format and every .deb's name, version, arch, sha256."""
-    return {"format": FORMAT, "suite": base.get("suite"),
-            "debs": [[d["name"], d["version"], d["architecture"], d["sha256"]]
-                     for d in sorted(base["debs"], key=lambda d: d["name"])]}
-
+    return {
+        "format": FORMAT,
+        "suite": base.get("suite"),
+        "debs": [
+            [d["name"], d["version"], d["architecture"], d["sha256"]]
+            for d in sorted(base["debs"], key=lambda d: d["name"])
+        ],
+    }

@@ -31,12 +31,12 @@ import json
 import re
 from email.parser import BytesHeaderParser
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from trainer.errors import UserError
-from trainer.inputs import parse_json, read_text
 from trainer.image.oci import ImageRef, LayerRef, open_image
 from trainer.image.tarread import member_name, open_layer
+from trainer.inputs import parse_json, read_text
 
 STAMP = "etc/recipe-bundle/lock.json"
 LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
@@ -44,15 +44,22 @@ METADATA = re.compile(r"(^|/)(site|dist)-packages/[^/]+\.dist-info/METADATA$")
 DPKG_STATUS = "var/lib/dpkg/status"
 
 
-def _config_view(config: Dict[str, Any]) -> Dict[str, Any]:
+def _config_view(config: dict[str, Any]) -> dict[str, Any]:
     inner = config.get("config") or {}
     env = dict(item.split("=", 1) if "=" in item else (item, "") for item in inner.get("Env") or [])
-    return {"architecture": config.get("architecture"), "os": config.get("os"), "created": config.get("created"),
-            "Entrypoint": inner.get("Entrypoint"), "Cmd": inner.get("Cmd"), "WorkingDir": inner.get("WorkingDir"),
-            "Env": env, "Labels": inner.get("Labels") or {}}
+    return {
+        "architecture": config.get("architecture"),
+        "os": config.get("os"),
+        "created": config.get("created"),
+        "Entrypoint": inner.get("Entrypoint"),
+        "Cmd": inner.get("Cmd"),
+        "WorkingDir": inner.get("WorkingDir"),
+        "Env": env,
+        "Labels": inner.get("Labels") or {},
+    }
 
 
-def _dict_changes(kind: str, a: Dict[str, Any], b: Dict[str, Any]) -> List[Dict[str, Any]]:
+def _dict_changes(kind: str, a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
@@ -60,17 +67,17 @@ def _dict_changes(kind: str, a: Dict[str, Any], b: Dict[str, Any]) -> List[Dict[
     return out
 
 
-def config_changes(a: Dict[str, Any], b: Dict[str, Any]) -> List[Dict[str, Any]]:
+def config_changes(a: dict[str, Any], b: dict[str, Any]) -> list[dict[str, Any]]:
     """Differences between two image configs: [{"field", "old", "new"}], Env and Labels compared by name."""
     va, vb = _config_view(a), _config_view(b)
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for key in ("architecture", "os", "created", "Entrypoint", "Cmd", "WorkingDir"):
         if va[key] != vb[key]:
             out.append({"field": key, "old": va[key], "new": vb[key]})
     return out + _dict_changes("Env", va["Env"], vb["Env"]) + _dict_changes("Labels", va["Labels"], vb["Labels"])
 
 
-def file_changes(fa: Dict[str, Dict[str, Any]], fb: Dict[str, Dict[str, Any]]) -> List[Dict[str, Any]]:
+def file_changes(fa: dict[str, dict[str, Any]], fb: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per-file changes between two layers' listings (see :meth:`ImageRef.files`)."""
     out = []
     for path in sorted(set(fa) | set(fb)):
@@ -82,13 +89,13 @@ def file_changes(fa: Dict[str, Dict[str, Any]], fb: Dict[str, Dict[str, Any]]) -
     return out
 
 
-def align_layers(a: List[LayerRef], b: List[LayerRef]) -> List[Tuple[Optional[LayerRef], Optional[LayerRef]]]:
+def align_layers(a: list[LayerRef], b: list[LayerRef]) -> list[tuple[LayerRef | None, LayerRef | None]]:
     """Pairs of layers: equal diff_ids first, then unmatched ones by history name, then by position."""
     b_ids = {l.diff_id for l in b}
     a_ids = {l.diff_id for l in a}
     only_a = [l for l in a if l.diff_id not in b_ids]
     only_b = [l for l in b if l.diff_id not in a_ids]
-    pairs: List[Tuple[Optional[LayerRef], Optional[LayerRef]]] = [(l, l) for l in a if l.diff_id in b_ids]
+    pairs: list[tuple[LayerRef | None, LayerRef | None]] = [(l, l) for l in a if l.diff_id in b_ids]
     rest_b = list(only_b)
     for la in only_a:
         match = next((lb for lb in rest_b if la.history and lb.history == la.history), None)
@@ -105,7 +112,7 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str, str]]:
+def contents(image: ImageRef) -> tuple[dict[str, str], dict[str, str], dict[str, str]]:
     """What is installed in ``image``, read in one pass over its layers (top-most layer wins): Python
     distributions (canonical name -> version, from dist-info METADATA), Debian packages (name -> version,
     the ``install ok installed`` entries of the dpkg status file) and each distribution's directory (canonical
@@ -114,12 +121,12 @@ def contents(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str,
     return dists, debs, where
 
 
-def _scan(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str, str], Dict[str, str]]:
+def _scan(image: ImageRef) -> tuple[dict[str, str], dict[str, str], dict[str, str], dict[str, str]]:
     """:func:`contents` and, fourth, canonical name -> the diff_id of the layer its (top-most) dist-info is in."""
-    dists: Dict[str, str] = {}
-    where: Dict[str, str] = {}
-    layer_of: Dict[str, str] = {}
-    status: Optional[bytes] = None
+    dists: dict[str, str] = {}
+    where: dict[str, str] = {}
+    layer_of: dict[str, str] = {}
+    status: bytes | None = None
     for layer in image.layers:
         if layer.media_type.endswith("+zstd"):
             continue  # not decompressed here (no zstd in the standard library); only base images use it
@@ -138,12 +145,12 @@ def _scan(image: ImageRef) -> Tuple[Dict[str, str], Dict[str, str], Dict[str, st
     return dists, _dpkg_installed(status or b""), where, layer_of
 
 
-def layer_names(image: ImageRef, stamp: Optional[Dict[str, Any]] = None) -> Dict[str, str]:
+def layer_names(image: ImageRef, stamp: dict[str, Any] | None = None) -> dict[str, str]:
     """diff_id -> layer name (``base``, ``torch``, ``build-deepep``, ...) of ``image``'s layers: from the stamped
     lock's ``layers`` list (``stamp``, else read from the image), else from a layer's history
     (``recipe-bundle layer NAME``); layers named by neither are left out."""
     stamp = stamped(image) if stamp is None else stamp
-    names: Dict[str, str] = {}
+    names: dict[str, str] = {}
     for layer in image.layers:
         match = re.fullmatch(r"recipe-bundle layer (\S+)", layer.history or "")
         if match:
@@ -154,27 +161,29 @@ def layer_names(image: ImageRef, stamp: Optional[Dict[str, Any]] = None) -> Dict
     return names
 
 
-def _dpkg_installed(status: bytes) -> Dict[str, str]:
-    out: Dict[str, str] = {}
+def _dpkg_installed(status: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
     for paragraph in status.decode("utf-8", "replace").split("\n\n"):
-        fields = dict(line.split(": ", 1) for line in paragraph.splitlines() if ": " in line and not line.startswith(" "))
+        fields = dict(
+            line.split(": ", 1) for line in paragraph.splitlines() if ": " in line and not line.startswith(" ")
+        )
         state = fields.get("Status", "").split()
         if fields.get("Package") and len(state) == 3 and state[2] == "installed":  # not half-installed etc.
             out[fields["Package"]] = fields.get("Version", "")
     return out
 
 
-def distributions(image: ImageRef) -> Dict[str, str]:
+def distributions(image: ImageRef) -> dict[str, str]:
     """canonical name -> version of every installed Python distribution (see :func:`contents`)."""
     return contents(image)[0]
 
 
-def _source_pins(sources: Any) -> Dict[str, str]:
+def _source_pins(sources: Any) -> dict[str, str]:
     items = sources.items() if isinstance(sources, dict) else ((s.get("name"), s) for s in sources or [])
     return {n: f"{s.get('commit')} tree {s.get('tree')}" for n, s in items if isinstance(s, dict)}
 
 
-def stamped(image: ImageRef) -> Dict[str, Any]:
+def stamped(image: ImageRef) -> dict[str, Any]:
     """The lock stamped into ``image`` at ``/etc/recipe-bundle/lock.json`` (:data:`STAMP`), decoded; ``{}``
     when the image has no such file or it is not valid JSON.
     """
@@ -187,11 +196,11 @@ def stamped(image: ImageRef) -> Dict[str, Any]:
         return {}
 
 
-def _versions(a: Dict[str, str], b: Dict[str, str]) -> List[Dict[str, Optional[str]]]:
+def _versions(a: dict[str, str], b: dict[str, str]) -> list[dict[str, str | None]]:
     return [{"name": n, "old": a.get(n), "new": b.get(n)} for n in sorted(set(a) | set(b)) if a.get(n) != b.get(n)]
 
 
-def sbom_changes(a: ImageRef, b: ImageRef) -> Optional[List[Dict[str, Any]]]:
+def sbom_changes(a: ImageRef, b: ImageRef) -> list[dict[str, Any]] | None:
     """Packages whose version or sha256 differs between the SPDX SBOMs attached to ``a`` and ``b``:
     [{"package": purl without version, "old", "new", "old_sha256", "new_sha256"}]; None when either image
     has no SBOM (a docker-archive, or an image built before SBOMs). Raises :class:`UserError` for a layout
@@ -208,13 +217,21 @@ def sbom_changes(a: ImageRef, b: ImageRef) -> Optional[List[Dict[str, Any]]]:
             return None
         raise
     pa, pb = (sbom.packages_of_spdx(d) for d in docs)
-    none: Dict[str, Any] = {}
-    return [{"package": key, "old": pa.get(key, none).get("version"), "new": pb.get(key, none).get("version"),
-             "old_sha256": pa.get(key, none).get("sha256"), "new_sha256": pb.get(key, none).get("sha256")}
-            for key in sorted(set(pa) | set(pb)) if pa.get(key) != pb.get(key)]
+    none: dict[str, Any] = {}
+    return [
+        {
+            "package": key,
+            "old": pa.get(key, none).get("version"),
+            "new": pb.get(key, none).get("version"),
+            "old_sha256": pa.get(key, none).get("sha256"),
+            "new_sha256": pb.get(key, none).get("sha256"),
+        }
+        for key in sorted(set(pa) | set(pb))
+        if pa.get(key) != pb.get(key)
+    ]
 
 
-def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
+def diff_images(a: ImageRef, b: ImageRef) -> dict[str, Any]:
     """The differences between images ``a`` and ``b`` as a JSON-able dict with ``identical`` (bool)."""
     same_layers = [l.diff_id for l in a.layers] == [l.diff_id for l in b.layers]
     if a.config_digest == b.config_digest and same_layers:
@@ -226,19 +243,31 @@ def diff_images(a: ImageRef, b: ImageRef) -> Dict[str, Any]:
             continue
         fa = a.files(la) if la is not None else {}
         fb = b.files(lb) if lb is not None else {}
-        layers.append({"name": (la or lb).history, "old": la.diff_id if la else None, "new": lb.diff_id if lb else None,
-                       "status": "changed" if la and lb else "removed" if la else "added",
-                       "files": file_changes(fa, fb)})
+        layers.append(
+            {
+                "name": (la or lb).history,
+                "old": la.diff_id if la else None,
+                "new": lb.diff_id if lb else None,
+                "status": "changed" if la and lb else "removed" if la else "added",
+                "files": file_changes(fa, fb),
+            }
+        )
     sa, sb = stamped(a), stamped(b)
     (dists_a, debs_a, _), (dists_b, debs_b, _) = contents(a), contents(b)
-    return {"identical": False, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest,
-            "config": config_changes(a.config, b.config), "layers": layers,
-            "distributions": _versions(dists_a, dists_b), "debs": _versions(debs_a, debs_b),
-            "sources": _versions(_source_pins(sa.get("sources")), _source_pins(sb.get("sources"))),
-            "sbom": sbom_changes(a, b)}
+    return {
+        "identical": False,
+        "a": a.manifest_digest or a.config_digest,
+        "b": b.manifest_digest or b.config_digest,
+        "config": config_changes(a.config, b.config),
+        "layers": layers,
+        "distributions": _versions(dists_a, dists_b),
+        "debs": _versions(debs_a, debs_b),
+        "sources": _versions(_source_pins(sa.get("sources")), _source_pins(sb.get("sources"))),
+        "sbom": sbom_changes(a, b),
+    }
 
 
-def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
+def diff_image_lock(a: ImageRef, lock: dict[str, Any]) -> dict[str, Any]:
     """Image ``a`` against a loaded lock: distributions (the built ones included, see the module docstring),
     Debian packages, sources, build steps and the lock hash label."""
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
@@ -253,32 +282,45 @@ def diff_image_lock(a: ImageRef, lock: Dict[str, Any]) -> Dict[str, Any]:
             wheels[_canonical(sd["name"])] = sd["version"]
     steps = {s["name"]: s for s in lock.get("builds", []) if isinstance(s, dict) and s.get("name")}
     for dist, diff_id in layer_of.items():  # a wheel a build step built from a git source: what its layer holds
-        step = steps.get(names.get(diff_id, "")[len("build-"):]) if names.get(diff_id, "").startswith("build-") else None
+        step = (
+            steps.get(names.get(diff_id, "")[len("build-") :]) if names.get(diff_id, "").startswith("build-") else None
+        )
         if step is not None and "source" in (step.get("input") or {}) and dist not in wheels:
             wheels[dist] = installed[dist]
     site = lock["python"]["site_packages"].strip("/")
     dists = _versions({n: v for n, v in installed.items() if where.get(n) == site or n in wheels}, wheels)
     base = lock.get("base", {})
-    debs = (_versions(installed_debs, {d["name"]: d["version"] for d in base.get("debs", [])})
-            if base.get("type") == "debian-rootfs" else [])
+    debs = (
+        _versions(installed_debs, {d["name"]: d["version"] for d in base.get("debs", [])})
+        if base.get("type") == "debian-rootfs"
+        else []
+    )
     sources = _versions(_source_pins(stamp.get("sources")), _source_pins(lock.get("sources", [])))
-    layers = {n[len("build-"):]: d for d, n in names.items() if n.startswith("build-")}
-    builds = _versions({n: f"layer {d}" for n, d in layers.items()},
-                       {n: f"layer {layers[n]}" if n in layers else "a build step" for n in steps})
-    result: Dict[str, Any] = {"a": a.manifest_digest or a.config_digest, "b": str(lock["_path"]),
-                              "lock_sha256": {"image": label, "lock": lock["_sha256"]},
-                              "distributions": dists, "debs": debs, "sources": sources, "builds": builds}
+    layers = {n[len("build-") :]: d for d, n in names.items() if n.startswith("build-")}
+    builds = _versions(
+        {n: f"layer {d}" for n, d in layers.items()},
+        {n: f"layer {layers[n]}" if n in layers else "a build step" for n in steps},
+    )
+    result: dict[str, Any] = {
+        "a": a.manifest_digest or a.config_digest,
+        "b": str(lock["_path"]),
+        "lock_sha256": {"image": label, "lock": lock["_sha256"]},
+        "distributions": dists,
+        "debs": debs,
+        "sources": sources,
+        "builds": builds,
+    }
     result["identical"] = not dists and not debs and not sources and not builds and label == lock["_sha256"]
     return result
 
 
-def record_image(record: Dict[str, Any]) -> Dict[str, Any]:
+def record_image(record: dict[str, Any]) -> dict[str, Any]:
     """What a run record says about the image it ran in: ``{"digest", "lock"}`` (either may be None).
 
     Read from ``record["image"]`` (``{"digest": "sha256:...", "lock": "<lock sha256>"}``, or a bare digest
     string) and, failing that, from the first rank's probe (``record["probe"]["ranks"][0]["image"]``, same
     shape). ``lock`` may also be a path to a lock file; then its sha256 is used."""
-    found: Dict[str, Any] = {"digest": None, "lock": None}
+    found: dict[str, Any] = {"digest": None, "lock": None}
     candidates = [record.get("image")]
     probe = record.get("probe")
     ranks = probe.get("ranks") if isinstance(probe, dict) else probe if isinstance(probe, list) else None
@@ -293,13 +335,15 @@ def record_image(record: Dict[str, Any]) -> Dict[str, Any]:
     return found
 
 
-def diff_image_record(a: ImageRef, record: Dict[str, Any], where: Path) -> Dict[str, Any]:
+def diff_image_record(a: ImageRef, record: dict[str, Any], where: Path) -> dict[str, Any]:
     """Image ``a`` against a run record: identical when the record's image digest is ``a``'s manifest digest
     (or, when it names only a lock, when that lock's sha256 is the one ``a`` was stamped with)."""
     seen = record_image(record)
     if not seen["digest"] and not seen["lock"]:
-        raise UserError(f"{where}: the run record names no image (expected image.digest, image.lock or "
-                        "probe.ranks[0].image): the run did not happen inside a bundle image")
+        raise UserError(
+            f"{where}: the run record names no image (expected image.digest, image.lock or "
+            "probe.ranks[0].image): the run did not happen inside a bundle image"
+        )
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
     lock = seen["lock"]
     if lock and not re.match(r"^[0-9a-f]{64}$", str(lock)):
@@ -307,23 +351,31 @@ def diff_image_record(a: ImageRef, record: Dict[str, Any], where: Path) -> Dict[
 
         lock = load_lock(Path(lock))["_sha256"]
     mine = a.manifest_digest or a.config_digest
-    result: Dict[str, Any] = {"a": mine, "b": str(where), "record_image": seen,
-                              "lock_sha256": {"image": label, "lock": lock or label}}
+    result: dict[str, Any] = {
+        "a": mine,
+        "b": str(where),
+        "record_image": seen,
+        "lock_sha256": {"image": label, "lock": lock or label},
+    }
     result["identical"] = (not seen["digest"] or seen["digest"] == mine) and (not lock or lock == label)
     if seen["digest"] and seen["digest"] != mine:
         result["image_digest"] = {"image": mine, "record": seen["digest"]}
     return result
 
 
-def render(result: Dict[str, Any]) -> str:
+def render(result: dict[str, Any]) -> str:
     """The human-readable report of a :func:`diff_images` / :func:`diff_image_lock` result."""
     if result["identical"]:
         return "identical"
     lines = [f"different: {result['a']} vs {result['b']}"]
     if "image_digest" in result:
-        lines.append(f"image digest: {result['image_digest']['image']}, the run record says {result['image_digest']['record']}")
+        lines.append(
+            f"image digest: {result['image_digest']['image']}, the run record says {result['image_digest']['record']}"
+        )
     if "lock_sha256" in result and result["lock_sha256"]["image"] != result["lock_sha256"]["lock"]:
-        lines.append(f"lock sha256: image built from {result['lock_sha256']['image']}, lock is {result['lock_sha256']['lock']}")
+        lines.append(
+            f"lock sha256: image built from {result['lock_sha256']['image']}, lock is {result['lock_sha256']['lock']}"
+        )
     for c in result.get("config", []):
         lines.append(f"config {c['field']}: {json.dumps(c['old'])} -> {json.dumps(c['new'])}")
     for layer in result.get("layers", []):
@@ -332,8 +384,15 @@ def render(result: Dict[str, Any]) -> str:
             continue
         lines.append(f"layer {layer['name'] or '?'}: {layer['status']} {layer['old']} -> {layer['new']}")
         for f in layer["files"]:
-            describe = lambda x: "-" if x is None else (f"{x['size']} bytes sha256:{x['sha256'][:12]}" if x.get("type") == "file"
-                                                        else f"{x['type']} {x.get('target', '')}".strip())
+            describe = lambda x: (
+                "-"
+                if x is None
+                else (
+                    f"{x['size']} bytes sha256:{x['sha256'][:12]}"
+                    if x.get("type") == "file"
+                    else f"{x['type']} {x.get('target', '')}".strip()
+                )
+            )
             lines.append(f"  {f['change']:<7} {f['path']}  {describe(f['old'])} -> {describe(f['new'])}")
     for d in result.get("distributions", []):
         lines.append(f"python {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
@@ -345,8 +404,10 @@ def render(result: Dict[str, Any]) -> str:
         lines.append(f"build {b['name']}: {b['old'] or '(absent)'} -> {b['new'] or '(absent)'}")
     for p in result.get("sbom") or []:
         same = p["old"] == p["new"]
-        lines.append(f"sbom {p['package']}: {p['old'] or '(absent)'} -> {p['new'] or '(absent)'}"
-                     + (f" (sha256 {str(p['old_sha256'])[:12]} -> {str(p['new_sha256'])[:12]})" if same else ""))
+        lines.append(
+            f"sbom {p['package']}: {p['old'] or '(absent)'} -> {p['new'] or '(absent)'}"
+            + (f" (sha256 {str(p['old_sha256'])[:12]} -> {str(p['new_sha256'])[:12]})" if same else "")
+        )
     return "\n".join(lines)
 
 
@@ -356,14 +417,17 @@ def diff_main(a: Path, b: Path, as_json: bool) -> int:
     if b.is_file() and b.suffix == ".json":
         from trainer.image.imagelock import load_lock
 
-        data = parse_json(read_text(b, "lock or run record") or "null", str(b)) if b.stat().st_size < (64 << 20) \
-            else None
+        data = (
+            parse_json(read_text(b, "lock or run record") or "null", str(b)) if b.stat().st_size < (64 << 20) else None
+        )
         if isinstance(data, dict) and data.get("kind") == "recipe-bundle.image-lock":
             result = diff_image_lock(image_a, load_lock(b))
         elif isinstance(data, dict):
             result = diff_image_record(image_a, data, b)
         else:
-            raise UserError(f"{b}: neither an image lock (kind recipe-bundle.image-lock) nor a run record (a JSON object)")
+            raise UserError(
+                f"{b}: neither an image lock (kind recipe-bundle.image-lock) nor a run record (a JSON object)"
+            )
     else:
         result = diff_images(image_a, open_image(b))
     print(json.dumps(result, indent=2) if as_json else render(result))

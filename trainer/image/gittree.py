@@ -21,8 +21,9 @@ import hashlib
 import os
 import posixpath
 import stat
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Dict, Iterable, Tuple
+from typing import Any
 
 from trainer.errors import UserError
 
@@ -35,7 +36,7 @@ def blob_id(data: bytes) -> bytes:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
 
 
-def git_tree_id(files: Dict[str, Tuple[str, bytes]]) -> str:
+def git_tree_id(files: dict[str, tuple[str, bytes]]) -> str:
     """The git tree id (40 hex) of ``files``: relative POSIX path -> (mode "100644"/"100755"/"120000",
     content bytes, or a symlink's target bytes). Raises :class:`UserError` for an empty ``files``."""
     if not files:
@@ -43,22 +44,22 @@ def git_tree_id(files: Dict[str, Tuple[str, bytes]]) -> str:
     return tree_id_of_blobs({path: (mode, blob_id(data)) for path, (mode, data) in files.items()})
 
 
-def tree_id_of_blobs(blobs: Dict[str, Tuple[str, bytes]]) -> str:
+def tree_id_of_blobs(blobs: dict[str, tuple[str, bytes]]) -> str:
     """The git tree id (40 hex) of ``blobs``: relative path -> (mode, 20-byte blob id). Raises
     :class:`UserError` when a path is both a file and a directory (no git tree can hold that)."""
-    root: Dict[str, Any] = {}
+    root: dict[str, Any] = {}
     for path, value in blobs.items():
         node = root
         parts = path.split("/")
         for i, part in enumerate(parts[:-1]):
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
-                raise UserError(f"{'/'.join(parts[:i + 1])} is both a file and a directory (refused)")
+                raise UserError(f"{'/'.join(parts[: i + 1])} is both a file and a directory (refused)")
         if isinstance(node.get(parts[-1]), dict):
             raise UserError(f"{path} is both a file and a directory (refused)")
         node[parts[-1]] = value
 
-    def tree(node: Dict[str, Any]) -> bytes:
+    def tree(node: dict[str, Any]) -> bytes:
         items = []
         for name, value in node.items():
             raw = os.fsencode(name)
@@ -72,8 +73,7 @@ def tree_id_of_blobs(blobs: Dict[str, Tuple[str, bytes]]) -> str:
     return tree(root).hex()
 
 
-def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".git"),
-                      max_bytes: int = 1 << 30) -> str:
+def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".git"), max_bytes: int = 1 << 30) -> str:
     """The git tree id of the files under directory ``root`` as they are on disk now (a source installed
     from an archive or a checkout), leaving out directories named in ``skip_dirs`` (byte-code caches and a
     checkout's own ``.git``) and ``*.egg-info`` directories an editable install adds, at any depth (an
@@ -82,7 +82,7 @@ def directory_tree_id(root: Path, skip_dirs: Iterable[str] = ("__pycache__", ".g
     more than ``max_bytes`` bytes of files (not a source checkout; default 1 GiB)."""
     skip = set(skip_dirs)
     total = 0
-    blobs: Dict[str, Tuple[str, bytes]] = {}
+    blobs: dict[str, tuple[str, bytes]] = {}
     for dirpath, dirnames, filenames in os.walk(root):
         keep = []
         for d in dirnames:
@@ -121,7 +121,7 @@ class SymlinkError(UserError):
         super().__init__(f"symlink {path} -> {target}: {kind}")
 
 
-def resolve_in_tree(path: str, links: Dict[str, str], allow_absolute: bool = False) -> str:
+def resolve_in_tree(path: str, links: dict[str, str], allow_absolute: bool = False) -> str:
     """Resolve the symlink at ``path`` through the whole tree, hop by hop as the kernel would after extraction:
     every component of its target that is itself a symlink of ``links`` (normalized relative path -> target) is
     followed. Returns the resolved path, relative to the root (components absent from the tree kept lexically).
@@ -161,7 +161,7 @@ def resolve_in_tree(path: str, links: Dict[str, str], allow_absolute: bool = Fal
     return "/".join(resolved)
 
 
-def check_links_stay_inside(links: Dict[str, str], label: str) -> None:
+def check_links_stay_inside(links: dict[str, str], label: str) -> None:
     """Refuse any symlink of a source tree that resolves outside the tree, following chains through the
     whole tree (``a -> ../..`` used by ``b -> a/x`` is resolved as the kernel would, hop by hop).
 
@@ -177,6 +177,7 @@ def check_links_stay_inside(links: Dict[str, str], label: str) -> None:
             if err.kind == "loop":
                 raise UserError(f"{head}: more than {MAX_LINK_HOPS} links (a loop)") from None
             if err.through:
-                raise UserError(f"{head} goes through {err.through} -> {links[err.through]}, an absolute target "
-                                "(refused)") from None
+                raise UserError(
+                    f"{head} goes through {err.through} -> {links[err.through]}, an absolute target (refused)"
+                ) from None
             raise UserError(f"{head}: absolute target refused") from None

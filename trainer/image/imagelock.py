@@ -50,7 +50,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.inputs import decode, open_regular, parse_json, read_bytes, read_text
@@ -69,7 +69,7 @@ def canonical_name(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def load_lock(path: Path) -> Dict[str, Any]:
+def load_lock(path: Path) -> dict[str, Any]:
     """Read and validate the lock at ``path``; return it with ``_sha256`` (of its bytes) and ``_path`` added.
 
     Raises :class:`UserError` with the file and field for every defect (see :func:`validate_lock`).
@@ -89,7 +89,7 @@ def load_lock(path: Path) -> Dict[str, Any]:
     return lock
 
 
-def _need(obj: Dict[str, Any], key: str, kind, where: str) -> Any:
+def _need(obj: dict[str, Any], key: str, kind, where: str) -> Any:
     value = obj.get(key) if isinstance(obj, dict) else None
     if not isinstance(value, kind) or (isinstance(value, bool) and kind is int):
         expected = getattr(kind, "__name__", str(kind))
@@ -97,7 +97,7 @@ def _need(obj: Dict[str, Any], key: str, kind, where: str) -> Any:
     return value
 
 
-def _sha(obj: Dict[str, Any], key: str, where: str) -> str:
+def _sha(obj: dict[str, Any], key: str, where: str) -> str:
     value = _need(obj, key, str, where)
     if not HEX64.match(value):
         raise UserError(f"{where}.{key}: expected a sha256 (64 lowercase hex digits), got {value!r}")
@@ -135,7 +135,9 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
         if not digest.startswith("sha256:") or not HEX64.match(digest[7:]) or not ref.endswith("@" + digest):
             raise UserError(f"{where}.base: reference {ref!r} must end with @<digest> and digest be sha256:<hex>")
         for key in ("config_digest", "platform_manifest"):
-            if key in base and not (isinstance(base[key], str) and base[key].startswith("sha256:") and HEX64.match(base[key][7:])):
+            if key in base and not (
+                isinstance(base[key], str) and base[key].startswith("sha256:") and HEX64.match(base[key][7:])
+            ):
                 raise UserError(f"{where}.base.{key}: expected sha256:<64 hex>, got {json.dumps(base[key])}")
         for i, layer in enumerate(_need(base, "layers", list, f"{where}.base") if "layers" in base else []):
             w = f"{where}.base.layers[{i}]"
@@ -147,7 +149,7 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
                     raise UserError(f"{w}.{key}: expected sha256:<64 hex>, got {value!r}")
     if base["type"] == "debian-rootfs":
         debs = _need(base, "debs", list, f"{where}.base")
-        seen: Dict[str, int] = {}
+        seen: dict[str, int] = {}
         for i, deb in enumerate(debs):
             w = f"{where}.base.debs[{i}]"
             for key in ("name", "version", "architecture", "url"):
@@ -156,8 +158,8 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
             if deb["name"] in seen:
                 raise UserError(f"{w}.name: {deb['name']!r} duplicates debs[{seen[deb['name']]}]")
             seen[deb["name"]] = i
-    names: Dict[str, str] = {}
-    hashes: Dict[str, str] = {}
+    names: dict[str, str] = {}
+    hashes: dict[str, str] = {}
     for section in ("wheels", "sdists"):
         items = lock.get(section, [])
         if not isinstance(items, list):
@@ -182,8 +184,8 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
     sources = lock.get("sources", [])
     if not isinstance(sources, list):
         raise UserError(f"{where}.sources: expected a list")
-    dests: Dict[str, str] = {}
-    trees: Dict[str, str] = {}
+    dests: dict[str, str] = {}
+    trees: dict[str, str] = {}
     for i, src in enumerate(sources):
         w = f"{where}.sources[{i}]"
         for key in ("name", "url", "dest"):
@@ -205,10 +207,15 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
         if src["tree"] in trees:
             raise UserError(f"{w}.tree: same tree as {trees[src['tree']]}")
         trees[src["tree"]] = w
-        if (not src["dest"].startswith("/") or ".." in src["dest"].split("/")
-                or any(c.isspace() or ord(c) < 32 for c in src["dest"])):
-            raise UserError(f"{w}.dest: expected an absolute path without '..', whitespace or control characters, "
-                            f"got {src['dest']!r}")
+        if (
+            not src["dest"].startswith("/")
+            or ".." in src["dest"].split("/")
+            or any(c.isspace() or ord(c) < 32 for c in src["dest"])
+        ):
+            raise UserError(
+                f"{w}.dest: expected an absolute path without '..', whitespace or control characters, "
+                f"got {src['dest']!r}"
+            )
         if src["name"] in dests or src["dest"] in dests.values():
             raise UserError(f"{w}: name or dest duplicates another source")
         dests[src["name"]] = src["dest"]
@@ -239,22 +246,22 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
         _validate_resolved_from(lock, where)
 
 
-def public(lock: Dict[str, Any]) -> Dict[str, Any]:
+def public(lock: dict[str, Any]) -> dict[str, Any]:
     """The lock without the fields :func:`load_lock` adds (``_sha256``, ``_path``, ``_bytes``)."""
     return {k: v for k, v in lock.items() if not k.startswith("_")}
 
 
-def wheels_in(lock: Dict[str, Any], group: str) -> List[Dict[str, Any]]:
+def wheels_in(lock: dict[str, Any], group: str) -> list[dict[str, Any]]:
     """The wheels of ``group``, sorted by canonical name (the install order inside a layer)."""
     return sorted((w for w in lock.get("wheels", []) if w["group"] == group), key=lambda w: canonical_name(w["name"]))
 
 
-def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[str]:
+def find_stack_consistency(lock: dict[str, Any], stack: dict[str, Any]) -> list[str]:
     """Differences between the lock and the stack pins (``lockfiles/stack.json`` data): a list of one-line
     messages (empty when consistent). A pinned package (``components.*.packages``, "name==version") locked
     in ``wheels`` or ``sdists`` must have that version; a git component in ``sources`` must have that commit
     and tree; an oci base must be the stack's ``base_image`` reference."""
-    problems: List[str] = []
+    problems: list[str] = []
     locked = {canonical_name(w["name"]): w["version"] for w in lock.get("wheels", []) + lock.get("sdists", [])}
     for comp_name, comp in stack.get("components", {}).items():
         for spec in comp.get("packages", []):
@@ -264,7 +271,9 @@ def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[
                 problems.append(f"{pkg}: lock has {have}, stack.json components.{comp_name} pins {version}")
         if "commit" in comp:
             for src in lock.get("sources", []):
-                if src["name"] == comp_name and (src["commit"] != comp["commit"] or src["tree"] != comp.get("tree", src["tree"])):
+                if src["name"] == comp_name and (
+                    src["commit"] != comp["commit"] or src["tree"] != comp.get("tree", src["tree"])
+                ):
                     problems.append(f"sources {comp_name}: lock has {src['commit']}, stack.json pins {comp['commit']}")
     base = lock.get("base", {})
     ref = stack.get("components", {}).get("base_image", {}).get("reference")
@@ -273,29 +282,49 @@ def find_stack_consistency(lock: Dict[str, Any], stack: Dict[str, Any]) -> List[
     return problems
 
 
-def inputs_of(lock: Dict[str, Any], sources: bool = True) -> List[Dict[str, Any]]:
+def inputs_of(lock: dict[str, Any], sources: bool = True) -> list[dict[str, Any]]:
     """Every artifact a build of ``lock`` reads, as [{"label", "sha256", "url", "size"}] (url None for
     artifacts no build downloads, e.g. git archives; size None when the lock does not record it): the base's
     .debs, wheels, sdists and (with ``sources``) the git source archives the lock pins by sha256,
     then the build root's .debs and wheels, in that order."""
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for deb in lock.get("base", {}).get("debs", []) if lock.get("base", {}).get("type") == "debian-rootfs" else []:
-        out.append({"label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']}", "sha256": deb["sha256"],
-                    "url": deb["url"], "size": deb.get("size")})
+        out.append(
+            {
+                "label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']}",
+                "sha256": deb["sha256"],
+                "url": deb["url"],
+                "size": deb.get("size"),
+            }
+        )
     for w in lock.get("wheels", []):
         out.append({"label": f"wheel {w['filename']}", "sha256": w["sha256"], "url": w["url"], "size": None})
     for sd in lock.get("sdists", []):
         out.append({"label": f"sdist {sd['filename']}", "sha256": sd["sha256"], "url": sd["url"], "size": None})
     for src in lock.get("sources", []) if sources else []:
         if "archive" in src:  # a source pinned by its tree only is seeded by tree id (trainer.image.sources)
-            out.append({"label": f"source {src['name']} ({src['archive']['filename']})",
-                        "sha256": src["archive"]["sha256"], "url": src["archive"].get("url"), "size": None})
+            out.append(
+                {
+                    "label": f"source {src['name']} ({src['archive']['filename']})",
+                    "sha256": src["archive"]["sha256"],
+                    "url": src["archive"].get("url"),
+                    "size": None,
+                }
+            )
     root = lock.get("build_root", {})
     for deb in root.get("debs", []):
-        out.append({"label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']} (build root)",
-                    "sha256": deb["sha256"], "url": deb["url"], "size": deb.get("size")})
+        out.append(
+            {
+                "label": f"deb {deb['name']}_{deb['version']}_{deb['architecture']} (build root)",
+                "sha256": deb["sha256"],
+                "url": deb["url"],
+                "size": deb.get("size"),
+            }
+        )
     for w in root.get("wheels", []):
-        out.append({"label": f"wheel {w['filename']} (build root)", "sha256": w["sha256"], "url": w["url"], "size": None})
+        out.append(
+            {"label": f"wheel {w['filename']} (build root)", "sha256": w["sha256"], "url": w["url"], "size": None}
+        )
     return out
 
 
@@ -303,26 +332,33 @@ RESOLVED_FROM = "resolved_from"
 RESOLVER_OPTIONS = ("python_version", "python_platform", "index_url")
 
 
-def resolved_from(requirements: Path, lock_path: Path, python_version: str, python_platform: str,
-                  index_url: str) -> Dict[str, str]:
+def resolved_from(
+    requirements: Path, lock_path: Path, python_version: str, python_platform: str, index_url: str
+) -> dict[str, str]:
     """The ``resolved_from`` block of a lock written to ``lock_path`` by resolving ``requirements``: the
     requirements file's path relative to the lock's folder (so a clone anywhere checks it), its sha256 and the
     resolver's options. Raises ``OSError`` when the requirements file cannot be read."""
     requirements, lock_dir = Path(requirements).absolute(), Path(lock_path).absolute().parent
-    return {"requirements": os.path.relpath(requirements, lock_dir),
-            "sha256": hashlib.sha256(requirements.read_bytes()).hexdigest(), "python_version": python_version,
-            "python_platform": python_platform, "index_url": index_url}
+    return {
+        "requirements": os.path.relpath(requirements, lock_dir),
+        "sha256": hashlib.sha256(requirements.read_bytes()).hexdigest(),
+        "python_version": python_version,
+        "python_platform": python_platform,
+        "index_url": index_url,
+    }
 
 
-def resolve_command(lock_path: Path, inputs: Dict[str, str]) -> str:
+def resolve_command(lock_path: Path, inputs: dict[str, str]) -> str:
     """The command that re-resolves the lock at ``lock_path`` from its ``resolved_from`` ``inputs``."""
     requirements = Path(lock_path).parent / inputs["requirements"]
-    return (f"trainer lock resolve --requirements {os.path.normpath(requirements)} --template {lock_path} "
-            f"--out {lock_path} --python-version {inputs['python_version']} "
-            f"--python-platform {inputs['python_platform']}")
+    return (
+        f"trainer lock resolve --requirements {os.path.normpath(requirements)} --template {lock_path} "
+        f"--out {lock_path} --python-version {inputs['python_version']} "
+        f"--python-platform {inputs['python_platform']}"
+    )
 
 
-def stale_inputs(lock: Dict[str, Any]) -> Any:
+def stale_inputs(lock: dict[str, Any]) -> Any:
     """Why the lock (as :func:`load_lock` returns it) no longer follows its inputs, as one line naming the
     requirements file, both sha256s and the command that re-resolves it; None when it does, and None for a
     lock that records no ``resolved_from`` (one written by hand: nothing to compare)."""
@@ -334,16 +370,20 @@ def stale_inputs(lock: Dict[str, Any]) -> Any:
     try:
         have = hashlib.sha256(read_text(requirements, "requirements file").encode()).hexdigest()
     except FileNotFoundError:
-        return (f"{lock_path}: resolved from {os.path.normpath(requirements)}, which is missing "
-                f"(restore it, or pass --frozen to use the lock as it is)")
+        return (
+            f"{lock_path}: resolved from {os.path.normpath(requirements)}, which is missing "
+            f"(restore it, or pass --frozen to use the lock as it is)"
+        )
     if have == inputs["sha256"]:
         return None
-    return (f"{lock_path}: {os.path.normpath(requirements)} changed since the lock was resolved (sha256 "
-            f"{have[:12]}, the lock's {inputs['sha256'][:12]}): re-resolve with `{resolve_command(lock_path, inputs)}`"
-            f", or pass --frozen to use the lock as it is")
+    return (
+        f"{lock_path}: {os.path.normpath(requirements)} changed since the lock was resolved (sha256 "
+        f"{have[:12]}, the lock's {inputs['sha256'][:12]}): re-resolve with `{resolve_command(lock_path, inputs)}`"
+        f", or pass --frozen to use the lock as it is"
+    )
 
 
-def _validate_resolved_from(lock: Dict[str, Any], where: str) -> None:
+def _validate_resolved_from(lock: dict[str, Any], where: str) -> None:
     inputs = _need(lock, RESOLVED_FROM, dict, where)
     w = f"{where}.{RESOLVED_FROM}"
     rel = _need(inputs, "requirements", str, w)
@@ -356,8 +396,10 @@ def _validate_resolved_from(lock: Dict[str, Any], where: str) -> None:
 
 # The first line of a requirements-format lock (lockfiles/launcher.lock, written by bin/lock-launcher): what it was
 # resolved from, so that it knows its inputs as an image lock's resolved_from does.
-REQUIREMENTS_HEADER = re.compile(r"^# resolved from (?P<requirements>\S+) sha256:(?P<sha256>[0-9a-f]{64})"
-                                 r" with: (?P<command>.+)$")
+REQUIREMENTS_HEADER = re.compile(
+    r"^# resolved from (?P<requirements>\S+) sha256:(?P<sha256>[0-9a-f]{64})"
+    r" with: (?P<command>.+)$"
+)
 
 
 def stale_requirements_lock(path: Path, requirements_name: str = "") -> Any:
@@ -371,12 +413,16 @@ def stale_requirements_lock(path: Path, requirements_name: str = "") -> Any:
         first = handle.readline(4096).decode("utf-8", "replace").rstrip("\n")
     header = REQUIREMENTS_HEADER.match(first)
     if header is None:
-        raise UserError(f"{path}: line 1 does not say what the lock was resolved from (expected '# resolved from "
-                        f"FILE.in sha256:<hex> with: COMMAND'; re-resolve it with bin/lock-launcher)")
+        raise UserError(
+            f"{path}: line 1 does not say what the lock was resolved from (expected '# resolved from "
+            f"FILE.in sha256:<hex> with: COMMAND'; re-resolve it with bin/lock-launcher)"
+        )
     named = header["requirements"]
     if "/" in named or named in (".", "..") or (requirements_name and named != requirements_name):
-        raise UserError(f"{path}: line 1 names {named!r}; a lock is resolved from its own requirements file "
-                        f"beside it ({requirements_name or 'FILE.in'}): re-resolve it with bin/lock-launcher")
+        raise UserError(
+            f"{path}: line 1 names {named!r}; a lock is resolved from its own requirements file "
+            f"beside it ({requirements_name or 'FILE.in'}): re-resolve it with bin/lock-launcher"
+        )
     requirements = path.parent / header["requirements"]
     try:
         have = hashlib.sha256(read_text(requirements, "requirements file").encode()).hexdigest()
@@ -384,6 +430,8 @@ def stale_requirements_lock(path: Path, requirements_name: str = "") -> Any:
         return f"{path}: resolved from {os.path.normpath(requirements)}, which is missing"
     if have == header["sha256"]:
         return None
-    return (f"{path}: {os.path.normpath(requirements)} changed since the lock was resolved (sha256 {have[:12]}, "
-            f"the lock's {header['sha256'][:12]}): re-resolve with `{header['command']}`, or pass --frozen to use "
-            "the lock as it is")
+    return (
+        f"{path}: {os.path.normpath(requirements)} changed since the lock was resolved (sha256 {have[:12]}, "
+        f"the lock's {header['sha256'][:12]}): re-resolve with `{header['command']}`, or pass --frozen to use "
+        "the lock as it is"
+    )

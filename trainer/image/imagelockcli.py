@@ -23,12 +23,12 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from typing import Any
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
-from trainer.inputs import read_json, read_text
 from trainer.image import imagelock
+from trainer.inputs import read_json, read_text
 
 REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
@@ -49,9 +49,9 @@ def group_of(name: str) -> str:
     return "rest"
 
 
-def parse_uv_output(text: str) -> List[Tuple[str, str, List[str]]]:
+def parse_uv_output(text: str) -> list[tuple[str, str, list[str]]]:
     """(name, version, [sha256 hex, ...]) of every ``name==version`` block in ``uv pip compile`` output."""
-    out: List[Tuple[str, str, List[str]]] = []
+    out: list[tuple[str, str, list[str]]] = []
     for block in re.split(r"\n(?=[A-Za-z0-9])", text):
         match = REQ_LINE.match(block.strip())
         if match:
@@ -62,7 +62,7 @@ def parse_uv_output(text: str) -> List[Tuple[str, str, List[str]]]:
 LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
 
 
-def _glibc_of(platform_tag: str) -> Tuple[int, int]:
+def _glibc_of(platform_tag: str) -> tuple[int, int]:
     """(major, minor) glibc a manylinux platform tag needs ((0, 0) for linux_x86_64 and unknown tags)."""
     match = re.match(r"^manylinux_(\d+)_(\d+)_", platform_tag)
     if match:
@@ -70,8 +70,12 @@ def _glibc_of(platform_tag: str) -> Tuple[int, int]:
     return LEGACY_MANYLINUX.get(platform_tag.split("_x86_64")[0], (0, 0))
 
 
-def wheel_fits(filename: str, python: str = "cp312", platform_tags: Tuple[str, ...] = ("manylinux", "linux_x86_64"),
-               glibc: Tuple[int, int] = (9, 99)) -> bool:
+def wheel_fits(
+    filename: str,
+    python: str = "cp312",
+    platform_tags: tuple[str, ...] = ("manylinux", "linux_x86_64"),
+    glibc: tuple[int, int] = (9, 99),
+) -> bool:
     """Whether a wheel file name fits CPython ``python`` ("cp312", "cp311") on x86_64 manylinux with at most
     ``glibc`` (e.g. (2, 36) for Debian bookworm): py3-none-any, abi3 wheels of an older or equal minor, and
     ``python`` wheels (PEP 425 tags; manylinux glibc versions from PEP 600)."""
@@ -84,15 +88,19 @@ def wheel_fits(filename: str, python: str = "cp312", platform_tags: Tuple[str, .
         return False
     for tag in tags:
         interp_ok = tag.interpreter in ("py3", f"py3{minor}", python) or (
-            tag.abi == "abi3" and tag.interpreter.startswith("cp3") and int(tag.interpreter[3:] or 0) <= minor)
-        plat_ok = tag.platform == "any" or (tag.platform.endswith("x86_64") and tag.platform.startswith(platform_tags)
-                                            and _glibc_of(tag.platform) <= glibc)
+            tag.abi == "abi3" and tag.interpreter.startswith("cp3") and int(tag.interpreter[3:] or 0) <= minor
+        )
+        plat_ok = tag.platform == "any" or (
+            tag.platform.endswith("x86_64")
+            and tag.platform.startswith(platform_tags)
+            and _glibc_of(tag.platform) <= glibc
+        )
         if interp_ok and plat_ok:
             return True
     return False
 
 
-def pypi_files(name: str, version: str) -> List[Dict[str, Any]]:
+def pypi_files(name: str, version: str) -> list[dict[str, Any]]:
     """The files of project ``name`` from PyPI's simple JSON API (PEP 691, ``https://pypi.org/simple/NAME/``),
     as [{"filename", "url", "sha256", "packagetype"}]; callers keep those whose sha256 uv locked for ``version``.
     (The per-version JSON API ``/pypi/NAME/VERSION/json`` is not served by every PyPI mirror.)"""
@@ -103,20 +111,42 @@ def pypi_files(name: str, version: str) -> List[Dict[str, Any]]:
             files = json.load(response)["files"]
     except Exception as ex:
         raise UserError(f"{name}=={version}: PyPI simple API {url} failed ({ex})") from None
-    return [{"filename": f["filename"], "url": f["url"].split("#")[0], "sha256": f.get("hashes", {}).get("sha256", ""),
-             "packagetype": "bdist_wheel" if f["filename"].endswith(".whl") else "sdist"} for f in files]
+    return [
+        {
+            "filename": f["filename"],
+            "url": f["url"].split("#")[0],
+            "sha256": f.get("hashes", {}).get("sha256", ""),
+            "packagetype": "bdist_wheel" if f["filename"].endswith(".whl") else "sdist",
+        }
+        for f in files
+    ]
 
 
-def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_64-manylinux_2_28",
-            python_version: str = "3.12") -> Dict[str, Any]:
+def resolve(
+    requirements: Path, template: dict[str, Any], platform: str = "x86_64-manylinux_2_28", python_version: str = "3.12"
+) -> dict[str, Any]:
     """A lock: ``template`` with ``wheels`` and ``sdists`` from resolving ``requirements`` for CPython
     ``python_version`` ("3.12", "3.11") on ``platform`` (see module docstring)."""
     cp = "cp" + "".join(python_version.split(".")[:2])
     target = re.match(r"^x86_64-manylinux_(\d+)_(\d+)$", platform)
     glibc = (int(target.group(1)), int(target.group(2))) if target else (9, 99)
-    cmd = [sys.executable, "-m", "uv", "pip", "compile", "--quiet", "--generate-hashes", "--no-header",
-           "--python-version", python_version, "--python-platform", platform, "--index-url",
-           INDEX_URL, str(requirements)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "uv",
+        "pip",
+        "compile",
+        "--quiet",
+        "--generate-hashes",
+        "--no-header",
+        "--python-version",
+        python_version,
+        "--python-platform",
+        platform,
+        "--index-url",
+        INDEX_URL,
+        str(requirements),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["uv failed"])[-1]
@@ -147,7 +177,7 @@ def resolve(requirements: Path, template: Dict[str, Any], platform: str = "x86_6
     return lock
 
 
-def verify(path: Path, stack_path: Path, frozen: bool = False) -> Dict[str, Any]:
+def verify(path: Path, stack_path: Path, frozen: bool = False) -> dict[str, Any]:
     """Load and check the lock at ``path`` against ``stack_path`` and, unless ``frozen``, against the
     requirements file it was resolved from (:func:`trainer.image.imagelock.stale_inputs`); return the lock.
     Raises :class:`UserError`."""
@@ -162,30 +192,46 @@ def verify(path: Path, stack_path: Path, frozen: bool = False) -> Dict[str, Any]
         stack_path = REPO_ROOT / stack_rel if not Path(stack_rel).is_absolute() else Path(stack_rel)
     problems = imagelock.find_stack_consistency(lock, load_stack_lock(stack_path))
     if problems:
-        raise UserError(f"{path}: inconsistent with {stack_path}: {problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+        raise UserError(
+            f"{path}: inconsistent with {stack_path}: {problems[0]}"
+            + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+        )
     return lock
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer lock``; returns the exit code."""
     p = argparse.ArgumentParser(prog="trainer lock", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     v = sub.add_parser("verify", help="offline: well-formed, every entry hashed, no duplicates, agrees with stack.json")
     v.add_argument("lock")
-    v.add_argument("--stack", default=str(REPO_ROOT / "lockfiles" / "stack.json"), help="stack pins (default lockfiles/stack.json)")
+    v.add_argument(
+        "--stack", default=str(REPO_ROOT / "lockfiles" / "stack.json"), help="stack pins (default lockfiles/stack.json)"
+    )
     v.add_argument("--json", action="store_true")
-    v.add_argument("--frozen", action="store_true",
-                   help="use the lock as it is even when its requirements file changed since it was resolved")
+    v.add_argument(
+        "--frozen",
+        action="store_true",
+        help="use the lock as it is even when its requirements file changed since it was resolved",
+    )
     r = sub.add_parser("resolve", help="network: resolve requirements with uv, URLs from PyPI, write a lock")
     r.add_argument("--requirements", default=str(REPO_ROOT / "lockfiles" / "full.in"))
-    r.add_argument("--template", required=True, help="a lock whose non-Python fields (base, sources, image...) are kept")
+    r.add_argument(
+        "--template", required=True, help="a lock whose non-Python fields (base, sources, image...) are kept"
+    )
     r.add_argument("--out", required=True)
-    r.add_argument("--python-platform", default="x86_64-manylinux_2_28",
-                   help="uv's target platform (x86_64-manylinux_2_39 for Ubuntu 24.04 bases: glibc 2.39, "
-                        "x86_64-manylinux_2_36 for Debian 12)")
+    r.add_argument(
+        "--python-platform",
+        default="x86_64-manylinux_2_28",
+        help="uv's target platform (x86_64-manylinux_2_39 for Ubuntu 24.04 bases: glibc 2.39, "
+        "x86_64-manylinux_2_36 for Debian 12)",
+    )
     r.add_argument("--python-version", help="target CPython minor, e.g. 3.11 (default: the template's python.version)")
-    b = sub.add_parser("resolve-build-root", help="network: resolve only the lock's build_root (.debs by apt, "
-                                                  "build-only wheels by exact pin) and rewrite the lock in place")
+    b = sub.add_parser(
+        "resolve-build-root",
+        help="network: resolve only the lock's build_root (.debs by apt, "
+        "build-only wheels by exact pin) and rewrite the lock in place",
+    )
     b.add_argument("lock")
     args = p.parse_args(argv)
     if args.command == "resolve-build-root":
@@ -201,36 +247,52 @@ def main(argv: List[str]) -> int:
         lock["build_root"] = resolve_build_root(lock["build_root"])
         imagelock.validate_lock(lock, args.lock)
         atomic_write(Path(args.lock), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
-        print(f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, {len(lock['build_root']['wheels'])} wheels")
+        print(
+            f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, {len(lock['build_root']['wheels'])} wheels"
+        )
         return 0
     if args.command == "verify" and not args.lock.endswith(".json"):  # a requirements-format lock (launcher.lock)
-        expected = Path(args.lock).name[:-len(".lock")] + ".in" if args.lock.endswith(".lock") else ""
+        expected = Path(args.lock).name[: -len(".lock")] + ".in" if args.lock.endswith(".lock") else ""
         stale = None if args.frozen else imagelock.stale_requirements_lock(Path(args.lock), expected)
         if stale:
             raise UserError(stale)
         pins = sum(1 for line in read_text(Path(args.lock), "lock").splitlines() if REQ_LINE.match(line))
-        print(f"ok: {args.lock} ({pins} pinned packages; inputs: "
-              + ("not compared: --frozen)" if args.frozen else "as resolved)"))
+        print(
+            f"ok: {args.lock} ({pins} pinned packages; inputs: "
+            + ("not compared: --frozen)" if args.frozen else "as resolved)")
+        )
         return 0
     if args.command == "verify":
         lock = verify(Path(args.lock), Path(args.stack), frozen=args.frozen)
         inputs = lock.get(imagelock.RESOLVED_FROM)
-        resolved = ("not recorded" if inputs is None else
-                    f"{inputs['requirements']} as resolved" + (" (not compared: --frozen)" if args.frozen else ""))
-        summary = {"lock": args.lock, "sha256": lock["_sha256"], "wheels": len(lock.get("wheels", [])),
-                   "sdists": len(lock.get("sdists", [])), "sources": len(lock.get("sources", [])),
-                   "base": lock["base"]["type"], "inputs": resolved}
-        print(json.dumps(summary, indent=2) if args.json else
-              f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, {summary['sources']} sources, "
-              f"base {summary['base']}; inputs: {resolved}) sha256:{lock['_sha256']}")
+        resolved = (
+            "not recorded"
+            if inputs is None
+            else f"{inputs['requirements']} as resolved" + (" (not compared: --frozen)" if args.frozen else "")
+        )
+        summary = {
+            "lock": args.lock,
+            "sha256": lock["_sha256"],
+            "wheels": len(lock.get("wheels", [])),
+            "sdists": len(lock.get("sdists", [])),
+            "sources": len(lock.get("sources", [])),
+            "base": lock["base"]["type"],
+            "inputs": resolved,
+        }
+        print(
+            json.dumps(summary, indent=2)
+            if args.json
+            else f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, {summary['sources']} sources, "
+            f"base {summary['base']}; inputs: {resolved}) sha256:{lock['_sha256']}"
+        )
         return 0
     template = read_json(Path(args.template), "lock template")
     python_version = args.python_version or template.get("python", {}).get("version", "3.12")
     lock = resolve(Path(args.requirements), template, args.python_platform, python_version)
     lock["python"]["platform"] = args.python_platform
-    lock[imagelock.RESOLVED_FROM] = imagelock.resolved_from(Path(args.requirements), Path(args.out),
-                                                            python_version, args.python_platform,
-                                                            INDEX_URL)
+    lock[imagelock.RESOLVED_FROM] = imagelock.resolved_from(
+        Path(args.requirements), Path(args.out), python_version, args.python_platform, INDEX_URL
+    )
     imagelock.validate_lock(lock, args.out)
     from trainer.publish import atomic_write
 

@@ -27,9 +27,10 @@ import posixpath
 import tarfile
 import zipfile
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Any, BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.gittree import MAX_LINK_HOPS, SymlinkError, resolve_in_tree
@@ -56,14 +57,14 @@ class Entry:
 
     path: str
     type: str = FILE
-    data: Optional[bytes] = None
-    source: Optional[Path] = None
+    data: bytes | None = None
+    source: Path | None = None
     executable: bool = False
     target: str = ""
-    mode_bits: Optional[int] = None
-    opener: Optional[Callable[[], BinaryIO]] = field(default=None, compare=False)
+    mode_bits: int | None = None
+    opener: Callable[[], BinaryIO] | None = field(default=None, compare=False)
     length: int = 0
-    sha256: Optional[str] = None
+    sha256: str | None = None
     label: str = ""
 
     @property
@@ -87,7 +88,7 @@ class Entry:
             return self.length
         return self.source.stat().st_size if self.source is not None else 0
 
-    def content_id(self) -> Tuple[str, Any]:
+    def content_id(self) -> tuple[str, Any]:
         """What identifies this file's content without reading a stream: used to tell duplicates apart."""
         if self.data is not None:
             return ("sha256", hashlib.sha256(self.data).hexdigest())
@@ -148,7 +149,7 @@ def check_symlink(path: str, target: str, allow_absolute: bool = False) -> None:
             depth += 1
 
 
-def check_tree_symlinks(links: Dict[str, str], allow_absolute: bool = False) -> None:
+def check_tree_symlinks(links: dict[str, str], allow_absolute: bool = False) -> None:
     """Resolve every symlink of a layer through all the others (:func:`trainer.image.gittree.resolve_in_tree`)
     before any is accepted. Raises :class:`UserError` naming the link for a chain that climbs above the root
     (``top/up -> ../../..`` plus ``top/esc -> up/../../../../etc/shadow``), an absolute target where the layer
@@ -157,26 +158,30 @@ def check_tree_symlinks(links: Dict[str, str], allow_absolute: bool = False) -> 
         try:
             resolve_in_tree(path, links, allow_absolute)
         except SymlinkError as err:
-            what = {"outside": "escapes the image root (resolved through the tree's other links)",
-                    "absolute": f"resolves through {err.through or path!r}, an absolute symlink",
-                    "loop": f"more than {MAX_LINK_HOPS} symlinks in a chain (a loop?)"}[err.kind]
+            what = {
+                "outside": "escapes the image root (resolved through the tree's other links)",
+                "absolute": f"resolves through {err.through or path!r}, an absolute symlink",
+                "loop": f"more than {MAX_LINK_HOPS} symlinks in a chain (a loop?)",
+            }[err.kind]
             raise UserError(f"layer entry {path!r}: symlink target {err.target!r} {what}") from None
 
 
-def _sort_key(path: str) -> Tuple[bytes, ...]:
+def _sort_key(path: str) -> tuple[bytes, ...]:
     return tuple(p.encode("utf-8", "surrogateescape") for p in path.split("/"))
 
 
-def plan_entries(entries: Iterable[Entry], allow_absolute_symlinks: bool = False) -> List[Entry]:
+def plan_entries(entries: Iterable[Entry], allow_absolute_symlinks: bool = False) -> list[Entry]:
     """Validate and order ``entries``: normalized paths, implicit parent directories added, sorted.
 
     Raises :class:`UserError` on a bad path or symlink, an unknown type, a duplicate path, or a path
     under a non-directory.
     """
-    by_path: Dict[str, Entry] = {}
+    by_path: dict[str, Entry] = {}
     for entry in entries:
         if entry.type not in TYPES:
-            raise UserError(f"layer entry {entry.path!r}: type {entry.type!r} refused (expected one of {', '.join(TYPES)})")
+            raise UserError(
+                f"layer entry {entry.path!r}: type {entry.type!r} refused (expected one of {', '.join(TYPES)})"
+            )
         path = normalize_path(entry.path)
         if entry.type == SYMLINK:
             check_symlink(path, entry.target, allow_absolute_symlinks)
@@ -199,15 +204,16 @@ def plan_entries(entries: Iterable[Entry], allow_absolute_symlinks: bool = False
                 break
             parent = posixpath.dirname(parent)
     # each link was checked alone above; now every link is resolved through all the others before any is accepted
-    check_tree_symlinks({p: e.target for p, e in by_path.items() if e.type == SYMLINK and e.target is not None},
-                        allow_absolute_symlinks)
+    check_tree_symlinks(
+        {p: e.target for p, e in by_path.items() if e.type == SYMLINK and e.target is not None}, allow_absolute_symlinks
+    )
     return [by_path[p] for p in sorted(by_path, key=_sort_key)]
 
 
 class HashingWriter(io.RawIOBase):
     """A write-only stream that sha256-hashes and counts what passes through to ``sink`` (or nowhere)."""
 
-    def __init__(self, sink: Optional[BinaryIO] = None, on_write: Optional[Callable[[int], None]] = None) -> None:
+    def __init__(self, sink: BinaryIO | None = None, on_write: Callable[[int], None] | None = None) -> None:
         self.sink = sink
         self.sha256 = hashlib.sha256()
         self.size = 0
@@ -239,14 +245,15 @@ class PipelinedHashingWriter(HashingWriter):
     writes release the GIL). Call :meth:`close` (or use it as a context manager) before reading ``sha256``;
     an error in the thread is raised there."""
 
-    def __init__(self, sink: Optional[BinaryIO] = None, on_write: Optional[Callable[[int], None]] = None,
-                 depth: int = 64) -> None:
+    def __init__(
+        self, sink: BinaryIO | None = None, on_write: Callable[[int], None] | None = None, depth: int = 64
+    ) -> None:
         import queue
         import threading
 
         super().__init__(sink, on_write)
-        self._queue: "queue.Queue[Optional[bytes]]" = queue.Queue(maxsize=depth)
-        self._error: Optional[BaseException] = None
+        self._queue: queue.Queue[bytes | None] = queue.Queue(maxsize=depth)
+        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="layer-hash-write", daemon=True)
         self._thread.start()
 
@@ -308,10 +315,10 @@ def tarinfo(entry: Entry, epoch: int) -> tarfile.TarInfo:
 
 def write_layer(
     entries: Iterable[Entry],
-    out: Optional[BinaryIO],
+    out: BinaryIO | None,
     epoch: int,
     allow_absolute_symlinks: bool = False,
-    on_write: Optional[Callable[[int], None]] = None,
+    on_write: Callable[[int], None] | None = None,
     pipelined: bool = False,
 ) -> LayerInfo:
     """Write the layer of ``entries`` to ``out`` (a binary stream, or None to only compute the digest).
@@ -334,9 +341,10 @@ def write_layer(
     return LayerInfo(f"sha256:{writer.sha256.hexdigest()}", writer.size, len(planned))
 
 
-def _write_tar(planned: List[Entry], writer: HashingWriter, epoch: int) -> None:
-    with tarfile.TarFile(fileobj=writer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8",
-                         copybufsize=CHUNK) as tar:
+def _write_tar(planned: list[Entry], writer: HashingWriter, epoch: int) -> None:
+    with tarfile.TarFile(
+        fileobj=writer, mode="w", format=tarfile.GNU_FORMAT, encoding="utf-8", copybufsize=CHUNK
+    ) as tar:
         for entry in planned:
             info = tarinfo(entry, epoch)
             if entry.type != FILE:
@@ -360,7 +368,7 @@ class _ExactReader:
     """Reads exactly ``size`` bytes from ``handle``; a file that shrank or grew is an error. With ``sha256``
     (hex) the bytes are hashed as they pass and :meth:`finish` compares."""
 
-    def __init__(self, handle: BinaryIO, size: int, path: str, sha256: Optional[str] = None, label: str = "") -> None:
+    def __init__(self, handle: BinaryIO, size: int, path: str, sha256: str | None = None, label: str = "") -> None:
         self.handle, self.left, self.path = handle, size, path
         self.expected, self.label = sha256, label
         self.digest = hashlib.sha256() if sha256 is not None else None
@@ -383,17 +391,19 @@ class _ExactReader:
     def finish(self) -> None:
         """Raise :class:`UserError` when the streamed bytes do not hash to the expected sha256."""
         if self.digest is not None and self.digest.hexdigest() != self.expected:
-            raise UserError(f"{self.label or 'layer entry'}: {self.path} has sha256 {self.digest.hexdigest()}, "
-                            f"expected {self.expected} (refused)")
+            raise UserError(
+                f"{self.label or 'layer entry'}: {self.path} has sha256 {self.digest.hexdigest()}, "
+                f"expected {self.expected} (refused)"
+            )
 
 
-def entries_from_tree(root: Path, prefix: str, allow_absolute_symlinks: bool = False) -> List[Entry]:
+def entries_from_tree(root: Path, prefix: str, allow_absolute_symlinks: bool = False) -> list[Entry]:
     """Entries for every file, directory and symlink under the directory ``root``, placed under ``prefix``.
 
     Ownership, times and permission bits other than "executable" are dropped. Raises :class:`UserError`
     for anything that is not a file, directory or symlink.
     """
-    out: List[Entry] = [Entry(prefix, DIR)] if normalize_path(prefix) else []
+    out: list[Entry] = [Entry(prefix, DIR)] if normalize_path(prefix) else []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
         rel_dir = os.path.relpath(dirpath, root)

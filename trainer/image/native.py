@@ -41,7 +41,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.image import buildroot
@@ -72,7 +72,7 @@ FIXED_ENV = {
 INSTALL_TYPES = ("tree", "wheel")
 
 
-def validate_builds(lock: Dict[str, Any], where: str) -> None:
+def validate_builds(lock: dict[str, Any], where: str) -> None:
     """Check ``lock['builds']`` and ``lock['build_root']`` (see the module docstring). Raises :class:`UserError`
     naming the field: an unknown input, a step without a build root, a bad command, env or install."""
     from trainer.image.imagelock import NAME, _need, canonical_name
@@ -101,13 +101,14 @@ def validate_builds(lock: Dict[str, Any], where: str) -> None:
             if canonical_name(str(spec["sdist"])) not in sdists:
                 raise UserError(f"{w}.input.sdist: {spec['sdist']!r} is not an sdists[] name")
         else:
-            raise UserError(f"{w}.input: expected {{\"source\": NAME}} or {{\"sdist\": NAME}}, got {spec!r}")
+            raise UserError(f'{w}.input: expected {{"source": NAME}} or {{"sdist": NAME}}, got {spec!r}')
         command = _need(step, "command", list, w)
         if not command or not all(isinstance(x, str) for x in command) or not command[0].startswith("/"):
             raise UserError(f"{w}.command: expected a list of strings starting with an absolute program path")
         env = step.get("env", {})
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) and "=" not in k
-                                                for k, v in env.items()):
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and "=" not in k for k, v in env.items()
+        ):
             raise UserError(f"{w}.env: expected string values and names without '='")
         wheels = step.get("wheels", [])
         if not isinstance(wheels, list) or not all(isinstance(x, str) for x in wheels):
@@ -122,7 +123,7 @@ def validate_builds(lock: Dict[str, Any], where: str) -> None:
                 raise UserError(f"{w}.install.dest: expected an absolute path without '..', got {dest!r}")
 
 
-def unbuilt_sdists(lock: Dict[str, Any]) -> List[str]:
+def unbuilt_sdists(lock: dict[str, Any]) -> list[str]:
     """Names of the lock's sdists that no build step builds (an image must not ship them unbuilt)."""
     from trainer.image.imagelock import canonical_name
 
@@ -130,7 +131,7 @@ def unbuilt_sdists(lock: Dict[str, Any]) -> List[str]:
     return [s["name"] for s in lock.get("sdists", []) if canonical_name(s["name"]) not in built]
 
 
-def _input_item(lock: Dict[str, Any], step: Dict[str, Any]) -> Dict[str, Any]:
+def _input_item(lock: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
     from trainer.image.imagelock import canonical_name
 
     spec = step["input"]
@@ -139,40 +140,75 @@ def _input_item(lock: Dict[str, Any], step: Dict[str, Any]) -> Dict[str, Any]:
     return next(s for s in lock["sdists"] if canonical_name(s["name"]) == canonical_name(spec["sdist"]))
 
 
-def step_inputs(lock: Dict[str, Any], step: Dict[str, Any]) -> Dict[str, Any]:
+def step_inputs(lock: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
     """Everything a step's output depends on (its layer key hashes this; see the module docstring)."""
     item = _input_item(lock, step)
     if "source" in step["input"]:
-        source = {"source": item["name"], "commit": item["commit"], "tree": item["tree"],
-                  "sha256": item.get("archive", {}).get("sha256")}
+        source = {
+            "source": item["name"],
+            "commit": item["commit"],
+            "tree": item["tree"],
+            "sha256": item.get("archive", {}).get("sha256"),
+        }
     else:
         source = {"sdist": item["filename"], "sha256": item["sha256"]}
     root = lock["build_root"]
     wheels = buildroot.wheel_items(lock, step.get("wheels", []), step["name"])
-    return {"format": FORMAT, "step": {k: step.get(k) for k in ("name", "command", "env", "install")},
-            "input": source, "fixed_env": FIXED_ENV, "root": buildroot.deb_key(root),
-            "wheels": buildroot.wheels_key(root, wheels) if wheels else None}
+    return {
+        "format": FORMAT,
+        "step": {k: step.get(k) for k in ("name", "command", "env", "install")},
+        "input": source,
+        "fixed_env": FIXED_ENV,
+        "root": buildroot.deb_key(root),
+        "wheels": buildroot.wheels_key(root, wheels) if wheels else None,
+    }
 
 
-def sandbox_argv(root: Path, local: Optional[Path], prefix: str, src: Path, out: Path, env: Dict[str, str],
-                 command: List[str]) -> List[str]:
+def sandbox_argv(
+    root: Path, local: Path | None, prefix: str, src: Path, out: Path, env: dict[str, str], command: list[str]
+) -> list[str]:
     """The bubblewrap command line running ``command`` in the build root (see the module docstring)."""
     argv = ["bwrap", "--ro-bind", str(root), "/"]
     if local is not None:
         argv += ["--ro-bind", str(local), prefix]
-    argv += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--ro-bind", str(src), INPUT, "--tmpfs", SRC,
-             "--bind", str(out), OUT,
-             "--unshare-net", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--hostname", "build",
-             "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--chdir", SRC, "--clearenv"]
+    argv += [
+        "--dev",
+        "/dev",
+        "--proc",
+        "/proc",
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind",
+        str(src),
+        INPUT,
+        "--tmpfs",
+        SRC,
+        "--bind",
+        str(out),
+        OUT,
+        "--unshare-net",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--hostname",
+        "build",
+        "--die-with-parent",
+        "--new-session",
+        "--cap-drop",
+        "ALL",
+        "--chdir",
+        SRC,
+        "--clearenv",
+    ]
     for key in sorted(env):
         argv += ["--setenv", key, env[key]]
     # the input is copied into the tmpfs in name order: tmpfs lists a directory in creation order, so a build
     # that globs or walks its sources (link order!) sees the same order on every machine and file system
-    copy = f"tar -C {INPUT} -c --sort=name . | tar -C {SRC} -x --no-same-owner && exec \"$@\""
+    copy = f'tar -C {INPUT} -c --sort=name . | tar -C {SRC} -x --no-same-owner && exec "$@"'
     return argv + ["--", "/bin/sh", "-ec", copy, "sh"] + command
 
 
-def _unpack_input(lock: Dict[str, Any], step: Dict[str, Any], cache: Cache, offline: bool, dest: Path) -> None:
+def _unpack_input(lock: dict[str, Any], step: dict[str, Any], cache: Cache, offline: bool, dest: Path) -> None:
     from trainer.image.sources import cached_archive, source_entries
 
     item = _input_item(lock, step)
@@ -196,8 +232,16 @@ class WorkDir:
         buildroot.remove_tree(self.path)
 
 
-def run_step(lock: Dict[str, Any], step: Dict[str, Any], cache: Cache, key: str, work: Path, offline: bool = False,
-             jobs: int = 1, console=None) -> Path:
+def run_step(
+    lock: dict[str, Any],
+    step: dict[str, Any],
+    cache: Cache,
+    key: str,
+    work: Path,
+    offline: bool = False,
+    jobs: int = 1,
+    console=None,
+) -> Path:
     """Run ``step`` in its sandbox with scratch under ``work``; return its (non-empty) output directory.
 
     Raises :class:`UserError` with one line naming the step when an input is missing or corrupt, bubblewrap is
@@ -213,7 +257,12 @@ def run_step(lock: Dict[str, Any], step: Dict[str, Any], cache: Cache, key: str,
     src.mkdir()
     out.mkdir()
     _unpack_input(lock, step, cache, offline, src)
-    env = {**FIXED_ENV, "SOURCE_DATE_EPOCH": str(lock["epoch"]), "BUILD_JOBS": str(max(1, int(jobs))), **step.get("env", {})}
+    env = {
+        **FIXED_ENV,
+        "SOURCE_DATE_EPOCH": str(lock["epoch"]),
+        "BUILD_JOBS": str(max(1, int(jobs))),
+        **step.get("env", {}),
+    }
     argv = sandbox_argv(root, local, block["python"]["prefix"], src, out, env, step["command"])
     logs = cache.root / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -222,13 +271,16 @@ def run_step(lock: Dict[str, Any], step: Dict[str, Any], cache: Cache, key: str,
         console.print(f"build {step['name']}: running (log {log})", soft_wrap=True)
     started = time.monotonic()
     with open(log, "wb") as handle:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT,
-                              preexec_fn=lambda: os.umask(0o022))
+        proc = subprocess.run(
+            argv, stdin=subprocess.DEVNULL, stdout=handle, stderr=subprocess.STDOUT, preexec_fn=lambda: os.umask(0o022)
+        )
     seconds = time.monotonic() - started
     if proc.returncode != 0:
         tail = [l for l in log.read_text(errors="replace").splitlines() if l.strip()][-1:] or ["(no output)"]
-        raise UserError(f"build step {step['name']} failed (exit {proc.returncode} after {seconds:.0f} s): "
-                        f"{tail[0].strip()[:200]}; log: {log}")
+        raise UserError(
+            f"build step {step['name']} failed (exit {proc.returncode} after {seconds:.0f} s): "
+            f"{tail[0].strip()[:200]}; log: {log}"
+        )
     if not any(out.iterdir()):
         raise UserError(f"build step {step['name']}: wrote nothing to {OUT}; log: {log}")
     if console is not None:
@@ -236,8 +288,9 @@ def run_step(lock: Dict[str, Any], step: Dict[str, Any], cache: Cache, key: str,
     return out
 
 
-def output_entries(lock: Dict[str, Any], step: Dict[str, Any], out: Path, cache: Cache, spool: Path,
-                   handles: List[Any]) -> List[Entry]:
+def output_entries(
+    lock: dict[str, Any], step: dict[str, Any], out: Path, cache: Cache, spool: Path, handles: list[Any]
+) -> list[Entry]:
     """The layer entries of a step's output: its files under ``install.dest``, or its one wheel installed under
     the lock's ``python`` (the wheel is also added to the cache). Raises :class:`UserError` otherwise."""
     install = step["install"]
@@ -246,21 +299,25 @@ def output_entries(lock: Dict[str, Any], step: Dict[str, Any], out: Path, cache:
     wheels = sorted(p for p in out.iterdir() if p.name.endswith(".whl"))
     others = [p.name for p in out.iterdir() if not p.name.endswith(".whl")]
     if len(wheels) != 1 or others:
-        raise UserError(f"build step {step['name']}: expected one wheel in {OUT}, found "
-                        f"{[p.name for p in wheels] + others}")
+        raise UserError(
+            f"build step {step['name']}: expected one wheel in {OUT}, found {[p.name for p in wheels] + others}"
+        )
     from trainer.image.wheels import install_wheels
 
     cache.add_file(wheels[0])
-    return install_wheels([(wheels[0], wheels[0].name, f"built wheel {wheels[0].name}")], lock["python"], spool, handles)
+    return install_wheels(
+        [(wheels[0], wheels[0].name, f"built wheel {wheels[0].name}")], lock["python"], spool, handles
+    )
 
 
-def build_plans(lock: Dict[str, Any], cache: Cache, offline: bool, jobs: int = 1, console=None) -> list:
+def build_plans(lock: dict[str, Any], cache: Cache, offline: bool, jobs: int = 1, console=None) -> list:
     """One :class:`trainer.image.build.LayerPlan` per build step (layer ``build-<name>``), in the lock's order."""
     from trainer.image.build import LayerPlan, layer_key
 
     plans = []
     for step in lock.get("builds", []):
-        def make(spool: Path, handles: List[Any], step=step) -> List[Entry]:
+
+        def make(spool: Path, handles: list[Any], step=step) -> list[Entry]:
             work = WorkDir(cache, step["name"])
             try:
                 key = layer_key(lock, plans_by_name[step["name"]])
@@ -274,28 +331,34 @@ def build_plans(lock: Dict[str, Any], cache: Cache, offline: bool, jobs: int = 1
 
         item = _input_item(lock, step)
         label = item["name"] + (f"@{item['commit'][:12]}" if "commit" in item else f" {item['version']} sdist")
-        plan = LayerPlan(f"build-{step['name']}", step_inputs(lock, step),
-                         f"build {step['name']} from {label}: {' '.join(step['command'])}"[:1000], make)
+        plan = LayerPlan(
+            f"build-{step['name']}",
+            step_inputs(lock, step),
+            f"build {step['name']} from {label}: {' '.join(step['command'])}"[:1000],
+            make,
+        )
         plans.append(plan)
-    plans_by_name = {p.name[len("build-"):]: p for p in plans}
+    plans_by_name = {p.name[len("build-") :]: p for p in plans}
     return plans
 
 
-def step_keys(lock: Dict[str, Any]) -> Dict[str, str]:
+def step_keys(lock: dict[str, Any]) -> dict[str, str]:
     """step name -> the cache key of its layer (:func:`trainer.image.build.layer_key` of its inputs)."""
     from trainer.image.build import LayerPlan, layer_key
 
-    return {step["name"]: layer_key(lock, LayerPlan(f"build-{step['name']}", step_inputs(lock, step), "", None))
-            for step in lock.get("builds", [])}
+    return {
+        step["name"]: layer_key(lock, LayerPlan(f"build-{step['name']}", step_inputs(lock, step), "", None))
+        for step in lock.get("builds", [])
+    }
 
 
-def check_builds(lock: Dict[str, Any], layers: List[Dict[str, Any]], expected: Dict[str, Any]):
+def check_builds(lock: dict[str, Any], layers: list[dict[str, Any]], expected: dict[str, Any]):
     """Compare an image's ``build-<name>`` layers ([{"name", "diff_id", "size"}]) with the reproduced outputs
     recorded in ``lockfiles/expected-digests.json`` (``<lock>.builds.<step>``: {"key", "diff_id", "size"}, written
     by ``bench/native_builds.py --record``). Only records whose key equals the step's current key count (an
     input changed otherwise). Returns (one line per step, whether none differs)."""
     keys = step_keys(lock)
-    have = {l["name"][len("build-"):]: l for l in layers if l["name"].startswith("build-")}
+    have = {l["name"][len("build-") :]: l for l in layers if l["name"].startswith("build-")}
     lines, ok = [], True
     for name, key in keys.items():
         want = expected.get(name)
@@ -308,7 +371,9 @@ def check_builds(lock: Dict[str, Any], layers: List[Dict[str, Any]], expected: D
         elif want["diff_id"] == got["diff_id"]:
             lines.append(f"build {name}: same {got['diff_id']} as the reproduced build")
         else:
-            lines.append(f"build {name}: {got['diff_id']}, the reproduced build gave {want['diff_id']} "
-                         f"(same inputs: a nondeterministic build or a tampered cache; `trainer image diff` names the files)")
+            lines.append(
+                f"build {name}: {got['diff_id']}, the reproduced build gave {want['diff_id']} "
+                f"(same inputs: a nondeterministic build or a tampered cache; `trainer image diff` names the files)"
+            )
             ok = False
     return lines, ok

@@ -27,16 +27,17 @@ import re
 import shutil
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO
 
 from trainer import inputs
 from trainer.errors import UserError
-from trainer.publish import atomic_file, fsync_dir, swap_dir
 from trainer.image.layer import DIR, FILE, Entry, write_layer
 from trainer.image.tarread import member_name, open_layer
+from trainer.publish import atomic_file, fsync_dir, swap_dir
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_INDEX = "application/vnd.oci.image.index.v1+json"
@@ -57,7 +58,7 @@ def digest_of(data: bytes) -> str:
 
 def rfc3339(epoch: int) -> str:
     """``epoch`` seconds as "YYYY-MM-DDTHH:MM:SSZ" (UTC)."""
-    return datetime.fromtimestamp(int(epoch), tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(int(epoch), tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -74,13 +75,35 @@ class Layer:
     diff_id: str = ""
 
 
-OCI_CONFIG_KEYS = ("User", "ExposedPorts", "Env", "Entrypoint", "Cmd", "Volumes", "WorkingDir", "Labels", "StopSignal",
-                   "ArgsEscaped", "Healthcheck", "Shell", "OnBuild")
+OCI_CONFIG_KEYS = (
+    "User",
+    "ExposedPorts",
+    "Env",
+    "Entrypoint",
+    "Cmd",
+    "Volumes",
+    "WorkingDir",
+    "Labels",
+    "StopSignal",
+    "ArgsEscaped",
+    "Healthcheck",
+    "Shell",
+    "OnBuild",
+)
 
 
-def based_config(base: Dict[str, Any], base_layer_count: int, layers: List[Layer], epoch: int, env: Dict[str, str],
-                 entrypoint: List[str], cmd: List[str], labels: Dict[str, str], working_dir: str,
-                 default_path: str) -> Dict[str, Any]:
+def based_config(
+    base: dict[str, Any],
+    base_layer_count: int,
+    layers: list[Layer],
+    epoch: int,
+    env: dict[str, str],
+    entrypoint: list[str],
+    cmd: list[str],
+    labels: dict[str, str],
+    working_dir: str,
+    default_path: str,
+) -> dict[str, Any]:
     """The config of our ``layers`` on top of the ``base`` image config (config.md); a base without a config of
     its own (scratch, a Debian rootfs: ``base_layer_count`` 0) is given as ``{"architecture", "os"}`` alone.
 
@@ -94,8 +117,10 @@ def based_config(base: Dict[str, Any], base_layer_count: int, layers: List[Layer
     and ``variant`` are the base's; ``created`` is ``epoch``.
     """
     created = rfc3339(epoch)
-    inner = {k: v for k, v in (base.get("config") or {}).items() if k in OCI_CONFIG_KEYS and v not in (None, "", [], {})}
-    merged: Dict[str, str] = {}
+    inner = {
+        k: v for k, v in (base.get("config") or {}).items() if k in OCI_CONFIG_KEYS and v not in (None, "", [], {})
+    }
+    merged: dict[str, str] = {}
     for item in inner.get("Env") or []:
         key, _, value = item.partition("=")
         merged[key] = value
@@ -113,26 +138,32 @@ def based_config(base: Dict[str, Any], base_layer_count: int, layers: List[Layer
     history = [h for h in base.get("history") or [] if isinstance(h, dict)]
     if sum(1 for h in history if not h.get("empty_layer")) != base_layer_count:
         history = [{"created_by": f"base layer {i + 1}/{base_layer_count}"} for i in range(base_layer_count)]
-    config: Dict[str, Any] = {"architecture": base.get("architecture"), "os": base.get("os")}
+    config: dict[str, Any] = {"architecture": base.get("architecture"), "os": base.get("os")}
     for key in ("variant", "os.version", "os.features"):
         if base.get(key):
             config[key] = base[key]
-    config.update({
-        "created": created,
-        "config": dict(sorted(inner.items())),
-        "rootfs": {"type": "layers",
-                   "diff_ids": list((base.get("rootfs") or {}).get("diff_ids") or []) + [l.diff_id or l.digest for l in layers]},
-        "history": history + [
-            {"created": created, "created_by": f"recipe-bundle layer {layer.name}", "comment": layer.comment}
-            for layer in layers
-        ],
-    })
+    config.update(
+        {
+            "created": created,
+            "config": dict(sorted(inner.items())),
+            "rootfs": {
+                "type": "layers",
+                "diff_ids": list((base.get("rootfs") or {}).get("diff_ids") or [])
+                + [l.diff_id or l.digest for l in layers],
+            },
+            "history": history
+            + [
+                {"created": created, "created_by": f"recipe-bundle layer {layer.name}", "comment": layer.comment}
+                for layer in layers
+            ],
+        }
+    )
     return config
 
 
-def image_manifest(config_bytes: bytes, layers: List[Layer], annotations: Dict[str, str]) -> Dict[str, Any]:
+def image_manifest(config_bytes: bytes, layers: list[Layer], annotations: dict[str, str]) -> dict[str, Any]:
     """The image manifest (manifest.md) for ``config_bytes`` and ``layers``."""
-    manifest: Dict[str, Any] = {
+    manifest: dict[str, Any] = {
         "schemaVersion": 2,
         "mediaType": MT_MANIFEST,
         "config": {"mediaType": MT_CONFIG, "digest": digest_of(config_bytes), "size": len(config_bytes)},
@@ -143,9 +174,14 @@ def image_manifest(config_bytes: bytes, layers: List[Layer], annotations: Dict[s
     return manifest
 
 
-def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotations: Dict[str, str],
-                 place_blob: Callable[[Layer, Path], None],
-                 referrers: Callable[[Dict[str, Any]], List[Tuple[Dict[str, Any], bytes, List[bytes]]]] = None) -> str:
+def write_layout(
+    out: Path,
+    config: dict[str, Any],
+    layers: list[Layer],
+    annotations: dict[str, str],
+    place_blob: Callable[[Layer, Path], None],
+    referrers: Callable[[dict[str, Any]], list[tuple[dict[str, Any], bytes, list[bytes]]]] = None,
+) -> str:
     """Write the OCI layout of ``config`` and ``layers`` to ``out`` atomically; return the manifest digest.
 
     ``place_blob(layer, dest)`` puts the layer's bytes at ``dest`` (a hard link or copy from the cache).
@@ -155,8 +191,12 @@ def write_layout(out: Path, config: Dict[str, Any], layers: List[Layer], annotat
     config_bytes = compact_json(config)
     manifest_bytes = compact_json(image_manifest(config_bytes, layers, annotations))
     manifest_digest = digest_of(manifest_bytes)
-    image_descriptor = {"mediaType": MT_MANIFEST, "digest": manifest_digest, "size": len(manifest_bytes),
-                        "annotations": {REF_NAME: "latest"}}
+    image_descriptor = {
+        "mediaType": MT_MANIFEST,
+        "digest": manifest_digest,
+        "size": len(manifest_bytes),
+        "annotations": {REF_NAME: "latest"},
+    }
     attached = referrers(image_descriptor) if referrers is not None else []
     index = {
         "schemaVersion": 2,
@@ -199,23 +239,25 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_siblings(out: Path) -> List[Path]:
+def stale_siblings(out: Path) -> list[Path]:
     """Temporary siblings of ``out`` (``.OUT.tmp-<pid>-*``, ``.OUT.old-<pid>-*``) whose writing process is gone:
     what a killed ``image build`` left next to its output."""
     found = []
     for sibling in out.parent.glob(f".{out.name}.*"):
-        kind, _, rest = sibling.name[len(out.name) + 2:].partition("-")
+        kind, _, rest = sibling.name[len(out.name) + 2 :].partition("-")
         pid = rest.partition("-")[0]
         if kind in ("tmp", "old") and pid.isdigit() and not _pid_alive(int(pid)):
             found.append(sibling)
     return sorted(found)
 
 
-def remove_stale_siblings(out: Path) -> List[Path]:
+def remove_stale_siblings(out: Path) -> list[Path]:
     """Remove :func:`stale_siblings` of ``out``; return them."""
     removed = stale_siblings(out)
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(missing_ok=True)
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() and not path.is_symlink() else path.unlink(
+            missing_ok=True
+        )
     return removed
 
 
@@ -232,7 +274,7 @@ def _swap_into_place(tmp: Path, out: Path) -> None:
 def write_archive(layout: Path, archive: Path, epoch: int) -> str:
     """Write ``layout`` (an OCI layout directory) as an oci-archive tar at ``archive``, atomically and
     deterministically (entries sorted, mtime = ``epoch``); return the archive's sha256 digest."""
-    entries: List[Entry] = []
+    entries: list[Entry] = []
     for dirpath, dirnames, filenames in os.walk(layout):
         rel_dir = os.path.relpath(dirpath, layout)
         for name in dirnames:
@@ -272,21 +314,21 @@ class ImageRef:
 
     path: Path
     kind: str
-    manifest_digest: Optional[str]
+    manifest_digest: str | None
     config_digest: str
-    config: Dict[str, Any]
-    layers: List[LayerRef]
-    index: Optional[Dict[str, Any]] = None  # an OCI layout's index.json (it also lists referrers)
+    config: dict[str, Any]
+    layers: list[LayerRef]
+    index: dict[str, Any] | None = None  # an OCI layout's index.json (it also lists referrers)
     blob: Callable[[str], bytes] = field(default=None, repr=False)  # digest -> bytes, sha256-checked (OCI only)
 
-    def files(self, layer: LayerRef) -> Dict[str, Dict[str, Any]]:
+    def files(self, layer: LayerRef) -> dict[str, dict[str, Any]]:
         """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
-        out: Dict[str, Dict[str, Any]] = {}
+        out: dict[str, dict[str, Any]] = {}
         with layer.open() as raw:
             with open_layer(raw) as tar:
                 for member in tar:
                     name = member_name(member.name)
-                    item: Dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
+                    item: dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
                     if member.isreg():
                         digest = hashlib.sha256()
                         handle = tar.extractfile(member)
@@ -302,7 +344,7 @@ class ImageRef:
                     out[name] = item
         return out
 
-    def read_file(self, path: str) -> Optional[bytes]:
+    def read_file(self, path: str) -> bytes | None:
         """The content of ``path`` in the image's merged filesystem (the top-most layer that has it)."""
         path = path.strip("/")
         for layer in reversed(self.layers):
@@ -318,7 +360,7 @@ def _json(data: bytes, what: str) -> Any:
     return inputs.parse_json(inputs.decode(data, what, "JSON document"), what)  # bounded nesting, one line
 
 
-def _history(config: Dict[str, Any]) -> List[str]:
+def _history(config: dict[str, Any]) -> list[str]:
     return [h.get("created_by", "") for h in config.get("history", []) if not h.get("empty_layer")]
 
 
@@ -339,7 +381,7 @@ def _open_image(path: Path) -> ImageRef:
         if not (path / "oci-layout").is_file():
             raise UserError(f"{path}: not an OCI image layout (no oci-layout file)")
 
-        def reader(name: str) -> Optional[bytes]:
+        def reader(name: str) -> bytes | None:
             try:
                 return inputs.read_bytes(path / name, "document of an image layout")  # a FIFO refused, 64 MiB at most
             except FileNotFoundError:
@@ -357,10 +399,13 @@ def _open_image(path: Path) -> ImageRef:
     except tarfile.TarError as ex:
         raise UserError(f"{path}: not a tar archive ({ex})") from None
 
-    def reader(name: str) -> Optional[bytes]:
+    def reader(name: str) -> bytes | None:
         member = names.get(name)
-        return (inputs.read_member(tar, member, f"{path}: {name}", "document of an image archive")
-                if member is not None and member.isreg() else None)
+        return (
+            inputs.read_member(tar, member, f"{path}: {name}", "document of an image archive")
+            if member is not None and member.isreg()
+            else None
+        )
 
     def opener(name: str) -> Callable[[], BinaryIO]:
         def open_member() -> BinaryIO:
@@ -368,6 +413,7 @@ def _open_image(path: Path) -> ImageRef:
             handle = open(path, "rb")
             handle.seek(member.offset_data)
             return _Slice(handle, member.size)  # a bounded view: a layer is streamed, never held in memory
+
         return open_member
 
     if "oci-layout" in names:
@@ -390,7 +436,9 @@ class _Slice(io.RawIOBase):
         return True
 
     def seek(self, offset: int, whence: int = 0) -> int:
-        self.pos = max(0, min(self.size, offset if whence == 0 else (self.pos + offset if whence == 1 else self.size + offset)))
+        self.pos = max(
+            0, min(self.size, offset if whence == 0 else (self.pos + offset if whence == 1 else self.size + offset))
+        )
         return self.pos
 
     def tell(self) -> int:
@@ -402,7 +450,7 @@ class _Slice(io.RawIOBase):
             return 0
         self.handle.seek(self.start + self.pos)
         data = self.handle.read(want)
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self.pos += len(data)
         return len(data)
 
@@ -411,7 +459,7 @@ class _Slice(io.RawIOBase):
         super().close()
 
 
-def verify_layers(image: "ImageRef") -> None:
+def verify_layers(image: ImageRef) -> None:
     """Re-hash every layer blob of ``image`` (streamed) against its descriptor: digest and size for an OCI image,
     the config's diff_id for a docker-archive's uncompressed layers. Raises :class:`UserError` naming the layer."""
     for i, layer in enumerate(image.layers):
@@ -453,13 +501,22 @@ def _from_oci(path: Path, kind: str, reader, opener) -> ImageRef:
     config = _json(_checked_blob(reader, f"blobs/sha256/{cdigest[7:]}", cdigest, path), f"{path}: config")
     diff_ids = config.get("rootfs", {}).get("diff_ids", [])
     if len(diff_ids) != len(manifest.get("layers", [])):
-        raise UserError(f"{path}: manifest has {len(manifest.get('layers', []))} layers but config {len(diff_ids)} diff_ids")
+        raise UserError(
+            f"{path}: manifest has {len(manifest.get('layers', []))} layers but config {len(diff_ids)} diff_ids"
+        )
     history = _history(config)
     layers = [
-        LayerRef(diff_ids[i], d["digest"], d["size"], d.get("mediaType", MT_LAYER),
-                 history[i] if i < len(history) else "", opener(f"blobs/sha256/{d['digest'][7:]}"))
+        LayerRef(
+            diff_ids[i],
+            d["digest"],
+            d["size"],
+            d.get("mediaType", MT_LAYER),
+            history[i] if i < len(history) else "",
+            opener(f"blobs/sha256/{d['digest'][7:]}"),
+        )
         for i, d in enumerate(manifest.get("layers", []))
     ]
+
     def blob(d: str) -> bytes:
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", str(d)):
             raise UserError(f"{path}: {d!r} is not a sha256 digest")
@@ -486,6 +543,14 @@ def _from_docker(path: Path, reader, opener) -> ImageRef:
                 data_size = handle.seek(0, 2)
         except KeyError:
             raise UserError(f"{path}: layer {name} missing") from None
-        layers.append(LayerRef(diff_ids[i] if i < len(diff_ids) else "", "", data_size, MT_LAYER,
-                               history[i] if i < len(history) else "", opener(name)))
+        layers.append(
+            LayerRef(
+                diff_ids[i] if i < len(diff_ids) else "",
+                "",
+                data_size,
+                MT_LAYER,
+                history[i] if i < len(history) else "",
+                opener(name),
+            )
+        )
     return ImageRef(path, "docker-archive", None, digest_of(config_bytes), config, layers)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from trainer import PROJECT, PROJECT_URL, __version__
 from trainer.image import sbom
@@ -45,7 +45,7 @@ BUILDER_ID = f"{PROJECT_URL}/image-build@{__version__}"
 INTOTO_MEDIA_TYPE = "application/vnd.in-toto+json"
 
 
-def lock_path_label(lock: Dict[str, Any], bundle_root: Optional[Path]) -> str:
+def lock_path_label(lock: dict[str, Any], bundle_root: Path | None) -> str:
     """The lock's path relative to ``bundle_root`` when under it, else its file name."""
     path = Path(lock["_path"]).absolute()
     if bundle_root is not None:
@@ -56,20 +56,20 @@ def lock_path_label(lock: Dict[str, Any], bundle_root: Optional[Path]) -> str:
     return path.name
 
 
-def _descriptor(item: "sbom.Item") -> Optional[Dict[str, Any]]:
+def _descriptor(item: sbom.Item) -> dict[str, Any] | None:
     """The ResourceDescriptor of ``item`` (see :func:`resolved_dependencies`), None when it has neither a digest
     nor a uri."""
-    digest: Dict[str, str] = {}
+    digest: dict[str, str] = {}
     if item.sha256:
         digest["sha256"] = item.sha256
     if item.commit:
         digest["gitCommit"] = item.commit
-    entry: Dict[str, Any] = {"name": item.purl}
+    entry: dict[str, Any] = {"name": item.purl}
     if digest:
         entry["digest"] = digest
     if item.url:
         entry["uri"] = f"git+{item.url}@{item.commit}" if item.kind == "source" else item.url
-    annotations: Dict[str, str] = {}
+    annotations: dict[str, str] = {}
     if item.tree:
         annotations["gitTree"] = item.tree
     if item.kind.startswith("build-root-"):
@@ -79,7 +79,7 @@ def _descriptor(item: "sbom.Item") -> Optional[Dict[str, Any]]:
     return entry if digest or item.url else None  # SLSA: a descriptor needs a uri or a digest
 
 
-def resolved_dependencies(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> List[Dict[str, Any]]:
+def resolved_dependencies(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """One SLSA ResourceDescriptor per input of ``lock``: ``name`` = its purl, ``uri`` = where it comes from,
     ``digest`` = its sha256 (and ``gitCommit`` for git sources); then each build-root package that is not
     also an input of the image. The native builds whose output ``outputs`` (step -> sha256 hex,
@@ -89,26 +89,44 @@ def resolved_dependencies(lock: Dict[str, Any], outputs: Optional[Dict[str, str]
     return [d for d in map(_descriptor, items) if d is not None]
 
 
-def statement(lock: Dict[str, Any], manifest_digest: str, revision: str, layers: List[Tuple[str, str]],
-              byproducts: List[Dict[str, Any]], bundle_root: Optional[Path] = None) -> Dict[str, Any]:
+def statement(
+    lock: dict[str, Any],
+    manifest_digest: str,
+    revision: str,
+    layers: list[tuple[str, str]],
+    byproducts: list[dict[str, Any]],
+    bundle_root: Path | None = None,
+) -> dict[str, Any]:
     """The provenance statement of image ``manifest_digest`` (``sha256:<hex>``) built from ``lock`` at
     ``revision``; ``layers`` (name, diff_id) as built (each is a byproduct; a ``build-<name>`` layer is also
     that build step's output), ``byproducts`` SLSA ResourceDescriptors of the SBOMs."""
-    bundle_layers = [{"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
-                      "annotations": {"contents": "conf/, the lock and its stamp"}}
-                     for name, diff_id in layers if name == "bundle"]
+    bundle_layers = [
+        {
+            "name": f"layer {name}",
+            "digest": {"sha256": diff_id.split(":", 1)[1]},
+            "annotations": {"contents": "conf/, the lock and its stamp"},
+        }
+        for name, diff_id in layers
+        if name == "bundle"
+    ]
     outputs = sbom.build_outputs(layers)
     found = sbom.graph(lock, outputs)
     purls = {i.ref: i.purl for i in found.items()}
     steps = {s.name: s for s in found.steps}
     built = []
     for name, diff_id in layers:
-        entry: Dict[str, Any] = {"name": f"layer {name}", "digest": {"sha256": diff_id.split(":", 1)[1]},
-                                 "mediaType": "application/vnd.oci.image.layer.v1.tar"}
-        step = steps.get(name[len("build-"):]) if name.startswith("build-") else None
+        entry: dict[str, Any] = {
+            "name": f"layer {name}",
+            "digest": {"sha256": diff_id.split(":", 1)[1]},
+            "mediaType": "application/vnd.oci.image.layer.v1.tar",
+        }
+        step = steps.get(name[len("build-") :]) if name.startswith("build-") else None
         if step is not None:  # the output of a build step, named as the SBOMs name it
-            entry["annotations"] = {"buildStep": step.name, "purl": purls[step.output],
-                                    **({"builtFrom": purls[step.input]} if step.input in purls else {})}
+            entry["annotations"] = {
+                "buildStep": step.name,
+                "purl": purls[step.output],
+                **({"builtFrom": purls[step.input]} if step.input in purls else {}),
+            }
         built.append(entry)
     return {
         "_type": STATEMENT_TYPE,
@@ -117,10 +135,15 @@ def statement(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
         "predicate": {
             "buildDefinition": {
                 "buildType": BUILD_TYPE,
-                "externalParameters": {"lock": {"path": lock_path_label(lock, bundle_root), "sha256": lock["_sha256"]},
-                                       "revision": revision},
-                "internalParameters": {"epoch": lock["epoch"], "platform": lock.get("platform", {}),
-                                       "layer_format": _layer_format()},
+                "externalParameters": {
+                    "lock": {"path": lock_path_label(lock, bundle_root), "sha256": lock["_sha256"]},
+                    "revision": revision,
+                },
+                "internalParameters": {
+                    "epoch": lock["epoch"],
+                    "platform": lock.get("platform", {}),
+                    "layer_format": _layer_format(),
+                },
                 "resolvedDependencies": resolved_dependencies(lock, outputs) + bundle_layers,
             },
             "runDetails": {
@@ -138,6 +161,6 @@ def _layer_format() -> int:
     return LAYER_FORMAT
 
 
-def to_bytes(obj: Dict[str, Any]) -> bytes:
+def to_bytes(obj: dict[str, Any]) -> bytes:
     """A statement's bytes: JSON, sorted keys, two-space indent, final newline (stable for hashing)."""
     return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()

@@ -30,15 +30,14 @@ same documents: an extra referrer inserted before or after the genuine one is re
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, NamedTuple
 
 from trainer.errors import UserError
-from trainer.inputs import decode, parse_json
 from trainer.image.oci import MT_MANIFEST, ImageRef, compact_json, digest_of, rfc3339
 from trainer.image.provenance import INTOTO_MEDIA_TYPE
+from trainer.inputs import decode, parse_json
 
 MT_EMPTY = "application/vnd.oci.empty.v1+json"
 EMPTY = b"{}"
@@ -57,10 +56,10 @@ class Document:
     artifact_type: str
     data: bytes
     title: str
-    annotations: Dict[str, str] = field(default_factory=dict)
+    annotations: dict[str, str] = field(default_factory=dict)
 
 
-def referrer(doc: Document, subject: Dict[str, Any], epoch: int) -> Tuple[Dict[str, Any], bytes, List[bytes]]:
+def referrer(doc: Document, subject: dict[str, Any], epoch: int) -> tuple[dict[str, Any], bytes, list[bytes]]:
     """The artifact manifest of ``doc`` for ``subject`` (the image manifest's descriptor): (its index
     descriptor, the manifest bytes, the blobs it needs: the empty config and the document)."""
     annotations = {CREATED: rfc3339(epoch), **doc.annotations}
@@ -69,19 +68,36 @@ def referrer(doc: Document, subject: Dict[str, Any], epoch: int) -> Tuple[Dict[s
         "mediaType": MT_MANIFEST,
         "artifactType": doc.artifact_type,
         "config": {"mediaType": MT_EMPTY, "digest": digest_of(EMPTY), "size": len(EMPTY)},
-        "layers": [{"mediaType": doc.artifact_type, "digest": digest_of(doc.data), "size": len(doc.data),
-                    "annotations": {TITLE: doc.title}}],
+        "layers": [
+            {
+                "mediaType": doc.artifact_type,
+                "digest": digest_of(doc.data),
+                "size": len(doc.data),
+                "annotations": {TITLE: doc.title},
+            }
+        ],
         "subject": {"mediaType": subject["mediaType"], "digest": subject["digest"], "size": subject["size"]},
         "annotations": dict(sorted(annotations.items())),
     }
     data = compact_json(manifest)
-    descriptor = {"mediaType": MT_MANIFEST, "digest": digest_of(data), "size": len(data),
-                  "artifactType": doc.artifact_type, "annotations": dict(sorted(annotations.items()))}
+    descriptor = {
+        "mediaType": MT_MANIFEST,
+        "digest": digest_of(data),
+        "size": len(data),
+        "artifactType": doc.artifact_type,
+        "annotations": dict(sorted(annotations.items())),
+    }
     return descriptor, data, [EMPTY, doc.data]
 
 
-def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers: List[Tuple[str, str]],
-              bundle_root: Optional[Path], signer=None) -> List[Document]:
+def documents(
+    lock: dict[str, Any],
+    manifest_digest: str,
+    revision: str,
+    layers: list[tuple[str, str]],
+    bundle_root: Path | None,
+    signer=None,
+) -> list[Document]:
     """The SBOMs and provenance of the image ``manifest_digest`` built from ``lock`` (in index order:
     SPDX, CycloneDX, provenance), whose layers are ``layers`` ((name, diff_id) as built: the SBOMs take the
     build steps' output sha256 from the ``build-<name>`` ones); the provenance is a DSSE envelope signed by
@@ -91,9 +107,13 @@ def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
     spdx = sbom.spdx_json(lock, manifest_digest, layers)  # the build-<name> layers: the build steps' outputs
     cdx = sbom.cyclonedx_json(lock, manifest_digest, layers)
     name = lock["name"]
-    docs = [Document(sbom.SPDX_MEDIA_TYPE, spdx, f"{name}.spdx.json"),
-            Document(sbom.CYCLONEDX_MEDIA_TYPE, cdx, f"{name}.cdx.json")]
-    byproducts = [{"name": d.title, "mediaType": d.artifact_type, "digest": {"sha256": digest_of(d.data)[7:]}} for d in docs]
+    docs = [
+        Document(sbom.SPDX_MEDIA_TYPE, spdx, f"{name}.spdx.json"),
+        Document(sbom.CYCLONEDX_MEDIA_TYPE, cdx, f"{name}.cdx.json"),
+    ]
+    byproducts = [
+        {"name": d.title, "mediaType": d.artifact_type, "digest": {"sha256": digest_of(d.data)[7:]}} for d in docs
+    ]
     statement = provenance.statement(lock, manifest_digest, revision, layers, byproducts, bundle_root)
     data = provenance.to_bytes(statement)
     annotations = {PREDICATE_ANNOTATION: statement["predicateType"]}
@@ -106,13 +126,13 @@ def documents(lock: Dict[str, Any], manifest_digest: str, revision: str, layers:
     return docs
 
 
-def listed(image: ImageRef) -> List[Dict[str, Any]]:
+def listed(image: ImageRef) -> list[dict[str, Any]]:
     """The index descriptors of ``image``'s layout that are referrers (they have an ``artifactType``), in
     index order; ``[]`` for a docker-archive."""
     return [d for d in (image.index or {}).get("manifests") or [] if isinstance(d, dict) and d.get("artifactType")]
 
 
-def read(image: ImageRef, descriptor: Dict[str, Any]) -> Tuple[Dict[str, Any], bytes]:
+def read(image: ImageRef, descriptor: dict[str, Any]) -> tuple[dict[str, Any], bytes]:
     """The manifest and document bytes of the referrer ``descriptor``; checks every digest, that it is an
     artifact manifest with one layer of its artifactType, and that its subject is ``image``'s manifest.
     Raises :class:`UserError` (one line naming the layout, the referrer and the digests) otherwise."""
@@ -127,26 +147,32 @@ def read(image: ImageRef, descriptor: Dict[str, Any]) -> Tuple[Dict[str, Any], b
         if len(layers) != 1 or layer.get("mediaType") != manifest.get("artifactType"):
             raise ValueError
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        raise UserError(f"{where}: referrer {digest} ({descriptor.get('artifactType')}) is not an artifact manifest "
-                        "with one layer of its artifactType") from None
+        raise UserError(
+            f"{where}: referrer {digest} ({descriptor.get('artifactType')}) is not an artifact manifest "
+            "with one layer of its artifactType"
+        ) from None
     if subject.get("digest") != image.manifest_digest:
-        raise UserError(f"{where}: referrer {digest} ({descriptor.get('artifactType')}) has subject "
-                        f"{subject.get('digest')}, not this image's manifest {image.manifest_digest}")
+        raise UserError(
+            f"{where}: referrer {digest} ({descriptor.get('artifactType')}) has subject "
+            f"{subject.get('digest')}, not this image's manifest {image.manifest_digest}"
+        )
     if manifest.get("artifactType") != descriptor.get("artifactType"):
-        raise UserError(f"{where}: referrer {digest}: artifactType {manifest.get('artifactType')!r} in the "
-                        f"manifest, {descriptor.get('artifactType')!r} in index.json")
+        raise UserError(
+            f"{where}: referrer {digest}: artifactType {manifest.get('artifactType')!r} in the "
+            f"manifest, {descriptor.get('artifactType')!r} in index.json"
+        )
     return manifest, image.blob(layer.get("digest"))
 
 
 class Attached(NamedTuple):
     """A referrer bound to an image: its index ``descriptor``, its ``manifest`` and its document ``data``."""
 
-    descriptor: Dict[str, Any]
-    manifest: Dict[str, Any]
+    descriptor: dict[str, Any]
+    manifest: dict[str, Any]
     data: bytes
 
 
-def bound(image: ImageRef) -> Dict[str, Attached]:
+def bound(image: ImageRef) -> dict[str, Attached]:
     """artifactType -> :class:`Attached` for every referrer of ``image``'s layout (``{}`` for a docker-archive
     or a layout without referrers).
 
@@ -155,8 +181,8 @@ def bound(image: ImageRef) -> Dict[str, Attached]:
     envelope and an unsigned statement both attached are refused). Raises :class:`UserError` (one line naming
     the layout, the artifactType and the digests) otherwise: a layout with an extra, duplicated or altered
     referrer binds nothing."""
-    out: Dict[str, Attached] = {}
-    digests: Dict[str, List[str]] = {}
+    out: dict[str, Attached] = {}
+    digests: dict[str, list[str]] = {}
     for descriptor in listed(image):
         manifest, data = read(image, descriptor)
         kind = descriptor["artifactType"]
@@ -164,17 +190,21 @@ def bound(image: ImageRef) -> Dict[str, Attached]:
         out.setdefault(kind, Attached(descriptor, manifest, data))
     for kind, found in digests.items():
         if len(found) > 1:
-            raise UserError(f"{image.path}: index.json lists {len(found)} referrers of artifactType {kind} "
-                            f"({', '.join(found)}) for {image.manifest_digest}; exactly one is bound to an image")
+            raise UserError(
+                f"{image.path}: index.json lists {len(found)} referrers of artifactType {kind} "
+                f"({', '.join(found)}) for {image.manifest_digest}; exactly one is bound to an image"
+            )
     provenances = [kind for kind in PROVENANCE_TYPES if kind in out]
     if len(provenances) > 1:
         both = ", ".join(f"{kind} {out[kind].descriptor.get('digest')}" for kind in provenances)
-        raise UserError(f"{image.path}: index.json lists two provenance referrers ({both}) for "
-                        f"{image.manifest_digest}; at most one is bound to an image")
+        raise UserError(
+            f"{image.path}: index.json lists two provenance referrers ({both}) for "
+            f"{image.manifest_digest}; at most one is bound to an image"
+        )
     return out
 
 
-def find(image: ImageRef, artifact_types: Tuple[str, ...], predicate_type: Optional[str] = None) -> Tuple[str, bytes]:
+def find(image: ImageRef, artifact_types: tuple[str, ...], predicate_type: str | None = None) -> tuple[str, bytes]:
     """(artifactType, document bytes) of the referrer of ``image`` bound to it (:func:`bound`) whose artifactType
     is one of ``artifact_types``; when ``predicate_type`` is given its ``in-toto.io/predicate-type`` annotation
     must be that.
@@ -186,8 +216,10 @@ def find(image: ImageRef, artifact_types: Tuple[str, ...], predicate_type: Optio
     hits = [kind for kind in artifact_types if kind in attached]
     if not hits:
         what = " or ".join(artifact_types)
-        raise UserError(f"{image.path}: no referrer of type {what} for {image.manifest_digest or image.config_digest} "
-                        "(rebuild the image with this version of `trainer image build`)")
+        raise UserError(
+            f"{image.path}: no referrer of type {what} for {image.manifest_digest or image.config_digest} "
+            "(rebuild the image with this version of `trainer image build`)"
+        )
     if len(hits) > 1:
         both = ", ".join(f"{kind} {attached[kind].descriptor.get('digest')}" for kind in hits)
         raise UserError(f"{image.path}: referrers {both} are both attached to {image.manifest_digest}; expected one")
@@ -195,6 +227,8 @@ def find(image: ImageRef, artifact_types: Tuple[str, ...], predicate_type: Optio
     descriptor = attached[kind].descriptor
     annotated = (descriptor.get("annotations") or {}).get(PREDICATE_ANNOTATION)
     if predicate_type and annotated != predicate_type:
-        raise UserError(f"{image.path}: referrer {descriptor.get('digest')} ({kind}) has predicate type {annotated!r}, "
-                        f"not {predicate_type}")
+        raise UserError(
+            f"{image.path}: referrer {descriptor.get('digest')} ({kind}) has predicate type {annotated!r}, "
+            f"not {predicate_type}"
+        )
     return kind, attached[kind].data

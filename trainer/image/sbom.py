@@ -53,9 +53,10 @@ import json
 import re
 import shlex
 import uuid
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
+from datetime import UTC, datetime
+from typing import Any
 from urllib.parse import urlparse
 
 from trainer import PROJECT, PROJECT_URL, __version__
@@ -81,39 +82,52 @@ class Item:
     name: str
     version: str
     purl: str
-    sha256: Optional[str] = None
-    url: Optional[str] = None
+    sha256: str | None = None
+    url: str | None = None
     ref: str = ""
-    filename: Optional[str] = None
-    commit: Optional[str] = None
-    tree: Optional[str] = None
-    download: Optional[str] = None  # an SPDX download location (a URL or git+URL@commit)
-    note: Optional[str] = None
+    filename: str | None = None
+    commit: str | None = None
+    tree: str | None = None
+    download: str | None = None  # an SPDX download location (a URL or git+URL@commit)
+    note: str | None = None
 
 
-def _purl(type_: str, namespace: Optional[str], name: str, version: Optional[str],
-          qualifiers: Optional[Dict[str, str]] = None) -> str:
+def _purl(
+    type_: str, namespace: str | None, name: str, version: str | None, qualifiers: dict[str, str] | None = None
+) -> str:
     from packageurl import PackageURL
 
     return PackageURL(type_, namespace, name, version, {k: v for k, v in (qualifiers or {}).items() if v}).to_string()
 
 
-def _deb_items(debs: Iterable[Dict[str, Any]], suite: Optional[str], kind: str = "deb",
-               note: Optional[str] = None) -> List[Item]:
-    return [Item(kind, d["name"], d["version"],
-                 _purl("deb", "debian", d["name"], d["version"], {"arch": d.get("architecture"), "distro": suite}),
-                 d.get("sha256"), d.get("url"), f"{kind}:{d['name']}", (d.get("url") or "").rsplit("/", 1)[-1] or None,
-                 download=d.get("url"), note=note) for d in debs]
+def _deb_items(
+    debs: Iterable[dict[str, Any]], suite: str | None, kind: str = "deb", note: str | None = None
+) -> list[Item]:
+    return [
+        Item(
+            kind,
+            d["name"],
+            d["version"],
+            _purl("deb", "debian", d["name"], d["version"], {"arch": d.get("architecture"), "distro": suite}),
+            d.get("sha256"),
+            d.get("url"),
+            f"{kind}:{d['name']}",
+            (d.get("url") or "").rsplit("/", 1)[-1] or None,
+            download=d.get("url"),
+            note=note,
+        )
+        for d in debs
+    ]
 
 
-def _debs(lock: Dict[str, Any]) -> Iterable[Item]:
+def _debs(lock: dict[str, Any]) -> Iterable[Item]:
     base = lock.get("base") or {}
     if base.get("type") != "debian-rootfs":
         return []
     return _deb_items(base.get("debs") or [], base.get("suite"))
 
 
-def _base_image(lock: Dict[str, Any]) -> Iterable[Item]:
+def _base_image(lock: dict[str, Any]) -> Iterable[Item]:
     base = lock.get("base") or {}
     if base.get("type") != "oci":
         return []
@@ -125,28 +139,47 @@ def _base_image(lock: Dict[str, Any]) -> Iterable[Item]:
     if "/" not in repository or "." not in repository.split("/", 1)[0]:
         repository = "docker.io/" + (repository if "/" in repository else f"library/{repository}")
     name = repository.rsplit("/", 1)[-1]
-    return [Item("base", name, digest, _purl("oci", None, name, digest, {"repository_url": repository, "tag": tag}),
-                 digest.split(":", 1)[1], f"docker://{reference}", f"base:{name}")]
+    return [
+        Item(
+            "base",
+            name,
+            digest,
+            _purl("oci", None, name, digest, {"repository_url": repository, "tag": tag}),
+            digest.split(":", 1)[1],
+            f"docker://{reference}",
+            f"base:{name}",
+        )
+    ]
 
 
-def _wheel_item(d: Dict[str, Any], kind: str, note: Optional[str] = None) -> Item:
+def _wheel_item(d: dict[str, Any], kind: str, note: str | None = None) -> Item:
     from trainer.image.imagelock import canonical_name
 
     host = urlparse(d.get("url") or "").hostname or ""
     index = None if host in PYPI_HOSTS or not d.get("url") else d["url"].rsplit("/", 1)[0]
     name = canonical_name(d["name"])
-    return Item(kind, name, d["version"],
-                _purl("pypi", None, name, d["version"], {"file_name": d.get("filename"), "repository_url": index}),
-                d.get("sha256"), d.get("url"), f"{kind}:{name}", d.get("filename"), download=d.get("url"), note=note)
+    return Item(
+        kind,
+        name,
+        d["version"],
+        _purl("pypi", None, name, d["version"], {"file_name": d.get("filename"), "repository_url": index}),
+        d.get("sha256"),
+        d.get("url"),
+        f"{kind}:{name}",
+        d.get("filename"),
+        download=d.get("url"),
+        note=note,
+    )
 
 
-def _python(section: str) -> Callable[[Dict[str, Any]], Iterable[Item]]:
-    def items(lock: Dict[str, Any]) -> Iterable[Item]:
+def _python(section: str) -> Callable[[dict[str, Any]], Iterable[Item]]:
+    def items(lock: dict[str, Any]) -> Iterable[Item]:
         return [_wheel_item(d, section[:-1]) for d in lock.get(section) or []]
+
     return items
 
 
-def _sources(lock: Dict[str, Any]) -> Iterable[Item]:
+def _sources(lock: dict[str, Any]) -> Iterable[Item]:
     out = []
     for s in lock.get("sources") or []:
         url, commit = s["url"], s["commit"]
@@ -158,12 +191,25 @@ def _sources(lock: Dict[str, Any]) -> Iterable[Item]:
         else:
             purl = _purl("generic", None, s["name"], commit, {"vcs_url": vcs})
         archive = s.get("archive") or {}
-        out.append(Item("source", s["name"], commit, purl, archive.get("sha256"), url, f"source:{s['name']}",
-                        archive.get("filename"), commit, s.get("tree"), download=vcs))
+        out.append(
+            Item(
+                "source",
+                s["name"],
+                commit,
+                purl,
+                archive.get("sha256"),
+                url,
+                f"source:{s['name']}",
+                archive.get("filename"),
+                commit,
+                s.get("tree"),
+                download=vcs,
+            )
+        )
     return out
 
 
-def _first_sha256(item: Dict[str, Any]) -> Optional[str]:
+def _first_sha256(item: dict[str, Any]) -> str | None:
     """The sha256 of a native build's output, wherever the lock's ``builds[]`` entry keeps it."""
     for holder in (item, item.get("output"), item.get("artifact"), *(item.get("outputs") or [])[:1]):
         if isinstance(holder, dict) and re.fullmatch(r"[0-9a-f]{64}", str(holder.get("sha256", ""))):
@@ -171,7 +217,7 @@ def _first_sha256(item: Dict[str, Any]) -> Optional[str]:
     return None
 
 
-def _input_version(lock: Dict[str, Any], spec: Any) -> Optional[str]:
+def _input_version(lock: dict[str, Any], spec: Any) -> str | None:
     """A build step's version from what it builds: its source's commit, or its sdist's version."""
     if not isinstance(spec, dict):
         return None
@@ -179,19 +225,28 @@ def _input_version(lock: Dict[str, Any], spec: Any) -> Optional[str]:
         return next((s.get("commit") for s in lock.get("sources") or [] if s.get("name") == spec["source"]), None)
     if spec.get("sdist"):
         want = re.sub(r"[-_.]+", "-", str(spec["sdist"])).lower()
-        return next((s.get("version") for s in lock.get("sdists") or []
-                     if re.sub(r"[-_.]+", "-", str(s.get("name"))).lower() == want), None)
+        return next(
+            (
+                s.get("version")
+                for s in lock.get("sdists") or []
+                if re.sub(r"[-_.]+", "-", str(s.get("name"))).lower() == want
+            ),
+            None,
+        )
     return None
 
 
-def build_outputs(layers: Optional[Iterable[Tuple[str, str]]]) -> Dict[str, str]:
+def build_outputs(layers: Iterable[tuple[str, str]] | None) -> dict[str, str]:
     """step name -> sha256 hex of its output: the diff_id of each ``build-<name>`` layer of ``layers``
     ((name, "sha256:<hex>") as built; the uncompressed layer tar of what the step installed, = its blob digest)."""
-    return {name[len("build-"):]: diff_id.split(":", 1)[1] for name, diff_id in layers or []
-            if name.startswith("build-") and ":" in diff_id}
+    return {
+        name[len("build-") :]: diff_id.split(":", 1)[1]
+        for name, diff_id in layers or []
+        if name.startswith("build-") and ":" in diff_id
+    }
 
 
-def _builds(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> Iterable[Item]:
+def _builds(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> Iterable[Item]:
     out = []
     for b in lock.get("builds") or []:
         if not isinstance(b, dict) or not b.get("name"):
@@ -201,15 +256,32 @@ def _builds(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> I
         sha = built or _first_sha256(b)
         version = b.get("version") or b.get("commit") or _input_version(lock, b.get("input"))
         version = str(version or (f"sha256:{sha}" if sha else "unknown"))
-        note = (f"sha256 = diff_id of the image layer build-{name} (the uncompressed tar of what build step {name} "
-                "installed)") if built else None
-        out.append(Item("build", name, version, _purl("generic", None, name, version),
-                        sha, b.get("url"), f"build:{name}", b.get("filename"), note=note))
+        note = (
+            (
+                f"sha256 = diff_id of the image layer build-{name} (the uncompressed tar of what build step {name} "
+                "installed)"
+            )
+            if built
+            else None
+        )
+        out.append(
+            Item(
+                "build",
+                name,
+                version,
+                _purl("generic", None, name, version),
+                sha,
+                b.get("url"),
+                f"build:{name}",
+                b.get("filename"),
+                note=note,
+            )
+        )
     return out
 
 
 # lock section -> the items it contributes, bottom of the image first; a lock without a section has none of it
-SECTIONS: Dict[str, Callable[[Dict[str, Any]], Iterable[Item]]] = {
+SECTIONS: dict[str, Callable[[dict[str, Any]], Iterable[Item]]] = {
     "base.debs": _debs,
     "base": _base_image,
     "wheels": _python("wheels"),
@@ -219,10 +291,10 @@ SECTIONS: Dict[str, Callable[[Dict[str, Any]], Iterable[Item]]] = {
 }
 
 
-def inventory(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> List[Item]:
+def inventory(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> list[Item]:
     """Every input of ``lock`` as :class:`Item`, in :data:`SECTIONS` order, sorted by name within a section;
     ``outputs`` (:func:`build_outputs`) gives each build step's output sha256."""
-    items: List[Item] = []
+    items: list[Item] = []
     for section, collect in SECTIONS.items():
         found = collect(lock, outputs) if section == "builds" else collect(lock)
         items += sorted(found, key=lambda i: (i.name, i.version))
@@ -238,11 +310,11 @@ class Step:
 
     name: str
     output: str
-    input: Optional[str]
-    debs: Tuple[str, ...]
-    wheels: Tuple[str, ...]
-    command: Tuple[str, ...]
-    env: Tuple[Tuple[str, str], ...]
+    input: str | None
+    debs: tuple[str, ...]
+    wheels: tuple[str, ...]
+    command: tuple[str, ...]
+    env: tuple[tuple[str, str], ...]
     install: str
 
 
@@ -252,16 +324,16 @@ class Graph:
     ``transient``, those only its build steps used (build-root packages that are not also the image's, the
     sdists a step builds); ``steps``, one :class:`Step` per ``builds[]`` step."""
 
-    contained: List[Item]
-    transient: List[Item]
-    steps: List[Step]
+    contained: list[Item]
+    transient: list[Item]
+    steps: list[Step]
 
-    def items(self) -> List[Item]:
+    def items(self) -> list[Item]:
         """``contained`` then ``transient``."""
         return self.contained + self.transient
 
 
-def graph(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> Graph:
+def graph(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> Graph:
     """The packages of the image built from ``lock`` (:func:`inventory`, builds with ``outputs``), the build
     root its steps ran in and the steps themselves (see :class:`Graph`). A build-root .deb or wheel with the
     sha256 of one of the image's .debs or wheels is that package (one entry, two roles)."""
@@ -269,26 +341,34 @@ def graph(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> Gra
     from trainer.image.imagelock import canonical_name
 
     items = inventory(lock, outputs)
-    steps_in = [b for b in lock.get("builds") or [] if isinstance(b, dict) and b.get("name")
-                and isinstance(b.get("input"), dict)]
+    steps_in = [
+        b
+        for b in lock.get("builds") or []
+        if isinstance(b, dict) and b.get("name") and isinstance(b.get("input"), dict)
+    ]
     built_sdists = {f"sdist:{canonical_name(str(b['input']['sdist']))}" for b in steps_in if b["input"].get("sdist")}
     contained = [i for i in items if i.ref not in built_sdists]
     transient = [i for i in items if i.ref in built_sdists]
     by_sha = {(i.kind, i.sha256): i.ref for i in items if i.kind in ("deb", "wheel") and i.sha256}
     root = lock.get("build_root") or {}
     names = ", ".join(str(b["name"]) for b in steps_in) or "none"
-    deb_refs: List[str] = []
-    for item in _deb_items(root.get("debs") or [], root.get("suite"), "build-root-deb",
-                           f"build_root.debs: in the build root of steps {names}, not in the image"):
+    deb_refs: list[str] = []
+    for item in _deb_items(
+        root.get("debs") or [],
+        root.get("suite"),
+        "build-root-deb",
+        f"build_root.debs: in the build root of steps {names}, not in the image",
+    ):
         ref = by_sha.get(("deb", item.sha256))
         if ref is None:
             transient.append(item)
             ref = item.ref
         deb_refs.append(ref)
-    wheel_refs: Dict[str, str] = {}  # sha256 -> ref, for the wheels of the steps' build roots
+    wheel_refs: dict[str, str] = {}  # sha256 -> ref, for the wheels of the steps' build roots
     for w in root.get("wheels") or []:
-        item = _wheel_item(w, "build-root-wheel", "build_root.wheels: in the build root of the steps that name it, "
-                           "not in the image")
+        item = _wheel_item(
+            w, "build-root-wheel", "build_root.wheels: in the build root of the steps that name it, not in the image"
+        )
         ref = by_sha.get(("wheel", item.sha256))
         if ref is None:
             transient.append(item)
@@ -297,33 +377,47 @@ def graph(lock: Dict[str, Any], outputs: Optional[Dict[str, str]] = None) -> Gra
     steps = []
     for b in steps_in:
         spec = b["input"]
-        source = f"source:{spec['source']}" if spec.get("source") else (
-            f"sdist:{canonical_name(str(spec['sdist']))}" if spec.get("sdist") else None)
-        wheels = [wheel_refs.get(w["sha256"]) or by_sha.get(("wheel", w["sha256"])) or f"wheel:{canonical_name(w['name'])}"
-                  for w in buildroot.wheel_items(lock, b.get("wheels") or [], str(b["name"]))]
-        steps.append(Step(str(b["name"]), f"build:{b['name']}", source, tuple(dict.fromkeys(deb_refs)),
-                          tuple(dict.fromkeys(wheels)), tuple(b.get("command") or ()),
-                          tuple(sorted((b.get("env") or {}).items())), str((b.get("install") or {}).get("type", ""))))
+        source = (
+            f"source:{spec['source']}"
+            if spec.get("source")
+            else (f"sdist:{canonical_name(str(spec['sdist']))}" if spec.get("sdist") else None)
+        )
+        wheels = [
+            wheel_refs.get(w["sha256"]) or by_sha.get(("wheel", w["sha256"])) or f"wheel:{canonical_name(w['name'])}"
+            for w in buildroot.wheel_items(lock, b.get("wheels") or [], str(b["name"]))
+        ]
+        steps.append(
+            Step(
+                str(b["name"]),
+                f"build:{b['name']}",
+                source,
+                tuple(dict.fromkeys(deb_refs)),
+                tuple(dict.fromkeys(wheels)),
+                tuple(b.get("command") or ()),
+                tuple(sorted((b.get("env") or {}).items())),
+                str((b.get("install") or {}).get("type", "")),
+            )
+        )
     order = {"sdist": 0, "build-root-deb": 1, "build-root-wheel": 2}
     transient.sort(key=lambda i: (order.get(i.kind, 3), i.name, i.version))
     return Graph(contained, transient, steps)
 
 
-def image_purl(lock: Dict[str, Any], manifest_digest: str) -> str:
+def image_purl(lock: dict[str, Any], manifest_digest: str) -> str:
     """``pkg:oci/NAME@sha256:...?arch=ARCH`` of the image built from ``lock`` with ``manifest_digest``."""
     arch = (lock.get("platform") or {}).get("architecture", "amd64")
     return _purl("oci", None, lock["name"], manifest_digest, {"arch": arch})
 
 
-def _epoch(lock: Dict[str, Any]) -> datetime:
-    return datetime.fromtimestamp(int(lock["epoch"]), tz=timezone.utc)
+def _epoch(lock: dict[str, Any]) -> datetime:
+    return datetime.fromtimestamp(int(lock["epoch"]), tz=UTC)
 
 
 def _serial(manifest_digest: str, kind: str) -> uuid.UUID:
     return uuid.uuid5(NAMESPACE, f"{kind}:{manifest_digest}")
 
 
-def _spdx_id(kind: str, name: str, seen: Dict[str, int]) -> str:
+def _spdx_id(kind: str, name: str, seen: dict[str, int]) -> str:
     base = "SPDXRef-" + re.sub(r"[^A-Za-z0-9.-]+", "-", f"{kind}-{name}")
     seen[base] = seen.get(base, 0) + 1
     return base if seen[base] == 1 else f"{base}-{seen[base]}"
@@ -338,7 +432,7 @@ def _spdx_checksums(item: Item, Checksum, ChecksumAlgorithm) -> list:
     return out
 
 
-def _spdx_23(data: Dict[str, Any]) -> Dict[str, Any]:
+def _spdx_23(data: dict[str, Any]) -> dict[str, Any]:
     """``data`` (spdx-tools' JSON conversion) with each ``externalRefs[].referenceCategory`` spelt as the SPDX 2.3
     JSON schema has it (``PACKAGE-MANAGER``, ``PERSISTENT-ID``; spdx-tools writes the enum names)."""
     for package in data.get("packages") or []:
@@ -347,39 +441,71 @@ def _spdx_23(data: Dict[str, Any]) -> Dict[str, Any]:
     return data
 
 
-def spdx_json(lock: Dict[str, Any], manifest_digest: str, layers: Optional[Iterable[Tuple[str, str]]] = None) -> bytes:
+def spdx_json(lock: dict[str, Any], manifest_digest: str, layers: Iterable[tuple[str, str]] | None = None) -> bytes:
     """The SPDX 2.3 JSON SBOM of the image ``manifest_digest`` built from ``lock``, whose layers (name, diff_id)
     are ``layers`` (they give the build steps' output sha256, :func:`build_outputs`). Built with spdx-tools'
     model, validated by spdx-tools before it is written; relationships as the module docstring says. Raises
     :class:`UserError` if it does not validate."""
-    from spdx_tools.spdx.model import (Actor, ActorType, Checksum, ChecksumAlgorithm, CreationInfo, Document,
-                                       ExternalPackageRef, ExternalPackageRefCategory, Package, PackagePurpose,
-                                       Relationship, RelationshipType, SpdxNoAssertion)
+    from spdx_tools.spdx.model import (
+        Actor,
+        ActorType,
+        Checksum,
+        ChecksumAlgorithm,
+        CreationInfo,
+        Document,
+        ExternalPackageRef,
+        ExternalPackageRefCategory,
+        Package,
+        PackagePurpose,
+        Relationship,
+        RelationshipType,
+        SpdxNoAssertion,
+    )
     from spdx_tools.spdx.validation.uri_validators import validate_download_location
     from spdx_tools.spdx.writer.write_utils import convert, validate_and_deduplicate
 
     hex_digest = manifest_digest.split(":", 1)[1]
     created = _epoch(lock).replace(tzinfo=None)
-    info = CreationInfo(spdx_version="SPDX-2.3", spdx_id="SPDXRef-DOCUMENT", name=f"{lock['name']}@{manifest_digest}",
-                        document_namespace=f"{PROJECT_URL}/spdx/{lock['name']}-{_serial(manifest_digest, 'spdx')}",
-                        creators=[Actor(ActorType.TOOL, f"{PROJECT}-{__version__}")], created=created,
-                        data_license="CC0-1.0")
+    info = CreationInfo(
+        spdx_version="SPDX-2.3",
+        spdx_id="SPDXRef-DOCUMENT",
+        name=f"{lock['name']}@{manifest_digest}",
+        document_namespace=f"{PROJECT_URL}/spdx/{lock['name']}-{_serial(manifest_digest, 'spdx')}",
+        creators=[Actor(ActorType.TOOL, f"{PROJECT}-{__version__}")],
+        created=created,
+        data_license="CC0-1.0",
+    )
     no = SpdxNoAssertion
 
     def purl_ref(purl: str) -> ExternalPackageRef:
         return ExternalPackageRef(ExternalPackageRefCategory.PACKAGE_MANAGER, "purl", purl)
 
     image_id = "SPDXRef-image"
-    packages = [Package(spdx_id=image_id, name=lock["name"], download_location=no(), version=manifest_digest,
-                        files_analyzed=False, checksums=[Checksum(ChecksumAlgorithm.SHA256, hex_digest)],
-                        external_references=[purl_ref(image_purl(lock, manifest_digest))],
-                        license_concluded=no(), license_declared=no(), copyright_text=no(),
-                        primary_package_purpose=PackagePurpose.CONTAINER, supplier=no())]
+    packages = [
+        Package(
+            spdx_id=image_id,
+            name=lock["name"],
+            download_location=no(),
+            version=manifest_digest,
+            files_analyzed=False,
+            checksums=[Checksum(ChecksumAlgorithm.SHA256, hex_digest)],
+            external_references=[purl_ref(image_purl(lock, manifest_digest))],
+            license_concluded=no(),
+            license_declared=no(),
+            copyright_text=no(),
+            primary_package_purpose=PackagePurpose.CONTAINER,
+            supplier=no(),
+        )
+    ]
     relationships = [Relationship("SPDXRef-DOCUMENT", RelationshipType.DESCRIBES, image_id)]
-    seen: Dict[str, int] = {}
-    ids: Dict[str, str] = {}
-    purposes = {"base": PackagePurpose.CONTAINER, "source": PackagePurpose.SOURCE, "sdist": PackagePurpose.SOURCE,
-                "build": PackagePurpose.LIBRARY}
+    seen: dict[str, int] = {}
+    ids: dict[str, str] = {}
+    purposes = {
+        "base": PackagePurpose.CONTAINER,
+        "source": PackagePurpose.SOURCE,
+        "sdist": PackagePurpose.SOURCE,
+        "build": PackagePurpose.LIBRARY,
+    }
     found = graph(lock, build_outputs(layers))
     contained = {i.ref for i in found.contained}
     for item in found.items():
@@ -390,56 +516,85 @@ def spdx_json(lock: Dict[str, Any], manifest_digest: str, layers: Optional[Itera
             source_info = f"git commit {item.commit} tree {item.tree} from {item.url}"
         elif download is None and item.url:
             source_info = f"from {item.url}"
-        section = {"build-root-deb": "build_root.debs", "build-root-wheel": "build_root.wheels"}.get(item.kind, item.kind)
-        packages.append(Package(
-            spdx_id=spdx_id, name=item.name, version=item.version, file_name=item.filename,
-            download_location=download or no(), files_analyzed=False,
-            checksums=_spdx_checksums(item, Checksum, ChecksumAlgorithm),
-            external_references=[purl_ref(item.purl)], source_info=source_info,
-            comment=f"{PROJECT} lock: {section}" + (f"; {item.note}" if item.note else ""),
-            license_concluded=no(), license_declared=no(), copyright_text=no(), supplier=no(),
-            primary_package_purpose=purposes.get(item.kind, PackagePurpose.LIBRARY)))
+        section = {"build-root-deb": "build_root.debs", "build-root-wheel": "build_root.wheels"}.get(
+            item.kind, item.kind
+        )
+        packages.append(
+            Package(
+                spdx_id=spdx_id,
+                name=item.name,
+                version=item.version,
+                file_name=item.filename,
+                download_location=download or no(),
+                files_analyzed=False,
+                checksums=_spdx_checksums(item, Checksum, ChecksumAlgorithm),
+                external_references=[purl_ref(item.purl)],
+                source_info=source_info,
+                comment=f"{PROJECT} lock: {section}" + (f"; {item.note}" if item.note else ""),
+                license_concluded=no(),
+                license_declared=no(),
+                copyright_text=no(),
+                supplier=no(),
+                primary_package_purpose=purposes.get(item.kind, PackagePurpose.LIBRARY),
+            )
+        )
         if item.ref in contained:
             relationships.append(Relationship(image_id, RelationshipType.CONTAINS, spdx_id))
     for step in found.steps:  # SPDX 2.3 clause 11.1: GENERATED_FROM, BUILD_DEPENDENCY_OF
         output = ids[step.output]
         if step.input in ids:
-            relationships.append(Relationship(output, RelationshipType.GENERATED_FROM, ids[step.input],
-                                              comment=f"build step {step.name}: its input"))
+            relationships.append(
+                Relationship(
+                    output,
+                    RelationshipType.GENERATED_FROM,
+                    ids[step.input],
+                    comment=f"build step {step.name}: its input",
+                )
+            )
         for ref in step.debs + step.wheels:
             relationships.append(Relationship(ids[ref], RelationshipType.BUILD_DEPENDENCY_OF, output))
     document = Document(creation_info=info, packages=packages, relationships=relationships)
     try:
         document = validate_and_deduplicate(document, validate=True, drop_duplicates=True)
     except ValueError as ex:
-        raise UserError(f"lock {lock['name']}: its SPDX SBOM does not validate ({' '.join(str(ex).split())[:400]})") from None
+        raise UserError(
+            f"lock {lock['name']}: its SPDX SBOM does not validate ({' '.join(str(ex).split())[:400]})"
+        ) from None
     return (json.dumps(_spdx_23(convert(document, None)), indent=4) + "\n").encode()
 
 
-def _cdx_formula(found: Graph) -> Optional[Dict[str, Any]]:
+def _cdx_formula(found: Graph) -> dict[str, Any] | None:
     """The CycloneDX 1.6 ``formulation`` entry of ``found``'s build steps (without its ``components``, which the
     caller moves there), or None when the lock has no steps."""
     if not found.steps:
         return None
     workflows = []
     for step in found.steps:
-        inputs = [{"resource": {"ref": ref}} for ref in dict.fromkeys(
-            ([step.input] if step.input else []) + list(step.debs) + list(step.wheels))]
+        inputs = [
+            {"resource": {"ref": ref}}
+            for ref in dict.fromkeys(([step.input] if step.input else []) + list(step.debs) + list(step.wheels))
+        ]
         if step.env:
             inputs.append({"environmentVars": [{"name": k, "value": v} for k, v in step.env]})
-        workflows.append({
-            "bom-ref": f"build-step:{step.name}", "uid": f"build-{step.name}", "name": f"build step {step.name}",
-            "description": f"runs in a bubblewrap build root made only of the lock's build_root (no network); its "
-                           f"output is the image layer build-{step.name}, installed as a {step.install}",
-            "taskTypes": ["build"], "inputs": inputs,
-            "outputs": [{"type": "artifact", "resource": {"ref": step.output}}],
-            "steps": [{"name": step.name, "commands": [{"executed": shlex.join(step.command)}]}],
-        })
+        workflows.append(
+            {
+                "bom-ref": f"build-step:{step.name}",
+                "uid": f"build-{step.name}",
+                "name": f"build step {step.name}",
+                "description": f"runs in a bubblewrap build root made only of the lock's build_root (no network); its "
+                f"output is the image layer build-{step.name}, installed as a {step.install}",
+                "taskTypes": ["build"],
+                "inputs": inputs,
+                "outputs": [{"type": "artifact", "resource": {"ref": step.output}}],
+                "steps": [{"name": step.name, "commands": [{"executed": shlex.join(step.command)}]}],
+            }
+        )
     return {"bom-ref": "formula:build-steps", "workflows": workflows}
 
 
-def cyclonedx_json(lock: Dict[str, Any], manifest_digest: str,
-                   layers: Optional[Iterable[Tuple[str, str]]] = None) -> bytes:
+def cyclonedx_json(
+    lock: dict[str, Any], manifest_digest: str, layers: Iterable[tuple[str, str]] | None = None
+) -> bytes:
     """The CycloneDX 1.6 JSON SBOM of the image ``manifest_digest`` built from ``lock`` (layers as for
     :func:`spdx_json`), written by cyclonedx-python-lib; the ``formulation`` of the build steps (which that
     library does not model) is added to its output, see the module docstring."""
@@ -450,13 +605,18 @@ def cyclonedx_json(lock: Dict[str, Any], manifest_digest: str,
     from cyclonedx.output.json import JsonV1Dot6
     from packageurl import PackageURL
 
-    def hashes(hex_: Optional[str], tree: Optional[str] = None) -> List[HashType]:
+    def hashes(hex_: str | None, tree: str | None = None) -> list[HashType]:
         out = [HashType(alg=HashAlgorithm.SHA_256, content=hex_)] if hex_ else []
         return out + ([HashType(alg=HashAlgorithm.SHA_1, content=tree)] if tree else [])  # a git tree id
 
-    image = Component(name=lock["name"], version=manifest_digest, type=ComponentType.CONTAINER, bom_ref="image",
-                      purl=PackageURL.from_string(image_purl(lock, manifest_digest)),
-                      hashes=hashes(manifest_digest.split(":", 1)[1]))
+    image = Component(
+        name=lock["name"],
+        version=manifest_digest,
+        type=ComponentType.CONTAINER,
+        bom_ref="image",
+        purl=PackageURL.from_string(image_purl(lock, manifest_digest)),
+        hashes=hashes(manifest_digest.split(":", 1)[1]),
+    )
     kinds = {"base": ComponentType.CONTAINER, "build": ComponentType.LIBRARY}
     found = graph(lock, build_outputs(layers))
     components, contained = [], []
@@ -464,19 +624,34 @@ def cyclonedx_json(lock: Dict[str, Any], manifest_digest: str,
     for item in found.items():
         refs = []
         if item.kind == "source" and item.url:
-            refs.append(ExternalReference(type=ExternalReferenceType.VCS, url=XsUri(item.url),
-                                          comment=f"commit {item.commit} tree {item.tree}"))
+            refs.append(
+                ExternalReference(
+                    type=ExternalReferenceType.VCS,
+                    url=XsUri(item.url),
+                    comment=f"commit {item.commit} tree {item.tree}",
+                )
+            )
         elif item.url and re.match(r"^[a-z]+://", item.url) and not item.url.startswith("docker://"):
             refs.append(ExternalReference(type=ExternalReferenceType.DISTRIBUTION, url=XsUri(item.url)))
-        component = Component(name=item.name, version=item.version, type=kinds.get(item.kind, ComponentType.LIBRARY),
-                              bom_ref=item.ref, purl=PackageURL.from_string(item.purl),
-                              hashes=hashes(item.sha256, item.tree), external_references=refs, description=item.note)
+        component = Component(
+            name=item.name,
+            version=item.version,
+            type=kinds.get(item.kind, ComponentType.LIBRARY),
+            bom_ref=item.ref,
+            purl=PackageURL.from_string(item.purl),
+            hashes=hashes(item.sha256, item.tree),
+            external_references=refs,
+            description=item.note,
+        )
         components.append(component)
         if item.ref in inside:
             contained.append(component)
     tools = ToolRepository(components=[Component(name=PROJECT, version=__version__, type=ComponentType.APPLICATION)])
-    bom = Bom(components=components, serial_number=_serial(manifest_digest, "cyclonedx"),
-              metadata=BomMetaData(component=image, timestamp=_epoch(lock), tools=tools))
+    bom = Bom(
+        components=components,
+        serial_number=_serial(manifest_digest, "cyclonedx"),
+        metadata=BomMetaData(component=image, timestamp=_epoch(lock), tools=tools),
+    )
     bom.register_dependency(image, contained)
     doc = json.loads(JsonV1Dot6(bom).output_as_string(indent=2))
     formula = _cdx_formula(found)
@@ -502,8 +677,15 @@ def validate_spdx(data: bytes, where: str) -> None:
 
     try:
         document = JsonLikeDictParser().parse(json.loads(data))
-    except (SPDXParsingError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError,
-            AttributeError) as ex:
+    except (
+        SPDXParsingError,
+        json.JSONDecodeError,
+        UnicodeDecodeError,
+        KeyError,
+        TypeError,
+        ValueError,
+        AttributeError,
+    ) as ex:
         message = "; ".join(ex.get_messages()) if isinstance(ex, SPDXParsingError) else str(ex)
         raise UserError(f"{where}: not a valid SPDX 2.3 JSON document ({' '.join(message.split())[:300]})") from None
     problems = validate_full_spdx_document(document, "SPDX-2.3")
@@ -528,14 +710,14 @@ def validate_cyclonedx(data: bytes, where: str) -> None:
         raise UserError(f"{where}: CycloneDX 1.6 schema: {' '.join(str(error).split())[:300]}")
 
 
-def packages_of_spdx(data: bytes) -> Dict[str, Dict[str, Optional[str]]]:
+def packages_of_spdx(data: bytes) -> dict[str, dict[str, str | None]]:
     """The packages of an SPDX JSON SBOM keyed by purl without version and qualifiers (``pkg:pypi/six``;
     ``build-root:pkg:deb/debian/gcc-12`` for a build-root package that is not also the image's, whose name may
     be the image's at another version): ``{"version", "sha256", "purl"}``; for comparing two images' SBOMs."""
     from packageurl import PackageURL
 
     doc = json.loads(data)
-    out: Dict[str, Dict[str, Optional[str]]] = {}
+    out: dict[str, dict[str, str | None]] = {}
     for pkg in doc.get("packages") or []:
         purls = [r["referenceLocator"] for r in pkg.get("externalRefs") or [] if r.get("referenceType") == "purl"]
         if not purls or pkg.get("SPDXID") == "SPDXRef-image":

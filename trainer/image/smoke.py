@@ -12,24 +12,30 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Dict, Tuple
 
 from trainer.image.cas import hash_file
 from trainer.image.layer import FILE, Entry, write_layer
 
 
-def git_env(epoch: int) -> Dict[str, str]:
+def git_env(epoch: int) -> dict[str, str]:
     """An environment that makes ``git commit`` deterministic (fixed identity and dates, no user config)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     date = f"{epoch} +0000"
-    env.update(GIT_AUTHOR_NAME="recipe-bundle", GIT_AUTHOR_EMAIL="tests@recipe-bundle.invalid",
-               GIT_COMMITTER_NAME="recipe-bundle", GIT_COMMITTER_EMAIL="tests@recipe-bundle.invalid",
-               GIT_AUTHOR_DATE=date, GIT_COMMITTER_DATE=date, GIT_CONFIG_NOSYSTEM="1", GIT_CONFIG_GLOBAL=os.devnull,
-               HOME=os.devnull)
+    env.update(
+        GIT_AUTHOR_NAME="recipe-bundle",
+        GIT_AUTHOR_EMAIL="tests@recipe-bundle.invalid",
+        GIT_COMMITTER_NAME="recipe-bundle",
+        GIT_COMMITTER_EMAIL="tests@recipe-bundle.invalid",
+        GIT_AUTHOR_DATE=date,
+        GIT_COMMITTER_DATE=date,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_GLOBAL=os.devnull,
+        HOME=os.devnull,
+    )
     return env
 
 
-def make_git_source(directory: Path, name: str, files: Dict[str, bytes], epoch: int) -> Tuple[Path, str, str]:
+def make_git_source(directory: Path, name: str, files: dict[str, bytes], epoch: int) -> tuple[Path, str, str]:
     """Commit ``files`` in a fresh git repository under ``directory``/``name``.git and write the commit's
     archive (a tar with top-level directory ``{name}-{commit[:12]}``, made by the deterministic layer writer).
 
@@ -46,8 +52,9 @@ def make_git_source(directory: Path, name: str, files: Dict[str, bytes], epoch: 
     env = git_env(epoch)
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], env=env, check=True, capture_output=True,
-                              text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], env=env, check=True, capture_output=True, text=True
+        ).stdout.strip()
 
     git("init", "-q")
     git("add", "-A")
@@ -70,7 +77,7 @@ SMOKE_SOURCE_FILES = {
 SMOKE_EPOCH = 1767225600
 
 
-def smoke_source(directory: Path) -> Dict[str, str]:
+def smoke_source(directory: Path) -> dict[str, str]:
     """Write the smoke lock's git source archive into ``directory``; return {"archive" (its path), "commit",
     "tree", "sha256"} (hex ids)."""
     archive, commit, tree = make_git_source(Path(directory), "smoke-src", SMOKE_SOURCE_FILES, SMOKE_EPOCH)

@@ -31,7 +31,7 @@ import tarfile
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any, BinaryIO, Dict, List, Optional, Tuple
+from typing import Any, BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.gittree import EXEC_MODE, FILE_MODE, LINK_MODE, check_links_stay_inside, git_tree_id
@@ -42,16 +42,16 @@ PTH_NAME = "recipe-bundle-sources.pth"
 MAX_SOURCE_BYTES = 2 << 30  # a source tree larger than this (uncompressed) is refused: 2 GiB
 
 
-def source_label(source: Dict[str, Any]) -> str:
+def source_label(source: dict[str, Any]) -> str:
     """``source NAME@COMMIT12`` for messages."""
     return f"source {source['name']}@{source['commit'][:12]}"
 
 
-def _zip_entries(stream: BinaryIO) -> List[Entry]:
+def _zip_entries(stream: BinaryIO) -> list[Entry]:
     """Entries of a zip archive: files (executable from the Unix mode in ``external_attr``), symlinks (Unix
     mode S_IFLNK, target = the member's content) and directories. Raises :class:`UserError` for ``..`` paths,
     special files, or an archive larger than :data:`MAX_SOURCE_BYTES`."""
-    out: List[Entry] = []
+    out: list[Entry] = []
     try:
         archive = zipfile.ZipFile(stream)
     except zipfile.BadZipFile as ex:
@@ -81,7 +81,7 @@ def _zip_entries(stream: BinaryIO) -> List[Entry]:
     return out
 
 
-def archive_entries(path: Path, label: str) -> List[Entry]:
+def archive_entries(path: Path, label: str) -> list[Entry]:
     """The raw entries of an archive file (zip, or tar with any compression :mod:`tarfile` reads).
     Raises :class:`UserError` naming ``label`` for an unreadable archive or a refused member."""
     try:
@@ -104,7 +104,7 @@ def archive_entries(path: Path, label: str) -> List[Entry]:
         raise UserError(f"{label}: not a readable tar or zip archive ({ex})") from None
 
 
-def tree_files(raw: List[Entry], label: str) -> Dict[str, Tuple[str, bytes]]:
+def tree_files(raw: list[Entry], label: str) -> dict[str, tuple[str, bytes]]:
     """The files of an archive with one top-level directory (stripped), as git tree input: relative path ->
     (mode, content or symlink target bytes). Symlinks are checked to stay inside the tree, chains included.
     Raises :class:`UserError` naming ``label``."""
@@ -112,9 +112,9 @@ def tree_files(raw: List[Entry], label: str) -> Dict[str, Tuple[str, bytes]]:
     if len(tops) != 1 or any(e.path == next(iter(tops)) and e.type != DIR for e in raw):
         raise UserError(f"{label}: expected one top-level directory in the archive, found {len(tops)} entries")
     top = next(iter(tops))
-    files: Dict[str, Tuple[str, bytes]] = {}
+    files: dict[str, tuple[str, bytes]] = {}
     for entry in raw:
-        rel = entry.path[len(top) + 1:]
+        rel = entry.path[len(top) + 1 :]
         if not rel:
             continue
         if entry.type == FILE:
@@ -125,7 +125,7 @@ def tree_files(raw: List[Entry], label: str) -> Dict[str, Tuple[str, bytes]]:
     return files
 
 
-def _check_tree(files: Dict[str, Tuple[str, bytes]], label: str) -> None:
+def _check_tree(files: dict[str, tuple[str, bytes]], label: str) -> None:
     if not files:
         raise UserError(f"{label}: the archive holds no files")
     links = {path: data.decode("utf-8", "surrogateescape") for path, (mode, data) in files.items() if mode == LINK_MODE}
@@ -138,7 +138,7 @@ def _check_tree(files: Dict[str, Tuple[str, bytes]], label: str) -> None:
             parent = parent.rsplit("/", 1)[0] if "/" in parent else ""
 
 
-def verified_files(archive: Path, source: Dict[str, Any]) -> Dict[str, Tuple[str, bytes]]:
+def verified_files(archive: Path, source: dict[str, Any]) -> dict[str, tuple[str, bytes]]:
     """The files of ``archive`` after checking that they hash to ``source['tree']``.
     Raises :class:`UserError` on a mismatch, naming both tree ids."""
     label = source_label(source)
@@ -150,7 +150,7 @@ def verified_files(archive: Path, source: Dict[str, Any]) -> Dict[str, Tuple[str
     return files
 
 
-def labelled_tree_id(files: Dict[str, Tuple[str, bytes]], label: str) -> str:
+def labelled_tree_id(files: dict[str, tuple[str, bytes]], label: str) -> str:
     """:func:`git_tree_id` with ``label`` in front of its error (a path both a file and a directory)."""
     try:
         return git_tree_id(files)
@@ -158,7 +158,7 @@ def labelled_tree_id(files: Dict[str, Tuple[str, bytes]], label: str) -> str:
         raise UserError(f"{label}: {err}") from None
 
 
-def source_entries(archive: Path, source: Dict[str, Any]) -> List[Entry]:
+def source_entries(archive: Path, source: dict[str, Any]) -> list[Entry]:
     """Layer entries of the git ``source`` (a lock ``sources[]`` item) from its ``archive``, under its ``dest``.
 
     Raises :class:`UserError` when the archive's files do not hash to the locked tree, when it does not have
@@ -174,7 +174,7 @@ def source_entries(archive: Path, source: Dict[str, Any]) -> List[Entry]:
     return out
 
 
-def cached_archive(cache: Any, source: Dict[str, Any]) -> Path:
+def cached_archive(cache: Any, source: dict[str, Any]) -> Path:
     """The cached archive of ``source`` (re-hashed by the cache; its tree is checked when it is unpacked):
     by ``archive.sha256`` when the lock pins one and the cache has it, else the blob the cache's tree index
     names (seeded by ``add-git`` or ``fetch``).
@@ -189,8 +189,11 @@ def cached_archive(cache: Any, source: Dict[str, Any]) -> Path:
         record = cache.tree_record(source["tree"])
         path = cache.get(record["sha256"], f"{label} (git tree {source['tree']})") if record else None
     if path is None:
-        also = (f", or add its archive with `trainer cache add {archive['filename']} --sha256 {archive['sha256']}`"
-                if archive else "")
+        also = (
+            f", or add its archive with `trainer cache add {archive['filename']} --sha256 {archive['sha256']}`"
+            if archive
+            else ""
+        )
         raise UserError(
             f"missing input {label} (git tree {source['tree']}); seed it from a clone with `trainer cache add-git "
             f"CLONE --commit {source['commit']}`{also}, or, with network to {source['url']}, "
@@ -199,7 +202,7 @@ def cached_archive(cache: Any, source: Dict[str, Any]) -> Path:
     return path
 
 
-def pth_entry(sources: List[Dict[str, Any]], site_packages: str) -> Optional[Entry]:
+def pth_entry(sources: list[dict[str, Any]], site_packages: str) -> Entry | None:
     """The ``.pth`` file that puts every ``python_path`` source's ``dest`` on the image Python's path
     (site.py reads one directory per line), or None when no source asks for it."""
     lines = [s["dest"] for s in sorted(sources, key=lambda s: s["name"]) if s.get("python_path")]
@@ -207,11 +210,13 @@ def pth_entry(sources: List[Dict[str, Any]], site_packages: str) -> Optional[Ent
         return None
     for line in lines:  # site.py executes a .pth line that starts with "import": only plain paths here
         if not line.startswith("/") or any(c.isspace() or ord(c) < 32 for c in line):
-            raise UserError(f"sources dest {line!r}: expected an absolute path without whitespace or control characters")
+            raise UserError(
+                f"sources dest {line!r}: expected an absolute path without whitespace or control characters"
+            )
     return Entry(f"{site_packages.rstrip('/')}/{PTH_NAME}", FILE, data="".join(f"{line}\n" for line in lines).encode())
 
 
-def canonical_entries(files: Dict[str, Tuple[str, bytes]], tree: str) -> List[Entry]:
+def canonical_entries(files: dict[str, tuple[str, bytes]], tree: str) -> list[Entry]:
     """The cache's own archive of a tree: every file under one top-level directory ``tree-<12 hex>``, for
     :func:`trainer.image.layer.write_layer` (sorted, fixed time: the same tree always gives the same bytes)."""
     top = f"tree-{tree[:12]}"
@@ -224,7 +229,7 @@ def canonical_entries(files: Dict[str, Tuple[str, bytes]], tree: str) -> List[En
     return out
 
 
-def _git(gitdir: Path, *args: str, stdin: Optional[bytes] = None) -> bytes:
+def _git(gitdir: Path, *args: str, stdin: bytes | None = None) -> bytes:
     try:
         out = subprocess.run(["git", "--git-dir", str(gitdir), *args], input=stdin, capture_output=True, timeout=600)
     except FileNotFoundError:
@@ -251,14 +256,14 @@ def git_dir_of(path: Path) -> Path:
             except (OSError, UnicodeDecodeError):
                 raise UserError(f"{candidate}: not a readable 'gitdir: PATH' file") from None
             if text.startswith("gitdir:"):
-                gitdir = (path / text[len("gitdir:"):].strip()).resolve()
+                gitdir = (path / text[len("gitdir:") :].strip()).resolve()
                 if not (gitdir / "HEAD").is_file():
                     raise UserError(f"{candidate}: names {gitdir}, which is not a git directory")
                 return gitdir
     raise UserError(f"{path}: not a git repository (no objects/ and HEAD in it or in its .git)")
 
 
-def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[str, bytes]]]:
+def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[str, bytes]]]:
     """Read ``commit``'s tree from the git repository at ``path`` without a checkout.
 
     Returns (full commit id, tree id as git states it, files as for :func:`git_tree_id`). Raises
@@ -289,8 +294,10 @@ def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[st
         if kind != b"blob":
             raise UserError(f"{path}: {commit[:12]} has a {kind.decode()} at {rel} (submodules are not supported)")
         if int(size) > tarread.MAX_MEMBER_BYTES:  # read at call time: the build's limit, whatever it is now
-            raise UserError(f"{path}: {commit[:12]}'s file {rel} is {int(size):,} bytes, more than the build's "
-                            f"{tarread.MAX_MEMBER_BYTES:,} per file (refused before reading it)")
+            raise UserError(
+                f"{path}: {commit[:12]}'s file {rel} is {int(size):,} bytes, more than the build's "
+                f"{tarread.MAX_MEMBER_BYTES:,} per file (refused before reading it)"
+            )
         total += int(size)
         if total > MAX_SOURCE_BYTES:
             raise UserError(f"{path}: {commit[:12]}'s tree is larger than {MAX_SOURCE_BYTES:,} bytes (refused)")
@@ -301,8 +308,9 @@ def export_commit(path: Path, commit: str) -> Tuple[str, str, Dict[str, Tuple[st
     return full, tree, files
 
 
-def _read_blobs(gitdir: Path, path: Path, items: List[Tuple[str, str, bytes, int]],
-                limit: int) -> Dict[str, Tuple[str, bytes]]:
+def _read_blobs(
+    gitdir: Path, path: Path, items: list[tuple[str, str, bytes, int]], limit: int
+) -> dict[str, tuple[str, bytes]]:
     """The blobs ``items`` ((path, mode, object id, size listed)) read from one ``git cat-file --batch`` process,
     one object at a time: its id written, its header read and checked (the id asked, a size equal to the one
     listed and at most ``limit`` bytes), then exactly that many bytes. Returns path -> (mode, content) as git
@@ -311,11 +319,15 @@ def _read_blobs(gitdir: Path, path: Path, items: List[Tuple[str, str, bytes, int
     (SIGKILL) before it is waited for, so that a git still writing an object of 1 GiB costs no wait; after all
     objects were read, its stdin closed and waited for at most 60 s, then killed."""
     try:
-        proc = subprocess.Popen(["git", "--git-dir", str(gitdir), "cat-file", "--batch"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            ["git", "--git-dir", str(gitdir), "cat-file", "--batch"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
     except FileNotFoundError:
         raise UserError("git is not installed (apt-get install git)") from None
-    files: Dict[str, Tuple[str, bytes]] = {}
+    files: dict[str, tuple[str, bytes]] = {}
     done = False
     try:
         for rel, mode, oid, listed in items:
@@ -326,8 +338,9 @@ def _read_blobs(gitdir: Path, path: Path, items: List[Tuple[str, str, bytes, int
                 raise UserError(f"{path}: git cat-file returned {header!r} for {rel}")
             size = int(header[2])
             if size != listed or size > limit:
-                raise UserError(f"{path}: git cat-file says {rel} is {size:,} bytes (listed {listed:,}, at most "
-                                f"{limit:,}; refused)")
+                raise UserError(
+                    f"{path}: git cat-file says {rel} is {size:,} bytes (listed {listed:,}, at most {limit:,}; refused)"
+                )
             data = proc.stdout.read(size)
             if len(data) != size or proc.stdout.read(1) != b"\n":  # each object ends with a newline
                 raise UserError(f"{path}: git cat-file cut {rel} short")
@@ -351,24 +364,22 @@ def _read_blobs(gitdir: Path, path: Path, items: List[Tuple[str, str, bytes, int
     return files
 
 
-def _check_paths(files: Dict[str, Tuple[str, bytes]], label: str) -> None:
+def _check_paths(files: dict[str, tuple[str, bytes]], label: str) -> None:
     for rel in files:
         parts = rel.split("/")
         if rel.startswith("/") or any(p in ("", ".", "..", ".git") or "\0" in p for p in parts):
             raise UserError(f"{label}: path {rel!r} leaves the tree or is not a plain relative path (refused)")
 
 
-def pins_for(locks: List[Path]) -> List[Dict[str, Any]]:
+def pins_for(locks: list[Path]) -> list[dict[str, Any]]:
     """Every git source pinned by the image locks and stack files in ``locks``: [{"name", "url", "commit",
     "tree", "where"}]. Image locks give ``sources[]``; a ``stack.json`` gives its components with a commit and
     tree. Raises :class:`UserError` for an unreadable file."""
     import json
 
-    from trainer.image.imagelock import load_lock
+    from trainer.image.imagelock import KIND, load_lock
 
-    from trainer.image.imagelock import KIND
-
-    out: List[Dict[str, Any]] = []
+    out: list[dict[str, Any]] = []
     for path in locks:
         try:
             data = json.loads(path.read_text())
@@ -381,12 +392,21 @@ def pins_for(locks: List[Path]) -> List[Dict[str, Any]]:
         components = data.get("components", {}) if isinstance(data, dict) else {}
         for name, comp in components.items() if isinstance(components, dict) else []:
             if isinstance(comp, dict) and comp.get("commit") and comp.get("tree"):
-                out.append({"name": name, "url": comp.get("source", ""), "commit": comp["commit"], "tree": comp["tree"],
-                            "where": path.name})
+                out.append(
+                    {
+                        "name": name,
+                        "url": comp.get("source", ""),
+                        "commit": comp["commit"],
+                        "tree": comp["tree"],
+                        "where": path.name,
+                    }
+                )
     return out
 
 
-def add_git(cache: Any, repo: Path, commit: str, pins: List[Dict[str, Any]], tree: Optional[str] = None) -> Dict[str, Any]:
+def add_git(
+    cache: Any, repo: Path, commit: str, pins: list[dict[str, Any]], tree: str | None = None
+) -> dict[str, Any]:
     """Seed the cache with ``commit``'s tree from the local git repository ``repo`` (clone or bare).
 
     The commit must be one that ``pins`` (see :func:`pins_for`) name, or ``tree`` must be given; its files
@@ -407,16 +427,26 @@ def add_git(cache: Any, repo: Path, commit: str, pins: List[Dict[str, Any]], tre
     _check_tree(files, label)
     computed = labelled_tree_id(files, label)
     if computed != git_tree:
-        raise UserError(f"{label}: files of {repo} hash to git tree {computed}, but git says {git_tree} "
-                        "(a corrupt repository; run `git fsck`)")
+        raise UserError(
+            f"{label}: files of {repo} hash to git tree {computed}, but git says {git_tree} "
+            "(a corrupt repository; run `git fsck`)"
+        )
     if computed != pin["tree"]:
-        raise UserError(f"{label}: {repo} has tree {computed} for this commit, {pin['where']} pins {pin['tree']} (refused)")
+        raise UserError(
+            f"{label}: {repo} has tree {computed} for this commit, {pin['where']} pins {pin['tree']} (refused)"
+        )
     sha = cache.put_tree(computed, canonical_entries(files, computed), {"commit": full, "source": pin["url"]})
-    return {"name": pin["name"], "commit": full, "tree": computed, "sha256": sha, "files": len(files),
-            "bytes": sum(len(data) for _, data in files.values())}
+    return {
+        "name": pin["name"],
+        "commit": full,
+        "tree": computed,
+        "sha256": sha,
+        "files": len(files),
+        "bytes": sum(len(data) for _, data in files.values()),
+    }
 
 
-def add_archive(cache: Any, archive: Path, pins: List[Dict[str, Any]], tree: Optional[str] = None) -> Dict[str, Any]:
+def add_archive(cache: Any, archive: Path, pins: list[dict[str, Any]], tree: str | None = None) -> dict[str, Any]:
     """Seed the cache with a source tree from ``archive`` (a tar of any compression :mod:`tarfile` reads, or a
     zip, holding one top-level directory: ``git archive --prefix=NAME/ COMMIT``, GitHub's tarball of a commit).
 
@@ -433,21 +463,29 @@ def add_archive(cache: Any, archive: Path, pins: List[Dict[str, Any]], tree: Opt
     else:
         pinned = [p for p in pins if p["tree"] == computed]
     if not pinned:
-        raise UserError(f"{label}: its files hash to git tree {computed}, which no lock given pins "
-                        "(pass --lock LOCK, or --tree TREE for a tree no lock names)")
+        raise UserError(
+            f"{label}: its files hash to git tree {computed}, which no lock given pins "
+            "(pass --lock LOCK, or --tree TREE for a tree no lock names)"
+        )
     pin = pinned[0]
     if pin["tree"] != computed:
         raise UserError(f"{label}: its files hash to git tree {computed}, --tree says {pin['tree']} (refused)")
     sha = cache.put_tree(computed, canonical_entries(files, computed), {"commit": pin["commit"], "source": pin["url"]})
-    return {"name": pin["name"], "commit": pin["commit"], "tree": computed, "sha256": sha, "files": len(files),
-            "bytes": sum(len(data) for _, data in files.values())}
+    return {
+        "name": pin["name"],
+        "commit": pin["commit"],
+        "tree": computed,
+        "sha256": sha,
+        "files": len(files),
+        "bytes": sum(len(data) for _, data in files.values()),
+    }
 
 
 GITHUB = "https://github.com/"
 FETCH_HOSTS = ("https://github.com/", "https://codeload.github.com/")
 
 
-def archive_url(source: Dict[str, Any]) -> Optional[str]:
+def archive_url(source: dict[str, Any]) -> str | None:
     """Where ``source``'s archive can be downloaded: ``archive.url`` when the lock gives one, else GitHub's
     tarball of the commit for a ``https://github.com/OWNER/REPO`` url, else None."""
     archive = source.get("archive") or {}
@@ -456,12 +494,12 @@ def archive_url(source: Dict[str, Any]) -> Optional[str]:
     url = source["url"].rstrip("/")
     if url.endswith(".git"):
         url = url[:-4]
-    if url.startswith(GITHUB) and url[len(GITHUB):].count("/") == 1:
-        return f"https://codeload.github.com/{url[len(GITHUB):]}/tar.gz/{source['commit']}"
+    if url.startswith(GITHUB) and url[len(GITHUB) :].count("/") == 1:
+        return f"https://codeload.github.com/{url[len(GITHUB) :]}/tar.gz/{source['commit']}"
     return None
 
 
-def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FETCH_HOSTS, timeout: float = 60) -> str:
+def fetch_source(cache: Any, source: dict[str, Any], hosts: tuple[str, ...] = FETCH_HOSTS, timeout: float = 60) -> str:
     """Download ``source``'s archive (:func:`archive_url`, from URLs starting with one of ``hosts``, after
     redirects too; at most :data:`MAX_SOURCE_BYTES`; ``timeout`` in seconds per network operation), check it
     (its sha256 when the lock pins the file at ``archive.url``, always its git tree) and store the tree in
@@ -475,8 +513,10 @@ def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FE
     label = source_label(source)
     url = archive_url(source)
     if url is None:
-        raise UserError(f"{label}: no download URL known for {source['url']}; seed it with `trainer cache add-git "
-                        f"CLONE --commit {source['commit']}`")
+        raise UserError(
+            f"{label}: no download URL known for {source['url']}; seed it with `trainer cache add-git "
+            f"CLONE --commit {source['commit']}`"
+        )
     if not url.startswith(hosts):
         raise UserError(f"{label}: will not download {url} (hosts allowed: {', '.join(hosts)})")
     tmp = cache.new_temp()
@@ -503,11 +543,14 @@ def fetch_source(cache: Any, source: Dict[str, Any], hosts: Tuple[str, ...] = FE
         try:
             files = verified_files(tmp, source)
         except UserError as err:
-            raise UserError(f"{err}; an archive made by `git archive` leaves out files that .gitattributes marks "
-                            f"export-ignore: seed it with `trainer cache add-git CLONE --commit {source['commit']}`") from None
+            raise UserError(
+                f"{err}; an archive made by `git archive` leaves out files that .gitattributes marks "
+                f"export-ignore: seed it with `trainer cache add-git CLONE --commit {source['commit']}`"
+            ) from None
         if pinned:
             cache.add_file(tmp, pinned, label)
-        return cache.put_tree(source["tree"], canonical_entries(files, source["tree"]),
-                              {"commit": source["commit"], "source": url})
+        return cache.put_tree(
+            source["tree"], canonical_entries(files, source["tree"]), {"commit": source["commit"], "source": url}
+        )
     finally:
         tmp.unlink(missing_ok=True)

@@ -12,13 +12,14 @@ from __future__ import annotations
 import gzip
 import tarfile
 import zlib
-from typing import BinaryIO, Callable, Dict, Iterable, Iterator, List, Optional
+from collections.abc import Callable, Iterable, Iterator
+from typing import BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
 
 
-def member_parts(name: str) -> List[str]:
+def member_parts(name: str) -> list[str]:
     """The components of a tar member's ``name`` without empty and ``.`` ones ("./usr//bin" -> ["usr", "bin"]);
     ``..`` components are kept (callers refuse them)."""
     return [p for p in name.split("/") if p not in ("", ".")]
@@ -53,11 +54,11 @@ def members(tar: tarfile.TarFile) -> Iterator[tarfile.TarInfo]:
 def tar_entries(
     items: Iterable[tarfile.TarInfo],
     where: str,
-    path_of: Callable[[List[str]], Optional[str]],
+    path_of: Callable[[list[str]], str | None],
     file_entry: Callable[[tarfile.TarInfo, str, dict], Entry],
     keep_modes: bool = False,
-    key_of: Callable[[List[str]], str] = "/".join,
-) -> List[Entry]:
+    key_of: Callable[[list[str]], str] = "/".join,
+) -> list[Entry]:
     """The members ``items`` as layer entries, in archive order.
 
     ``where`` starts every error ("archive", "foo.deb: archive"); ``path_of(parts)`` gives a member's path in
@@ -70,8 +71,8 @@ def tar_entries(
     Raises :class:`UserError` for a ``..`` component, a hard link to no earlier file, and a device, FIFO or
     other special file.
     """
-    out: List[Entry] = []
-    files: Dict[str, Entry] = {}
+    out: list[Entry] = []
+    files: dict[str, Entry] = {}
     for member in items:
         parts = member_parts(member.name)
         if ".." in parts:
@@ -105,7 +106,7 @@ MAX_ARCHIVE_BYTES = 4 << 30  # all files of one source archive, uncompressed
 
 def entries_from_tar(
     stream: BinaryIO, prefix: str, strip_components: int = 0, allow_absolute_symlinks: bool = False
-) -> List[Entry]:
+) -> list[Entry]:
     """Entries of a tar archive (any compression :mod:`tarfile` reads), re-rooted under ``prefix``.
 
     ``strip_components`` leading path components are removed (like ``tar --strip-components``). Hard links
@@ -118,7 +119,7 @@ def entries_from_tar(
     except (tarfile.TarError, EOFError, OSError, zlib.error) as ex:
         raise UserError(f"archive: not a tar archive this reader accepts ({ex})") from None
 
-    def path_of(parts: List[str]) -> Optional[str]:
+    def path_of(parts: list[str]) -> str | None:
         if len(parts) <= strip_components:
             return None
         rel = "/".join(parts[strip_components:])
@@ -129,8 +130,10 @@ def entries_from_tar(
             if member.isreg():
                 total[0] += member.size
                 if member.size > MAX_MEMBER_BYTES or total[0] > MAX_ARCHIVE_BYTES:
-                    raise UserError(f"archive member {member.name!r}: {member.size:,} bytes ({total[0]:,} so far), more "
-                                    f"than {MAX_MEMBER_BYTES:,} per file or {MAX_ARCHIVE_BYTES:,} per source archive")
+                    raise UserError(
+                        f"archive member {member.name!r}: {member.size:,} bytes ({total[0]:,} so far), more "
+                        f"than {MAX_MEMBER_BYTES:,} per file or {MAX_ARCHIVE_BYTES:,} per source archive"
+                    )
             yield member
 
     def file_entry(member: tarfile.TarInfo, path: str, mode: dict) -> Entry:

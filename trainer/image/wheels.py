@@ -23,8 +23,9 @@ import io
 import posixpath
 import stat
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO, Dict, Iterable, List, Optional, Tuple
+from typing import BinaryIO
 
 from installer import install
 from installer.destinations import WheelDestination
@@ -63,14 +64,14 @@ class LayerDestination(WheelDestination):
     (Entry, wheel label).
     """
 
-    def __init__(self, schemes: Dict[str, str], interpreter: str, spool: Path) -> None:
+    def __init__(self, schemes: dict[str, str], interpreter: str, spool: Path) -> None:
         self.schemes = schemes
         self.interpreter = interpreter
         self.spool = spool
-        self.entries: Dict[str, Tuple[Entry, str]] = {}
+        self.entries: dict[str, tuple[Entry, str]] = {}
         self.current = ""
-        self.zipfile: Optional[zipfile.ZipFile] = None
-        self.record: Dict[str, Tuple[str, int]] = {}  # zip member -> (sha256 hex, size) from the wheel's RECORD
+        self.zipfile: zipfile.ZipFile | None = None
+        self.record: dict[str, tuple[str, int]] = {}  # zip member -> (sha256 hex, size) from the wheel's RECORD
         self._count = 0
 
     def use_wheel(self, zf: zipfile.ZipFile, label: str) -> None:
@@ -106,14 +107,13 @@ class LayerDestination(WheelDestination):
             self._count += 1
             spooled = self.spool / f"{self._count:08d}"
             spooled.write_bytes(data)
-            entry = Entry(image_path, FILE, source=spooled, executable=executable,
-                          sha256=_hex_of_record_hash(digest))
+            entry = Entry(image_path, FILE, source=spooled, executable=executable, sha256=_hex_of_record_hash(digest))
         else:
             entry = Entry(image_path, FILE, data=data, executable=executable)
         self._add(image_path, entry)
         return RecordEntry(record_path, Hash("sha256", digest), size)
 
-    def _lazy(self, image_path: str, stream: BinaryIO, executable: bool, record_path: str) -> Optional[RecordEntry]:
+    def _lazy(self, image_path: str, stream: BinaryIO, executable: bool, record_path: str) -> RecordEntry | None:
         """A lazy entry for a wheel member (not read now); None when RECORD gives no sha256 for it."""
         member = getattr(stream, "name", None)
         known = self.record.get(member) if member else None
@@ -124,8 +124,15 @@ class LayerDestination(WheelDestination):
         if info.file_size != size:
             raise UserError(f"{self.current}: {member} is {info.file_size} bytes, RECORD says {size} (refused)")
         zf = self.zipfile
-        entry = Entry(image_path, FILE, opener=lambda zf=zf, member=member: zf.open(member), length=size,
-                      sha256=digest, label=self.current, executable=executable)
+        entry = Entry(
+            image_path,
+            FILE,
+            opener=lambda zf=zf, member=member: zf.open(member),
+            length=size,
+            sha256=digest,
+            label=self.current,
+            executable=executable,
+        )
         self._add(image_path, entry)
         b64 = base64.urlsafe_b64encode(bytes.fromhex(digest)).rstrip(b"=").decode()
         return RecordEntry(record_path, Hash("sha256", b64), size)
@@ -144,8 +151,9 @@ class LayerDestination(WheelDestination):
             with fix_shebang(stream, self.interpreter) as fixed:
                 return self._store(self._image_path(scheme, path), fixed, is_executable, path)
         image_path = self._image_path(scheme, path)
-        return (self._lazy(image_path, stream, is_executable, path)
-                or self._store(image_path, stream, is_executable, path))
+        return self._lazy(image_path, stream, is_executable, path) or self._store(
+            image_path, stream, is_executable, path
+        )
 
     def write_script(self, name, module, attr, section):  # installer API
         """``installer`` hook: add the console/GUI script ``name`` (calling ``module:attr``; ``section``: its
@@ -170,7 +178,7 @@ class LayerDestination(WheelDestination):
             self._store(self._image_path(scheme, record_file_path), stream, False, record_file_path)
 
 
-def schemes_for(python: Dict[str, str], dist: str) -> Dict[str, str]:
+def schemes_for(python: dict[str, str], dist: str) -> dict[str, str]:
     """The install scheme (sysconfig posix_prefix) of the lock's ``python`` block, for distribution ``dist``."""
     prefix = python["prefix"].rstrip("/")
     version = ".".join(python["version"].split(".")[:2])
@@ -187,8 +195,9 @@ def _hex_of_record_hash(b64: str) -> str:
     return base64.urlsafe_b64decode(b64 + "=" * (-len(b64) % 4)).hex()
 
 
-def install_wheels(wheels: Iterable[Tuple[Path, str, str]], python: Dict[str, str], spool: Path,
-                   handles: List[zipfile.ZipFile]) -> List[Entry]:
+def install_wheels(
+    wheels: Iterable[tuple[Path, str, str]], python: dict[str, str], spool: Path, handles: list[zipfile.ZipFile]
+) -> list[Entry]:
     """Install ``wheels`` ((file, wheel file name, label) each, in order) for the lock's ``python`` block;
     return the layer entries. The file may have any name (a cache blob); the wheel file name gives the
     distribution and version. The wheels' zip files are opened and appended to ``handles``: most entries

@@ -31,14 +31,14 @@ import importlib
 from typing import TYPE_CHECKING, Any, Dict
 
 from trainer.compose.checks import Parallelism
-from trainer.errors import CheckError
 from trainer.compose.schema import TrainConfig
+from trainer.errors import CheckError
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
     from trainer.record.rundir import RunDir
 
-LAUNCHERS: Dict[str, str] = {
+LAUNCHERS: dict[str, str] = {
     "plan": "",
     "local-cpu": "trainer.launch.host.local_cpu",
     "slurm": "trainer.launch.host.slurm",
@@ -61,7 +61,7 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         module.check(cfg, par)
 
 
-def execute(prepared: "PreparedRun", rundir: "RunDir", record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Run the prepared job with its launcher (not ``plan``) into ``rundir``; see the module docstring."""
     module = _module(prepared.launcher)
     assert module is not None, "plan launches nothing"

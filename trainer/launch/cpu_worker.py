@@ -32,8 +32,9 @@ from trainer.publish import atomic_write
 from trainer.record.record import canonical_json
 
 
-def megatron_lr(step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float,
-                style: str = "cosine") -> float:
+def megatron_lr(
+    step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float, style: str = "cosine"
+) -> float:
     """Learning rate after ``step_done`` completed steps (Megatron-LM 37f91617
     ``megatron/core/optimizer_param_scheduler.py`` ``OptimizerParamScheduler.get_lr``, for the decay ``style`` of
     ``--lr-decay-style``: ``constant``, ``linear`` or ``cosine``).
@@ -79,17 +80,15 @@ def main(argv=None) -> int:
     from trainer.compose.compose import validate
     from trainer.compose.plan import run_steps
     from trainer.data import Rows
-    from trainer.report.metrics import dumps_row
     from trainer.models.deepseek_v4_hf import build_model, freeze_router
     from trainer.probe import probe
     from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
+    from trainer.report.metrics import dumps_row
 
     cfg = validate(load_config(run_dir / CONFIG))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
-        dist.init_process_group(
-            "gloo", init_method=f"file://{run_dir / '.rendezvous'}", rank=rank, world_size=world
-        )
+        dist.init_process_group("gloo", init_method=f"file://{run_dir / '.rendezvous'}", rank=rank, world_size=world)
     atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
     model = build_model(cfg.model, cfg.launcher.seed)
@@ -120,13 +119,18 @@ def main(argv=None) -> int:
     metrics = (run_dir / METRICS).open("a") if rank == 0 else None
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        lr = megatron_lr(step - 1, steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_fraction,
-                         cfg.optim.lr_decay_style)
+        lr = megatron_lr(
+            step - 1, steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_fraction, cfg.optim.lr_decay_style
+        )
         for group in optimizer.param_groups:
             group["lr"] = lr
         microbatches = step_batches(step - 1)
-        counts = torch.tensor([float(sum(int(mb.loss_mask.sum()) for mb in microbatches)),
-                               float(sum(mb.tokens.size for mb in microbatches))])
+        counts = torch.tensor(
+            [
+                float(sum(int(mb.loss_mask.sum()) for mb in microbatches)),
+                float(sum(mb.tokens.size for mb in microbatches)),
+            ]
+        )
         if world > 1:
             dist.all_reduce(counts)
         supervised, tokens = counts.tolist()
@@ -151,7 +155,9 @@ def main(argv=None) -> int:
                 dist.all_reduce(p.grad)
             dist.all_reduce(loss_sum)
         # Megatron: clip_grad 0 means no clipping (the norm is still reported)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf"))
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            params, cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")
+        )
         optimizer.step()
         rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)])
         if world > 1:
@@ -170,8 +176,11 @@ def main(argv=None) -> int:
             }
             metrics.write(dumps_row(row) + "\n")
             metrics.flush()
-            print(f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']:.3f} lr {lr:.3g} "
-                  f"{elapsed:.2f} s", flush=True)
+            print(
+                f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']:.3f} lr {lr:.3g} "
+                f"{elapsed:.2f} s",
+                flush=True,
+            )
     if metrics is not None:
         metrics.close()
     if world > 1:

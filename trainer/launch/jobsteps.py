@@ -10,12 +10,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
 
-def _job_failure(run_dir: Path, exit_code: Optional[int]) -> str:
+
+def _job_failure(run_dir: Path, exit_code: int | None) -> str:
     """One line for a Ray job that exited non-zero, from ``logs/job.log``."""
     try:
         text = (run_dir / LOGS / "job.log").read_text(errors="replace")
@@ -32,15 +33,22 @@ def _job_failure(run_dir: Path, exit_code: Optional[int]) -> str:
     return message + (f"; {tail}" if tail else "")
 
 
-def mark(run_dir: Path, status: str, stage: Optional[str] = None, exit_code: Optional[int] = None,
-         reason: Optional[str] = None, job_id: Optional[str] = None, nodes: Optional[str] = None) -> Dict[str, Any]:
+def mark(
+    run_dir: Path,
+    status: str,
+    stage: str | None = None,
+    exit_code: int | None = None,
+    reason: str | None = None,
+    job_id: str | None = None,
+    nodes: str | None = None,
+) -> dict[str, Any]:
     """Update ``RUN_DIR/record.json`` from inside the job: status, stage, the probes and the preflight report
     gathered so far, and for a failure the cause in one line. Nothing already in the record is dropped.
     Returns the record written; raises :class:`UserError` when the run directory has no record or its state
     cannot move to ``status`` (:data:`trainer.record.rundir.MOVES`)."""
     rundir = RunDir(run_dir)
 
-    def change(record: Dict[str, Any]) -> None:
+    def change(record: dict[str, Any]) -> None:
         record.pop("pid", None)  # the run lives in the Slurm job, not in the `train` process that submitted it
         slurm = record.setdefault("slurm", {})
         if job_id:
@@ -98,7 +106,7 @@ def wait_dashboard(address: str, timeout_s: float) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """``python -m trainer.launch.jobsteps mark|wait-dashboard ...``: the steps ``sbatch.sh`` runs."""
     parser = argparse.ArgumentParser(prog="python -m trainer.launch.jobsteps", description="steps of sbatch.sh")
     sub = parser.add_subparsers(dest="cmd", required=True)

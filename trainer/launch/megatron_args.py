@@ -10,14 +10,12 @@ optimizer rows of the recipe's own argv under the row conditions of ``MEGATRON_W
 
 from __future__ import annotations
 
-from typing import List
-
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.compose.render import render_megatron
 
 
-def megatron_argv(cfg, transformer_impl: str, attention_backend: str, steps: int) -> List[str]:
+def megatron_argv(cfg, transformer_impl: str, attention_backend: str, steps: int) -> list[str]:
     """Megatron-LM argv (without the program name) for the composed ``cfg`` (a DictConfig or a
     :class:`~trainer.compose.schema.TrainConfig`): :func:`trainer.compose.render.render_megatron` of ``cfg`` with
     the launch's own choices added as its ``megatron`` node (the keys of ``MEGATRON_ARGS`` and ``MEGATRON_WHEN``).

@@ -58,11 +58,11 @@ def main(argv=None) -> int:
     from trainer.compose.compose import validate
     from trainer.compose.plan import run_steps
     from trainer.data import Rows
-    from trainer.report.metrics import dumps_row
     from trainer.launch.cpu_worker import megatron_lr
     from trainer.probe import probe
     from trainer.record.record import atomic_write, canonical_json
     from trainer.record.rundir import CONFIG, MEGATRON, METRICS, PROFILE, load_config, probe_rank
+    from trainer.report.metrics import dumps_row
 
     cfg = validate(load_config(run_dir / CONFIG))
     optim = cfg.optim
@@ -90,14 +90,25 @@ def main(argv=None) -> int:
     landing = flag_landing(flags, args)
     ignored = [flag for flag, where in landing.items() if where == REFUSED]
     if ignored:  # a flag the argv shows and nothing reads: refuse rather than train as if it applied
-        raise SystemExit(f"megatron worker: {', '.join(ignored)}: no part of the worker reads "
-                         f"{'this flag' if len(ignored) == 1 else 'these flags'} (see flag_landing); refused")
+        raise SystemExit(
+            f"megatron worker: {', '.join(ignored)}: no part of the worker reads "
+            f"{'this flag' if len(ignored) == 1 else 'these flags'} (see flag_landing); refused"
+        )
     steps = args.train_iters
     if rank == 0:
-        atomic_write(run_dir / MEGATRON, canonical_json(
-            {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend,
-             "spec": args.spec, "argv": flags, "landing": landing,
-             "stand_ins": stand_ins}))
+        atomic_write(
+            run_dir / MEGATRON,
+            canonical_json(
+                {
+                    "transformer_impl": impl,
+                    "attention_backend": cfg.launcher.attention_backend,
+                    "spec": args.spec,
+                    "argv": flags,
+                    "landing": landing,
+                    "stand_ins": stand_ins,
+                }
+            ),
+        )
 
     # parallel sizes, seed and optimizer settings from Megatron-LM's namespace of the rendered argv (WORKER_ARGS)
     ps.initialize_model_parallel(
@@ -149,9 +160,12 @@ def main(argv=None) -> int:
     writer = ps.is_pipeline_last_stage() and dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
     metrics = (run_dir / METRICS).open("a") if writer else None
     if writer:
-        print(f"megatron-core: {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
-              f"{frozen:,} frozen router weights, {initialized} checkpoint-only tensors initialised; "
-              f"{num_micro} microbatches per step", flush=True)
+        print(
+            f"megatron-core: {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
+            f"{frozen:,} frozen router weights, {initialized} checkpoint-only tensors initialised; "
+            f"{num_micro} microbatches per step",
+            flush=True,
+        )
 
     def forward_step(data_iterator, model):
         batch = next(data_iterator)
@@ -185,8 +199,9 @@ def main(argv=None) -> int:
         optimizer.zero_grad()
         profiler = None
         if step == cfg.launcher.profile_step:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                          torch.profiler.ProfilerActivity.CUDA])
+            profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            )
             profiler.__enter__()
         reduced = forward_backward(
             forward_step_func=forward_step,
@@ -231,8 +246,11 @@ def main(argv=None) -> int:
 
                 chosen["cudnn_loaded"] = [lib for lib in mapped_libraries() if "libcudnn" in lib]
                 atomic_write(run_dir / MEGATRON, canonical_json(chosen))
-            print(f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']} lr {lr:.3g} "
-                  f"{elapsed:.3f} s", flush=True)
+            print(
+                f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']} lr {lr:.3g} "
+                f"{elapsed:.3f} s",
+                flush=True,
+            )
     if metrics is not None:
         metrics.close()
     dist.barrier()
@@ -248,12 +266,18 @@ def top_kernels_table(profiler, limit: int = 25) -> str:
     events = [e for e in profiler.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in events) or 1.0
-    lines = [f"total device time of all kernels: {total / 1e3:.1f} ms", "",
-             "| kernel | calls | device ms | share |", "|---|---|---|---|"]
+    lines = [
+        f"total device time of all kernels: {total / 1e3:.1f} ms",
+        "",
+        "| kernel | calls | device ms | share |",
+        "|---|---|---|---|",
+    ]
     for e in events[:limit]:
         name = e.key.replace("|", "/")[:90]
-        lines.append(f"| `{name}` | {e.count} | {e.self_device_time_total / 1e3:.2f} | "
-                     f"{100.0 * e.self_device_time_total / total:.1f}% |")
+        lines.append(
+            f"| `{name}` | {e.count} | {e.self_device_time_total / 1e3:.2f} | "
+            f"{100.0 * e.self_device_time_total / total:.1f}% |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -262,10 +286,17 @@ def top_kernels_table(profiler, limit: int = 25) -> str:
 # DeepseekV4PreTrainedModel._init_weights (modeling_deepseek_v4.py): hyper-connection fn ~ N(0, std), base 0,
 # scale 1; attention sinks 0; compressor position bias (miles' `ape`) 0.
 CHECKPOINT_ONLY = (
-    ("hc_attn_fn", "normal"), ("hc_ffn_fn", "normal"), ("hc_head_fn", "normal"),
-    ("hc_attn_base", "zeros"), ("hc_ffn_base", "zeros"), ("hc_head_base", "zeros"),
-    ("hc_attn_scale", "ones"), ("hc_ffn_scale", "ones"), ("hc_head_scale", "ones"),
-    ("attn_sink", "zeros"), ("compressor.ape", "zeros"),
+    ("hc_attn_fn", "normal"),
+    ("hc_ffn_fn", "normal"),
+    ("hc_head_fn", "normal"),
+    ("hc_attn_base", "zeros"),
+    ("hc_ffn_base", "zeros"),
+    ("hc_head_base", "zeros"),
+    ("hc_attn_scale", "ones"),
+    ("hc_ffn_scale", "ones"),
+    ("hc_head_scale", "ones"),
+    ("attn_sink", "zeros"),
+    ("compressor.ape", "zeros"),
 )
 
 
@@ -333,8 +364,10 @@ def hadamard_stand_in() -> list:
         if importlib.util.find_spec("fast_hadamard_transform") is not None:
             return []
         sys.modules["fast_hadamard_transform"] = hadamard
-    return ["fast_hadamard_transform.hadamard_transform: trainer.models.hadamard (torch operations, float32 sums; "
-            "the package is not in the lock)"]
+    return [
+        "fast_hadamard_transform.hadamard_transform: trainer.models.hadamard (torch operations, float32 sums; "
+        "the package is not in the lock)"
+    ]
 
 
 # What the worker reads from Megatron-LM's namespace (:func:`megatron_args`), by Megatron argument name; each is
@@ -343,12 +376,29 @@ def hadamard_stand_in() -> list:
 # shows each equal to that field after parsing. The run's own choices that are no Megatron argument
 # (``launcher.profile_step``, ``launcher.transformer_impl``'s resolution) are read from the config.
 WORKER_ARGS = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
-    "expert_model_parallel_size", "expert_tensor_parallel_size", "distributed_timeout_minutes", "seed",
-    "optimizer", "lr", "min_lr", "weight_decay", "adam_beta1", "adam_beta2", "clip_grad",
-    "micro_batch_size", "global_batch_size", "seq_length", "lr_warmup_fraction", "lr_decay_style", "train_iters",
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "distributed_timeout_minutes",
+    "seed",
+    "optimizer",
+    "lr",
+    "min_lr",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "clip_grad",
+    "micro_batch_size",
+    "global_batch_size",
+    "seq_length",
+    "lr_warmup_fraction",
+    "lr_decay_style",
+    "train_iters",
     "num_experts",
-    "moe_router_freeze_gate", "freeze_e_score_correction_bias",
+    "moe_router_freeze_gate",
+    "freeze_e_score_correction_bias",
 )
 # Read from the config instead (``layout.use_distributed_optimizer``, ``optim.bf16``,
 # ``optim.accumulate_allreduce_grads_in_fp32``): the namespace does not keep them. miles 78527b91's
@@ -372,13 +422,18 @@ def ddp_config(args, num_parameters: int, dp_size: int, cfg):
 
     from megatron.core.distributed import DistributedDataParallelConfig
 
-    kwargs = {f.name: getattr(args, f.name) for f in dataclasses.fields(DistributedDataParallelConfig)
-              if hasattr(args, f.name)}
-    kwargs.update(check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
-                  check_for_large_grads=args.check_for_large_grads,
-                  pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
-                  reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
-                  average_in_collective=args.ddp_average_in_collective)
+    kwargs = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(DistributedDataParallelConfig)
+        if hasattr(args, f.name)
+    }
+    kwargs.update(
+        check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+        check_for_large_grads=args.check_for_large_grads,
+        pad_buckets_for_high_nccl_busbw=args.ddp_pad_buckets_for_high_nccl_busbw,
+        reduce_scatter_with_fp32_accumulation=args.ddp_reduce_scatter_with_fp32_accumulation,
+        average_in_collective=args.ddp_average_in_collective,
+    )
     if args.ddp_num_buckets is not None:
         if args.ddp_bucket_size is not None or args.ddp_num_buckets <= 0:
             raise ValueError("--ddp-num-buckets: expected a positive count and no --ddp-bucket-size")
@@ -422,17 +477,42 @@ def optimizer_config(args, cfg):
 # into TransformerConfig fields of other names (num_experts -> num_moe_experts, no_persist_layer_norm ->
 # persist_layer_norm, ...), besides the fields the config declares.
 CORE_TRANSLATED = (
-    "bias_gelu_fusion", "bias_swiglu_fusion", "cp_comm_type", "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers", "fp8_param_gather", "group_query_attention", "init_method_xavier_uniform",
-    "multi_latent_attention", "no_persist_layer_norm", "num_experts", "num_query_groups", "overlap_p2p_comm",
-    "params_dtype", "post_mlp_layernorm", "post_self_attn_layernorm", "quick_geglu", "rope_type",
-    "rotary_interleaved", "squared_relu", "swiglu", "moe_latent_size",
+    "bias_gelu_fusion",
+    "bias_swiglu_fusion",
+    "cp_comm_type",
+    "decoder_first_pipeline_num_layers",
+    "decoder_last_pipeline_num_layers",
+    "fp8_param_gather",
+    "group_query_attention",
+    "init_method_xavier_uniform",
+    "multi_latent_attention",
+    "no_persist_layer_norm",
+    "num_experts",
+    "num_query_groups",
+    "overlap_p2p_comm",
+    "params_dtype",
+    "post_mlp_layernorm",
+    "post_self_attn_layernorm",
+    "quick_geglu",
+    "rope_type",
+    "rotary_interleaved",
+    "squared_relu",
+    "swiglu",
+    "moe_latent_size",
 )
 # Megatron arguments :func:`build_model` passes to GPTModel or the layer spec (as miles' model provider does).
 MODEL_ARGS = (
-    "spec", "padded_vocab_size", "max_position_embeddings", "fp16_lm_cross_entropy",
-    "untie_embeddings_and_output_weights", "position_embedding_type", "rotary_percent", "rotary_base",
-    "use_rope_scaling", "mtp_num_layers", "transformer_impl",
+    "spec",
+    "padded_vocab_size",
+    "max_position_embeddings",
+    "fp16_lm_cross_entropy",
+    "untie_embeddings_and_output_weights",
+    "position_embedding_type",
+    "rotary_percent",
+    "rotary_base",
+    "use_rope_scaling",
+    "mtp_num_layers",
+    "transformer_impl",
 )
 # Megatron arguments whose whole effect is inside the parse (:func:`megatron_args`: Megatron's validate_args and
 # miles' set_default_megatron_args derive what the worker then reads), each with what it derives.
@@ -489,8 +569,9 @@ def flag_landing(flags, args) -> dict:
         elif name in PARSE_ONLY or name in CONFIG_NOT_ARGS:
             out[flag] = "parse"
         else:
-            out[flag] = next((where for where, names in fields.items() if name in names and hasattr(args, name)),
-                             REFUSED)
+            out[flag] = next(
+                (where for where, names in fields.items() if name in names and hasattr(args, name)), REFUSED
+            )
     return out
 
 

@@ -35,9 +35,10 @@ import argparse
 import json
 import sys
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any
 
 MISSING_PROBE = "(no probe)"
 FIELDS = ("image digest", "image stamp", "python", "torch", "NCCL", "NCCL net plugin", "driver", "GPUs")
@@ -52,7 +53,7 @@ def _dig(data: Any, *path: str) -> Any:
     return data
 
 
-def summarize(probe: Mapping[str, Any]) -> Dict[str, str]:
+def summarize(probe: Mapping[str, Any]) -> dict[str, str]:
     """The compared fields of one node's probe as strings (``-`` where the probe saw nothing)."""
     torch = probe.get("torch") or {}
     plugin = probe.get("nccl_net_plugin") or {}
@@ -87,10 +88,10 @@ class Difference:
 class Report:
     """The comparison of ``nodes`` (in order): per-node summaries and the differences (empty when all agree)."""
 
-    nodes: List[str]
-    summaries: Dict[str, Optional[Dict[str, str]]]
-    reference: Dict[str, str]
-    differences: List[Difference] = field(default_factory=list)
+    nodes: list[str]
+    summaries: dict[str, dict[str, str] | None]
+    reference: dict[str, str]
+    differences: list[Difference] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -101,7 +102,7 @@ class Report:
         """One line: which nodes differ in what (empty when ok)."""
         if self.ok:
             return ""
-        by_node: Dict[str, List[str]] = {}
+        by_node: dict[str, list[str]] = {}
         for d in self.differences:
             if d.value == MISSING_PROBE:
                 by_node.setdefault(d.node, ["probe failed"])
@@ -126,7 +127,7 @@ class Report:
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """The report as JSON-able data: ``ok``, ``nodes``, ``reference``, ``summaries``, ``differences`` (dicts)
         and ``reason`` (None when ok).
         """
@@ -140,8 +141,11 @@ class Report:
         }
 
 
-def compare(probes: Mapping[str, Optional[Mapping[str, Any]]], expect_gpus: Optional[int] = None,
-            expect_digest: Optional[str] = None) -> Report:
+def compare(
+    probes: Mapping[str, Mapping[str, Any] | None],
+    expect_gpus: int | None = None,
+    expect_digest: str | None = None,
+) -> Report:
     """Compare per-node probes (node name -> probe dict, or None where the node's probe failed).
 
     ``expect_gpus``: GPUs every node must see (the job's GPUs per node); ``expect_digest``: the image digest
@@ -150,7 +154,7 @@ def compare(probes: Mapping[str, Optional[Mapping[str, Any]]], expect_gpus: Opti
     nodes = list(probes)
     summaries = {n: (summarize(p) if p is not None else None) for n, p in probes.items()}
     present = [s for s in summaries.values() if s is not None]
-    reference: Dict[str, str] = {}
+    reference: dict[str, str] = {}
     for name in FIELDS:
         counts = Counter(s[name] for s in present)
         reference[name] = max(counts, key=lambda v: counts[v]) if counts else "-"
@@ -158,7 +162,7 @@ def compare(probes: Mapping[str, Optional[Mapping[str, Any]]], expect_gpus: Opti
         reference["GPUs"] = str(expect_gpus)
     if expect_digest:
         reference["image digest"] = expect_digest
-    differences: List[Difference] = []
+    differences: list[Difference] = []
     for node in nodes:
         summary = summaries[node]
         if summary is None:
@@ -170,9 +174,9 @@ def compare(probes: Mapping[str, Optional[Mapping[str, Any]]], expect_gpus: Opti
     return Report(nodes=nodes, summaries=summaries, reference=reference, differences=differences)
 
 
-def read_probes(directory: Path, nodes: Sequence[str]) -> Dict[str, Optional[Dict[str, Any]]]:
+def read_probes(directory: Path, nodes: Sequence[str]) -> dict[str, dict[str, Any] | None]:
     """``DIR/<node>.json`` for each node (None where missing or unreadable: that node's probe failed)."""
-    out: Dict[str, Optional[Dict[str, Any]]] = {}
+    out: dict[str, dict[str, Any] | None] = {}
     for node in nodes:
         try:
             data = json.loads((directory / f"{node}.json").read_text())
@@ -182,10 +186,11 @@ def read_probes(directory: Path, nodes: Sequence[str]) -> Dict[str, Optional[Dic
     return out
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Command line; see the module docstring. Exit 0 all agree, 3 a node differs, 2 bad input."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.launch.preflight",
-                                     description="compare the version probes of every node of a job")
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.launch.preflight", description="compare the version probes of every node of a job"
+    )
     parser.add_argument("probe_dir", type=Path, help="directory of <node>.json probes")
     parser.add_argument("--nodes", required=True, help="comma-separated node names (every node of the job)")
     parser.add_argument("--expect-gpus", type=int, help="GPUs every node must see")

@@ -26,7 +26,6 @@ import json
 import os
 import re
 import sys
-from typing import Dict, List, Optional
 
 from trainer.launch import preflight
 
@@ -40,10 +39,10 @@ class Unset(Exception):
     """A ``$VAR`` reference to a variable that is not set."""
 
 
-def expand(text: str, env: Dict[str, str]) -> str:
+def expand(text: str, env: dict[str, str]) -> str:
     """``text`` with ``$VAR`` and ``${VAR}`` replaced from ``env``; raises :class:`Unset` naming a missing one."""
 
-    def sub(match: "re.Match[str]") -> str:
+    def sub(match: re.Match[str]) -> str:
         name = match.group("braced") or match.group("plain")
         if name not in env:
             raise Unset(name)
@@ -52,18 +51,18 @@ def expand(text: str, env: Dict[str, str]) -> str:
     return _VAR.sub(sub, text)
 
 
-def decode_argv(b64: str) -> List[str]:
+def decode_argv(b64: str) -> list[str]:
     """The argv from ``--argv-b64`` (base64 of NUL-terminated strings)."""
     raw = base64.b64decode(b64.encode(), validate=True)
     return [part.decode() for part in raw.split(b"\0")[:-1]] if raw else []
 
 
-def encode_argv(argv: List[str]) -> str:
+def encode_argv(argv: list[str]) -> str:
     """Inverse of :func:`decode_argv`."""
     return base64.b64encode(b"".join(a.encode() + b"\0" for a in argv)).decode()
 
 
-def probe_nodes(timeout_s: float) -> Dict[str, Optional[dict]]:
+def probe_nodes(timeout_s: float) -> dict[str, dict | None]:
     """Run the probe on every alive node of the Ray cluster this driver belongs to; node name -> probe (None
     where the task failed)."""
     import ray
@@ -90,7 +89,7 @@ def probe_nodes(timeout_s: float) -> Dict[str, Optional[dict]]:
             names.append(name)
             strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
             refs.append(_probe.options(scheduling_strategy=strategy).remote(name))
-        out: Dict[str, Optional[dict]] = {}
+        out: dict[str, dict | None] = {}
         for name, ref in zip(names, refs):
             try:
                 out[name] = ray.get(ref, timeout=timeout_s)
@@ -102,10 +101,13 @@ def probe_nodes(timeout_s: float) -> Dict[str, Optional[dict]]:
         ray.shutdown()
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Command line; see the module docstring. Exit: the job's, or 2 (bad input / unset variable), 3 (preflight)."""
-    parser = argparse.ArgumentParser(prog="python -m trainer.launch.ray_entry", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.launch.ray_entry",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--argv-b64", required=True, help="the job's argv (NUL-terminated strings, base64)")
     parser.add_argument("--expand", action="store_true", help="expand $VARS in argv and the recipe's env")
     parser.add_argument("--probe", action="store_true", help="probe every node and compare before the job")
@@ -130,8 +132,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     os.environ[name] = expand(os.environ[name], dict(os.environ))
             job = [expand(token, dict(os.environ)) for token in job]
         except Unset as ex:
-            print(f"ray_entry: error: ${ex.args[0]} is referenced by the job's argv or env but not set on the cluster",
-                  file=sys.stderr)
+            print(
+                f"ray_entry: error: ${ex.args[0]} is referenced by the job's argv or env but not set on the cluster",
+                file=sys.stderr,
+            )
             return 2
     if args.probe:
         probes = probe_nodes(args.probe_timeout)
@@ -140,7 +144,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"{PROBE_MARK} {name} {json.dumps(info, sort_keys=True)}")
         report = preflight.compare(probes, args.expect_gpus, args.expect_digest)
         if args.expect_nodes is not None and len(probes) != args.expect_nodes:
-            report.differences.append(preflight.Difference("(cluster)", "nodes", str(len(probes)), str(args.expect_nodes)))
+            report.differences.append(
+                preflight.Difference("(cluster)", "nodes", str(len(probes)), str(args.expect_nodes))
+            )
         print(report.table())
         print(f"{PREFLIGHT_MARK} {json.dumps(report.as_dict(), sort_keys=True)}")
         if not report.ok:

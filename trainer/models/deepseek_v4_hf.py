@@ -17,13 +17,13 @@ in a real checkpoint, is filled from the seed with ``topk`` distinct experts per
 
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any
 
-from trainer.errors import UserError
 from trainer.compose.schema import ModelConfig
+from trainer.errors import UserError
 
 
-def hf_config_kwargs(m: ModelConfig) -> Dict[str, Any]:
+def hf_config_kwargs(m: ModelConfig) -> dict[str, Any]:
     """Keyword arguments of ``DeepseekV4Config`` for ``m`` (see the module docstring for the mapping).
 
     Raises :class:`UserError` for shapes transformers cannot express (a shared expert of another width,

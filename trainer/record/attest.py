@@ -49,12 +49,20 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from trainer import PROJECT_URL
 from trainer.errors import UserError
-from trainer.inputs import (MAX_ATTESTATION_BYTES, MAX_KEY_BYTES, MAX_TEXT_BYTES, line_blocks, open_regular, read_bytes,
-                            read_json, read_text)
+from trainer.inputs import (
+    MAX_ATTESTATION_BYTES,
+    MAX_KEY_BYTES,
+    MAX_TEXT_BYTES,
+    line_blocks,
+    open_regular,
+    read_bytes,
+    read_json,
+    read_text,
+)
 
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -75,7 +83,7 @@ class VerificationFailed(UserError):
 # keys
 
 
-def keygen(out: Path, key_type: str = "ed25519") -> Tuple[Path, Path, str]:
+def keygen(out: Path, key_type: str = "ed25519") -> tuple[Path, Path, str]:
     """Write a new key pair: ``out`` (private, PKCS#8 PEM, 0600) and ``out.pub`` (SubjectPublicKeyInfo PEM).
 
     Returns (private path, public path, key id). Raises :class:`UserError` when either file exists (keys
@@ -91,8 +99,9 @@ def keygen(out: Path, key_type: str = "ed25519") -> Tuple[Path, Path, str]:
         if path.exists() or path.is_symlink():
             raise UserError(f"{path}: exists (keys are never overwritten; choose another --out)")
     signer = CryptoSigner.generate_ed25519() if key_type == "ed25519" else CryptoSigner.generate_ecdsa()
-    public_pem = signer._private_key.public_key().public_bytes(serialization.Encoding.PEM,
-                                                                serialization.PublicFormat.SubjectPublicKeyInfo)
+    public_pem = signer._private_key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     out.parent.mkdir(parents=True, exist_ok=True)
     _write_new(out, signer.private_bytes, 0o600)
     try:
@@ -117,7 +126,7 @@ def _write_new(path: Path, data: bytes, mode: int) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def read_private_key(path: Path) -> Tuple[bytes, int]:
+def read_private_key(path: Path) -> tuple[bytes, int]:
     """``(bytes, st_mode)`` of the private key file ``path``: a regular file (a FIFO or device is refused without
     blocking) of at most :data:`~trainer.inputs.MAX_KEY_BYTES`. Raises :class:`UserError`, one line, naming
     ``--sign-key`` and the file: missing, a directory or special file, too large."""
@@ -127,7 +136,9 @@ def read_private_key(path: Path) -> Tuple[bytes, int]:
             mode = os.fstat(handle.fileno()).st_mode
             data = handle.read(MAX_KEY_BYTES + 1)
     except FileNotFoundError:
-        raise UserError(f"--sign-key {path}: no such file (make a key pair with `trainer keygen --out {path}`)") from None
+        raise UserError(
+            f"--sign-key {path}: no such file (make a key pair with `trainer keygen --out {path}`)"
+        ) from None
     except UserError as err:
         text = str(err)
         raise UserError(text if text.startswith("--sign-key") else f"--sign-key {text}") from None
@@ -153,12 +164,16 @@ def load_signer(path: Path):
         key = load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as ex:
         raise UserError(f"--sign-key {path}: not an unencrypted PKCS#8 PEM private key ({ex})") from None
-    if not (isinstance(key, ed25519.Ed25519PrivateKey) or
-            (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1")):
+    if not (
+        isinstance(key, ed25519.Ed25519PrivateKey)
+        or (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1")
+    ):
         raise UserError(f"--sign-key {path}: a {type(key).__name__}; expected Ed25519 or ECDSA P-256")
     if mode & 0o077:
-        raise UserError(f"--sign-key {path}: permissions {stat.S_IMODE(mode):04o} for {path} are too open (a private "
-                        f"key must be readable by its owner only: chmod 600 {path}); nothing signed")
+        raise UserError(
+            f"--sign-key {path}: permissions {stat.S_IMODE(mode):04o} for {path} are too open (a private "
+            f"key must be readable by its owner only: chmod 600 {path}); nothing signed"
+        )
     return CryptoSigner(key)
 
 
@@ -171,7 +186,9 @@ def load_public_key(path: Path):
     try:
         data = read_bytes(path, "PEM public key", MAX_KEY_BYTES)  # a FIFO or device refused without blocking
     except FileNotFoundError:
-        raise UserError(f"--key {path}: no such file (the public key is KEY.pub, written by `trainer keygen`)") from None
+        raise UserError(
+            f"--key {path}: no such file (the public key is KEY.pub, written by `trainer keygen`)"
+        ) from None
     except UserError as err:
         raise UserError(f"--key {err}") from None
     except OSError as ex:
@@ -203,21 +220,24 @@ def _json(data: bytes, where: str) -> Any:
         raise VerificationFailed(f"{where}: not valid JSON ({ex}); truncated or altered") from None
 
 
-def parse_statement(payload: bytes, where: str) -> Dict[str, Any]:
+def parse_statement(payload: bytes, where: str) -> dict[str, Any]:
     """An in-toto Statement v1 from ``payload``; raises :class:`VerificationFailed` when it is not one."""
     statement = _json(payload, where)
     if not isinstance(statement, dict) or statement.get("_type") != STATEMENT_TYPE:
         raise VerificationFailed(f"{where}: not an in-toto Statement v1 (_type {STATEMENT_TYPE})")
     subjects = statement.get("subject")
-    if not isinstance(subjects, list) or not subjects or not all(
-            isinstance(s, dict) and isinstance(s.get("digest"), dict) and s.get("name") for s in subjects):
+    if (
+        not isinstance(subjects, list)
+        or not subjects
+        or not all(isinstance(s, dict) and isinstance(s.get("digest"), dict) and s.get("name") for s in subjects)
+    ):
         raise VerificationFailed(f"{where}: statement subject: expected a non-empty list of {{name, digest}}")
     if not isinstance(statement.get("predicateType"), str):
         raise VerificationFailed(f"{where}: statement has no predicateType")
     return statement
 
 
-def open_envelope(data: bytes, key, where: str) -> Dict[str, Any]:
+def open_envelope(data: bytes, key, where: str) -> dict[str, Any]:
     """Check the DSSE envelope ``data`` with the public ``key`` (securesystemslib ``Key``) and return its
     statement. Raises :class:`VerificationFailed` (one line) for an envelope that is malformed or
     truncated, not signed by ``key``, or whose signature does not verify (payload or signature altered)."""
@@ -243,8 +263,10 @@ def open_envelope(data: bytes, key, where: str) -> Dict[str, Any]:
     try:
         envelope.verify([key], 1)
     except VerificationError:
-        raise VerificationFailed(f"{where}: the signature by key {key.keyid} does not verify: the statement or "
-                                 "its signature was altered after signing") from None
+        raise VerificationFailed(
+            f"{where}: the signature by key {key.keyid} does not verify: the statement or "
+            "its signature was altered after signing"
+        ) from None
     return parse_statement(envelope.payload, f"{where} (payload)")
 
 
@@ -261,7 +283,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def data_manifest(run_dir: Path) -> Optional[Path]:
+def data_manifest(run_dir: Path) -> Path | None:
     """The rows manifest the run trained on: ``data/rows/manifest.json`` in the run directory (rows built
     for the run), else ``paths.prompt_data``/manifest.json from its ``config.yaml``; None when neither exists."""
     local = run_dir / "data" / "rows" / "manifest.json"
@@ -283,12 +305,12 @@ def data_manifest(run_dir: Path) -> Optional[Path]:
     return None
 
 
-def walk(root: Path) -> Tuple[List[str], List[str]]:
+def walk(root: Path) -> tuple[list[str], list[str]]:
     """(the regular files under ``root``, every other entry that is not a directory: symbolic links, fifos,
     sockets, devices), each as a POSIX path relative to ``root``, sorted; links are not followed. Raises
     ``OSError`` for a directory that cannot be listed (``os.walk`` would skip it, and what it holds, silently)."""
-    files: List[str] = []
-    odd: List[str] = []
+    files: list[str] = []
+    odd: list[str] = []
 
     def unreadable(err: OSError) -> None:
         raise err
@@ -306,20 +328,24 @@ def walk(root: Path) -> Tuple[List[str], List[str]]:
     return sorted(files), sorted(odd)
 
 
-def run_files(run_dir: Path) -> List[str]:
+def run_files(run_dir: Path) -> list[str]:
     """The files of ``run_dir`` its attestation names: every regular file under it but ``attestation.json``
     (:data:`UNSIGNED`), as relative POSIX paths, sorted. Raises :class:`UserError` for a symbolic link or another
     entry that is neither a file nor a directory: a signed run directory holds regular files only."""
     try:
         files, odd = walk(run_dir)
     except OSError as ex:
-        raise UserError(f"{ex.filename}: cannot be read ({ex.strerror}); every file of a run directory is attested") from None
+        raise UserError(
+            f"{ex.filename}: cannot be read ({ex.strerror}); every file of a run directory is attested"
+        ) from None
     if odd:
-        raise UserError(f"{run_dir / odd[0]}: a symbolic link or special file; a run directory holds regular files only")
+        raise UserError(
+            f"{run_dir / odd[0]}: a symbolic link or special file; a run directory holds regular files only"
+        )
     return [name for name in files if name not in UNSIGNED]
 
 
-def external_rows(run_dir: Path) -> List[Path]:
+def external_rows(run_dir: Path) -> list[Path]:
     """The files of the rows directory a run read from outside its run directory (``paths.prompt_data``: its
     ``manifest.json`` and every regular file beside it, the parquet rows among them), absolute, sorted; [] when
     the rows are the run's own (``data/rows/``, named with the run directory's files) or there are none."""
@@ -339,7 +365,7 @@ def external_rows(run_dir: Path) -> List[Path]:
     return [rows_dir / name for name in files]
 
 
-def lock_subject(lock_path: Path, run_dir: Path) -> Dict[str, Any]:
+def lock_subject(lock_path: Path, run_dir: Path) -> dict[str, Any]:
     """How a statement names the lock a run was verified against: ``{"path", "base", "sha256"}``, ``base``
     ``run`` (a path inside the run directory: an image's stamped lock), ``bundle`` (inside this bundle's tree,
     ``lockfiles/launcher.lock``) or ``absolute``. Raises :class:`UserError` when the lock cannot be read."""
@@ -358,7 +384,7 @@ def lock_subject(lock_path: Path, run_dir: Path) -> Dict[str, Any]:
     return {"path": str(resolved), "base": "absolute", "sha256": digest}
 
 
-def lock_path_of(lock: Dict[str, Any], run_dir: Path) -> Path:
+def lock_path_of(lock: dict[str, Any], run_dir: Path) -> Path:
     """The file a statement's lock (:func:`lock_subject`) names, for the run directory ``run_dir``."""
     from trainer import REPO_ROOT
 
@@ -366,11 +392,11 @@ def lock_path_of(lock: Dict[str, Any], run_dir: Path) -> Path:
     return root / str(lock.get("path")) if root is not None else Path(str(lock.get("path")))
 
 
-def run_probes(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def run_probes(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     """What the probe saw: ``{"ranks": record.json's probe ranks, "nodes": {NODE: probes/NODE.json}}``."""
     probe = record.get("probe")
     ranks = probe.get("ranks", [probe]) if isinstance(probe, dict) else probe if isinstance(probe, list) else []
-    nodes: Dict[str, Any] = {}
+    nodes: dict[str, Any] = {}
     for path in sorted((run_dir / "probes").glob("*.json")) if (run_dir / "probes").is_dir() else []:
         try:
             nodes[path.stem] = read_json(path, "probe")
@@ -416,7 +442,7 @@ def count_steps_in(path: Path) -> int:
     return counter.total()
 
 
-def hash_subject(path: Path, keep: Optional[int] = None, count: bool = False) -> Tuple[str, Optional[bytes], int]:
+def hash_subject(path: Path, keep: int | None = None, count: bool = False) -> tuple[str, bytes | None, int]:
     """``(sha256 hex, the bytes when keep, steps when count)`` of the file ``path`` in one streamed pass, so that what
     is kept or counted is what was hashed. ``keep``: the most bytes kept (more is refused: :class:`UserError`);
     ``count``: count :func:`count_steps` on the way. A FIFO or device is refused without blocking."""
@@ -434,7 +460,7 @@ def hash_subject(path: Path, keep: Optional[int] = None, count: bool = False) ->
     return digest.hexdigest(), (b"".join(kept) if keep is not None else None), counter.total()
 
 
-def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
+def run_statement(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     """The run attestation statement of ``run_dir`` (see the module docstring) from its files and ``record``
     (which must be saved as ``record.json`` already: it is one of the subjects). Raises :class:`UserError` when
     the directory holds a link or special file, or its lock cannot be read."""
@@ -453,16 +479,22 @@ def run_statement(run_dir: Path, record: Dict[str, Any]) -> Dict[str, Any]:
         checked = verdict(record, None, run_dir) if record.get("probe") else {"ok": None, "reason": "no probe"}
     except UserError as err:
         checked = {"ok": None, "reason": str(err)}
-    run = {k: record.get(k) for k in ("status", "reason", "launcher", "created_utc", "finished_utc", "host", "bundle")
-           if record.get(k) is not None}
+    run = {
+        k: record.get(k)
+        for k in ("status", "reason", "launcher", "created_utc", "finished_utc", "host", "bundle")
+        if record.get(k) is not None
+    }
     metrics = run_dir / METRICS
     run["steps"] = count_steps_in(metrics) if metrics.is_file() else 0
-    return {"_type": STATEMENT_TYPE, "subject": subjects, "predicateType": RUN_PREDICATE,
-            "predicate": {"run": run, "probes": run_probes(run_dir, record), "verify": checked,
-                          "unsigned": list(UNSIGNED)}}
+    return {
+        "_type": STATEMENT_TYPE,
+        "subject": subjects,
+        "predicateType": RUN_PREDICATE,
+        "predicate": {"run": run, "probes": run_probes(run_dir, record), "verify": checked, "unsigned": list(UNSIGNED)},
+    }
 
 
-def take_sign_key(argv: List[str]) -> Tuple[List[str], Any]:
+def take_sign_key(argv: list[str]) -> tuple[list[str], Any]:
     """``argv`` without ``--sign-key KEY`` / ``--sign-key=KEY`` (not a Hydra override), and the signer of that key
     (:func:`load_signer`) or None. Raises :class:`UserError` for a missing value or a key that cannot sign."""
     out, key, i = [], None, 0
@@ -481,7 +513,7 @@ def take_sign_key(argv: List[str]) -> Tuple[List[str], Any]:
     return out, (load_signer(Path(key)) if key is not None else None)
 
 
-def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) -> Dict[str, Any]:
+def write_run_attestation(run_dir: Path, record: dict[str, Any], signer=None) -> dict[str, Any]:
     """Write ``run_dir/attestation.json`` (the statement, or its DSSE envelope when ``signer`` is given),
     atomically, from the files as they are now (``record`` must be saved as ``record.json`` already: the sealing
     order is :meth:`trainer.record.rundir.RunDir.seal`'s). The statement passes through the run directory's
@@ -497,8 +529,11 @@ def write_run_attestation(run_dir: Path, record: Dict[str, Any], signer=None) ->
     if signer is not None:
         data = sign(data, signer)
     atomic_write(run_dir / ATTESTATION, data, verbatim=True)  # scrubbed before signing: a DSSE "sig" stays as signed
-    return {"path": ATTESTATION, "sha256": hashlib.sha256(data).hexdigest(),
-            "signed_by": signer.public_key.keyid if signer is not None else None}
+    return {
+        "path": ATTESTATION,
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "signed_by": signer.public_key.keyid if signer is not None else None,
+    }
 
 
 @dataclass
@@ -506,17 +541,17 @@ class SignedRun:
     """A run directory whose attestation verified: the signed ``statement`` and the bytes of the files a verdict
     reads (``record.json``, ``metrics.jsonl`` where present), as they were hashed."""
 
-    statement: Dict[str, Any]
-    files: Dict[str, bytes]
+    statement: dict[str, Any]
+    files: dict[str, bytes]
     steps: int = 0  # the steps of metrics.jsonl as hashed (:func:`count_steps`), 0 without one
 
     @property
-    def record(self) -> Dict[str, Any]:
+    def record(self) -> dict[str, Any]:
         """The signed ``record.json``, parsed."""
         return json.loads(self.files[RECORD_NAME])
 
     @property
-    def predicate(self) -> Dict[str, Any]:
+    def predicate(self) -> dict[str, Any]:
         """The statement's predicate (run, probes, verify)."""
         return self.statement.get("predicate") or {}
 
@@ -534,13 +569,17 @@ def check_run(run_dir: Path, key) -> SignedRun:
     try:
         data = read_bytes(path, "run attestation", MAX_ATTESTATION_BYTES)  # a FIFO refused, 64 MiB at most
     except FileNotFoundError:
-        raise UserError(f"{path}: no attestation (runs write one when they end; this run predates it or did not end)") from None
+        raise UserError(
+            f"{path}: no attestation (runs write one when they end; this run predates it or did not end)"
+        ) from None
     statement = open_envelope(data, key, str(path))
     if statement.get("predicateType") != RUN_PREDICATE:
-        raise VerificationFailed(f"{path}: predicateType {statement.get('predicateType')!r}, expected {RUN_PREDICATE} "
-                                 "(an attestation of an older bundle names only some files; attest the run again)")
-    inside: Dict[str, str] = {}
-    outside: Dict[str, str] = {}
+        raise VerificationFailed(
+            f"{path}: predicateType {statement.get('predicateType')!r}, expected {RUN_PREDICATE} "
+            "(an attestation of an older bundle names only some files; attest the run again)"
+        )
+    inside: dict[str, str] = {}
+    outside: dict[str, str] = {}
     for subject in statement["subject"]:
         name, want = str(subject["name"]), subject["digest"].get("sha256")
         if name == IMAGE_SUBJECT:
@@ -556,33 +595,41 @@ def check_run(run_dir: Path, key) -> SignedRun:
     try:
         files, odd = walk(run_dir)
     except OSError as ex:
-        raise VerificationFailed(f"{path}: {ex.filename} cannot be read ({ex.strerror}); a run directory is verified "
-                                 "only when every file in it can be read") from None
+        raise VerificationFailed(
+            f"{path}: {ex.filename} cannot be read ({ex.strerror}); a run directory is verified "
+            "only when every file in it can be read"
+        ) from None
     if odd:
-        raise VerificationFailed(f"{path}: {odd[0]} is a symbolic link or special file; the attestation names "
-                                 "regular files only")
+        raise VerificationFailed(
+            f"{path}: {odd[0]} is a symbolic link or special file; the attestation names regular files only"
+        )
     present = set(files) - set(UNSIGNED)
     added = sorted(present - set(inside))
     if added:
-        raise VerificationFailed(f"{path}: {added[0]} is not named by the attestation (added after signing"
-                                 + (f"; {len(added) - 1} more)" if len(added) > 1 else ")"))
-    kept: Dict[str, bytes] = {}
+        raise VerificationFailed(
+            f"{path}: {added[0]} is not named by the attestation (added after signing"
+            + (f"; {len(added) - 1} more)" if len(added) > 1 else ")")
+        )
+    kept: dict[str, bytes] = {}
     steps = 0
     for name, want in sorted(inside.items()):
         target = run_dir / name
         if name not in present:
             raise VerificationFailed(f"{path}: subject {name} is missing ({target})")
         try:  # streamed: a run's checkpoint costs no memory; record.json kept (64 MiB at most), metrics counted
-            have, content, counted = hash_subject(target, MAX_TEXT_BYTES if name == RECORD_NAME else None,
-                                                  count=name == READ_BACK[1])
+            have, content, counted = hash_subject(
+                target, MAX_TEXT_BYTES if name == RECORD_NAME else None, count=name == READ_BACK[1]
+            )
         except OSError as ex:
             raise VerificationFailed(f"{path}: subject {name} cannot be read ({ex.strerror})") from None
         except UserError as err:
             raise VerificationFailed(f"{path}: subject {err}") from None
         if have != want:
-            raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
-                                     "(the file changed after the run; a late log is attested again with "
-                                     "`trainer attest RUN_DIR --again --sign-key KEY`)")
+            raise VerificationFailed(
+                f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
+                "(the file changed after the run; a late log is attested again with "
+                "`trainer attest RUN_DIR --again --sign-key KEY`)"
+            )
         if content is not None:
             kept[name] = content
         if name == READ_BACK[1]:
@@ -594,7 +641,9 @@ def check_run(run_dir: Path, key) -> SignedRun:
             raise VerificationFailed(f"{path}: {ex.filename} cannot be read ({ex.strerror})") from None
         extra = sorted(str(rows_dir / n) for n in listed + odd if str(rows_dir / n) not in outside)
         if extra:
-            raise VerificationFailed(f"{path}: {extra[0]} is not named by the attestation (added to the rows after signing)")
+            raise VerificationFailed(
+                f"{path}: {extra[0]} is not named by the attestation (added to the rows after signing)"
+            )
     for name, want in sorted(outside.items()):
         target = Path(name)
         if target.is_symlink() or not target.is_file():
@@ -604,18 +653,22 @@ def check_run(run_dir: Path, key) -> SignedRun:
         except OSError as ex:
             raise VerificationFailed(f"{path}: subject {name} cannot be read ({ex.strerror})") from None
         if have != want:
-            raise VerificationFailed(f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
-                                     "(the rows changed after the run)")
+            raise VerificationFailed(
+                f"{path}: subject {name} has sha256 {have}, the attestation says {want} "
+                "(the rows changed after the run)"
+            )
     try:
         record = json.loads(kept[RECORD_NAME])
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise VerificationFailed(f"{path}: the signed {RECORD_NAME} is not valid JSON") from None
-    if not isinstance(record, dict) or record.get("status") != (statement.get("predicate") or {}).get("run", {}).get("status"):
+    if not isinstance(record, dict) or record.get("status") != (statement.get("predicate") or {}).get("run", {}).get(
+        "status"
+    ):
         raise VerificationFailed(f"{path}: the signed {RECORD_NAME} and the statement disagree on the run's status")
     return SignedRun(statement, kept, steps)
 
 
-def check_image(image_path: Path, key) -> Dict[str, Any]:
+def check_image(image_path: Path, key) -> dict[str, Any]:
     """Verify an image's signed provenance with the public ``key``: the layout's referrers bind
     (:func:`trainer.image.referrers.bound`: each reads back, one per artifactType, one provenance), the
     signature, subject = the image's manifest digest, predicateType SLSA provenance; then every byproduct it
@@ -635,17 +688,22 @@ def check_image(image_path: Path, key) -> Dict[str, Any]:
         raise VerificationFailed(str(err)) from None
     kinds = [kind for kind in referrers.PROVENANCE_TYPES if kind in attached]
     if not kinds:
-        raise VerificationFailed(f"{image_path}: no provenance referrer ({' or '.join(referrers.PROVENANCE_TYPES)}) is "
-                                 f"attached to {image.manifest_digest}")
+        raise VerificationFailed(
+            f"{image_path}: no provenance referrer ({' or '.join(referrers.PROVENANCE_TYPES)}) is "
+            f"attached to {image.manifest_digest}"
+        )
     where = f"{image_path} provenance"
     statement = open_envelope(attached[kinds[0]].data, key, where)
     digests = [s["digest"].get("sha256") for s in statement["subject"]]
     if image.manifest_digest[7:] not in digests:
-        raise VerificationFailed(f"{where}: subject sha256 {', '.join(map(str, digests))} is not this image's manifest "
-                                 f"{image.manifest_digest}")
+        raise VerificationFailed(
+            f"{where}: subject sha256 {', '.join(map(str, digests))} is not this image's manifest "
+            f"{image.manifest_digest}"
+        )
     if statement.get("predicateType") != provenance.SLSA_PROVENANCE:
-        raise VerificationFailed(f"{where}: predicateType {statement.get('predicateType')!r}, not "
-                                 f"{provenance.SLSA_PROVENANCE}")
+        raise VerificationFailed(
+            f"{where}: predicateType {statement.get('predicateType')!r}, not {provenance.SLSA_PROVENANCE}"
+        )
     byproducts = ((statement.get("predicate") or {}).get("runDetails") or {}).get("byproducts") or []
     if not isinstance(byproducts, list) or not all(isinstance(b, dict) for b in byproducts):
         raise VerificationFailed(f"{where}: runDetails.byproducts is not a list of resource descriptors")
@@ -655,23 +713,29 @@ def check_image(image_path: Path, key) -> Dict[str, Any]:
         media, sha = item.get("mediaType"), (item.get("digest") or {}).get("sha256")
         if str(media).startswith(("application/vnd.oci.image.layer.", "application/vnd.docker.image.rootfs.")):
             if sha not in layers:  # the layers the build made, by diff_id (= digest: they are uncompressed)
-                raise VerificationFailed(f"{where}: the signed provenance names {item.get('name', 'a layer')} "
-                                         f"sha256 {sha}; the image {image.manifest_digest} has no such layer")
+                raise VerificationFailed(
+                    f"{where}: the signed provenance names {item.get('name', 'a layer')} "
+                    f"sha256 {sha}; the image {image.manifest_digest} has no such layer"
+                )
             continue
         named.add(media)
         if media not in attached:
             raise VerificationFailed(f"{where}: the signed provenance names {media} sha256 {sha}; none is attached")
         if digest_of(attached[media].data)[7:] != sha:
-            raise VerificationFailed(f"{where}: the attached {media} has sha256 {digest_of(attached[media].data)[7:]}, "
-                                     f"the signed provenance names {sha}")
+            raise VerificationFailed(
+                f"{where}: the attached {media} has sha256 {digest_of(attached[media].data)[7:]}, "
+                f"the signed provenance names {sha}"
+            )
     for media, found in attached.items():
         if media not in named and media not in referrers.PROVENANCE_TYPES:
-            raise VerificationFailed(f"{where}: a {media} referrer {found.descriptor.get('digest')} (document sha256 "
-                                     f"{digest_of(found.data)[7:]}) is attached; the signed provenance names none")
+            raise VerificationFailed(
+                f"{where}: a {media} referrer {found.descriptor.get('digest')} (document sha256 "
+                f"{digest_of(found.data)[7:]}) is attached; the signed provenance names none"
+            )
     return statement
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """``trainer attest RUN_DIR [--sign-key KEY] [--again]``: write the attestation of a run that ended outside
     ``train`` (a Slurm job: after ``trainer status --wait``); refuses a run that has not ended, or one that has an
     attestation already unless ``--again`` (a file written after the seal, Slurm's last log lines: the record's
@@ -684,8 +748,12 @@ def main(argv: List[str]) -> int:
     parser = argparse.ArgumentParser(prog="trainer attest", description=main.__doc__)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--sign-key", type=Path, help="private key (`trainer keygen`): write a signed DSSE envelope")
-    parser.add_argument("--again", action="store_true", help="replace an existing attestation (after a late log: "
-                        "what the files are now is what the new one vouches for)")
+    parser.add_argument(
+        "--again",
+        action="store_true",
+        help="replace an existing attestation (after a late log: "
+        "what the files are now is what the new one vouches for)",
+    )
     args = parser.parse_args(argv)
     signer = load_signer(args.sign_key) if args.sign_key else None
     rundir = RunDir(args.run_dir)
@@ -694,10 +762,14 @@ def main(argv: List[str]) -> int:
         raise UserError(f"{args.run_dir / 'record.json'}: no run record (is {args.run_dir} a run directory?)")
     status = effective_status(record)
     if status not in FINAL:
-        raise UserError(f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)")
+        raise UserError(
+            f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)"
+        )
     if (args.run_dir / ATTESTATION).exists() and not args.again:
-        raise UserError(f"{args.run_dir / ATTESTATION}: exists (an attestation is written once; --again replaces it "
-                        "with one of the files as they are now)")
+        raise UserError(
+            f"{args.run_dir / ATTESTATION}: exists (an attestation is written once; --again replaces it "
+            "with one of the files as they are now)"
+        )
     record = rundir.seal(record, signer)
     if "error" in record["attestation"]:
         raise UserError(f"{args.run_dir}: not attested: {record['attestation']['error']}")

@@ -15,10 +15,11 @@ import platform
 import socket
 import subprocess
 import sys
-from datetime import datetime, timezone
+from collections.abc import Iterable
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Dict, Iterable, Optional
+from typing import Any
 
 from trainer import REPO_ROOT, __version__
 from trainer.publish import atomic_write
@@ -37,7 +38,7 @@ def write_json(path: Path, obj: Any) -> str:
     return atomic_write(path, canonical_json(obj))
 
 
-def sha256_file(path: Path) -> Optional[str]:
+def sha256_file(path: Path) -> str | None:
     """sha256 of a file's bytes, read as a stream (a FIFO or device is refused without blocking:
     :func:`trainer.inputs.open_regular`), or None if it does not exist."""
     from trainer.inputs import open_regular
@@ -52,7 +53,7 @@ def sha256_file(path: Path) -> Optional[str]:
     return digest.hexdigest()
 
 
-def git_revision(root: Path = REPO_ROOT) -> Dict[str, Any]:
+def git_revision(root: Path = REPO_ROOT) -> dict[str, Any]:
     """The bundle's source revision: ``{"revision", "dirty"}`` from git, or from ``TRAINER_SOURCE_REVISION``
     (set by the Nix app, whose source has no .git), or unknown."""
     env_rev = os.environ.get("TRAINER_SOURCE_REVISION")
@@ -66,7 +67,10 @@ def git_revision(root: Path = REPO_ROOT) -> Dict[str, Any]:
         dirty = bool(
             subprocess.run(
                 ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                capture_output=True, text=True, timeout=10, check=True,
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=True,
             ).stdout.strip()
         )
         return {"revision": rev, "dirty": dirty, "from": "git"}
@@ -74,9 +78,9 @@ def git_revision(root: Path = REPO_ROOT) -> Dict[str, Any]:
         return {"revision": None, "dirty": None, "from": "unknown"}
 
 
-def package_versions(names: Iterable[str] = LAUNCHER_PACKAGES) -> Dict[str, Optional[str]]:
+def package_versions(names: Iterable[str] = LAUNCHER_PACKAGES) -> dict[str, str | None]:
     """Installed versions of ``names`` in the running interpreter (None where absent)."""
-    out: Dict[str, Optional[str]] = {}
+    out: dict[str, str | None] = {}
     for name in names:
         try:
             out[name] = metadata.version(name)
@@ -85,7 +89,7 @@ def package_versions(names: Iterable[str] = LAUNCHER_PACKAGES) -> Dict[str, Opti
     return out
 
 
-def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
+def launcher_record(status: str, **fields: Any) -> dict[str, Any]:
     """The common part of ``record.json``: status, time, host, bundle revision, launcher environment, locks.
 
     ``fields`` are merged in (e.g. hashes of the files of the run directory).
@@ -93,7 +97,7 @@ def launcher_record(status: str, **fields: Any) -> Dict[str, Any]:
     record = {
         "schema_version": 1,
         "status": status,
-        "created_utc": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "host": socket.gethostname(),
         "bundle": {"version": __version__, **git_revision()},
         "launcher_env": {
@@ -115,18 +119,18 @@ PID_MAX = 1 << 22  # the largest pid Linux can give (PID_MAX_LIMIT, 4,194,304): 
 START_SLACK_S = 2.0  # a process that started this much later than the run's record cannot be the run's launcher
 
 
-def process_started(pid: int) -> Optional[int]:
+def process_started(pid: int) -> int | None:
     """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field 22, ``starttime``; the
     command name, field 2, may hold spaces and parentheses, so the fields are counted after its last ``)``), or
     None when it cannot be read (no such process, no ``/proc``)."""
     try:
         text = Path(f"/proc/{int(pid)}/stat").read_bytes()
-        return int(text[text.rindex(b")") + 2:].split()[19])
+        return int(text[text.rindex(b")") + 2 :].split()[19])
     except (OSError, ValueError, IndexError):
         return None
 
 
-def boot_id() -> Optional[str]:
+def boot_id() -> str | None:
     """This boot's id (``/proc/sys/kernel/random/boot_id``, a UUID), or None when it cannot be read."""
     try:
         return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
@@ -134,7 +138,7 @@ def boot_id() -> Optional[str]:
         return None
 
 
-def pid_namespace(pid: Optional[int] = None) -> Optional[str]:
+def pid_namespace(pid: int | None = None) -> str | None:
     """The pid namespace of process ``pid`` (default: this one) as the kernel names it (the link
     ``/proc/PID/ns/pid``, e.g. ``pid:[4026531836]``), or None when it cannot be read. A pid means the same process
     only to readers in the same namespace."""
@@ -144,17 +148,17 @@ def pid_namespace(pid: Optional[int] = None) -> Optional[str]:
         return None
 
 
-def process_state(pid: int) -> Optional[str]:
+def process_state(pid: int) -> str | None:
     """The state of process ``pid`` (``/proc/PID/stat`` field 3, after the command name's last ``)``: ``R``,
     ``S``, ``D``, ``Z`` zombie, ``X`` dead, ...), or None when it cannot be read."""
     try:
         text = Path(f"/proc/{int(pid)}/stat").read_bytes()
-        return text[text.rindex(b")") + 2:].split()[0].decode("ascii", "replace")
+        return text[text.rindex(b")") + 2 :].split()[0].decode("ascii", "replace")
     except (OSError, ValueError, IndexError):
         return None
 
 
-def process_identity(pid: Optional[int] = None) -> Dict[str, Any]:
+def process_identity(pid: int | None = None) -> dict[str, Any]:
     """What names process ``pid`` (default: this one) across pid reuse, as a running record saves it: ``pid``,
     ``pid_started`` (:func:`process_started`, clock ticks after boot), ``boot_id`` (:func:`boot_id`) and
     ``pid_ns`` (:func:`pid_namespace` of this process: the namespace in which the number ``pid`` names it)."""
@@ -162,7 +166,7 @@ def process_identity(pid: Optional[int] = None) -> Dict[str, Any]:
     return {"pid": pid, "pid_started": process_started(pid), "boot_id": boot_id(), "pid_ns": pid_namespace()}
 
 
-def unverifiable(record: Dict[str, Any]) -> Optional[str]:
+def unverifiable(record: dict[str, Any]) -> str | None:
     """Why the process a ``running`` record names cannot be checked from this process (one line), or None when it
     can: the record saved a pid namespace (``pid_ns``, :func:`process_identity`) other than this process's, so
     its pid names another process here or none (a run in a container, a reader in one). Such a run is reported
@@ -173,19 +177,20 @@ def unverifiable(record: Dict[str, Any]) -> Optional[str]:
     return f"its process cannot be checked from here (it runs in pid namespace {saved[:40]}, this reader in {here})"
 
 
-def _started_wall(pid: int) -> Optional[float]:
+def _started_wall(pid: int) -> float | None:
     """When process ``pid`` started, as a Unix time in seconds (boot time ``btime`` of ``/proc/stat`` plus
     :func:`process_started` over ``SC_CLK_TCK``), or None when it cannot be read."""
     ticks = process_started(pid)
     try:
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
+        btime = next(
+            int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime ")
+        )
         return None if ticks is None else btime + ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, StopIteration, IndexError):
         return None
 
 
-def process_gone(record: Dict[str, Any]) -> Optional[str]:
+def process_gone(record: dict[str, Any]) -> str | None:
     """Why the process a ``running`` record names on this host is not the run's (one line), or None when it may
     be (another status, another host, no pid, or a live process that is the one the record saved).
 
@@ -218,22 +223,26 @@ def process_gone(record: Dict[str, Any]) -> Optional[str]:
     if isinstance(saved, int) and not isinstance(saved, bool):
         now = process_started(pid)
         if now is not None and now != saved:
-            return (f"its process {pid} is gone: pid {pid} now belongs to another process (started at tick {now}, "
-                    f"the run's at tick {saved})")
+            return (
+                f"its process {pid} is gone: pid {pid} now belongs to another process (started at tick {now}, "
+                f"the run's at tick {saved})"
+            )
         return None
     started, wall = record.get("started_utc") or record.get("created_utc"), _started_wall(pid)
     if isinstance(started, str) and wall is not None:
         try:
-            since = datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc).timestamp()
+            since = datetime.strptime(started, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC).timestamp()
         except ValueError:
             return None
         if wall > since + START_SLACK_S:
-            return (f"its process {pid} is gone: pid {pid} now belongs to another process, started "
-                    f"{wall - since:.0f} s after the run")
+            return (
+                f"its process {pid} is gone: pid {pid} now belongs to another process, started "
+                f"{wall - since:.0f} s after the run"
+            )
     return None
 
 
-def effective_status(record: Dict[str, Any]) -> str:
+def effective_status(record: dict[str, Any]) -> str:
     """A record's status as a reader should see it: ``running`` whose process is gone on this host
     (:func:`process_gone`: ended, a pid reused by another process, no process id at all) is ``interrupted`` (the
     launcher was killed, or the disk filled, before it could say so)."""

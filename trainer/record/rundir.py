@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from datetime import UTC
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -34,14 +35,23 @@ if TYPE_CHECKING:
     from trainer.report.metrics import Step
 
 # The files of a run directory (the names readers, reports and tests know).
-CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = "config.yaml", "command.sh", "plan.json", "argv.json", "env.json", "record.json"
+CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = (
+    "config.yaml",
+    "command.sh",
+    "plan.json",
+    "argv.json",
+    "env.json",
+    "record.json",
+)
 METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
 RUNTIME_ENV, SUBMIT = "runtime_env.json", "submit.sh"  # a Ray job's runtime environment and its submit command
 MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worker chose
 PROFILE = "profile-top-kernels.md"  # the GPU kernels of launcher.profile_step, by device time
 SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
 PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
-JOB = "job.json"  # the job a launcher runs or submits: {"argv", "env"} (a worker, torchrun, launcher.job, a cluster job)
+JOB = (
+    "job.json"  # the job a launcher runs or submits: {"argv", "env"} (a worker, torchrun, launcher.job, a cluster job)
+)
 # argv.json and env.json are the miles launch of every run (as command.sh; executed or not), written once, before
 # any launch; job.json is what a launcher runs or submits (RunDir.write_job). The launchers write through RunDir
 # (hashed as written); the files the workers write are hashed once the launch has handed back.
@@ -49,7 +59,6 @@ WORKER_FILES = (METRICS,)
 # Folders of a run directory that hold verbatim copies of content verified by digest (a local-image run's stamped
 # lock, image/lock.json): the secret sweep never rewrites them, so the hashes that cover them stay true.
 VERBATIM = ("image",)
-
 
 
 def probe_rank(rank: int) -> str:
@@ -64,7 +73,7 @@ HANDED_OFF = (RENDERED, SUBMITTED)  # the run now belongs to a scheduler (render
 FINAL = (COMPLETE, FAILED, INTERRUPTED)
 # The moves a record's state may make (:meth:`RunDir.move`): a plan is launched, a launch hands off or ends, a
 # job rendered for Slurm is submitted (by hand too) and starts (its steps mark ``running`` again at each stage).
-MOVES: Dict[str, tuple] = {
+MOVES: dict[str, tuple] = {
     PLANNED: (RUNNING,),
     RUNNING: (RUNNING, *HANDED_OFF, *FINAL),
     RENDERED: (SUBMITTED, RUNNING, *FINAL),
@@ -77,9 +86,9 @@ RECORD_RESERVE = 8192  # bytes of spaces after a running record (RunDir.save_rec
 
 def utc_now() -> str:
     """The time now as the record writes it (``2026-12-01T12:00:00Z``)."""
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 class RunDir:
@@ -91,7 +100,7 @@ class RunDir:
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
-        self.hashes: Dict[str, str] = {}
+        self.hashes: dict[str, str] = {}
 
     def write(self, name: str, data: bytes, mode: int = 0o666, verbatim: bool = False) -> str:
         """Write ``data`` to ``name`` atomically (:func:`trainer.publish.atomic_write`; ``verbatim``: not scrubbed,
@@ -105,17 +114,20 @@ class RunDir:
 
         return self.write(name, canonical_json(obj))
 
-    def hash_written(self, names=WORKER_FILES) -> Dict[str, str]:
+    def hash_written(self, names=WORKER_FILES) -> dict[str, str]:
         """The sha256 of those of ``names`` that others (the workers: :data:`WORKER_FILES`) wrote, as they now
         stay; kept in :attr:`hashes` too."""
         import hashlib
 
-        found = {name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
-                 for name in names if (self.path / name).is_file()}
+        found = {
+            name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+            for name in names
+            if (self.path / name).is_file()
+        }
         self.hashes.update(found)
         return found
 
-    def write_plan(self, prepared: "PreparedRun") -> None:
+    def write_plan(self, prepared: PreparedRun) -> None:
         """The files every run starts with, before anything is launched: ``config.yaml`` (the resolved
         composition), ``command.sh`` (the launch as bash), ``plan.json``, ``argv.json`` (the miles argv) and
         ``env.json`` (its environment, secret values redacted): the files :data:`HYDRA_FILES` aside, the launch
@@ -135,14 +147,14 @@ class RunDir:
         self.write_json(ARGV, prepared.launch.argv)
         self.write_json(ENV, redact_env(prepared.launch.env))
 
-    def write_job(self, argv: List[str], env: Dict[str, str]) -> str:
+    def write_job(self, argv: list[str], env: dict[str, str]) -> str:
         """Write ``job.json``: the job a launcher runs or submits, ``{"argv": [...], "env": {...}}`` (the
         environment it gets, secret values redacted). Returns its sha256."""
         from trainer.redact import redact_env
 
         return self.write_json(JOB, {"argv": list(argv), "env": redact_env(env)})
 
-    def begin(self, status: str, fields: Dict[str, Any]) -> Dict[str, Any]:
+    def begin(self, status: str, fields: dict[str, Any]) -> dict[str, Any]:
         """The run's first record, saved: ``planned`` (a plan) or ``running`` (this process's pid, its start time
         ``pid_started``, the ``boot_id`` and ``pid_ns``, :func:`trainer.record.record.process_identity`, so that a reader tells
         a reused pid from the run's process; the start time in ``started_utc``), with ``fields``
@@ -159,7 +171,7 @@ class RunDir:
         (self.path / MARKER).unlink(missing_ok=True)  # the record now says what the directory holds
         return record
 
-    def hash_tree(self) -> Dict[str, str]:
+    def hash_tree(self) -> dict[str, str]:
         """The sha256 of every regular file of the run directory but ``record.json`` and ``attestation.json``, by
         relative POSIX path. Raises :class:`UserError` for a link or special file in it
         (:func:`trainer.record.attest.run_files`)."""
@@ -167,10 +179,13 @@ class RunDir:
 
         from trainer.record.attest import run_files
 
-        return {name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
-                for name in run_files(self.path) if name != RECORD}
+        return {
+            name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
+            for name in run_files(self.path)
+            if name != RECORD
+        }
 
-    def seal(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
+    def seal(self, record: dict[str, Any], signer: Any = None) -> dict[str, Any]:
         """Seal the ended run and return its record, saved: the files others wrote scrubbed
         (:func:`trainer.redact.resweep`; :data:`VERBATIM` aside), ``files_sha256`` re-derived for every file,
         the attestation named (path, key id) in the record and the record saved, then ``attestation.json``
@@ -188,8 +203,10 @@ class RunDir:
             record["attestation"] = {"error": " ".join(str(err).split())}
             self.save_record(record)
             return record
-        record["attestation"] = {"path": ATTESTATION,
-                                 "signed_by": signer.public_key.keyid if signer is not None else None}
+        record["attestation"] = {
+            "path": ATTESTATION,
+            "signed_by": signer.public_key.keyid if signer is not None else None,
+        }
         self.save_record(record)
         try:
             write_run_attestation(self.path, record, signer)
@@ -199,7 +216,7 @@ class RunDir:
             self.save_record(record)
         return record
 
-    def reseal(self, signer: Any = None) -> Optional[Dict[str, Any]]:
+    def reseal(self, signer: Any = None) -> dict[str, Any] | None:
         """Seal an ended run again after a late change to its files (train's last sweep rewrote one): every hash
         re-derived, the attestation written anew. Returns the record, or None when the run was not sealed (no
         final record with an attestation), in which case nothing is done."""
@@ -208,7 +225,7 @@ class RunDir:
             return None
         return self.seal(record, signer)
 
-    def finish(self, record: Dict[str, Any], signer: Any = None) -> Dict[str, Any]:
+    def finish(self, record: dict[str, Any], signer: Any = None) -> dict[str, Any]:
         """The record of a launch that handed back, completed and saved: what others wrote into the directory
         redacted (:func:`trainer.redact.resweep`) and hashed (:data:`WORKER_FILES`), :meth:`hand_back`, and
         :meth:`seal` unless the run was handed off to a scheduler (its job ends it)."""
@@ -223,11 +240,11 @@ class RunDir:
             return record
         return self.seal(record, signer)
 
-    def load_record(self) -> Optional[Dict[str, Any]]:
+    def load_record(self) -> dict[str, Any] | None:
         """``record.json`` as it is on disk (:func:`load_record`), or None."""
         return load_record(self.path)
 
-    def save_record(self, record: Dict[str, Any]) -> None:
+    def save_record(self, record: dict[str, Any]) -> None:
         """Write ``record.json`` (canonical JSON, atomically): the one way the record is written. A ``running``
         record is followed by :data:`RECORD_RESERVE` bytes of spaces (JSON allows them): room kept for writing how
         the run ended over it in place when the disk fills during the run (:meth:`record_out_of_room`)."""
@@ -235,27 +252,30 @@ class RunDir:
         from trainer.record.record import canonical_json
 
         data = canonical_json(record)
-        atomic_write(self.path / RECORD, data + b" " * RECORD_RESERVE + b"\n" if record.get("status") == RUNNING
-                     else data)
+        atomic_write(
+            self.path / RECORD, data + b" " * RECORD_RESERVE + b"\n" if record.get("status") == RUNNING else data
+        )
 
-    def move(self, record: Dict[str, Any], status: str, **fields: Any) -> Dict[str, Any]:
+    def move(self, record: dict[str, Any], status: str, **fields: Any) -> dict[str, Any]:
         """``record`` moved to the state ``status`` (and ``fields`` set), unsaved; the one place a state is set.
         Raises :class:`UserError` naming ``record.json`` when :data:`MOVES` has no such move from its state (an
         ended run does not start again)."""
         before = record.get("status")
         if status not in MOVES.get(before, ()):
-            raise UserError(f"{self.path / RECORD}: a run {before} cannot become {status} "
-                            f"(expected one of {', '.join(MOVES.get(before, ())) or 'none: it has ended'})")
+            raise UserError(
+                f"{self.path / RECORD}: a run {before} cannot become {status} "
+                f"(expected one of {', '.join(MOVES.get(before, ())) or 'none: it has ended'})"
+            )
         record.update(status=status, **fields)
         return record
 
-    def hand_off(self, record: Dict[str, Any], status: str, message: str) -> Dict[str, Any]:
+    def hand_off(self, record: dict[str, Any], status: str, message: str) -> dict[str, Any]:
         """``record`` handed off to a scheduler (``status`` ``rendered`` or ``submitted``), with the ``message``
         ``train`` prints; unsaved (:meth:`hand_back` then drops the pid)."""
         assert status in HANDED_OFF, status
         return self.move(record, status, message=message)
 
-    def end(self, record: Dict[str, Any], status: str, reason: Optional[str] = None) -> Dict[str, Any]:
+    def end(self, record: dict[str, Any], status: str, reason: str | None = None) -> dict[str, Any]:
         """``record`` moved to the final state ``status`` (with ``reason``, its secrets redacted: by the directory's
         redactor, :func:`trainer.redact.guard`, or else by the rule's patterns), unsaved."""
         from trainer.redact import redact_value, redactor_for
@@ -266,7 +286,7 @@ class RunDir:
             reason = redactor.scrub(reason) if redactor is not None else redact_value(reason)
         return self.move(record, status, reason=reason)
 
-    def hand_back(self, record: Dict[str, Any]) -> Dict[str, Any]:
+    def hand_back(self, record: dict[str, Any]) -> dict[str, Any]:
         """The record once the launcher handed back: handed off (``rendered``/``submitted``: no pid, the time in
         ``handed_off_utc``; a submitted job that already wrote its own state keeps what it wrote) or ended
         (``finished_utc``); the hashes of the launch's files added. Unsaved."""
@@ -276,7 +296,9 @@ class RunDir:
             # the job may already have started and written its own status (it drops our pid): keep what it wrote
             on_disk = self.load_record() or {}
             if on_disk and "pid" not in on_disk:
-                on_disk.setdefault("slurm", {}).update({k: v for k, v in (record.get("slurm") or {}).items() if v is not None})
+                on_disk.setdefault("slurm", {}).update(
+                    {k: v for k, v in (record.get("slurm") or {}).items() if v is not None}
+                )
                 record = on_disk
         if handed_off:
             for key in ("pid", "pid_started", "boot_id", "pid_ns"):  # the run no longer lives in this process
@@ -287,7 +309,7 @@ class RunDir:
         record.setdefault("files_sha256", {}).update(self.hashes)
         return record
 
-    def record_out_of_room(self, record: Dict[str, Any], err: OSError) -> bool:
+    def record_out_of_room(self, record: dict[str, Any], err: OSError) -> bool:
         """Record how a run ended when a write of its end stopped on the place (``err``: ``ENOSPC``, ``EDQUOT`` or
         ``EROFS``, :data:`trainer.errors.STORAGE_ERRNOS`; the disk filled while the run executed): ``record`` (edited
         in place) ends ``failed`` with the reason (the file and the error, :func:`trainer.errors.os_error_line`,
@@ -320,7 +342,10 @@ class RunDir:
             on_disk = load_record(self.path) or {}
         except UserError:
             on_disk = {}
-        ended = {**on_disk, **{k: record[k] for k in ("status", "reason", "attestation", "finished_utc") if k in record}}
+        ended = {
+            **on_disk,
+            **{k: record[k] for k in ("status", "reason", "attestation", "finished_utc") if k in record},
+        }
         redactor = redactor_for(self.path / RECORD)  # as atomic_write scrubs every file of a guarded run directory
         try:
             fd = os.open(self.path / RECORD, os.O_WRONLY | os.O_NOFOLLOW)
@@ -341,7 +366,7 @@ class RunDir:
         finally:
             os.close(fd)
 
-    def update(self, change) -> Dict[str, Any]:
+    def update(self, change) -> dict[str, Any]:
         """Read the record, apply ``change(record)`` (which edits it in place) and save it; return it. Raises
         :class:`UserError` when the directory has no readable record."""
         path = self.path / RECORD
@@ -359,10 +384,10 @@ class Run:
     """A run as the reports see it. ``config``/``cfg`` are None when only a metrics file was given."""
 
     path: Path  # the directory, or the metrics file
-    steps: List["Step"]
-    cfg: Optional[DictConfig] = None  # the resolved composition, typed
-    config: Optional[schema.TrainConfig] = None
-    record: Optional[Dict[str, Any]] = None
+    steps: list[Step]
+    cfg: DictConfig | None = None  # the resolved composition, typed
+    config: schema.TrainConfig | None = None
+    record: dict[str, Any] | None = None
 
     @property
     def cpu_only(self) -> bool:
@@ -371,7 +396,7 @@ class Run:
         return bool(probes) and not any((p.get("torch") or {}).get("gpus") for p in probes)
 
     @property
-    def directory(self) -> Optional[Path]:
+    def directory(self) -> Path | None:
         """The run directory, or None when only a ``metrics.jsonl`` file was given."""
         return self.path if self.path.is_dir() else None
 
@@ -414,7 +439,7 @@ def load_config(path: Path) -> DictConfig:
     return cfg
 
 
-def load_record(directory: Path) -> Optional[Dict[str, Any]]:
+def load_record(directory: Path) -> dict[str, Any] | None:
     """``record.json`` of a run directory, or None if it has none; raises :class:`UserError` if unreadable."""
     path = directory / RECORD
     if not path.exists():
@@ -431,25 +456,53 @@ def load_record(directory: Path) -> Optional[Dict[str, Any]]:
 
 # The type of every field of record.json that readers use (None is allowed for each): a record with a field of
 # another type is refused on one line instead of failing somewhere inside a report.
-RECORD_TYPES: Dict[str, Any] = {
-    "schema_version": int, "status": str, "kind": str, "launcher": str, "host": str, "reason": str, "message": str,
-    "pid": int, "pid_started": int, "boot_id": str, "pid_ns": str, "created_utc": str, "started_utc": str, "finished_utc": str,
+RECORD_TYPES: dict[str, Any] = {
+    "schema_version": int,
+    "status": str,
+    "kind": str,
+    "launcher": str,
+    "host": str,
+    "reason": str,
+    "message": str,
+    "pid": int,
+    "pid_started": int,
+    "boot_id": str,
+    "pid_ns": str,
+    "created_utc": str,
+    "started_utc": str,
+    "finished_utc": str,
     "handed_off_utc": str,
-    "bundle": dict, "launcher_env": dict, "locks": dict, "lock": dict, "stack": dict, "choices": dict,
-    "files_sha256": dict, "overrides": list, "command": list, "probe": dict, "slurm": dict, "ray": dict,
-    "image": dict, "data": dict, "times": dict, "preflight": dict, "logs": (dict, list, str),
-    "observed_versions": dict, "observed": dict,
+    "bundle": dict,
+    "launcher_env": dict,
+    "locks": dict,
+    "lock": dict,
+    "stack": dict,
+    "choices": dict,
+    "files_sha256": dict,
+    "overrides": list,
+    "command": list,
+    "probe": dict,
+    "slurm": dict,
+    "ray": dict,
+    "image": dict,
+    "data": dict,
+    "times": dict,
+    "preflight": dict,
+    "logs": (dict, list, str),
+    "observed_versions": dict,
+    "observed": dict,
 }
-NESTED_TYPES: Dict[str, Dict[str, Any]] = {
+NESTED_TYPES: dict[str, dict[str, Any]] = {
     "probe": {"ranks": list, "nodes": list},
     "slurm": {"job_id": (str, int), "state": str, "submitted_utc": str, "started_utc": str, "finished_utc": str},
     "times": {"admitted_utc": str, "started_utc": str, "finished_utc": str},
 }
 
 
-def check_record_types(record: Dict[str, Any], where: str) -> None:
+def check_record_types(record: dict[str, Any], where: str) -> None:
     """Refuse a record whose known fields (:data:`RECORD_TYPES`, :data:`NESTED_TYPES`) have the wrong JSON type.
     Raises :class:`UserError` naming the field, the type found and the type expected."""
+
     def check(value: Any, kind: Any, key: str) -> None:
         kinds = kind if isinstance(kind, tuple) else (kind,)
         if value is None or (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)):
@@ -468,7 +521,7 @@ def check_record_types(record: Dict[str, Any], where: str) -> None:
             check(rank.get(sub), dict, f"probe.ranks[{i}].{sub}")
 
 
-def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -> "Run":
+def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -> Run:
     """Load a run directory (or a ``metrics.jsonl`` file when ``need_config`` is false).
 
     Raises :class:`UserError` when ``path`` is missing, when a config is needed but absent, or on any
@@ -512,8 +565,27 @@ MARKER_TEXT = b"recipe-bundle: a run is being written here; its record.json foll
 # Files: the plan's, the launchers', the workers', the record and its attestation, Hydra's log, the marker (left when
 # a run is killed between its record and the marker's removal) (and probe-rank-N.json, :func:`probe_rank`, one per
 # local rank).
-RUN_FILES = (RECORD, "attestation.json", METRICS, HYDRA_FILES[1], CONFIG, COMMAND, PLAN, ARGV, ENV, JOB, SBATCH, SUBMIT,
-             RUNTIME_ENV, MEGATRON, PROFILE, SANDBOX, PREFLIGHT, RENDEZVOUS, MARKER)
+RUN_FILES = (
+    RECORD,
+    "attestation.json",
+    METRICS,
+    HYDRA_FILES[1],
+    CONFIG,
+    COMMAND,
+    PLAN,
+    ARGV,
+    ENV,
+    JOB,
+    SBATCH,
+    SUBMIT,
+    RUNTIME_ENV,
+    MEGATRON,
+    PROFILE,
+    SANDBOX,
+    PREFLIGHT,
+    RENDEZVOUS,
+    MARKER,
+)
 RECORD_STATES = (PLANNED, RUNNING, *HANDED_OFF, *FINAL)  # every state a run's record.json can be in
 # What a run writes before its record (RunDir.write_plan, then RunDir.begin): a directory holding the marker
 # (:data:`MARKER`), only these, Hydra's files (.hydra/ with only Hydra's three, :data:`HYDRA_RECORD`, train.log), the
@@ -538,7 +610,7 @@ def _hydra_only(entry: Path) -> bool:
     return all(child.name in HYDRA_RECORD and not child.is_symlink() and child.is_file() for child in entry.iterdir())
 
 
-def partial_run(path: Path) -> Optional[List[Path]]:
+def partial_run(path: Path) -> list[Path] | None:
     """The entries of a partial run in the directory ``path`` (see :data:`PLAN_FILES`), or None when it is not
     one: no marker :data:`MARKER` (a regular file) is there (a user's lone ``config.yaml``, ``command.sh`` or
     ``train.log``: no run of this bundle wrote them), a ``record.json`` is, or any other entry is (a folder, a
@@ -554,19 +626,22 @@ def partial_run(path: Path) -> Optional[List[Path]]:
         if entry.name == HYDRA_FILES[0]:
             if not _hydra_only(entry):
                 return None
-        elif entry.is_symlink() or not entry.is_file() or not (
-                entry.name in (*PLAN_FILES, MARKER, HYDRA_FILES[1]) or _atomic_debris(entry.name)):
+        elif (
+            entry.is_symlink()
+            or not entry.is_file()
+            or not (entry.name in (*PLAN_FILES, MARKER, HYDRA_FILES[1]) or _atomic_debris(entry.name))
+        ):
             return None
     return entries  # Hydra's .hydra/ (its three files) and train.log go too
 
 
-def others_in(path: Path) -> List[str]:
+def others_in(path: Path) -> list[str]:
     """The names in the directory ``path`` that Hydra did not write (:data:`HYDRA_FILES` aside), sorted: a run
     directory Hydra chose that holds any was taken by another run. Raises ``OSError`` when it cannot be read."""
     return sorted(p.name for p in Path(path).iterdir() if p.name not in HYDRA_FILES)
 
 
-def run_record(path: Path, where: str) -> Dict[str, Any]:
+def run_record(path: Path, where: str) -> dict[str, Any]:
     """The record of the run the directory ``path`` holds: a ``record.json`` that is a JSON object of the record's
     types (:func:`check_record_types`) with a known ``status`` (:data:`RECORD_STATES`) and a ``files_sha256``
     object. Raises :class:`UserError` (one line starting with ``where``) for a missing, unreadable or other
@@ -578,19 +653,22 @@ def run_record(path: Path, where: str) -> Dict[str, Any]:
     if record is None:
         raise UserError(f"{where}: holds no {RECORD}; choose a new directory")
     if record.get("status") not in RECORD_STATES or not isinstance(record.get("files_sha256"), dict):
-        what = (f"status {json.dumps(record.get('status'))[:40]}" if record.get("status") not in RECORD_STATES
-                else "no files_sha256 object")
+        what = (
+            f"status {json.dumps(record.get('status'))[:40]}"
+            if record.get("status") not in RECORD_STATES
+            else "no files_sha256 object"
+        )
         raise UserError(f"{where}: its {RECORD} is not a run's record ({what}); choose a new directory")
     return record
 
 
 def _probe_rank_file(name: str) -> bool:
     """Whether ``name`` is a local worker's probe file, ``probe-rank-N.json`` (:func:`probe_rank`)."""
-    rank = name[len("probe-rank-"):-len(".json")] if name.startswith("probe-rank-") and name.endswith(".json") else ""
+    rank = name[len("probe-rank-") : -len(".json")] if name.startswith("probe-rank-") and name.endswith(".json") else ""
     return rank.isdigit() and rank.isascii()
 
 
-def _listed(record: Dict[str, Any]) -> set:
+def _listed(record: dict[str, Any]) -> set:
     """The files ``record`` hashes (``files_sha256``'s keys) that name a place inside the directory: relative POSIX
     paths without ``..`` (normalised: ``./a`` is ``a``)."""
     from pathlib import PurePosixPath
@@ -604,15 +682,15 @@ def _listed(record: Dict[str, Any]) -> set:
     return names
 
 
-def run_entries(path: Path, record: Dict[str, Any]) -> tuple[List[Path], List[Path], List[str]]:
+def run_entries(path: Path, record: dict[str, Any]) -> tuple[list[Path], list[Path], list[str]]:
     """What of the directory ``path`` its run ``record`` (:func:`run_record`) accounts for, never following a link:
     (the entries a run wrote: :data:`RUN_FILES`, ``probe-rank-N.json``, :data:`RUN_FOLDERS` whole, and every file
     ``files_sha256`` lists; the folders that hold only listed files, deepest first; everything else, as relative
     paths, a folder with a trailing ``/``). Raises ``OSError`` when a folder cannot be read."""
     listed = _listed(record)
-    removable: List[Path] = []
-    folders: List[Path] = []
-    foreign: List[str] = []
+    removable: list[Path] = []
+    folders: list[Path] = []
+    foreign: list[str] = []
 
     def walk(directory: Path, rel: str) -> bool:  # True when every entry of the folder is the run's
         clean = True
@@ -622,8 +700,12 @@ def run_entries(path: Path, record: Dict[str, Any]) -> tuple[List[Path], List[Pa
             if not rel and entry.name == HYDRA_FILES[0] and real_dir and not _hydra_only(entry):
                 clean = False  # a .hydra/ holding more than Hydra's three files: the user's files are in it
                 foreign.append(f"{name}/")
-            elif not rel and ((entry.name in RUN_FILES or _probe_rank_file(entry.name)) and not real_dir
-                              or entry.name in RUN_FOLDERS and (real_dir or entry.is_symlink())):
+            elif not rel and (
+                (entry.name in RUN_FILES or _probe_rank_file(entry.name))
+                and not real_dir
+                or entry.name in RUN_FOLDERS
+                and (real_dir or entry.is_symlink())
+            ):
                 removable.append(entry)
             elif name in listed and not real_dir:
                 removable.append(entry)
@@ -639,7 +721,7 @@ def run_entries(path: Path, record: Dict[str, Any]) -> tuple[List[Path], List[Pa
     return removable, folders, foreign
 
 
-def _removal(path: Path, record: Dict[str, Any], where: str) -> tuple[List[Path], List[Path]]:
+def _removal(path: Path, record: dict[str, Any], where: str) -> tuple[list[Path], list[Path]]:
     """What --overwrite removes of the run ``record`` describes in ``path``: (the entries, the emptied folders) of
     :func:`run_entries`. Raises :class:`UserError` (one line starting with ``where``, naming up to 3 of them) when
     the directory holds anything else, so that nothing at all is removed."""
@@ -648,13 +730,15 @@ def _removal(path: Path, record: Dict[str, Any], where: str) -> tuple[List[Path]
     except OSError as ex:
         raise UserError(f"{where}: not readable ({ex.strerror})") from None
     if foreign:
-        raise UserError(f"{where}: holds files its run's {RECORD} does not list ({', '.join(foreign[:3])}"
-                        f"{', ...' if len(foreign) > 3 else ''}); --overwrite removes only a run's files: move "
-                        "them away or choose a new directory")
+        raise UserError(
+            f"{where}: holds files its run's {RECORD} does not list ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}); --overwrite removes only a run's files: move "
+            "them away or choose a new directory"
+        )
     return removable, folders
 
 
-def _remove(plan: tuple[List[Path], List[Path]], where: str) -> None:
+def _remove(plan: tuple[list[Path], list[Path]], where: str) -> None:
     """Remove what :func:`_removal` planned, never following a link. Raises :class:`UserError` when an entry
     cannot be removed."""
     import shutil
@@ -672,8 +756,9 @@ def _remove(plan: tuple[List[Path], List[Path]], where: str) -> None:
         raise UserError(f"{where}: cannot remove the old run's {ex.filename} ({ex.strerror})") from None
 
 
-def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir",
-                  composition: Optional[str] = None) -> Path:
+def claim_run_dir(
+    value: str, mode: str = "new", field: str = "hydra.run.dir", composition: str | None = None
+) -> Path:
     """The one owner of a run directory's place: refuse ``value`` unless a run may be written there.
 
     ``value`` is the literal directory (interpolations resolved before:
@@ -698,7 +783,7 @@ def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir",
         raise UserError(f"{field}={value}: {os_error_line(ex)}") from None
 
 
-def _claim_run_dir(value: str, mode: str, field: str, composition: Optional[str]) -> Path:
+def _claim_run_dir(value: str, mode: str, field: str, composition: str | None) -> Path:
     """:func:`claim_run_dir`; the caller turns its ``OSError`` into one line."""
     import shutil
     import tempfile
@@ -708,8 +793,10 @@ def _claim_run_dir(value: str, mode: str, field: str, composition: Optional[str]
     if not value.strip():
         raise UserError(f"{field}: empty (a run needs its own directory, e.g. {field}=outputs/my-run)")
     if "${" in value:
-        raise UserError(f"{field}={value}: an interpolation, unresolved (a run directory is claimed as Hydra will "
-                        "use it, every interpolation resolved)")
+        raise UserError(
+            f"{field}={value}: an interpolation, unresolved (a run directory is claimed as Hydra will "
+            "use it, every interpolation resolved)"
+        )
     where = f"{field}={value}"
     path = Path(value).expanduser()
     resolved = path.resolve()
@@ -727,11 +814,15 @@ def _claim_run_dir(value: str, mode: str, field: str, composition: Optional[str]
             raise UserError(f"{where}: not readable ({ex.strerror})") from None
         partial = partial_run(path) if others and RECORD not in entries else None
         if others and RECORD not in entries and partial is None:
-            raise UserError(f"{where}: holds files that no run wrote ({', '.join(others[:3])}"
-                            f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory")
+            raise UserError(
+                f"{where}: holds files that no run wrote ({', '.join(others[:3])}"
+                f"{', ...' if len(others) > 3 else ''}); choose a new or empty directory"
+            )
         if partial is not None and mode != "overwrite":
-            raise UserError(f"{where}: holds a partial run (no {RECORD}: a run that stopped before its record was "
-                            f"written, e.g. on a full disk); pass --overwrite to remove it, or choose a new directory")
+            raise UserError(
+                f"{where}: holds a partial run (no {RECORD}: a run that stopped before its record was "
+                f"written, e.g. on a full disk); pass --overwrite to remove it, or choose a new directory"
+            )
         if partial is not None:
             removal = (partial, [])
         elif others and mode == "new":
@@ -742,16 +833,23 @@ def _claim_run_dir(value: str, mode: str, field: str, composition: Optional[str]
                 status = effective_status(load_record(path) or {})
             except UserError:
                 pass
-            raise UserError(f"{where}: holds another run (status {status}); pass --resume to write into it "
-                            "or --overwrite to replace it, or choose a new directory")
+            raise UserError(
+                f"{where}: holds another run (status {status}); pass --resume to write into it "
+                "or --overwrite to replace it, or choose a new directory"
+            )
         elif others:
             record = run_record(path, where)
-        if record is not None and mode == "resume" and (composition is None
-                                                        or record.get("composition_sha256") != composition):
+        if (
+            record is not None
+            and mode == "resume"
+            and (composition is None or record.get("composition_sha256") != composition)
+        ):
             theirs = record.get("composition_sha256")
-            raise UserError(f"{where}: holds a run of another composition (composition sha256 "
-                            f"{theirs if isinstance(theirs, str) else 'none recorded'}, this command line's "
-                            f"{composition or 'none: several jobs'}); choose a new directory or --overwrite")
+            raise UserError(
+                f"{where}: holds a run of another composition (composition sha256 "
+                f"{theirs if isinstance(theirs, str) else 'none recorded'}, this command line's "
+                f"{composition or 'none: several jobs'}); choose a new directory or --overwrite"
+            )
         if record is not None and mode == "overwrite":
             removal = _removal(path, record, where)  # refuses before anything is removed
     # the nearest existing directory must take a new entry (read-only file systems and permissions alike)

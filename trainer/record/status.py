@@ -23,20 +23,29 @@ import json
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.record.record import effective_status, process_gone, unverifiable
 from trainer.record.rundir import FAILED, INTERRUPTED, LOGS, RunDir, load_record, utc_now
 
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
-         "DEADLINE")
+ENDED = (
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+)
 
 
 UNKNOWN = "UNKNOWN"  # Slurm could not be asked (timeout, slurmctld unreachable): keep polling, conclude nothing
 
 
-def slurm_state(job_id: str) -> Optional[str]:
+def slurm_state(job_id: str) -> str | None:
     """The Slurm job's state (``PENDING``, ``RUNNING``, ``COMPLETED``, ...); None when Slurm says it no longer
     knows the job (``Invalid job id``); :data:`UNKNOWN` when Slurm could not be asked."""
     try:
@@ -54,7 +63,7 @@ def slurm_state(job_id: str) -> Optional[str]:
     return UNKNOWN
 
 
-def refresh(run_dir: Path) -> Dict[str, Any]:
+def refresh(run_dir: Path) -> dict[str, Any]:
     """The run's record, reconciled with Slurm (see the module docstring); raises :class:`UserError` when
     ``run_dir`` has no record."""
     record = load_record(run_dir)
@@ -75,8 +84,12 @@ def refresh(run_dir: Path) -> Dict[str, Any]:
                     lines = [line for line in out.read_text(errors="replace").splitlines() if line.strip()]
                     tail = f"; last line of {out.name}: {lines[-1].strip()}" if lines else ""
                 rundir = RunDir(run_dir)
-                rundir.end(record, FAILED, f"Slurm job {slurm['job_id']} ended {state or '(unknown to Slurm)'} "
-                                           f"before its script recorded a result{tail}")
+                rundir.end(
+                    record,
+                    FAILED,
+                    f"Slurm job {slurm['job_id']} ended {state or '(unknown to Slurm)'} "
+                    f"before its script recorded a result{tail}",
+                )
                 record.setdefault("slurm", {})["state"] = state
                 rundir.save_record(record)
     elif record.get("status") == "running" and status != "running":
@@ -94,10 +107,11 @@ def refresh(run_dir: Path) -> Dict[str, Any]:
     return record
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Command line; see the module docstring."""
-    parser = argparse.ArgumentParser(prog="trainer status", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="trainer status", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--wait", action="store_true", help="follow the run until it is finished")
     parser.add_argument("--timeout", type=float, default=None, help="with --wait: give up after this many seconds")
@@ -112,7 +126,11 @@ def main(argv: List[str]) -> int:
         if status == "running" and unverifiable(record):  # another pid namespace: reported, never rewritten
             line += " (its process cannot be checked from here: another pid namespace)"
         if record.get("slurm", {}).get("job_id"):
-            line += f" (Slurm job {record['slurm']['job_id']}" + (f", {record['slurm']['state']}" if record["slurm"].get("state") else "") + ")"
+            line += (
+                f" (Slurm job {record['slurm']['job_id']}"
+                + (f", {record['slurm']['state']}" if record["slurm"].get("state") else "")
+                + ")"
+            )
         if record.get("reason"):
             line += f": {record['reason']}"
         if not args.json and line != last:

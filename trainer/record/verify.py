@@ -27,8 +27,7 @@ import argparse
 import json
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
-
+from typing import Any
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
@@ -39,7 +38,12 @@ COMPONENTS = {
     "torch": (("torch", "version"), "torch", "torch", "torch"),
     "nccl": (("torch", "nccl"), "nvidia-nccl-cu13", "nccl", "nccl"),
     "cuda": (("torch", "cuda"), None, "cuda", "cuda"),
-    "transformer_engine": (("components", "transformer_engine"), "transformer-engine", "transformer_engine", "transformer_engine"),
+    "transformer_engine": (
+        ("components", "transformer_engine"),
+        "transformer-engine",
+        "transformer_engine",
+        "transformer_engine",
+    ),
     "megatron_core": (("components", "megatron_core"), "megatron-core", "megatron_lm", "megatron_core"),
     "megatron_lm_commit": (("megatron_lm_commit",), None, "megatron_lm.commit", "megatron_lm_commit"),
     "megatron_lm_tree": (("megatron_lm_tree",), None, "megatron_lm.tree", None),
@@ -54,7 +58,7 @@ COMPONENTS = {
 }
 
 
-def _dig(data: Any, path) -> Optional[str]:
+def _dig(data: Any, path) -> str | None:
     for key in path:
         if not isinstance(data, dict):
             return None
@@ -62,7 +66,7 @@ def _dig(data: Any, path) -> Optional[str]:
     return None if data is None else str(data)
 
 
-def read_lock(path: Path) -> Dict[str, str]:
+def read_lock(path: Path) -> dict[str, str]:
     """Pins of a lock as ``component -> version`` (:func:`parse_lock`); raises :class:`UserError` for a missing or
     unreadable lock, or one that pins nothing."""
     try:
@@ -74,19 +78,21 @@ def read_lock(path: Path) -> Dict[str, str]:
     return parse_lock(text, path)
 
 
-def parse_lock(text: str, path: Path) -> Dict[str, str]:
+def parse_lock(text: str, path: Path) -> dict[str, str]:
     """Pins of the lock ``text`` read from ``path`` (its suffix tells the format: ``.json`` a stack lock or an
     image's stamped lock, else requirements ``name==version`` lines). Raises :class:`UserError` when it pins
     none of the components verify knows: a verdict against an empty lock would say ok about anything."""
     pins = _parse_lock(text, path)
     if not pins:
-        raise UserError(f"{path}: the lock pins none of the components verify compares ({', '.join(COMPONENTS)}); "
-                        "expected a requirements lock (NAME==VERSION lines), a stack lock or an image's stamp")
+        raise UserError(
+            f"{path}: the lock pins none of the components verify compares ({', '.join(COMPONENTS)}); "
+            "expected a requirements lock (NAME==VERSION lines), a stack lock or an image's stamp"
+        )
     return pins
 
 
-def _parse_lock(text: str, path: Path) -> Dict[str, str]:
-    pins: Dict[str, str] = {}
+def _parse_lock(text: str, path: Path) -> dict[str, str]:
+    pins: dict[str, str] = {}
     if path.suffix == ".json":
         data = parse_json(text, str(path))
         if isinstance(data, dict) and "distributions" in data and "lock" in data:
@@ -132,7 +138,7 @@ def _same(observed: str, locked: str) -> bool:
     )
 
 
-def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str]) -> List[Dict[str, Optional[str]]]:
+def verify(record: dict[str, Any], lock: dict[str, str], recipe: dict[str, str]) -> list[dict[str, str | None]]:
     """Rows of the verify table for a run ``record`` (with ``probe``), lock pins and recipe pins."""
     probes = record.get("probe") or {}
     observed_all = probes.get("ranks", [probes]) if isinstance(probes, dict) else probes
@@ -151,23 +157,28 @@ def verify(record: Dict[str, Any], lock: Dict[str, str], recipe: Dict[str, str])
             verdict = "absent"
         else:
             verdict = "ok" if _same(observed, locked) else "drift"
-        rows.append({"component": name, "locked": locked, "recipe": recipe.get(name), "observed": observed, "verdict": verdict})
+        rows.append(
+            {"component": name, "locked": locked, "recipe": recipe.get(name), "observed": observed, "verdict": verdict}
+        )
     for key in sorted(k for k in lock if k.startswith("dist:")):  # an image stamp's distributions
-        name = key[len("dist:"):]
+        name = key[len("dist:") :]
         seen = {(p.get("distributions") or {}).get(name) for p in observed_all} if observed_all else {None}
         observed = " / ".join(sorted(str(s) for s in seen)) if len(seen) > 1 else next(iter(seen))
-        verdict = "drift" if len(seen) > 1 else ("absent" if observed is None else
-                                                ("ok" if _same(observed, lock[key]) else "drift"))
+        verdict = (
+            "drift"
+            if len(seen) > 1
+            else ("absent" if observed is None else ("ok" if _same(observed, lock[key]) else "drift"))
+        )
         rows.append({"component": name, "locked": lock[key], "recipe": None, "observed": observed, "verdict": verdict})
     return rows
 
 
-def lock_of(record: Dict[str, Any], lock: Optional[Path] = None) -> Path:
+def lock_of(record: dict[str, Any], lock: Path | None = None) -> Path:
     """The lock a run is verified against: ``lock`` when given, else the one its record names."""
     return lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
 
 
-def verdict(record: Dict[str, Any], lock: Optional[Path] = None, run_dir: Optional[Path] = None) -> Dict[str, Any]:
+def verdict(record: dict[str, Any], lock: Path | None = None, run_dir: Path | None = None) -> dict[str, Any]:
     """The verify verdict of a run ``record`` (with ``probe``) against its lock (or ``lock``) and the
     recipe's stack as composed: ``{"lock": {"path", "base", "sha256"}, "ok", "rows"}`` (``ok``: nothing locked
     drifted or is absent; ``lock`` as :func:`trainer.record.attest.lock_subject` names it, relative to ``run_dir``
@@ -179,12 +190,12 @@ def verdict(record: Dict[str, Any], lock: Optional[Path] = None, run_dir: Option
     return {"lock": lock_subject(lock_path, Path(run_dir or lock_path.parent)), "ok": not bad_rows(rows), "rows": rows}
 
 
-def bad_rows(rows: List[Dict[str, Optional[str]]]) -> List[Dict[str, Optional[str]]]:
+def bad_rows(rows: list[dict[str, str | None]]) -> list[dict[str, str | None]]:
     """The rows whose component drifted or is absent: what makes a verdict fail."""
     return [r for r in rows if r["verdict"] in ("drift", "absent")]
 
 
-def signed_lock(signed, run_dir: Path, given: Optional[Path]) -> Tuple[Path, str]:
+def signed_lock(signed, run_dir: Path, given: Path | None) -> tuple[Path, str]:
     """(the lock's path, its text) for a verdict from the signed run ``signed``: the lock whose sha256 the
     attestation signed, read from where it named it, or ``given`` (``--lock``) when that file has the same
     sha256. Raises :class:`trainer.record.attest.VerificationFailed` (one line) otherwise."""
@@ -195,8 +206,10 @@ def signed_lock(signed, run_dir: Path, given: Optional[Path]) -> Tuple[Path, str
     where = run_dir / ATTESTATION
     lock = (signed.predicate.get("verify") or {}).get("lock")
     if not isinstance(lock, dict) or not isinstance(lock.get("sha256"), str):
-        raise VerificationFailed(f"{where}: the attestation signed no lock (the run had no probe to verify: "
-                                 f"{(signed.predicate.get('verify') or {}).get('reason', 'unknown')})")
+        raise VerificationFailed(
+            f"{where}: the attestation signed no lock (the run had no probe to verify: "
+            f"{(signed.predicate.get('verify') or {}).get('reason', 'unknown')})"
+        )
     path = given or lock_path_of(lock, run_dir)
     try:
         data = read_bytes(path, "lock")  # a FIFO refused without blocking, 64 MiB at most
@@ -205,8 +218,10 @@ def signed_lock(signed, run_dir: Path, given: Optional[Path]) -> Tuple[Path, str
     have = hashlib.sha256(data).hexdigest()
     if have != lock["sha256"]:
         what = f"--lock {path}" if given else f"the lock {path}"
-        raise VerificationFailed(f"{where}: {what} has sha256 {have}; the attestation signed the lock "
-                                 f"{lock.get('path')} with sha256 {lock['sha256']}")
+        raise VerificationFailed(
+            f"{where}: {what} has sha256 {have}; the attestation signed the lock "
+            f"{lock.get('path')} with sha256 {lock['sha256']}"
+        )
     return path, data.decode("utf-8", "replace")
 
 
@@ -225,32 +240,49 @@ def check_signed(path: Path, key: Path):
         files = sum(1 for s in subjects if not Path(s["name"]).is_absolute() and s["name"] != attest.IMAGE_SUBJECT)
         rows = sum(1 for s in subjects if Path(s["name"]).is_absolute())
         image = [s for s in subjects if s["name"] == attest.IMAGE_SUBJECT]
-        return (f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; {files} files of the run "
-                f"directory match, none added or removed"
-                + (f", {rows} files of its rows" if rows else "")
-                + (f", image sha256:{image[0]['digest']['sha256']}" if image else "")), signed
+        return (
+            f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; {files} files of the run "
+            f"directory match, none added or removed"
+            + (f", {rows} files of its rows" if rows else "")
+            + (f", image sha256:{image[0]['digest']['sha256']}" if image else "")
+        ), signed
     statement = attest.check_image(path, public)
-    return (f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}",
-            None)
+    return (
+        f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}",
+        None,
+    )
 
 
-UNSIGNED_NOTE = ("unsigned: nothing above was checked against a signature; record.json and the lock were read as "
-                 "they are (--key KEY.pub verifies the run's attestation and takes every answer from it)")
+UNSIGNED_NOTE = (
+    "unsigned: nothing above was checked against a signature; record.json and the lock were read as "
+    "they are (--key KEY.pub verifies the run's attestation and takes every answer from it)"
+)
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json] [--key PUB]``; exit 0 when nothing locked
     drifted (and, with ``--key``, the attestation verifies); ``trainer verify IMAGE --key PUB`` checks an
     image's signed provenance only."""
-    parser = argparse.ArgumentParser(prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("run_dir", type=Path, help="run directory (or, with --key, an image: OCI layout or oci-archive)")
-    parser.add_argument("--lock", type=Path, help="lock to verify against (default: the run's own; with --key it must "
-                        "be the lock the attestation signed)")
+    parser = argparse.ArgumentParser(
+        prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "run_dir", type=Path, help="run directory (or, with --key, an image: OCI layout or oci-archive)"
+    )
+    parser.add_argument(
+        "--lock",
+        type=Path,
+        help="lock to verify against (default: the run's own; with --key it must be the lock the attestation signed)",
+    )
     parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-    parser.add_argument("--key", type=Path, help="public key (KEY.pub from `trainer keygen`): verify the run's signed "
-                        "attestation.json (the signature, every file of the run directory, the lock by digest) and "
-                        "take the verdict from it; or an image's signed provenance")
+    parser.add_argument(
+        "--key",
+        type=Path,
+        help="public key (KEY.pub from `trainer keygen`): verify the run's signed "
+        "attestation.json (the signature, every file of the run directory, the lock by digest) and "
+        "take the verdict from it; or an image's signed provenance",
+    )
     args = parser.parse_args(argv)
     from trainer.record.attest import count_steps_in
     from trainer.record.rundir import METRICS, RECORD, check_record_types, load_record
@@ -296,8 +328,20 @@ def main(argv: List[str]) -> int:
     rows = verify(record, lock, recipe)
     bad = bad_rows(rows)
     if args.json:
-        print(json.dumps({"lock": str(lock_path), "rows": rows, "ok": not bad, "signed": run is not None,
-                          "status": status, "steps": steps, **({"signature": signed} if signed else {})}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "lock": str(lock_path),
+                    "rows": rows,
+                    "ok": not bad,
+                    "signed": run is not None,
+                    "status": status,
+                    "steps": steps,
+                    **({"signature": signed} if signed else {}),
+                },
+                indent=2,
+            )
+        )
     else:
         from rich.table import Table
 
@@ -308,12 +352,17 @@ def main(argv: List[str]) -> int:
             table.add_column(col)
         colours = {"ok": "green", "drift": "red", "absent": "red", "not locked": "yellow", "-": "dim"}
         for r in rows:
-            table.add_row(*(str(r[c] or "") for c in ("component", "locked", "recipe", "observed")),
-                          f"[{colours[r['verdict']]}]{r['verdict']}")
+            table.add_row(
+                *(str(r[c] or "") for c in ("component", "locked", "recipe", "observed")),
+                f"[{colours[r['verdict']]}]{r['verdict']}",
+            )
         table_console().print(table)
         print(f"run {status}, {steps} steps in {METRICS}" + (" (as signed)" if run is not None else ""))
-        print("ok: nothing the lock pins drifted" if not bad else f"{len(bad)} locked component(s) drifted or absent: "
-              + ", ".join(r["component"] for r in bad))
+        print(
+            "ok: nothing the lock pins drifted"
+            if not bad
+            else f"{len(bad)} locked component(s) drifted or absent: " + ", ".join(r["component"] for r in bad)
+        )
         if run is None:
             print(UNSIGNED_NOTE)
     return 0 if not bad else 1

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 import numpy as np
 from omegaconf import OmegaConf
@@ -104,11 +105,11 @@ def load_thresholds(name_or_path: str = DEFAULT_THRESHOLDS, overrides: Sequence[
     return thresholds
 
 
-def _finite(value: Optional[float]) -> bool:
+def _finite(value: float | None) -> bool:
     return value is not None and math.isfinite(value)
 
 
-def _step_name(step: int, who: str, run: Dict[int, Step]) -> str:
+def _step_name(step: int, who: str, run: dict[int, Step]) -> str:
     reason = run[step].no_loss_reason
     return f"{who} step {step}" + (f" ({reason})" if reason else "")
 
@@ -117,11 +118,13 @@ def _rel(ok: bool, yes: str = "<=", no: str = ">") -> str:
     return yes if ok else no
 
 
-def _check(name: str, value: Any, threshold: Any, passed: bool, text: str) -> Dict[str, Any]:
+def _check(name: str, value: Any, threshold: Any, passed: bool, text: str) -> dict[str, Any]:
     return {"name": name, "value": value, "threshold": threshold, "passed": bool(passed), "text": text}
 
 
-def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Optional[Thresholds] = None) -> Dict[str, Any]:
+def check(
+    candidate: Sequence[Step], reference: Sequence[Step], thresholds: Thresholds | None = None
+) -> dict[str, Any]:
     """Compare two runs' per-step LM loss (see the module docstring); steps aligned by step number.
 
     Returns a JSON-ready dict: ``passed``, ``checks`` (name, value, threshold, passed, text for each),
@@ -138,11 +141,15 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
     only_cand = [n for n in all_steps if n not in ref]
     only_ref = [n for n in all_steps if n not in cand]
     nonfinite_loss = [
-        (n, who) for n in all_steps for who, run in (("candidate", cand), ("reference", ref))
+        (n, who)
+        for n in all_steps
+        for who, run in (("candidate", cand), ("reference", ref))
         if n in run and not _finite(run[n].lm_loss)
     ]
     nonfinite_grad = [
-        (n, who) for n in all_steps for who, run in (("candidate", cand), ("reference", ref))
+        (n, who)
+        for n in all_steps
+        for who, run in (("candidate", cand), ("reference", ref))
         if n in run and run[n].grad_norm is not None and not math.isfinite(run[n].grad_norm)
     ]
     usable = [n for n in all_steps if n in cand and n in ref and _finite(cand[n].lm_loss) and _finite(ref[n].lm_loss)]
@@ -152,23 +159,43 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
     g = np.array([ref[n].lm_loss for n in kept], dtype=np.float64)
     n = len(kept)
 
-    checks: List[Dict[str, Any]] = []
+    checks: list[dict[str, Any]] = []
     missing = [f"step {s} only in candidate" for s in only_cand] + [f"step {s} only in reference" for s in only_ref]
-    checks.append(_check(
-        "aligned", len(only_cand) + len(only_ref), 0, not missing,
-        "every step present in both runs" if not missing else f"{len(missing)} unmatched: " + ", ".join(missing[:5]),
-    ))
-    checks.append(_check(
-        "finite_loss", len(nonfinite_loss), 0, not nonfinite_loss,
-        "no NaN/Inf loss" if not nonfinite_loss
-        else "NaN/Inf loss at " + ", ".join(_step_name(s, who, cand if who == "candidate" else ref) for s, who in nonfinite_loss[:5]),
-    ))
+    checks.append(
+        _check(
+            "aligned",
+            len(only_cand) + len(only_ref),
+            0,
+            not missing,
+            "every step present in both runs"
+            if not missing
+            else f"{len(missing)} unmatched: " + ", ".join(missing[:5]),
+        )
+    )
+    checks.append(
+        _check(
+            "finite_loss",
+            len(nonfinite_loss),
+            0,
+            not nonfinite_loss,
+            "no NaN/Inf loss"
+            if not nonfinite_loss
+            else "NaN/Inf loss at "
+            + ", ".join(_step_name(s, who, cand if who == "candidate" else ref) for s, who in nonfinite_loss[:5]),
+        )
+    )
     if th.require_finite_grad_norm:
-        checks.append(_check(
-            "finite_grad_norm", len(nonfinite_grad), 0, not nonfinite_grad,
-            "no NaN/Inf grad norm" if not nonfinite_grad
-            else "NaN/Inf grad norm at " + ", ".join(f"{who} step {s}" for s, who in nonfinite_grad[:5]),
-        ))
+        checks.append(
+            _check(
+                "finite_grad_norm",
+                len(nonfinite_grad),
+                0,
+                not nonfinite_grad,
+                "no NaN/Inf grad norm"
+                if not nonfinite_grad
+                else "NaN/Inf grad norm at " + ", ".join(f"{who} step {s}" for s, who in nonfinite_grad[:5]),
+            )
+        )
 
     if n < 2:
         checks.append(_check("points", n, 2, False, f"{n} comparable point(s) after skipping {skip}: need at least 2"))
@@ -176,15 +203,19 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
     else:
         with np.errstate(invalid="ignore", divide="ignore"):
             correlation = float(np.corrcoef(c, g)[0, 1])
-        checks.append(_check(
-            "correlation", correlation, th.correlation_threshold,
-            math.isfinite(correlation) and correlation >= th.correlation_threshold,
-            f"Pearson r {correlation:.5f} {_rel(correlation >= th.correlation_threshold, '>=', '<')} {th.correlation_threshold}"
-            if math.isfinite(correlation)
-            else "Pearson r undefined (a constant series)",
-        ))
+        checks.append(
+            _check(
+                "correlation",
+                correlation,
+                th.correlation_threshold,
+                math.isfinite(correlation) and correlation >= th.correlation_threshold,
+                f"Pearson r {correlation:.5f} {_rel(correlation >= th.correlation_threshold, '>=', '<')} {th.correlation_threshold}"
+                if math.isfinite(correlation)
+                else "Pearson r undefined (a constant series)",
+            )
+        )
 
-    points: List[Dict[str, Any]] = []
+    points: list[dict[str, Any]] = []
     omitted = 0
     failures = 0
     kept_set = set(kept)
@@ -202,32 +233,54 @@ def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Opti
         if len(points) >= MAX_POINTS or (len(all_steps) > MAX_POINTS and not failed and rel is not None):
             omitted += 1
             continue
-        points.append({
-            "step": step, "candidate": cv, "reference": gv, "tolerance": tol, "relative_difference": rel,
-            "skipped": step in skipped_set, "failed": bool(failed),
-        })
+        points.append(
+            {
+                "step": step,
+                "candidate": cv,
+                "reference": gv,
+                "tolerance": tol,
+                "relative_difference": rel,
+                "skipped": step in skipped_set,
+                "failed": bool(failed),
+            }
+        )
     ratio = failures / n if n else float("nan")
     if n:
-        checks.append(_check(
-            "pointwise", failures, th.max_outlier_ratio, ratio <= th.max_outlier_ratio,
-            f"{failures}/{n} points outside tolerance ({ratio:.1%} {_rel(ratio <= th.max_outlier_ratio)} {th.max_outlier_ratio:.0%} allowed)",
-        ))
+        checks.append(
+            _check(
+                "pointwise",
+                failures,
+                th.max_outlier_ratio,
+                ratio <= th.max_outlier_ratio,
+                f"{failures}/{n} points outside tolerance ({ratio:.1%} {_rel(ratio <= th.max_outlier_ratio)} {th.max_outlier_ratio:.0%} allowed)",
+            )
+        )
 
     final_diff = float("nan")
     outliers = 0
     if n:
         final_diff = float(abs(c[-1] - g[-1]) / g[-1]) if g[-1] != 0 else float(abs(c[-1]))
-        checks.append(_check(
-            "final_loss", final_diff, th.final_loss_tolerance, final_diff <= th.final_loss_tolerance,
-            f"step {kept[-1]}: |{c[-1]:.6g} - {g[-1]:.6g}| / {g[-1]:.6g} = {final_diff:.4f} {_rel(final_diff <= th.final_loss_tolerance)} {th.final_loss_tolerance}",
-        ))
+        checks.append(
+            _check(
+                "final_loss",
+                final_diff,
+                th.final_loss_tolerance,
+                final_diff <= th.final_loss_tolerance,
+                f"step {kept[-1]}: |{c[-1]:.6g} - {g[-1]:.6g}| / {g[-1]:.6g} = {final_diff:.4f} {_rel(final_diff <= th.final_loss_tolerance)} {th.final_loss_tolerance}",
+            )
+        )
         residuals = c - g
         outliers = int(np.sum(np.abs(residuals - residuals.mean()) > th.outlier_threshold * residuals.std()))
-        checks.append(_check(
-            "outliers", outliers, th.max_outlier_ratio, outliers / n <= th.max_outlier_ratio,
-            f"{outliers}/{n} residuals beyond {th.outlier_threshold:g} sigma "
-            f"({outliers / n:.1%} {_rel(outliers / n <= th.max_outlier_ratio)} {th.max_outlier_ratio:.0%} allowed)",
-        ))
+        checks.append(
+            _check(
+                "outliers",
+                outliers,
+                th.max_outlier_ratio,
+                outliers / n <= th.max_outlier_ratio,
+                f"{outliers}/{n} residuals beyond {th.outlier_threshold:g} sigma "
+                f"({outliers / n:.1%} {_rel(outliers / n <= th.max_outlier_ratio)} {th.max_outlier_ratio:.0%} allowed)",
+            )
+        )
 
     passed = all(ch["passed"] for ch in checks)
     return {

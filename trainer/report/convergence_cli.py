@@ -20,20 +20,19 @@ import json
 import math
 import shlex
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from trainer.console import table_console
-
 from trainer.compose import numerics
-from trainer.report.convergence import DEFAULT_THRESHOLDS, check, load_thresholds
+from trainer.console import table_console
 from trainer.errors import UserError
-from trainer.report.metrics import json_number
 from trainer.record.record import write_json
 from trainer.record.rundir import CONFIG, load_config, load_run
+from trainer.report.convergence import DEFAULT_THRESHOLDS, check, load_thresholds
+from trainer.report.metrics import json_number
 
 
 def parser() -> argparse.ArgumentParser:
@@ -51,16 +50,32 @@ def parser() -> argparse.ArgumentParser:
         "exit codes: 0 pass (or numerics-equivalent), 1 fail (or numerics differ), 2 refused input",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("runs", nargs="*", type=Path, metavar="RUN", help="CANDIDATE REFERENCE: run directories or metrics.jsonl files")
-    p.add_argument("--thresholds", default=DEFAULT_THRESHOLDS, metavar="NAME|FILE",
-                   help=f"a thresholds option (trainer/report/thresholds/) or YAML file (default {DEFAULT_THRESHOLDS})")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one threshold (repeatable)")
-    p.add_argument("--out", type=Path, help="where convergence.json and convergence_loss.png go (default: the candidate's directory)")
+    p.add_argument(
+        "runs", nargs="*", type=Path, metavar="RUN", help="CANDIDATE REFERENCE: run directories or metrics.jsonl files"
+    )
+    p.add_argument(
+        "--thresholds",
+        default=DEFAULT_THRESHOLDS,
+        metavar="NAME|FILE",
+        help=f"a thresholds option (trainer/report/thresholds/) or YAML file (default {DEFAULT_THRESHOLDS})",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override one threshold (repeatable)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="where convergence.json and convergence_loss.png go (default: the candidate's directory)",
+    )
     p.add_argument("--no-plot", action="store_true", help="do not write convergence_loss.png")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--predict", action="store_true", help="compare two composed configs instead of two runs (no GPU)")
-    p.add_argument("--candidate", metavar="OVERRIDES|RUN_DIR", help="--predict: the candidate's Hydra overrides or run directory")
-    p.add_argument("--reference", metavar="OVERRIDES|RUN_DIR", help="--predict: the reference's Hydra overrides or run directory")
+    p.add_argument(
+        "--candidate", metavar="OVERRIDES|RUN_DIR", help="--predict: the candidate's Hydra overrides or run directory"
+    )
+    p.add_argument(
+        "--reference", metavar="OVERRIDES|RUN_DIR", help="--predict: the reference's Hydra overrides or run directory"
+    )
     return p
 
 
@@ -76,7 +91,7 @@ def compose_side(spec: str) -> DictConfig:
     return compose_run(shlex.split(spec))
 
 
-def predict(candidate: str, reference: str) -> Dict[str, Any]:
+def predict(candidate: str, reference: str) -> dict[str, Any]:
     """The numerics verdict of two compositions (:meth:`trainer.compose.numerics.Verdict.as_dict`) plus their specs."""
     verdict = numerics.compare(compose_side(candidate), compose_side(reference))
     return {"candidate": candidate, "reference": reference, **verdict.as_dict()}
@@ -88,7 +103,7 @@ def _fmt(value: Any) -> str:
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
 
 
-def print_prediction(result: Dict[str, Any], console: Console) -> None:
+def print_prediction(result: dict[str, Any], console: Console) -> None:
     """Print a :func:`predict` result to ``console``: a table of the differing arguments with their class
     (numerics in red, performance in green), or "no argument differs", then the verdict line.
     """
@@ -105,7 +120,7 @@ def print_prediction(result: Dict[str, Any], console: Console) -> None:
     console.print(("[green]" if result["equivalent"] else "[red]") + result["verdict"])
 
 
-def print_check(result: Dict[str, Any], cand: str, ref: str, console: Console) -> None:
+def print_check(result: dict[str, Any], cand: str, ref: str, console: Console) -> None:
     """Print a :func:`trainer.report.convergence.check` result to ``console``: one table row per check (value,
     threshold, pass/FAIL), the pointwise failure count, then PASS or FAIL with the failed checks.
 
@@ -115,16 +130,23 @@ def print_check(result: Dict[str, Any], cand: str, ref: str, console: Console) -
     for col in ("check", "value", "threshold", "result", "detail"):
         table.add_column(col)
     for ch in result["checks"]:
-        table.add_row(ch["name"], _fmt(ch["value"]), _fmt(ch["threshold"]),
-                      "[green]pass" if ch["passed"] else "[red]FAIL", ch["text"])
+        table.add_row(
+            ch["name"],
+            _fmt(ch["value"]),
+            _fmt(ch["threshold"]),
+            "[green]pass" if ch["passed"] else "[red]FAIL",
+            ch["text"],
+        )
     console.print(table)
     m = result["metrics"]
-    console.print(f"pointwise failures: {m['pointwise_failures']} of {m['points_checked']} points "
-                  f"(steps {m['steps']}, first {m['skipped']} skipped)")
+    console.print(
+        f"pointwise failures: {m['pointwise_failures']} of {m['points_checked']} points "
+        f"(steps {m['steps']}, first {m['skipped']} skipped)"
+    )
     console.print("[green]PASS" if result["passed"] else "[red]FAIL: " + ", ".join(result["failed_checks"]))
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer converge``; returns 0 pass, 1 fail (UserError propagates: exit 2)."""
     args = parser().parse_args(argv)
     console = table_console()
@@ -138,8 +160,10 @@ def main(argv: List[str]) -> int:
             print_prediction(result, console)
         return 0 if result["equivalent"] else 1
     if len(args.runs) != 2 or args.candidate or args.reference:
-        raise UserError("expected two runs: CANDIDATE REFERENCE (run directories or metrics.jsonl files); "
-                        "--candidate/--reference go with --predict")
+        raise UserError(
+            "expected two runs: CANDIDATE REFERENCE (run directories or metrics.jsonl files); "
+            "--candidate/--reference go with --predict"
+        )
     thresholds = load_thresholds(args.thresholds, args.set)
     cand, ref = load_run(args.runs[0]), load_run(args.runs[1])
     result = check(cand.steps, ref.steps, thresholds)
@@ -147,7 +171,7 @@ def main(argv: List[str]) -> int:
     result["reference"] = str(ref.path)
     if cand.cfg is not None and ref.cfg is not None:
         result["prediction"] = numerics.compare(cand.cfg, ref.cfg).as_dict()
-    out: Optional[Path] = args.out or (cand.path if cand.path.is_dir() else cand.path.parent)
+    out: Path | None = args.out or (cand.path if cand.path.is_dir() else cand.path.parent)
     write_json(out / "convergence.json", _jsonable(result))
     if not args.no_plot:
         from trainer.report.plots import plot_convergence

@@ -83,9 +83,10 @@ import ast
 import json
 import math
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any
 
 from trainer.errors import UserError
 from trainer.inputs import MAX_LOG_LINE_BYTES, raw_lines
@@ -102,12 +103,38 @@ LOSS_KEYS = ("train/loss", "train/lm_loss")
 LISTED = 20  # line numbers listed per kind in the summary and --json (the counts are complete)
 
 # numpy >= 2 reprs of scalars (np.float64(0.5)) and torch's of a scalar tensor (tensor(0.5, device='cuda:0'))
-_NUMPY_SCALARS = {f"{kind}{bits}" for kind, sizes in (("float", (16, 32, 64, 128)), ("int", (8, 16, 32, 64)),
-                                                        ("uint", (8, 16, 32, 64))) for bits in sizes}
-_NUMPY_SCALARS |= {"longdouble", "double", "single", "half", "intc", "intp", "uintp", "longlong", "ulonglong", "bool_", "bool"}
-SCALAR_CALLS = {f"{prefix}.{name}" for prefix in ("np", "numpy") for name in _NUMPY_SCALARS} | {"tensor", "torch.tensor"}
-NAMED_CONSTANTS = {"nan": math.nan, "inf": math.inf, "np.nan": math.nan, "np.inf": math.inf,
-                   "np.True_": True, "np.False_": False, "numpy.True_": True, "numpy.False_": False}
+_NUMPY_SCALARS = {
+    f"{kind}{bits}"
+    for kind, sizes in (("float", (16, 32, 64, 128)), ("int", (8, 16, 32, 64)), ("uint", (8, 16, 32, 64)))
+    for bits in sizes
+}
+_NUMPY_SCALARS |= {
+    "longdouble",
+    "double",
+    "single",
+    "half",
+    "intc",
+    "intp",
+    "uintp",
+    "longlong",
+    "ulonglong",
+    "bool_",
+    "bool",
+}
+SCALAR_CALLS = {f"{prefix}.{name}" for prefix in ("np", "numpy") for name in _NUMPY_SCALARS} | {
+    "tensor",
+    "torch.tensor",
+}
+NAMED_CONSTANTS = {
+    "nan": math.nan,
+    "inf": math.inf,
+    "np.nan": math.nan,
+    "np.inf": math.inf,
+    "np.True_": True,
+    "np.False_": False,
+    "numpy.True_": True,
+    "numpy.False_": False,
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +153,7 @@ class SkippedLine:
 
     line: int
     kind: str
-    step: Optional[int] = None
+    step: int | None = None
     repeats: int = 1
 
     @property
@@ -144,13 +171,13 @@ class LogRead:
     unread (a step line is < 4 KiB; printed arguments or samples are longer); ``tokens_from`` names the source of the rows per step (``"log"``, ``"composition"``, both
     joined by ``" and "``, or ``""`` when no step has tokens)."""
 
-    steps: List[Step]
-    truncated: List[SkippedLine] = field(default_factory=list)
-    deduplicated: List[SkippedLine] = field(default_factory=list)
-    long: List[SkippedLine] = field(default_factory=list)
+    steps: list[Step]
+    truncated: list[SkippedLine] = field(default_factory=list)
+    deduplicated: list[SkippedLine] = field(default_factory=list)
+    long: list[SkippedLine] = field(default_factory=list)
     tokens_from: str = ""
 
-    def summary(self) -> Dict[str, Any]:
+    def summary(self) -> dict[str, Any]:
         """The counts as a JSON-able dict (``--json``): truncated lines, Ray-deduplicated lines and the lines
         they stand for (all, and step lines only), with the first :data:`LISTED` line numbers of each."""
         dedup_steps = [d for d in self.deduplicated if d.is_step]
@@ -165,7 +192,9 @@ class LogRead:
                 "stands_for_lines": sum(d.repeats for d in self.deduplicated),
                 "step_lines": len(dedup_steps),
                 "step_lines_stand_for": sum(d.repeats for d in dedup_steps),
-                "lines": [_skipped_json(d) for d in (dedup_steps + [d for d in self.deduplicated if not d.is_step])[:LISTED]],
+                "lines": [
+                    _skipped_json(d) for d in (dedup_steps + [d for d in self.deduplicated if not d.is_step])[:LISTED]
+                ],
             },
             "long_lines": {
                 "count": len(self.long),
@@ -175,7 +204,7 @@ class LogRead:
         }
 
 
-def _skipped_json(s: SkippedLine) -> Dict[str, Any]:
+def _skipped_json(s: SkippedLine) -> dict[str, Any]:
     return {"line": s.line, "kind": s.kind, "step": s.step, "repeats": s.repeats}
 
 
@@ -186,21 +215,24 @@ def _float(text: str, where: str, field: str) -> float:
         raise UserError(f"{where}: {field} {text!r} is not a number") from None
 
 
-def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
+def parse_megatron(line: str, where: str) -> dict[str, Any] | None:
     """One Megatron ``training_log`` line -> {step, lm_loss, grad_norm, lr, global_batch_size (rows),
     step_time_s (seconds), skipped_iterations, nan_iterations} (those present; ``lm_loss`` NaN when the
     line has none), or None when it is no iteration line. The caller checks that the line is complete."""
     match = MEGATRON_ITERATION.search(line)
     if not match:
         return None
-    fields: Dict[str, str] = {}
-    for part in line[match.end():].split("|"):
+    fields: dict[str, str] = {}
+    for part in line[match.end() :].split("|"):
         key, sep, value = part.partition(":")
         if sep:
             fields[key.strip()] = value.strip()
     loss = _float(fields["lm loss"], where, "lm loss") if "lm loss" in fields else math.nan  # NaN or skipped
-    row: Dict[str, Any] = {"step": _step_number(match.group(1), where), "lm_loss": loss}
-    for field_name, key in (("number of skipped iterations", "skipped_iterations"), ("number of nan iterations", "nan_iterations")):
+    row: dict[str, Any] = {"step": _step_number(match.group(1), where), "lm_loss": loss}
+    for field_name, key in (
+        ("number of skipped iterations", "skipped_iterations"),
+        ("number of nan iterations", "nan_iterations"),
+    ):
         if field_name in fields:
             text = fields[field_name]
             if not re.fullmatch(r"[+-]?\d{1,19}", text):
@@ -213,11 +245,13 @@ def parse_megatron(line: str, where: str) -> Optional[Dict[str, Any]]:
     if "global batch size" in fields:
         row["global_batch_size"] = _float(fields["global batch size"], where, "global batch size")
     if "elapsed time per iteration (ms)" in fields:
-        row["step_time_s"] = _float(fields["elapsed time per iteration (ms)"], where, "elapsed time per iteration (ms)") / 1000.0
+        row["step_time_s"] = (
+            _float(fields["elapsed time per iteration (ms)"], where, "elapsed time per iteration (ms)") / 1000.0
+        )
     return row
 
 
-def _dotted(node: ast.AST) -> Optional[str]:
+def _dotted(node: ast.AST) -> str | None:
     if isinstance(node, ast.Name):
         return node.id
     if isinstance(node, ast.Attribute):
@@ -261,12 +295,15 @@ def _value(node: ast.AST, text: str) -> Any:
     elif isinstance(node, (ast.List, ast.Tuple)):
         return [_value(item, text) for item in node.elts]
     elif isinstance(node, ast.Dict):
-        return {_value(k, text): _value(v, text) for k, v in zip(node.keys, node.values)
-                if k is not None and isinstance(_value(k, text), str)}
+        return {
+            _value(k, text): _value(v, text)
+            for k, v in zip(node.keys, node.values)
+            if k is not None and isinstance(_value(k, text), str)
+        }
     return Unreadable(ast.get_source_segment(text, node) or type(node).__name__)
 
 
-def _literal_dict(text: str, where: str) -> Dict[str, Any]:
+def _literal_dict(text: str, where: str) -> dict[str, Any]:
     """The dict a miles line prints (``{'train/loss': 1.2, ...}``) with its values read by :func:`_value`.
 
     Raises :class:`UserError` naming ``where`` when the text is not a dict expression."""
@@ -283,7 +320,7 @@ def _literal_dict(text: str, where: str) -> Dict[str, Any]:
     return value
 
 
-def _number(values: Dict[str, Any], key: str, where: str) -> Optional[float]:
+def _number(values: dict[str, Any], key: str, where: str) -> float | None:
     """``values[key]`` as a float, None when absent; :class:`UserError` naming ``where`` when not a number."""
     if key not in values:
         return None
@@ -297,7 +334,7 @@ def _number(values: Dict[str, Any], key: str, where: str) -> Optional[float]:
         raise UserError(f"{where}: {key} is an integer of {len(str(value)):,} digits, too large for a number") from None
 
 
-def _dedup_kind(text: str) -> Tuple[str, Optional[int]]:
+def _dedup_kind(text: str) -> tuple[str, int | None]:
     """What a Ray-deduplicated (or truncated) line would have been: its kind and the 1-based step it names."""
     match = MEGATRON_ITERATION.search(text)
     if match:
@@ -313,12 +350,12 @@ def _dedup_kind(text: str) -> Tuple[str, Optional[int]]:
     return "other", None
 
 
-def _shown_step(digits: str, offset: int = 0) -> Optional[int]:
+def _shown_step(digits: str, offset: int = 0) -> int | None:
     """The step a line that is not read names (for the summary), None beyond a signed 64-bit integer."""
     return int(digits) + offset if len(digits) <= 18 else None
 
 
-def step_line_kind(line: str) -> Optional[str]:
+def step_line_kind(line: str) -> str | None:
     """``"Megatron iteration"`` or ``"miles step"`` when ``line`` is a training step line of a log (complete or
     not), else None: how a reader of metrics.jsonl tells a raw log it was given by mistake."""
     line = ANSI.sub("", line)
@@ -342,7 +379,7 @@ class _TextLines:
         self.text = text
         self.cut_at_end = bool(text) and not text.endswith(("\n", "\r"))
 
-    def __iter__(self) -> Iterator[Tuple[int, Optional[str]]]:
+    def __iter__(self) -> Iterator[tuple[int, str | None]]:
         return enumerate(self.text.splitlines(), start=1)
 
 
@@ -356,7 +393,7 @@ class _FileLines:
         self.path = path
         self.cut_at_end = False
 
-    def __iter__(self) -> Iterator[Tuple[int, Optional[str]]]:
+    def __iter__(self) -> Iterator[tuple[int, str | None]]:
         last = b""
         for number, raw in raw_lines(self.path, "training log", MAX_LOG_LINE_BYTES, long="skip"):
             last = raw or b"\n"
@@ -374,12 +411,15 @@ def _step_number(digits: str, where: str, offset: int = 0) -> int:
     step = int(digits) + offset if len(digits) <= 19 else MAX_STEP + 1
     if not 1 <= step <= MAX_STEP:
         shown = digits if len(digits) <= 40 else f"{digits[:20]}... ({len(digits):,} digits)"
-        raise UserError(f"{where}: step {shown} (+{offset}) is not a step metrics.jsonl holds (1..{MAX_STEP:,})"
-                        if offset else f"{where}: iteration {shown} is not a step metrics.jsonl holds (1..{MAX_STEP:,})")
+        raise UserError(
+            f"{where}: step {shown} (+{offset}) is not a step metrics.jsonl holds (1..{MAX_STEP:,})"
+            if offset
+            else f"{where}: iteration {shown} is not a step metrics.jsonl holds (1..{MAX_STEP:,})"
+        )
     return step
 
 
-def _check_row(row: Dict[str, Any], where: str) -> None:
+def _check_row(row: dict[str, Any], where: str) -> None:
     """Refuse (one line naming ``where`` and the field) a value `trainer report` or `converge` would refuse in the
     metrics.jsonl written from it: a step time that is not a positive finite number of seconds, a global batch size
     that is not a positive integer, a Megatron count below 0. A loss or grad norm that is not finite is kept (the
@@ -395,8 +435,12 @@ def _check_row(row: Dict[str, Any], where: str) -> None:
             raise UserError(f"{where}: {key.replace('_', ' ')} {row[key]}, expected an integer >= 0")
 
 
-def read_log(source: Union[str, Path], name: Optional[str] = None, seq_length: Optional[int] = None,
-             global_batch_size: Optional[int] = None) -> LogRead:
+def read_log(
+    source: str | Path,
+    name: str | None = None,
+    seq_length: int | None = None,
+    global_batch_size: int | None = None,
+) -> LogRead:
     """All steps of a log (both formats), sorted by step, with the lines left out (:class:`LogRead`).
 
     ``source``: the log's text, or a :class:`~pathlib.Path` of a log file, read as a stream (:class:`_FileLines`:
@@ -410,24 +454,26 @@ def read_log(source: Union[str, Path], name: Optional[str] = None, seq_length: O
     """
     stream = _FileLines(source) if isinstance(source, Path) else _TextLines(source)
     name = str(source) if name is None and isinstance(source, Path) else (name or "log")
-    perf: Dict[int, float] = {}
+    perf: dict[int, float] = {}
     miles_steps = set()
     read = LogRead(steps=[])
-    candidates: List[Tuple[int, int, Dict[str, Any], bool]] = []  # (segment index, line, row, ends without "|")
+    candidates: list[tuple[int, int, dict[str, Any], bool]] = []  # (segment index, line, row, ends without "|")
     pipe_ended = False  # Megatron-LM ends every field with " |"; a fork's lines may end otherwise
     index = 0
     for index, (number, raw) in enumerate(stream, start=1):
         where = f"{name} line {number}"
         if len(candidates) + len(read.truncated) + len(read.deduplicated) + len(read.long) > MAX_STEPS:
-            raise UserError(f"{where}: more than {MAX_STEPS:,} step, truncated, deduplicated and over-long lines "
-                            f"(the most `trainer logs` keeps; a report reads at most {MAX_STEPS:,} steps)")
+            raise UserError(
+                f"{where}: more than {MAX_STEPS:,} step, truncated, deduplicated and over-long lines "
+                f"(the most `trainer logs` keeps; a report reads at most {MAX_STEPS:,} steps)"
+            )
         if raw is None:
             read.long.append(SkippedLine(number, "other"))
             continue
         line = ANSI.sub("", raw)
         repeated = RAY_REPEATED.search(line)
         if repeated:
-            kind, step = _dedup_kind(line[:repeated.start()])
+            kind, step = _dedup_kind(line[: repeated.start()])
             read.deduplicated.append(SkippedLine(number, kind, step, int(repeated.group(1))))
             continue
         row = parse_megatron(line, where)
@@ -442,8 +488,13 @@ def read_log(source: Union[str, Path], name: Optional[str] = None, seq_length: O
         full = (MILES_STEP if start.group(1) == "step" else MILES_PERF).search(line)
         if full is None:
             if _miles_partial(start.group(3)):
-                read.truncated.append(SkippedLine(number, "miles perf" if start.group(1) == "perf" else "miles step",
-                                                  _step_number(start.group(2), where, 1)))
+                read.truncated.append(
+                    SkippedLine(
+                        number,
+                        "miles perf" if start.group(1) == "perf" else "miles step",
+                        _step_number(start.group(2), where, 1),
+                    )
+                )
             continue
         values = _literal_dict(full.group(2), where)
         if start.group(1) == "perf":
@@ -456,15 +507,18 @@ def read_log(source: Union[str, Path], name: Optional[str] = None, seq_length: O
         if loss_key is None:
             continue  # another role's step or a dict without a loss
         row = {"step": _step_number(full.group(1), where, 1), "lm_loss": _number(values, loss_key, where)}
-        for src, dst in (("train/grad_norm", "grad_norm"), ("train/lr-pg_0", "lr"),
-                         ("train/global_batch_size", "global_batch_size")):
+        for src, dst in (
+            ("train/grad_norm", "grad_norm"),
+            ("train/lr-pg_0", "lr"),
+            ("train/global_batch_size", "global_batch_size"),
+        ):
             value = _number(values, src, where)
             if value is not None:
                 row[dst] = value
         miles_steps.add(row["step"])
         candidates.append((index, number, row, False))
-    rows: Dict[int, Dict[str, Any]] = {}
-    seen_at: Dict[int, int] = {}
+    rows: dict[int, dict[str, Any]] = {}
+    seen_at: dict[int, int] = {}
     for at, number, row, unpiped in candidates:  # in line order, now that the whole log is known
         where = f"{name} line {number}"
         if unpiped and (pipe_ended or (stream.cut_at_end and at == index)):
@@ -513,13 +567,14 @@ def read_log(source: Union[str, Path], name: Optional[str] = None, seq_length: O
     return read
 
 
-def parse_log(text: str, name: str = "log", seq_length: Optional[int] = None,
-              global_batch_size: Optional[int] = None) -> List[Step]:
+def parse_log(
+    text: str, name: str = "log", seq_length: int | None = None, global_batch_size: int | None = None
+) -> list[Step]:
     """The steps of :func:`read_log` (``seq_length`` in tokens per row, ``global_batch_size`` in rows)."""
     return read_log(text, name, seq_length, global_batch_size).steps
 
 
-def _differs(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
+def _differs(a: dict[str, Any], b: dict[str, Any]) -> bool:
     for key in set(a) | set(b):
         x, y = a.get(key), b.get(key)
         if isinstance(x, float) and isinstance(y, float) and math.isnan(x) and math.isnan(y):
@@ -529,7 +584,7 @@ def _differs(a: Dict[str, Any], b: Dict[str, Any]) -> bool:
     return False
 
 
-def _lines(items: List[SkippedLine]) -> str:
+def _lines(items: list[SkippedLine]) -> str:
     shown = ", ".join(str(s.line) for s in items[:5])
     return f"line{'s' if len(items) > 1 else ''} {shown}{', ...' if len(items) > 5 else ''}"
 
@@ -539,19 +594,27 @@ def _left_out_text(read: LogRead) -> str:
     parts = []
     if read.truncated:
         steps = sum(t.is_step for t in read.truncated)
-        parts.append(f"{len(read.truncated)} truncated line{'s' if len(read.truncated) > 1 else ''} not read "
-                     f"({_lines(read.truncated)}; {steps} of them step lines)")
+        parts.append(
+            f"{len(read.truncated)} truncated line{'s' if len(read.truncated) > 1 else ''} not read "
+            f"({_lines(read.truncated)}; {steps} of them step lines)"
+        )
     if read.deduplicated:
         dedup_steps = [d for d in read.deduplicated if d.is_step]
-        text = (f"{len(read.deduplicated)} Ray-deduplicated line{'s' if len(read.deduplicated) > 1 else ''} not read "
-                f"(standing for {sum(d.repeats for d in read.deduplicated)} lines")
+        text = (
+            f"{len(read.deduplicated)} Ray-deduplicated line{'s' if len(read.deduplicated) > 1 else ''} not read "
+            f"(standing for {sum(d.repeats for d in read.deduplicated)} lines"
+        )
         if dedup_steps:
-            text += (f"; {len(dedup_steps)} of them step lines standing for {sum(d.repeats for d in dedup_steps)} "
-                     f"step lines, {_lines(dedup_steps)}: steps may be missing, rerun with RAY_DEDUP_LOGS=0")
+            text += (
+                f"; {len(dedup_steps)} of them step lines standing for {sum(d.repeats for d in dedup_steps)} "
+                f"step lines, {_lines(dedup_steps)}: steps may be missing, rerun with RAY_DEDUP_LOGS=0"
+            )
         parts.append(text + ")")
     if read.long:
-        parts.append(f"{len(read.long)} line{'s' if len(read.long) > 1 else ''} longer than {MAX_LOG_LINE_BYTES:,} "
-                     f"bytes skipped ({_lines(read.long)}; a step line is shorter)")
+        parts.append(
+            f"{len(read.long)} line{'s' if len(read.long) > 1 else ''} longer than {MAX_LOG_LINE_BYTES:,} "
+            f"bytes skipped ({_lines(read.long)}; a step line is shorter)"
+        )
     return "; ".join(parts)
 
 
@@ -568,22 +631,41 @@ def parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("log", type=Path, help="training log (stdout of the training job)")
-    p.add_argument("-o", "--output", type=Path,
-                   help="metrics.jsonl to write (or a directory); default with --run: RUN_DIR/metrics.jsonl")
-    p.add_argument("--run", type=Path, metavar="RUN_DIR",
-                   help="the run the log is of: rows per step from its config.yaml optim.global_batch_size, tokens per "
-                   "row from data.seq_length")
-    p.add_argument("--global-batch-size", type=int, metavar="ROWS",
-                   help="rows per optimizer step, for a log that prints none (miles); needs --seq-length")
-    p.add_argument("--seq-length", type=int, metavar="TOKENS",
-                   help="tokens per row; with the log's (or --global-batch-size's) rows gives tokens per step")
+    p.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="metrics.jsonl to write (or a directory); default with --run: RUN_DIR/metrics.jsonl",
+    )
+    p.add_argument(
+        "--run",
+        type=Path,
+        metavar="RUN_DIR",
+        help="the run the log is of: rows per step from its config.yaml optim.global_batch_size, tokens per "
+        "row from data.seq_length",
+    )
+    p.add_argument(
+        "--global-batch-size",
+        type=int,
+        metavar="ROWS",
+        help="rows per optimizer step, for a log that prints none (miles); needs --seq-length",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        metavar="TOKENS",
+        help="tokens per row; with the log's (or --global-batch-size's) rows gives tokens per step",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing metrics.jsonl")
-    p.add_argument("--json", action="store_true",
-                   help="print what was read as JSON (steps, tokens, truncated and Ray-deduplicated lines)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print what was read as JSON (steps, tokens, truncated and Ray-deduplicated lines)",
+    )
     return p
 
 
-def composition(args: argparse.Namespace) -> Tuple[Optional[int], Optional[int], str]:
+def composition(args: argparse.Namespace) -> tuple[int | None, int | None, str]:
     """``(global batch size in rows, sequence length in tokens, source)`` from ``--run`` or the flags.
 
     Raises :class:`UserError` on a flag that is not positive, ``--run`` with the flags, ``--global-batch-size``
@@ -593,8 +675,10 @@ def composition(args: argparse.Namespace) -> Tuple[Optional[int], Optional[int],
             raise UserError(f"{flag} {value}: expected a positive number")
     if args.run is not None:
         if args.seq_length is not None or args.global_batch_size is not None:
-            raise UserError("--run takes the global batch size and sequence length from RUN_DIR/config.yaml; "
-                            "leave out --seq-length and --global-batch-size")
+            raise UserError(
+                "--run takes the global batch size and sequence length from RUN_DIR/config.yaml; "
+                "leave out --seq-length and --global-batch-size"
+            )
         if not args.run.is_dir():
             raise UserError(f"{args.run}: no such run directory (--run RUN_DIR)")
         if not (args.run / CONFIG).is_file():
@@ -602,14 +686,17 @@ def composition(args: argparse.Namespace) -> Tuple[Optional[int], Optional[int],
         from trainer.record.rundir import load_config
 
         cfg = load_config(args.run / CONFIG)
-        return (int(cfg.optim.global_batch_size), int(cfg.data.seq_length),
-                f"{args.run / CONFIG} optim.global_batch_size x data.seq_length")
+        return (
+            int(cfg.optim.global_batch_size),
+            int(cfg.data.seq_length),
+            f"{args.run / CONFIG} optim.global_batch_size x data.seq_length",
+        )
     if args.global_batch_size is not None and args.seq_length is None:
         raise UserError("--global-batch-size needs --seq-length (tokens per step = rows x tokens per row)")
     return args.global_batch_size, args.seq_length, "--global-batch-size x --seq-length"
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer logs``; writes metrics.jsonl atomically and prints what it read (and left out)."""
     args = parser().parse_args(argv)
     if not args.log.exists():
@@ -617,8 +704,10 @@ def main(argv: List[str]) -> int:
     gbs, seq_length, source = composition(args)
     if args.output is None:
         if args.run is None:
-            raise UserError("where to write? pass -o metrics.jsonl (or a directory), or --run RUN_DIR to write "
-                            "RUN_DIR/metrics.jsonl")
+            raise UserError(
+                "where to write? pass -o metrics.jsonl (or a directory), or --run RUN_DIR to write "
+                "RUN_DIR/metrics.jsonl"
+            )
         args.output = args.run
     read = read_log(args.log, str(args.log), seq_length, gbs)  # a stream: bounded memory, a FIFO refused
     steps = read.steps
@@ -630,25 +719,48 @@ def main(argv: List[str]) -> int:
     timed = sum(s.step_time_s is not None for s in steps)
     with_tokens = sum(s.tokens is not None for s in steps)
     lossless = [s.step for s in steps if not math.isfinite(s.lm_loss)]
-    tokens_from = {"log": "the log's global batch size x --seq-length", "composition": source,
-                   "log and composition": f"the log's global batch size where printed, else {source}"}.get(read.tokens_from)
+    tokens_from = {
+        "log": "the log's global batch size x --seq-length",
+        "composition": source,
+        "log and composition": f"the log's global batch size where printed, else {source}",
+    }.get(read.tokens_from)
     if args.json:
-        print(json.dumps({
-            "metrics": str(out), "steps": len(steps), "first_step": steps[0].step, "last_step": steps[-1].step,
-            "steps_with_step_time": timed,
-            "tokens": {"steps": with_tokens, "from": tokens_from, "global_batch_size": gbs, "seq_length": seq_length},
-            "nonfinite_loss_steps": lossless,
-            **read.summary(),
-        }, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    "metrics": str(out),
+                    "steps": len(steps),
+                    "first_step": steps[0].step,
+                    "last_step": steps[-1].step,
+                    "steps_with_step_time": timed,
+                    "tokens": {
+                        "steps": with_tokens,
+                        "from": tokens_from,
+                        "global_batch_size": gbs,
+                        "seq_length": seq_length,
+                    },
+                    "nonfinite_loss_steps": lossless,
+                    **read.summary(),
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
         return 0
     tokens_text = f"{with_tokens} with tokens"
     if tokens_from:
         tokens_text += f" (from {tokens_from})"
     elif not with_tokens:
         tokens_text += " (pass --run RUN_DIR, or --seq-length and, for a miles log, --global-batch-size)"
-    print(f"{out}: {len(steps)} steps ({steps[0].step}..{steps[-1].step}), {timed} with a step time, {tokens_text}"
-          + (f", {len(lossless)} without a finite loss (steps {', '.join(map(str, lossless[:5]))}"
-             f"{', ...' if len(lossless) > 5 else ''})" if lossless else ""))
+    print(
+        f"{out}: {len(steps)} steps ({steps[0].step}..{steps[-1].step}), {timed} with a step time, {tokens_text}"
+        + (
+            f", {len(lossless)} without a finite loss (steps {', '.join(map(str, lossless[:5]))}"
+            f"{', ...' if len(lossless) > 5 else ''})"
+            if lossless
+            else ""
+        )
+    )
     left_out = _left_out_text(read)
     if left_out:
         print(f"{args.log}: {left_out}")

@@ -46,21 +46,32 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import numpy as np
 
-from trainer.errors import UserError
-from trainer.inputs import kind_of, lines, parse_json
 from trainer.compose.params import CSA_RATIO, count_params
 from trainer.compose.schema import ModelConfig
+from trainer.errors import UserError
+from trainer.inputs import kind_of, lines, parse_json
 from trainer.record.rundir import METRICS
 
-KEYS = ("step", "lm_loss", "grad_norm", "lr", "tokens", "supervised_tokens", "step_time_s", "max_memory_bytes",
-        "skipped_iterations", "nan_iterations")
+KEYS = (
+    "step",
+    "lm_loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "supervised_tokens",
+    "step_time_s",
+    "max_memory_bytes",
+    "skipped_iterations",
+    "nan_iterations",
+)
 OPTIONAL_KEYS = KEYS[2:8]
 COUNT_KEYS = KEYS[8:]  # integer counts (or null); absent from rows that do not know them
 NONFINITE_STRINGS = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
@@ -76,28 +87,31 @@ class Step:
 
     step: int
     lm_loss: float
-    grad_norm: Optional[float] = None
-    lr: Optional[float] = None
-    tokens: Optional[float] = None
-    supervised_tokens: Optional[float] = None
-    step_time_s: Optional[float] = None
-    max_memory_bytes: Optional[float] = None
-    skipped_iterations: Optional[int] = None
-    nan_iterations: Optional[int] = None
+    grad_norm: float | None = None
+    lr: float | None = None
+    tokens: float | None = None
+    supervised_tokens: float | None = None
+    step_time_s: float | None = None
+    max_memory_bytes: float | None = None
+    skipped_iterations: int | None = None
+    nan_iterations: int | None = None
 
-    def as_dict(self) -> Dict[str, Any]:
+    def as_dict(self) -> dict[str, Any]:
         """The row as a dict: every key of :data:`KEYS` in that order (absent optional keys as None), except
         the Megatron counts, present only when known."""
         return {k: getattr(self, k) for k in KEYS if k not in COUNT_KEYS or getattr(self, k) is not None}
 
     @property
-    def no_loss_reason(self) -> Optional[str]:
+    def no_loss_reason(self) -> str | None:
         """Megatron's counts of the step's interval when its loss is not finite (``"1 skipped iteration"``),
         else None (a finite loss, or no counts logged)."""
         if math.isfinite(self.lm_loss):
             return None
-        counts = [f"{n} {name} iteration{'s' if n != 1 else ''}" for name, n in
-                  (("skipped", self.skipped_iterations), ("nan", self.nan_iterations)) if n]
+        counts = [
+            f"{n} {name} iteration{'s' if n != 1 else ''}"
+            for name, n in (("skipped", self.skipped_iterations), ("nan", self.nan_iterations))
+            if n
+        ]
         return ", ".join(counts) or None
 
 
@@ -108,7 +122,7 @@ def json_number(value: Any) -> Any:
     return value
 
 
-def dumps_row(row: Dict[str, Any]) -> str:
+def dumps_row(row: dict[str, Any]) -> str:
     """One ``metrics.jsonl`` line (no newline) of a row dict, strict JSON (non-finite numbers as strings)."""
     return json.dumps({k: json_number(v) for k, v in row.items()}, separators=(", ", ": "), allow_nan=False)
 
@@ -120,17 +134,21 @@ def metrics_path(path: Path) -> Path:
     if target.exists() and not target.is_file():  # a FIFO, device or directory: named, never opened to block
         raise UserError(f"{target}: {kind_of(target.stat().st_mode)}, not a regular file (a metrics.jsonl must be one)")
     if not target.is_file():
-        raise UserError(f"{target}: no such file (expected a run directory with metrics.jsonl, or a metrics.jsonl file)")
+        raise UserError(
+            f"{target}: no such file (expected a run directory with metrics.jsonl, or a metrics.jsonl file)"
+        )
     return target
 
 
-def _number(value: Any, where: str, key: str, allow_null: bool) -> Optional[float]:
+def _number(value: Any, where: str, key: str, allow_null: bool) -> float | None:
     if value is None and allow_null:
         return None
     if isinstance(value, str) and value in NONFINITE_STRINGS:
         return NONFINITE_STRINGS[value]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise UserError(f"{where}: {key} is {str(value)[:40]!r}, expected a number" + (" or null" if allow_null else ""))
+        raise UserError(
+            f"{where}: {key} is {str(value)[:40]!r}, expected a number" + (" or null" if allow_null else "")
+        )
     try:
         return float(value)
     except OverflowError:
@@ -153,8 +171,10 @@ def parse_row(obj: Any, where: str) -> Step:
             raise UserError(f"{where}: missing key {key!r}")
     step = obj["step"]
     if isinstance(step, bool) or not isinstance(step, int) or not 1 <= step <= MAX_STEP:
-        raise UserError(f"{where}: step is {str(step)[:40]!r}, expected an integer in 1..{MAX_STEP:,} (steps are 1-based)")
-    values: Dict[str, Any] = {key: _number(obj.get(key), where, key, allow_null=True) for key in OPTIONAL_KEYS}
+        raise UserError(
+            f"{where}: step is {str(step)[:40]!r}, expected an integer in 1..{MAX_STEP:,} (steps are 1-based)"
+        )
+    values: dict[str, Any] = {key: _number(obj.get(key), where, key, allow_null=True) for key in OPTIONAL_KEYS}
     for key in COUNT_KEYS:
         count = obj.get(key)
         if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
@@ -163,7 +183,7 @@ def parse_row(obj: Any, where: str) -> Step:
     return Step(step=step, lm_loss=_number(obj["lm_loss"], where, "lm_loss", allow_null=False), **values)
 
 
-def read_metrics(path: Path) -> List[Step]:
+def read_metrics(path: Path) -> list[Step]:
     """Read and validate ``metrics.jsonl`` (a run directory or the file itself).
 
     Returns the steps in file order. Raises :class:`UserError` naming the file and line for: a missing or
@@ -172,8 +192,8 @@ def read_metrics(path: Path) -> List[Step]:
     step lines (a raw Megatron or miles log) is refused with the command that makes metrics.jsonl of it.
     """
     target = metrics_path(path)
-    steps: List[Step] = []
-    pending: Optional[Tuple[int, str]] = None  # a line that is not JSON: an error unless it is the last one
+    steps: list[Step] = []
+    pending: tuple[int, str] | None = None  # a line that is not JSON: an error unless it is the last one
     stream = lines(target, "metrics.jsonl")
     for number, line in stream:
         if not line.strip():
@@ -194,9 +214,7 @@ def read_metrics(path: Path) -> List[Step]:
             continue
         row = parse_row(obj, where)
         if steps and row.step <= steps[-1].step:
-            raise UserError(
-                f"{where}: step {row.step} after step {steps[-1].step}: steps must strictly increase"
-            )
+            raise UserError(f"{where}: step {row.step} after step {steps[-1].step}: steps must strictly increase")
         steps.append(row)
         if len(steps) > MAX_STEPS:
             raise UserError(f"{target}: more than {MAX_STEPS:,} steps (the most a report reads)")
@@ -210,7 +228,7 @@ def read_metrics(path: Path) -> List[Step]:
 LOG_SCAN_LINES = 200_000  # lines of a file that is not metrics.jsonl searched for a training step line
 
 
-def _step_line(number: int, line: str, rest: Any) -> Tuple[Optional[Tuple[int, str]], bool]:
+def _step_line(number: int, line: str, rest: Any) -> tuple[tuple[int, str] | None, bool]:
     """Search ``line`` (line ``number``) and up to :data:`LOG_SCAN_LINES` lines of the ``rest`` of a
     :func:`trainer.inputs.lines` stream for a training step line: ``((line number, kind) or None, whether
     any non-blank line followed)``."""
@@ -236,8 +254,10 @@ def _step_line(number: int, line: str, rest: Any) -> Tuple[Optional[Tuple[int, s
 def raw_log_hint(path: Path, number: int, kind: str) -> str:
     """The one-line refusal of a training log given where metrics.jsonl is expected, naming the command
     that makes metrics.jsonl of it (``number``: the line of a step line, ``kind``: its format)."""
-    return (f"{path}: a training log, not metrics.jsonl (line {number} is a {kind} line); run "
-            f"`trainer logs {path} -o DIR` first (add --run RUN_DIR for tokens per step) and pass DIR")
+    return (
+        f"{path}: a training log, not metrics.jsonl (line {number} is a {kind} line); run "
+        f"`trainer logs {path} -o DIR` first (add --run RUN_DIR for tokens per step) and pass DIR"
+    )
 
 
 def write_metrics(path: Path, steps: Sequence[Step]) -> None:
@@ -251,7 +271,7 @@ def write_metrics(path: Path, steps: Sequence[Step]) -> None:
 # ---------------------------------------------------------------------------------------------- windows
 
 
-def parse_window(text: str) -> Tuple[int, int]:
+def parse_window(text: str) -> tuple[int, int]:
     """``"5:19"`` or ``"5..19"`` or ``"5,19"`` -> ``(5, 19)`` (inclusive); raises :class:`UserError`."""
     for sep in ("..", ":", ","):
         if sep in text:
@@ -263,12 +283,12 @@ def parse_window(text: str) -> Tuple[int, int]:
     raise UserError(f"--window {text!r}: expected FIRST:LAST, two step numbers (inclusive), e.g. 5:19")
 
 
-def default_window(steps: Sequence[Step]) -> Tuple[int, int]:
+def default_window(steps: Sequence[Step]) -> tuple[int, int]:
     """The recipe's rule: from step 5 to the step before the last (``[5, 19]`` of 20 steps)."""
     return DEFAULT_FIRST_STEP, steps[-1].step - 1
 
 
-def select_window(steps: Sequence[Step], window: Tuple[int, int], source: str = "metrics.jsonl") -> List[Step]:
+def select_window(steps: Sequence[Step], window: tuple[int, int], source: str = "metrics.jsonl") -> list[Step]:
     """The steps of the inclusive ``window``, each of which must be present with tokens and a step time.
 
     Raises :class:`UserError` for an empty window (last < first), a window outside the run's steps, a
@@ -301,9 +321,11 @@ def select_window(steps: Sequence[Step], window: Tuple[int, int], source: str = 
             if value is None or not math.isfinite(value) or value <= 0:
                 hint = ""
                 if key == "tokens" and value is None:
-                    hint = ("; a log without a global batch size (miles prints none) gives no tokens: make "
-                            "metrics.jsonl with `trainer logs LOG --run RUN_DIR` (or --global-batch-size ROWS "
-                            "--seq-length TOKENS)")
+                    hint = (
+                        "; a log without a global batch size (miles prints none) gives no tokens: make "
+                        "metrics.jsonl with `trainer logs LOG --run RUN_DIR` (or --global-batch-size ROWS "
+                        "--seq-length TOKENS)"
+                    )
                 raise UserError(f"{source} step {s.step}: {key} is {value!r}, expected a positive number{hint}")
     return chosen
 
@@ -328,15 +350,14 @@ def mfu(active_params: int, tokens_per_s_gpu: float, peak_flops: float) -> float
     return 6.0 * active_params * tokens_per_s_gpu / peak_flops
 
 
-def usd_per_million_tokens(usd_per_node_hour: Optional[float], tokens_per_s_gpu: float, gpus_per_node: int) -> float:
+def usd_per_million_tokens(usd_per_node_hour: float | None, tokens_per_s_gpu: float, gpus_per_node: int) -> float:
     """$ per 1M tokens = $/node-hour / (tokens/s/GPU x GPUs per node x 3600) x 1e6.
 
     Raises :class:`UserError` when the cluster has no price (``cluster.usd_per_node_hour`` null).
     """
     if usd_per_node_hour is None:
         raise UserError(
-            "cluster.usd_per_node_hour is null: the cluster has no price; pass --usd-per-node-hour DOLLARS "
-            "or --no-cost"
+            "cluster.usd_per_node_hour is null: the cluster has no price; pass --usd-per-node-hour DOLLARS or --no-cost"
         )
     if usd_per_node_hour < 0 or tokens_per_s_gpu <= 0 or gpus_per_node <= 0:
         raise UserError(
@@ -363,7 +384,7 @@ class Flops:
     per_token: float  # 3 x (matmul + attention + logits)
 
 
-def _mean_keys(seq_length: int, window: int, ratio: int, topk: int) -> Tuple[float, float]:
+def _mean_keys(seq_length: int, window: int, ratio: int, topk: int) -> tuple[float, float]:
     """Mean over causal query positions of (keys attended, compressed entries scored by the indexer)."""
     pos = np.arange(1, seq_length + 1, dtype=np.float64)  # tokens visible to query i (itself included)
     keys = np.minimum(pos, window)
@@ -421,7 +442,7 @@ def model_flops_per_token(model: ModelConfig, seq_length: int) -> Flops:
 # ---------------------------------------------------------------------------------------------- report
 
 
-def _utc(value: Any) -> Optional[datetime]:
+def _utc(value: Any) -> datetime | None:
     if not isinstance(value, str):
         return None
     try:
@@ -434,7 +455,7 @@ ADMISSION_KEYS = ("admitted_utc", "scheduler_admitted_utc", "started_utc")
 FINISH_KEYS = ("finished_utc", "ended_utc")
 
 
-def job_wall_seconds(record: Dict[str, Any]) -> Optional[Tuple[float, str]]:
+def job_wall_seconds(record: dict[str, Any]) -> tuple[float, str] | None:
     """Scheduler admission to finish from a run record (seconds, and the keys used), or None.
 
     Looks for ``admitted_utc``/``scheduler_admitted_utc``/``started_utc`` and ``finished_utc``/``ended_utc``
@@ -458,17 +479,17 @@ class ReportInputs:
     gpus_per_node: int
     active_params: int
     active_params_source: str
-    peak_flops: Optional[float]  # None: the run had no GPU (MFU n/a)
-    usd_per_node_hour: Optional[float]
-    model: Optional[ModelConfig] = None
-    seq_length: Optional[int] = None
-    job_wall_s: Optional[float] = None  # scheduler admission to finish
+    peak_flops: float | None  # None: the run had no GPU (MFU n/a)
+    usd_per_node_hour: float | None
+    model: ModelConfig | None = None
+    seq_length: int | None = None
+    job_wall_s: float | None = None  # scheduler admission to finish
     job_wall_basis: str = ""
 
 
 def summarize(
-    steps: Sequence[Step], inputs: ReportInputs, window: Optional[Tuple[int, int]] = None, cost: bool = True
-) -> Dict[str, Any]:
+    steps: Sequence[Step], inputs: ReportInputs, window: tuple[int, int] | None = None, cost: bool = True
+) -> dict[str, Any]:
     """The ``summary.json`` of a run: throughput, MFU, model TFLOP/s/GPU, cost, step-time CV, GPU-hours.
 
     ``window`` defaults to :func:`default_window`. ``cost=False`` leaves the cost out (null) instead of
@@ -481,7 +502,7 @@ def summarize(
     tokens = sum(s.tokens for s in chosen)
     seconds = sum(s.step_time_s for s in chosen)
     tps = tokens_per_s_per_gpu(tokens, seconds, inputs.gpus)
-    out: Dict[str, Any] = {
+    out: dict[str, Any] = {
         "schema_version": 1,
         "steps": len(steps),
         "first_step": steps[0].step,
@@ -508,8 +529,11 @@ def summarize(
     if inputs.model is not None and inputs.seq_length:
         flops = model_flops_per_token(inputs.model, inputs.seq_length)
         out["model_flops_per_token"] = {
-            "total": flops.per_token, "matmul_fwd": flops.matmul, "attention_fwd": flops.attention,
-            "logits_fwd": flops.logits, "seq_length": inputs.seq_length,
+            "total": flops.per_token,
+            "matmul_fwd": flops.matmul,
+            "attention_fwd": flops.attention,
+            "logits_fwd": flops.logits,
+            "seq_length": inputs.seq_length,
         }
         out["model_tflops_per_gpu"] = flops.per_token * tps / 1e12
     if cost:

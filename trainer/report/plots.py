@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any
 
 import matplotlib
 
@@ -19,8 +20,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from trainer.report.metrics import Step  # noqa: E402
 from trainer.publish import atomic_write  # noqa: E402
+from trainer.report.metrics import Step  # noqa: E402
 
 CANDIDATE = "#1f77b4"
 REFERENCE = "#ff7f0e"
@@ -36,7 +37,9 @@ def _save(fig: Any, path: Path) -> None:
     atomic_write(Path(path), buf.getvalue())
 
 
-def plot_step_times(steps: Sequence[Step], window: Tuple[int, int], summary: Dict[str, Any], path: Path, title: str = "") -> None:
+def plot_step_times(
+    steps: Sequence[Step], window: tuple[int, int], summary: dict[str, Any], path: Path, title: str = ""
+) -> None:
     """Step time (s) per step with the window ``[first, last]`` shaded; writes a PNG to ``path``."""
     xs = [s.step for s in steps if s.step_time_s is not None]
     ys = [s.step_time_s for s in steps if s.step_time_s is not None]
@@ -61,7 +64,9 @@ def plot_step_times(steps: Sequence[Step], window: Tuple[int, int], summary: Dic
     _save(fig, path)
 
 
-def plot_convergence(result: Dict[str, Any], path: Path, candidate_label: str = "candidate", reference_label: str = "reference") -> None:
+def plot_convergence(
+    result: dict[str, Any], path: Path, candidate_label: str = "candidate", reference_label: str = "reference"
+) -> None:
     """Loss of candidate and reference per step (from a :func:`trainer.report.convergence.check` result dict).
 
     Top: both loss curves, the reference's tolerance band (reference x (1 ± tolerance)), skipped steps
@@ -81,10 +86,14 @@ def plot_convergence(result: Dict[str, Any], path: Path, candidate_label: str = 
             ax.axvspan(min(skipped) - 0.5, max(skipped) + 0.5, color="grey", alpha=0.15)
         ax.grid(alpha=0.3)
 
-    def finite(v: Optional[float]) -> bool:
+    def finite(v: float | None) -> bool:
         return v is not None and math.isfinite(v)
 
-    band = [(p["step"], p["reference"], p["tolerance"]) for p in points if finite(p["reference"]) and p["tolerance"] is not None]
+    band = [
+        (p["step"], p["reference"], p["tolerance"])
+        for p in points
+        if finite(p["reference"]) and p["tolerance"] is not None
+    ]
     if band:
         bx = [b[0] for b in band]
         lo = [b[1] - abs(b[1]) * b[2] for b in band]
@@ -94,8 +103,15 @@ def plot_convergence(result: Dict[str, Any], path: Path, candidate_label: str = 
     top.plot(steps, cand, "o--", color=CANDIDATE, ms=3.5, lw=1.2, label=candidate_label)
     fails = [p for p in points if p["failed"]]
     if fails:
-        top.plot([p["step"] for p in fails], [p["candidate"] for p in fails], "x", color=FAIL, ms=9, mew=2,
-                 label=f"outside tolerance ({len(fails)})")
+        top.plot(
+            [p["step"] for p in fails],
+            [p["candidate"] for p in fails],
+            "x",
+            color=FAIL,
+            ms=9,
+            mew=2,
+            label=f"outside tolerance ({len(fails)})",
+        )
     bad = [p["step"] for p in points if not (finite(p["candidate"]) and finite(p["reference"]))]
     if bad:
         for ax in (top, bottom):
@@ -110,13 +126,18 @@ def plot_convergence(result: Dict[str, Any], path: Path, candidate_label: str = 
         f"convergence: {'PASS' if ok else 'FAIL'} · correlation {corr_text} · final-loss diff "
         f"{_fmt(metrics.get('final_loss_difference'))} · pointwise failures {metrics.get('pointwise_failures')}"
         f"/{metrics.get('points_checked')}",
-        color=colour, fontsize=10,
+        color=colour,
+        fontsize=10,
     )
     top.legend(fontsize=8)
     rel = [(p["step"], p["relative_difference"], p["tolerance"]) for p in points if finite(p["relative_difference"])]
     if rel:
-        bottom.plot([r[0] for r in rel], [r[1] for r in rel], "o-", color=CANDIDATE, ms=3.5, lw=1.2, label="|c - g| / |g|")
-        bottom.step([r[0] for r in rel], [r[2] for r in rel], where="mid", color=FAIL, lw=1.2, ls="--", label="tolerance")
+        bottom.plot(
+            [r[0] for r in rel], [r[1] for r in rel], "o-", color=CANDIDATE, ms=3.5, lw=1.2, label="|c - g| / |g|"
+        )
+        bottom.step(
+            [r[0] for r in rel], [r[2] for r in rel], where="mid", color=FAIL, lw=1.2, ls="--", label="tolerance"
+        )
     bottom.set_ylim(bottom=0)
     bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
     bottom.set_xlabel("step" + (" (grey: skipped by skip_first_percent_loss)" if skipped else ""))
@@ -127,5 +148,5 @@ def plot_convergence(result: Dict[str, Any], path: Path, candidate_label: str = 
     _save(fig, path)
 
 
-def _fmt(value: Optional[float]) -> str:
+def _fmt(value: float | None) -> str:
     return f"{value:.4f}" if value is not None and math.isfinite(value) else "n/a"

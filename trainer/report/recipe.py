@@ -23,7 +23,7 @@ import argparse
 import datetime as dt
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import yaml
 
@@ -37,7 +37,7 @@ from trainer.record.rundir import COMMAND, METRICS, Run, load_run
 SCHEMA_PATH = REPO_ROOT / "schema" / "recipe.schema.yaml"
 
 
-def load_schema(path: Path = SCHEMA_PATH) -> Dict[str, Any]:
+def load_schema(path: Path = SCHEMA_PATH) -> dict[str, Any]:
     """The recipe JSON Schema (a dict) from its YAML file, itself checked against the 2020-12 meta-schema."""
     import jsonschema
 
@@ -57,7 +57,7 @@ def _plain(obj: Any) -> Any:
     return obj
 
 
-def validation_errors(recipe: Any, schema: Optional[Dict[str, Any]] = None) -> List[str]:
+def validation_errors(recipe: Any, schema: dict[str, Any] | None = None) -> list[str]:
     """Every schema violation of a recipe, one line each (``field.path: message``); empty when valid."""
     import jsonschema
 
@@ -77,7 +77,7 @@ def validate_recipe(recipe: Any, name: str = "recipe") -> None:
 # ---------------------------------------------------------------------------------------------- blocks
 
 
-def stack_block(run: Run) -> Dict[str, Any]:
+def stack_block(run: Run) -> dict[str, Any]:
     """The ``stack:`` block: observed versions and image digest from the record, else the config's pins."""
     record = run.record or {}
     observed = record.get("observed") or record.get("observed_versions") or {}
@@ -92,13 +92,17 @@ def stack_block(run: Run) -> Dict[str, Any]:
         return default
 
     source = (
-        "observed inside the run's environment (record.json)" if observed
+        "observed inside the run's environment (record.json)"
+        if observed
         else "pinned versions of the run's config (conf/stack, lockfiles/stack.json); not observed by the run"
     )
     block = {
         "framework": pick("miles", "framework", default=f"miles commit {pins.miles_commit[:8]}"),
-        "megatron_lm": pick("megatron_lm", "megatron-lm",
-                            default=f"Megatron-LM commit {pins.megatron_lm_commit[:8]} (megatron-core {pins.megatron_core})"),
+        "megatron_lm": pick(
+            "megatron_lm",
+            "megatron-lm",
+            default=f"Megatron-LM commit {pins.megatron_lm_commit[:8]} (megatron-core {pins.megatron_core})",
+        ),
         "transformer_engine": pick("transformer_engine", "transformer-engine", default=pins.transformer_engine),
         "pytorch": pick("torch", "pytorch", default=pins.torch),
         "cuda": pick("cuda", default=pins.cuda),
@@ -113,7 +117,7 @@ def stack_block(run: Run) -> Dict[str, Any]:
     return block
 
 
-def workload_block(run: Run) -> Dict[str, Any]:
+def workload_block(run: Run) -> dict[str, Any]:
     """The ``workload:`` block from the run's config: row length (tokens), rows, global batch (rows), precision
     and the dataset with its build (tokenizer, loss mask, hashes, parquet size in bytes).
     """
@@ -148,7 +152,7 @@ def workload_block(run: Run) -> Dict[str, Any]:
     }
 
 
-def layout_block(run: Run) -> Dict[str, Any]:
+def layout_block(run: Run) -> dict[str, Any]:
     """The ``layout:`` block: TP/PP/VPP/CP/EP/ETP/DP sizes, layer split, recompute, dispatcher, offload and a
     one-line summary. DP and the per-stage layer split come from :func:`trainer.compose.checks.check`, which raises
     :class:`~trainer.errors.CheckError` for a layout that does not fit the model or cluster.
@@ -166,16 +170,24 @@ def layout_block(run: Run) -> Dict[str, Any]:
         parts.append(f"PP {par.pipeline_model_parallel_size} ({', '.join(pins) + ': ' if pins else ''}{split})")
     else:
         parts.append("PP 1")
-    parts += [f"CP {par.context_parallel_size}", f"EP {par.expert_model_parallel_size}",
-              f"ETP {par.expert_tensor_parallel_size}", f"DP {par.data_parallel_size}"]
+    parts += [
+        f"CP {par.context_parallel_size}",
+        f"EP {par.expert_model_parallel_size}",
+        f"ETP {par.expert_tensor_parallel_size}",
+        f"DP {par.data_parallel_size}",
+    ]
     if lay.sequence_parallel:
         parts.append("sequence parallel")
     rows = "one" if lay.micro_batch_size == 1 else str(lay.micro_batch_size)
-    details = [f"{rows} {run.config.data.seq_length:,}-token row{'s' if lay.micro_batch_size > 1 else ''} per microbatch "
-               f"({lay.qkv_format}, micro-batch size {lay.micro_batch_size})"]
+    details = [
+        f"{rows} {run.config.data.seq_length:,}-token row{'s' if lay.micro_batch_size > 1 else ''} per microbatch "
+        f"({lay.qkv_format}, micro-batch size {lay.micro_batch_size})"
+    ]
     if lay.recompute_granularity:
-        details.append(f"{lay.recompute_granularity} recompute ({lay.recompute_method}, {lay.recompute_num_layers} layer"
-                       f"{'s' if (lay.recompute_num_layers or 1) > 1 else ''})")
+        details.append(
+            f"{lay.recompute_granularity} recompute ({lay.recompute_method}, {lay.recompute_num_layers} layer"
+            f"{'s' if (lay.recompute_num_layers or 1) > 1 else ''})"
+        )
     else:
         details.append("no recompute")
     if lay.use_distributed_optimizer:
@@ -198,8 +210,13 @@ def layout_block(run: Run) -> Dict[str, Any]:
         "max_tokens_per_gpu": lay.max_tokens_per_gpu,
         "rows_per_microbatch": lay.micro_batch_size,
         "recompute": (
-            {"granularity": lay.recompute_granularity, "method": lay.recompute_method, "num_layers": lay.recompute_num_layers}
-            if lay.recompute_granularity else None
+            {
+                "granularity": lay.recompute_granularity,
+                "method": lay.recompute_method,
+                "num_layers": lay.recompute_num_layers,
+            }
+            if lay.recompute_granularity
+            else None
         ),
         "offload": lay.offload,
         "dispatcher": lay.moe_token_dispatcher_type,
@@ -215,10 +232,10 @@ def measured_date(run: Run) -> str:
             if isinstance(value, str) and len(value) >= 10:
                 return value[:10]
     path = run.path / METRICS if run.path.is_dir() else run.path
-    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.timezone.utc).date().isoformat()
+    return dt.datetime.fromtimestamp(path.stat().st_mtime, dt.UTC).date().isoformat()
 
 
-def result_block(run: Run, summary: Dict[str, Any]) -> Dict[str, Any]:
+def result_block(run: Run, summary: dict[str, Any]) -> dict[str, Any]:
     """The ``result:`` block from a :func:`trainer.report.report.build_summary` ``summary``, rounded as the seed rounds
     (2 decimals; MFU 4, model TFLOP/s per GPU 1): tokens/s per GPU, USD per 1M tokens, step-time CV (%), MFU,
     peak FLOP/s, window (steps) and its tokens, GPU-hours, and the measured date (:func:`measured_date`).
@@ -230,8 +247,14 @@ def result_block(run: Run, summary: Dict[str, Any]) -> Dict[str, Any]:
         "step_time_cv_percent": round(summary["step_time_cv_percent"], 2),
         "mfu": None if summary["mfu"] is None else round(summary["mfu"], 4),
         "mfu_note": None if summary["mfu"] is not None else "no GPU in the run (CPU processes): no peak to divide by",
-        "model_tflops_per_gpu": None if summary["model_tflops_per_gpu"] is None else round(summary["model_tflops_per_gpu"], 1),
-        "active_params": {"count": summary["active_params"]["count"], "source": summary["active_params"]["source"], "revision": None},
+        "model_tflops_per_gpu": None
+        if summary["model_tflops_per_gpu"] is None
+        else round(summary["model_tflops_per_gpu"], 1),
+        "active_params": {
+            "count": summary["active_params"]["count"],
+            "source": summary["active_params"]["source"],
+            "revision": None,
+        },
         "peak_flops": summary["peak_flops"]["value"],
         "measured": measured_date(run),
         "steps_per_run": summary["steps"],
@@ -244,15 +267,19 @@ def result_block(run: Run, summary: Dict[str, Any]) -> Dict[str, Any]:
     }
 
 
-def correctness_block(run: Run, reference: Optional[Run], convergence: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+def correctness_block(run: Run, reference: Run | None, convergence: dict[str, Any] | None) -> dict[str, Any]:
     """The ``correctness:`` block. Without ``reference`` or ``convergence``: ``not-checked``. Else ``pass`` only
     when the convergence check passed and the configs are not numerics-different (:func:`trainer.compose.numerics.compare`;
     ``configuration`` is ``not-checked`` when the reference has no config), with the check's figures rounded.
     """
     if reference is None or convergence is None:
         return {
-            "result": "not-checked", "summary": "no reference run given", "reference": "",
-            "configuration": "not-checked", "component_tests": [], "convergence": None,
+            "result": "not-checked",
+            "summary": "no reference run given",
+            "reference": "",
+            "configuration": "not-checked",
+            "component_tests": [],
+            "convergence": None,
             "rules": "trainer recipe --reference RUN_DIR runs the convergence check",
         }
     verdict = numerics.compare(run.cfg, reference.cfg) if reference.cfg is not None else None
@@ -263,15 +290,21 @@ def correctness_block(run: Run, reference: Optional[Run], convergence: Optional[
     th = convergence["thresholds"]
     return {
         "result": "pass" if passed else "fail",
-        "summary": "passed" if passed else "failed: " + ", ".join(convergence["failed_checks"] + (["configuration"] if configuration == "fail" else [])),
-        "reference": f"{reference.label} ({reference.path.name})" + (f"; differing arguments: {differing}" if differing else ""),
+        "summary": "passed"
+        if passed
+        else "failed: "
+        + ", ".join(convergence["failed_checks"] + (["configuration"] if configuration == "fail" else [])),
+        "reference": f"{reference.label} ({reference.path.name})"
+        + (f"; differing arguments: {differing}" if differing else ""),
         "configuration": configuration,
         "component_tests": [],
         "convergence": {
             "steps": m["steps"],
             "result": convergence["result"],
             "correlation": None if m["correlation"] != m["correlation"] else round(m["correlation"], 5),
-            "final_loss_difference": None if m["final_loss_difference"] != m["final_loss_difference"] else round(m["final_loss_difference"], 4),
+            "final_loss_difference": None
+            if m["final_loss_difference"] != m["final_loss_difference"]
+            else round(m["final_loss_difference"], 4),
             "pointwise_failures": m["pointwise_failures"],
             "note": f"candidate arm: {run.path.name}; reference arm: {reference.path.name}",
         },
@@ -280,8 +313,14 @@ def correctness_block(run: Run, reference: Optional[Run], convergence: Optional[
     }
 
 
-def build_recipe(run: Run, summary: Dict[str, Any], reference: Optional[Run] = None,
-                 convergence: Optional[Dict[str, Any]] = None, author: str = "unknown", author_url: Optional[str] = None) -> Dict[str, Any]:
+def build_recipe(
+    run: Run,
+    summary: dict[str, Any],
+    reference: Run | None = None,
+    convergence: dict[str, Any] | None = None,
+    author: str = "unknown",
+    author_url: str | None = None,
+) -> dict[str, Any]:
     """The recipe of a run as plain data in the seed's key order (validate with :func:`validate_recipe`)."""
     cfg = run.config
     correctness = correctness_block(run, reference, convergence)
@@ -331,7 +370,7 @@ def _str(dumper: yaml.SafeDumper, value: str) -> Any:
 _Dumper.add_representer(str, _str)
 
 
-def dump_recipe(recipe: Dict[str, Any], name: str) -> str:
+def dump_recipe(recipe: dict[str, Any], name: str) -> str:
     """The recipe as YAML text with the seed's header comment (key order kept, the launch as a literal block)."""
     body = yaml.dump(recipe, Dumper=_Dumper, sort_keys=False, allow_unicode=True, width=110)
     return f"# {name}\n# A recipe; the fields are documented in schema/recipe.schema.yaml.\n{body}"
@@ -351,16 +390,20 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--author", default="unknown", help="author.name")
     p.add_argument("--author-url", help="author.url")
     p.add_argument("--window", metavar="FIRST:LAST", help="measured steps, inclusive (default 5:LAST-1)")
-    p.add_argument("--usd-per-node-hour", type=float, metavar="DOLLARS", help="price of one node (default: the config's)")
+    p.add_argument(
+        "--usd-per-node-hour", type=float, metavar="DOLLARS", help="price of one node (default: the config's)"
+    )
     p.add_argument("--no-cost", action="store_true", help="usd_per_million_tokens: null (cluster without a price)")
-    p.add_argument("--thresholds", default="megatron-bridge-pipeline", metavar="NAME|FILE", help="convergence thresholds")
+    p.add_argument(
+        "--thresholds", default="megatron-bridge-pipeline", metavar="NAME|FILE", help="convergence thresholds"
+    )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override one convergence threshold")
     p.add_argument("--validate", nargs="+", type=Path, metavar="FILE", help="validate recipe YAML files and exit")
     p.add_argument("--json", action="store_true", help="print the recipe (or the validation result) as JSON")
     return p
 
 
-def _validate_files(files: List[Path], as_json: bool) -> int:
+def _validate_files(files: list[Path], as_json: bool) -> int:
     schema = load_schema()
     report = {}
     for path in files:
@@ -379,7 +422,7 @@ def _validate_files(files: List[Path], as_json: bool) -> int:
     return 1 if any(report.values()) else 0
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer recipe``."""
     args = parser().parse_args(argv)
     if args.validate:
@@ -405,6 +448,8 @@ def main(argv: List[str]) -> int:
     if args.json:
         print(json.dumps(recipe, indent=2))
     else:
-        print(f"{out}: {recipe['status']} · {recipe['result']['tokens_per_s_per_gpu']} tokens/s/GPU · MFU "
-              f"{recipe['result']['mfu']} · correctness {recipe['correctness']['result']}")
+        print(
+            f"{out}: {recipe['status']} · {recipe['result']['tokens_per_s_per_gpu']} tokens/s/GPU · MFU "
+            f"{recipe['result']['mfu']} · correctness {recipe['correctness']['result']}"
+        )
     return 0

@@ -12,17 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from trainer.console import table_console
-
-from trainer.report import metrics
 from trainer.compose.params import count_params
+from trainer.console import table_console
 from trainer.record.record import write_json
 from trainer.record.rundir import Run, load_run
+from trainer.report import metrics
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,7 +35,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("run_dir", type=Path, help="run directory (config.yaml and metrics.jsonl)")
     p.add_argument("--window", metavar="FIRST:LAST", help="measured steps, inclusive (default 5:LAST-1)")
-    p.add_argument("--usd-per-node-hour", type=_price, metavar="DOLLARS", help="price of one node (default: cluster.usd_per_node_hour)")
+    p.add_argument(
+        "--usd-per-node-hour",
+        type=_price,
+        metavar="DOLLARS",
+        help="price of one node (default: cluster.usd_per_node_hour)",
+    )
     p.add_argument("--no-cost", action="store_true", help="leave the cost out (for a cluster without a price)")
     p.add_argument("--out", type=Path, help="where summary.json and step_time.png go (default: the run directory)")
     p.add_argument("--no-plot", action="store_true", help="do not write step_time.png")
@@ -57,7 +61,7 @@ def _price(text: str) -> float:
     return value
 
 
-def report_inputs(run: Run, usd_per_node_hour: Optional[float] = None) -> metrics.ReportInputs:
+def report_inputs(run: Run, usd_per_node_hour: float | None = None) -> metrics.ReportInputs:
     """GPUs, N, peak, price and model of a run directory's config (and admission/finish times from its record)."""
     assert run.config is not None
     cfg = run.config
@@ -79,7 +83,9 @@ def report_inputs(run: Run, usd_per_node_hour: Optional[float] = None) -> metric
     )
 
 
-def build_summary(run: Run, window: Optional[str] = None, usd_per_node_hour: Optional[float] = None, cost: bool = True) -> Dict[str, Any]:
+def build_summary(
+    run: Run, window: str | None = None, usd_per_node_hour: float | None = None, cost: bool = True
+) -> dict[str, Any]:
     """The summary of a loaded run (see :func:`trainer.report.metrics.summarize`), with the run's identity added."""
     inputs = report_inputs(run, usd_per_node_hour)
     summary = metrics.summarize(run.steps, inputs, metrics.parse_window(window) if window else None, cost=cost)
@@ -92,38 +98,56 @@ def build_summary(run: Run, window: Optional[str] = None, usd_per_node_hour: Opt
         "instance": cfg.cluster.instance,
     }
     if run.cpu_only:  # its hours are CPU processes' hours: the key stays (summary.json's schema), the note says so
-        summary["gpu_hours_note"] = ("CPU-process-hours, no GPU in the run: "
-                                     + summary["gpu_hours_note"].replace("GPUs x", "processes x", 1))
+        summary["gpu_hours_note"] = "CPU-process-hours, no GPU in the run: " + summary["gpu_hours_note"].replace(
+            "GPUs x", "processes x", 1
+        )
     return summary
 
 
-def print_summary(summary: Dict[str, Any], where: Path, console: Optional[Console] = None) -> None:
+def print_summary(summary: dict[str, Any], where: Path, console: Console | None = None) -> None:
     """A rich table of the summary's figures, with their formulas and sources."""
     console = console or table_console()
     run = summary["run"]
-    table = Table(title=f"report: {run['model']} · {run['layout']} · {summary['gpus']} x {run['gpu_type']}", show_header=True)
+    table = Table(
+        title=f"report: {run['model']} · {run['layout']} · {summary['gpus']} x {run['gpu_type']}", show_header=True
+    )
     table.add_column("figure", style="bold")
     table.add_column("value", justify="right")
     table.add_column("how")
     w = summary["window"]
     cpu = run["gpu_type"] == "CPU processes"  # a launcher=local-cpu run: its devices are CPU processes
-    table.add_row("tokens/s per process" if cpu else "tokens/s per GPU", f"{summary['tokens_per_s_per_gpu']:,.2f}",
-                  f"{summary['window_tokens']:,} tokens / {summary['window_seconds']:.2f} s / {summary['gpus']} "
-                  f"{'processes' if cpu else 'GPUs'}, steps {w[0]}..{w[1]}")
+    table.add_row(
+        "tokens/s per process" if cpu else "tokens/s per GPU",
+        f"{summary['tokens_per_s_per_gpu']:,.2f}",
+        f"{summary['window_tokens']:,} tokens / {summary['window_seconds']:.2f} s / {summary['gpus']} "
+        f"{'processes' if cpu else 'GPUs'}, steps {w[0]}..{w[1]}",
+    )
     if summary["mfu"] is None:
         table.add_row("MFU", "n/a", "the run's processes saw no GPU (the probe), so there is no GPU peak to divide by")
     else:
-        table.add_row("MFU", f"{summary['mfu']:.4f}",
-                      f"6 x N {summary['active_params']['count']:,} x tokens/s/GPU / peak {summary['peak_flops']['value']:.4g} FLOP/s")
+        table.add_row(
+            "MFU",
+            f"{summary['mfu']:.4f}",
+            f"6 x N {summary['active_params']['count']:,} x tokens/s/GPU / peak {summary['peak_flops']['value']:.4g} FLOP/s",
+        )
     if summary["model_tflops_per_gpu"] is not None:
         f = summary["model_flops_per_token"]
-        table.add_row("model TFLOP/s/GPU", f"{summary['model_tflops_per_gpu']:.2f}",
-                      f"Megatron-style per layer: {f['total'] / 1e9:.1f} GFLOP/token (fwd+bwd, seq {f['seq_length']})")
+        table.add_row(
+            "model TFLOP/s/GPU",
+            f"{summary['model_tflops_per_gpu']:.2f}",
+            f"Megatron-style per layer: {f['total'] / 1e9:.1f} GFLOP/token (fwd+bwd, seq {f['seq_length']})",
+        )
     cost = summary["usd_per_million_tokens"]
-    table.add_row("$ per 1M tokens", "n/a" if cost is None else f"{cost:.3f}",
-                  "no price (--no-cost)" if cost is None else f"${summary['usd_per_node_hour']}/node-hour")
-    table.add_row("step-time CV", f"{summary['step_time_cv_percent']:.2f}%",
-                  f"population stdev / mean over steps {w[0]}..{w[1]} (mean {summary['step_time_mean_s']:.3f} s)")
+    table.add_row(
+        "$ per 1M tokens",
+        "n/a" if cost is None else f"{cost:.3f}",
+        "no price (--no-cost)" if cost is None else f"${summary['usd_per_node_hour']}/node-hour",
+    )
+    table.add_row(
+        "step-time CV",
+        f"{summary['step_time_cv_percent']:.2f}%",
+        f"population stdev / mean over steps {w[0]}..{w[1]} (mean {summary['step_time_mean_s']:.3f} s)",
+    )
     table.add_row("CPU-process-hours" if cpu else "GPU-hours", f"{summary['gpu_hours']:.2f}", summary["gpu_hours_note"])
     console.print(table)
     console.print(f"written: {where}")
@@ -152,7 +176,7 @@ def refuse_raw_log(path: Path) -> None:
         )
 
 
-def main(argv: List[str]) -> int:
+def main(argv: list[str]) -> int:
     """Entry point of ``trainer report``; returns the exit code (UserError propagates to the dispatcher)."""
     args = parser().parse_args(argv)
     if args.run_dir.is_file():
@@ -164,8 +188,13 @@ def main(argv: List[str]) -> int:
     if not args.no_plot:
         from trainer.report.plots import plot_step_times
 
-        plot_step_times(run.steps, tuple(summary["window"]), summary, out / "step_time.png",
-                        title=f"{summary['run']['model']} · {summary['run']['layout']}")
+        plot_step_times(
+            run.steps,
+            tuple(summary["window"]),
+            summary,
+            out / "step_time.png",
+            title=f"{summary['run']['model']} · {summary['run']['layout']}",
+        )
     if args.json:
         print(json.dumps(summary, indent=2, sort_keys=True))
     else:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Dict
 
 from trainer.errors import CheckError
 from trainer.image.gittree import directory_tree_id
@@ -28,7 +27,7 @@ CHECKOUTS = {
 }
 
 
-def unpack_from_cache(component: str, locked: Dict[str, str], cache=None) -> Path:
+def unpack_from_cache(component: str, locked: dict[str, str], cache=None) -> Path:
     """A checkout of the locked ``component`` (``{"commit", "tree", "source"}`` from ``lockfiles/stack.json``)
     unpacked from the bundle's cache (:class:`trainer.image.cas.Cache`; seeded by ``trainer cache add-git`` or
     ``trainer cache fetch``) into ``CACHE/checkouts/<tree>``, once: the archive's files are checked against the
@@ -39,7 +38,7 @@ def unpack_from_cache(component: str, locked: Dict[str, str], cache=None) -> Pat
     import tempfile
 
     from trainer.image.cas import Cache
-    from trainer.image.gittree import LINK_MODE, EXEC_MODE
+    from trainer.image.gittree import EXEC_MODE, LINK_MODE
     from trainer.image.sources import cached_archive, verified_files
 
     cache = cache or Cache()
@@ -67,7 +66,7 @@ def unpack_from_cache(component: str, locked: Dict[str, str], cache=None) -> Pat
     return dest
 
 
-def verify_checkouts(launcher, lock_path: Path, cache=None) -> Dict[str, Dict[str, str]]:
+def verify_checkouts(launcher, lock_path: Path, cache=None) -> dict[str, dict[str, str]]:
     """Each checkout of :data:`CHECKOUTS` verified against the lock: ``launcher.<field>``, else ``$<ENV VAR>``,
     else unpacked from the cache (:func:`unpack_from_cache`).
 
@@ -79,7 +78,7 @@ def verify_checkouts(launcher, lock_path: Path, cache=None) -> Dict[str, Dict[st
         components = json.loads(lock_path.read_text())["components"]
     except (OSError, ValueError, KeyError) as ex:
         raise CheckError(f"{lock_path}: cannot read the stack lock's components ({ex})") from None
-    out: Dict[str, Dict[str, str]] = {}
+    out: dict[str, dict[str, str]] = {}
     for component, (field, var, package) in CHECKOUTS.items():
         locked = components[component]
         given = getattr(launcher, field) or os.environ.get(var)
@@ -89,7 +88,9 @@ def verify_checkouts(launcher, lock_path: Path, cache=None) -> Dict[str, Dict[st
             raise CheckError(f"{label}: not a {component} checkout (no {package}/ in it)")
         tree = directory_tree_id(root)
         if tree != locked["tree"]:
-            raise CheckError(f"{label}: files hash to git tree {tree}, {lock_path.name} pins "
-                             f"{locked['tree']} (commit {locked['commit'][:12]}): refused")
+            raise CheckError(
+                f"{label}: files hash to git tree {tree}, {lock_path.name} pins "
+                f"{locked['tree']} (commit {locked['commit'][:12]}): refused"
+            )
         out[component] = {"path": str(root), "commit": locked["commit"], "tree": tree}
     return out

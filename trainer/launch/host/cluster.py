@@ -10,10 +10,11 @@ job). ``$VAR`` references in argv and env stay symbolic here and are expanded on
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import TYPE_CHECKING
 
 from trainer.errors import CheckError
 from trainer.redact import redact_field
+
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
 
@@ -23,16 +24,18 @@ ENV_NAMES = "RECIPE_BUNDLE_ENV_NAMES"  # the runtime env lists the recipe's vari
 DIGEST_ENV = "RECIPE_BUNDLE_IMAGE_DIGEST"  # the image digest the job was started with (read by the probe)
 
 
-def parse_image(reference: str, field: str = "launcher.image") -> Tuple[str, str]:
+def parse_image(reference: str, field: str = "launcher.image") -> tuple[str, str]:
     """Split ``NAME@sha256:<64 hex>`` into (name, digest); raises :class:`CheckError` naming ``field`` when the
     reference is not pinned by digest (a tag alone can move)."""
     match = REFERENCE_RE.match(reference or "")
     if not match:
-        raise CheckError(f"{field} {redact_field(field, reference)!r}: expected an image pinned by digest, NAME@sha256:<64 hex>")
+        raise CheckError(
+            f"{field} {redact_field(field, reference)!r}: expected an image pinned by digest, NAME@sha256:<64 hex>"
+        )
     return match.group("name"), match.group("digest")
 
 
-def job(prepared: "PreparedRun") -> Tuple[List[str], Dict[str, str]]:
+def job(prepared: PreparedRun) -> tuple[list[str], dict[str, str]]:
     """The job's (argv, env): ``launcher.job`` or the prepared run's miles launch, and the recipe's environment.
 
     Both are exactly what ``command.sh`` runs (values keep their ``$VAR`` references).

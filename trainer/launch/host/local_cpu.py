@@ -17,14 +17,14 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any
 
 from trainer.compose.checks import Parallelism
+from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
 from trainer.record.rundir import LOGS, RunDir
 from trainer.redact import redact_field
-from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
@@ -54,8 +54,7 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     """The rows directory the workers read: built here from generated conversations when
     ``data.synthetic_conversations`` is set (checked against ``data.rows_sha256`` when that is given), else
     ``paths.prompt_data`` (a ``trainer data build`` output). Raises :class:`UserError` with one line."""
-    from trainer.data import Rows
-    from trainer.data import synthetic
+    from trainer.data import Rows, synthetic
     from trainer.data.build import BuildConfig, build
 
     data = cfg.data
@@ -65,9 +64,15 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
         synthetic.write(source, data.synthetic_conversations, data.synthetic_seed)
         out = run_dir / "data" / "rows"
         manifest = build(
-            [str(source)], out,
-            BuildConfig(row_tokens=data.build.row_tokens, seed=data.build.seed,
-                        tokenizer_sha256=data.build.tokenizer_sha256, loss_mask=data.build.loss_mask, name=data.build.name),
+            [str(source)],
+            out,
+            BuildConfig(
+                row_tokens=data.build.row_tokens,
+                seed=data.build.seed,
+                tokenizer_sha256=data.build.tokenizer_sha256,
+                loss_mask=data.build.loss_mask,
+                name=data.build.name,
+            ),
         )
         if data.rows_sha256 and manifest["rows_sha256"] != data.rows_sha256:
             raise UserError(
@@ -90,7 +95,7 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     return path
 
 
-def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Run the job; return ``record`` updated with ``status``, ``reason``, ``returncodes`` and ``probe``.
 
     ``record`` is the run record so far (written by the caller as ``running``); this function writes
@@ -110,7 +115,7 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     )
     rows_dir = prepare_rows(cfg, run_dir)
     record["data"] = {"rows": str(rows_dir), "manifest": json.loads((rows_dir / "manifest.json").read_text())}
-    commands: List[List[str]] = [
+    commands: list[list[str]] = [
         [sys.executable, "-m", "trainer.launch.cpu_worker", str(run_dir), str(rank), str(world), str(rows_dir)]
         for rank in range(world)
     ]
@@ -121,4 +126,3 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     record.update(outcome)
     record["probe"] = collect_probes(run_dir, world)
     return record
-

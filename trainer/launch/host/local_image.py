@@ -36,7 +36,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
@@ -69,8 +69,10 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     _digest(cfg)
     layout = Path(cfg.launcher.image_layout or "")
     if not cfg.launcher.image_layout or not (layout / "index.json").is_file():
-        raise CheckError(f"launcher.image_layout {cfg.launcher.image_layout!r}: expected an OCI image layout directory "
-                         "(oci-layout, index.json, blobs/)")
+        raise CheckError(
+            f"launcher.image_layout {cfg.launcher.image_layout!r}: expected an OCI image layout directory "
+            "(oci-layout, index.json, blobs/)"
+        )
     for tool, package in (("umoci", "umoci"), ("bwrap", "bubblewrap")):
         if shutil.which(tool) is None:
             raise CheckError(f"launcher=local-image needs `{tool}` (Debian package {package}); bin/setup installs it")
@@ -101,7 +103,7 @@ def find_tag(layout: Path, digest: str) -> str:
     raise UserError(f"launcher.image {digest}: not named in {layout / 'index.json'} (no {REF_NAME} for it)")
 
 
-def _image_interpreter(bundle: Path) -> Optional[str]:
+def _image_interpreter(bundle: Path) -> str | None:
     """The image's interpreter (its config's first entrypoint word) when it exists in the root file system."""
     try:
         args = json.loads((bundle / "config.json").read_text())["process"]["args"]
@@ -113,7 +115,7 @@ def _image_interpreter(bundle: Path) -> Optional[str]:
     return args[0] if candidate.is_file() else None
 
 
-def elf_interpreter(path: Path) -> Optional[str]:
+def elf_interpreter(path: Path) -> str | None:
     """The program interpreter (``PT_INTERP``: the dynamic loader's path) of the 64-bit little-endian ELF file
     ``path``, or None for a static executable or another format. Layout from the System V gABI: ``e_phoff`` at
     byte 32 (8 bytes), ``e_phentsize`` at 54 and ``e_phnum`` at 56 (2 bytes each); in each program header
@@ -122,21 +124,21 @@ def elf_interpreter(path: Path) -> Optional[str]:
         head = f.read(64)
         if len(head) < 64 or head[:4] != b"\x7fELF" or head[4] != 2 or head[5] != 1:
             return None
-        phoff, = struct.unpack_from("<Q", head, 32)
+        (phoff,) = struct.unpack_from("<Q", head, 32)
         phentsize, phnum = struct.unpack_from("<HH", head, 54)
         f.seek(phoff)
         table = f.read(phentsize * phnum)
         for i in range(phnum):
-            p_type, = struct.unpack_from("<I", table, i * phentsize)
+            (p_type,) = struct.unpack_from("<I", table, i * phentsize)
             if p_type == 3:
-                offset, = struct.unpack_from("<Q", table, i * phentsize + 8)
-                size, = struct.unpack_from("<Q", table, i * phentsize + 32)
+                (offset,) = struct.unpack_from("<Q", table, i * phentsize + 8)
+                (size,) = struct.unpack_from("<Q", table, i * phentsize + 32)
                 f.seek(offset)
                 return f.read(size).rstrip(b"\0").decode()
     return None
 
 
-def host_interpreter() -> Tuple[List[str], List[str]]:
+def host_interpreter() -> tuple[list[str], list[str]]:
     """(directories to bind read-only under ``HOST_MOUNT``, the command that starts this machine's Python there).
 
     The interpreter runs through its own dynamic loader with ``--library-path`` set to its library directories
@@ -155,24 +157,27 @@ def host_interpreter() -> Tuple[List[str], List[str]]:
     for base in ("/lib", "/usr/lib", "/lib64", "/usr/lib64"):
         libdirs += [Path(base) / multiarch, Path(base)] if multiarch else [Path(base)]
     libdirs = list(dict.fromkeys(d.resolve() for d in libdirs if d.is_dir()))
-    binds: List[str] = []
+    binds: list[str] = []
     for path in sorted({prefix, executable.parent, *libdirs}, key=lambda p: len(p.parts)):
         if not any(path == Path(b) or Path(b) in path.parents for b in binds):
             binds.append(str(path))
     command = [f"{HOST_MOUNT}{executable}"]
     if loader:
-        command = [f"{HOST_MOUNT}{Path(loader).resolve()}", "--library-path",
-                   ":".join(f"{HOST_MOUNT}{d}" for d in libdirs)] + command
+        command = [
+            f"{HOST_MOUNT}{Path(loader).resolve()}",
+            "--library-path",
+            ":".join(f"{HOST_MOUNT}{d}" for d in libdirs),
+        ] + command
     return binds, command
 
 
-def pth_directories(rootfs: Path, site_packages: Optional[str]) -> List[str]:
+def pth_directories(rootfs: Path, site_packages: str | None) -> list[str]:
     """The directories the image's ``.pth`` files in ``site_packages`` add to ``sys.path`` (what site.py would
     do; a host Python started with ``-S`` does not read them): plain absolute path lines that exist in
     ``rootfs``, in file-name order. Lines that site.py would execute (``import ...``) are not followed."""
     if not site_packages:
         return []
-    out: List[str] = []
+    out: list[str] = []
     for pth in sorted(rootfs_cache.image_path(rootfs, site_packages).glob("*.pth")):
         try:
             lines = rootfs_cache.image_path(rootfs, f"{site_packages}/{pth.name}").read_text().splitlines()
@@ -185,7 +190,7 @@ def pth_directories(rootfs: Path, site_packages: Optional[str]) -> List[str]:
     return out
 
 
-def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python: bool) -> Tuple[List[str], List[str]]:
+def sandbox(rootfs: Path, digest: str, site_packages: str | None, host_python: bool) -> tuple[list[str], list[str]]:
     """(bwrap argv prefix, the interpreter's command inside) for running in ``rootfs``, which stays read-only and
     unchanged; see the module docstring.
 
@@ -198,28 +203,59 @@ def sandbox(rootfs: Path, digest: str, site_packages: Optional[str], host_python
     unshare = ["--unshare-pid", "--unshare-ipc", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try"]
     if os.geteuid() != 0:
         unshare.append("--unshare-user-try")
-    binds: List[Tuple[str, str]] = [(str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer")]
+    binds: list[tuple[str, str]] = [(str(REPO_ROOT / "trainer"), f"{LAUNCHER_MOUNT}/trainer")]
     python_path = [LAUNCHER_MOUNT] + ([site_packages] if site_packages else [])
-    interpreter: List[str] = []
+    interpreter: list[str] = []
     if host_python:
         if os.path.lexists(rootfs / HOST_MOUNT.lstrip("/")):
-            raise UserError(f"the image has {HOST_MOUNT}, where this machine's Python would be bound; "
-                            "use an image with its own Python")
+            raise UserError(
+                f"the image has {HOST_MOUNT}, where this machine's Python would be bound; "
+                "use an image with its own Python"
+            )
         host_dirs, interpreter = host_interpreter()
         binds += [(path, f"{HOST_MOUNT}{path}") for path in host_dirs]
         python_path += pth_directories(rootfs, site_packages)
     view = readonly_view(rootfs, ["/proc", "/dev", "/tmp", *(inside for _, inside in binds)])
-    args = ["bwrap", *view, "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            *unshare, "--die-with-parent", "--cap-drop", "ALL", "--hostname", "recipe-image", "--clearenv"]
+    args = [
+        "bwrap",
+        *view,
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        *unshare,
+        "--die-with-parent",
+        "--cap-drop",
+        "ALL",
+        "--hostname",
+        "recipe-image",
+        "--clearenv",
+    ]
     for source, inside in binds:
         args += ["--ro-bind", source, inside]
-    args += ["--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin", "--setenv", "HOME", "/tmp",
-             "--setenv", "PYTHONPATH", ":".join(python_path), "--setenv", cluster.DIGEST_ENV, digest,
-             "--setenv", "PYTHONDONTWRITEBYTECODE", "1"]
+    args += [
+        "--setenv",
+        "PATH",
+        "/usr/local/bin:/usr/bin:/bin",
+        "--setenv",
+        "HOME",
+        "/tmp",
+        "--setenv",
+        "PYTHONPATH",
+        ":".join(python_path),
+        "--setenv",
+        cluster.DIGEST_ENV,
+        digest,
+        "--setenv",
+        "PYTHONDONTWRITEBYTECODE",
+        "1",
+    ]
     return args, interpreter
 
 
-def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Unpack, probe inside, run ``launcher.job`` inside if given; returns the record (see the module docstring)."""
     cfg = prepared.config
     run_dir = rundir.path.absolute()
@@ -232,12 +268,18 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     record["probe"] = None
     cached = rootfs_cache.unpacked(layout, tag, digest)
     record["image"]["rootfs"] = cached.as_record()
-    rundir.write(f"{LOGS}/unpack.log", (cached.log or f"{digest}: the cached root file system, {cached.files:,} "
-                                        f"entries re-hashed and unchanged ({cached.bundle})\n").encode())
+    rundir.write(
+        f"{LOGS}/unpack.log",
+        (
+            cached.log
+            or f"{digest}: the cached root file system, {cached.files:,} "
+            f"entries re-hashed and unchanged ({cached.bundle})\n"
+        ).encode(),
+    )
     bundle = cached.bundle
     rootfs = bundle / "rootfs"
     stamp_path = rootfs_cache.image_path(rootfs, STAMP)  # the image's own file: never one of this machine
-    stamp: Dict[str, Any] = {}
+    stamp: dict[str, Any] = {}
     if stamp_path.is_file():
         stamp_bytes = stamp_path.read_bytes()
         rundir.write(f"{IMAGE_DIR}/lock.json", stamp_bytes, verbatim=True)  # rundir.VERBATIM: no sweep either
@@ -250,13 +292,21 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     python = [own] if own else interpreter
     host_executable = str(Path(getattr(sys, "_base_executable", sys.executable)).resolve())
     record["image"]["interpreter"] = (
-        {"from": "image", "path": own} if own else
-        {"from": "host", "path": host_executable, "inside": interpreter, "version": sys.version.split()[0],
-         "note": f"the image has no Python interpreter; this machine's is bound read-only under {HOST_MOUNT}"}
+        {"from": "image", "path": own}
+        if own
+        else {
+            "from": "host",
+            "path": host_executable,
+            "inside": interpreter,
+            "version": sys.version.split()[0],
+            "note": f"the image has no Python interpreter; this machine's is bound read-only under {HOST_MOUNT}",
+        }
     )
     if own is None:
-        print(f"local-image: {digest} has no Python interpreter; running this machine's ({host_executable}, "
-              f"Python {sys.version.split()[0]}) read-only inside it under {HOST_MOUNT}, with the image's site-packages")
+        print(
+            f"local-image: {digest} has no Python interpreter; running this machine's ({host_executable}, "
+            f"Python {sys.version.split()[0]}) read-only inside it under {HOST_MOUNT}, with the image's site-packages"
+        )
     # the image's own Python starts as in the container (its site.py reads the .pth files that put git
     # sources on the path); a host Python starts with -S so that none of the host's site-packages leak in
     flags = [] if own else ["-S"]
@@ -265,13 +315,16 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     probe = subprocess.run(command, capture_output=True, text=True, timeout=300)
     rundir.write(f"{LOGS}/probe.log", probe.stderr.encode())
     if probe.returncode != 0:
-        return rundir.end(record, FAILED, f"the probe inside the image exited with code {probe.returncode}: "
-                                          f"{cluster.last_line(probe.stderr)}")
+        return rundir.end(
+            record,
+            FAILED,
+            f"the probe inside the image exited with code {probe.returncode}: {cluster.last_line(probe.stderr)}",
+        )
     info = json.loads(probe.stdout)
     rundir.write_json(f"{PROBES}/image.json", info)
     record["probe"] = {"ranks": [info], "nodes": ["image"]}
     if cfg.launcher.job:
-        argv: List[str] = []
+        argv: list[str] = []
         for token in cfg.launcher.job:
             argv += python if token in ("python", "python3") else [str(token)]
         rundir.write_job(prefix + argv, {})  # bubblewrap clears the environment: its --setenv words are the env
@@ -280,6 +333,9 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         if job.returncode != 0:
             text = (logs / "job.log").read_text(errors="replace")
             tail = cluster.last_line(text)
-            return rundir.end(record, FAILED, f"the job inside the image exited with code {job.returncode}"
-                                              + (f": {tail}" if tail else ""))
+            return rundir.end(
+                record,
+                FAILED,
+                f"the job inside the image exited with code {job.returncode}" + (f": {tail}" if tail else ""),
+            )
     return rundir.end(record, COMPLETE)

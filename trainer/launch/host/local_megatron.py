@@ -11,17 +11,17 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
+from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError
 from trainer.launch.host.checkout import verify_checkouts
-from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.launch.host.local_cpu import prepare_rows
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
+from trainer.launch.megatron_args import resolve_transformer_impl
 from trainer.record.rundir import LOGS, MEGATRON, RunDir
-from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
@@ -36,33 +36,49 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     fewer GPUs than the layout needs."""
     m, lay = cfg.model, cfg.layout
     if cfg.cluster.nodes != 1:
-        raise CheckError(f"cluster.nodes {cfg.cluster.nodes}: launcher local-megatron runs on one node (use slurm or ray)")
+        raise CheckError(
+            f"cluster.nodes {cfg.cluster.nodes}: launcher local-megatron runs on one node (use slurm or ray)"
+        )
     try:
         impl = resolve_transformer_impl(cfg.launcher.transformer_impl)
     except ValueError as ex:
         raise CheckError(str(ex)) from None
     local = impl == "local"
     refusals = [
-        (local and m.multi_latent_attention,
-         "model.multi_latent_attention true: MLA needs TransformerEngine's attention (launcher.transformer_impl local)"),
-        (local and m.experimental_attention_variant not in ("none", ""),
-         f"model.experimental_attention_variant {m.experimental_attention_variant}: miles' V4 attention is built "
-         "from TransformerEngine layers (launcher.transformer_impl local)"),
-        (local and lay.sequence_parallel,
-         "layout.sequence_parallel true: the local spec's torch norms do not support it (and MoE with TP > 1 needs it)"),
-        (m.experimental_attention_variant == "dsv4" and m.mtp_num_layers > 0,
-         f"model.mtp_num_layers {m.mtp_num_layers} with the V4 attention: Megatron-LM 37f91617's MTP layer asserts an "
-         "attn_mask_type on its attention spec (multi_token_prediction.py:724), which miles' V4 spec does not set "
-         "(deepseek_v4.py _dsv4_attention_module_spec): use model.mtp_num_layers=0"),
-        (m.experimental_attention_variant == "dsv4" and lay.micro_batch_size > 1,
-         f"layout.micro_batch_size {lay.micro_batch_size} with the V4 model: TileKernels 1.0.0's hyper-connection "
-         "backward views a non-contiguous gradient with more than one row per microbatch "
-         "(tile_kernels/modeling/mhc/ops/pre_apply_mix.py:42; seen on an H200, 2026-12-01) and Megatron-LM 37f91617's "
-         "hash routing pairs token ids with router logits only for one row: use layout.micro_batch_size=1"),
-        (lay.context_parallel_size > 1,
-         f"layout.context_parallel_size {lay.context_parallel_size}: the worker does not split rows over CP ranks"),
-        (cfg.launcher.attention_backend not in ("unfused", "fused", "flash", "local", "auto"),
-         f"launcher.attention_backend {cfg.launcher.attention_backend!r}: expected unfused, fused, flash, local or auto"),
+        (
+            local and m.multi_latent_attention,
+            "model.multi_latent_attention true: MLA needs TransformerEngine's attention (launcher.transformer_impl local)",
+        ),
+        (
+            local and m.experimental_attention_variant not in ("none", ""),
+            f"model.experimental_attention_variant {m.experimental_attention_variant}: miles' V4 attention is built "
+            "from TransformerEngine layers (launcher.transformer_impl local)",
+        ),
+        (
+            local and lay.sequence_parallel,
+            "layout.sequence_parallel true: the local spec's torch norms do not support it (and MoE with TP > 1 needs it)",
+        ),
+        (
+            m.experimental_attention_variant == "dsv4" and m.mtp_num_layers > 0,
+            f"model.mtp_num_layers {m.mtp_num_layers} with the V4 attention: Megatron-LM 37f91617's MTP layer asserts an "
+            "attn_mask_type on its attention spec (multi_token_prediction.py:724), which miles' V4 spec does not set "
+            "(deepseek_v4.py _dsv4_attention_module_spec): use model.mtp_num_layers=0",
+        ),
+        (
+            m.experimental_attention_variant == "dsv4" and lay.micro_batch_size > 1,
+            f"layout.micro_batch_size {lay.micro_batch_size} with the V4 model: TileKernels 1.0.0's hyper-connection "
+            "backward views a non-contiguous gradient with more than one row per microbatch "
+            "(tile_kernels/modeling/mhc/ops/pre_apply_mix.py:42; seen on an H200, 2026-12-01) and Megatron-LM 37f91617's "
+            "hash routing pairs token ids with router logits only for one row: use layout.micro_batch_size=1",
+        ),
+        (
+            lay.context_parallel_size > 1,
+            f"layout.context_parallel_size {lay.context_parallel_size}: the worker does not split rows over CP ranks",
+        ),
+        (
+            cfg.launcher.attention_backend not in ("unfused", "fused", "flash", "local", "auto"),
+            f"launcher.attention_backend {cfg.launcher.attention_backend!r}: expected unfused, fused, flash, local or auto",
+        ),
     ]
     for refused, line in refusals:
         if refused:
@@ -90,7 +106,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
     cfg, par = prepared.config, prepared.par
     run_dir = rundir.path
@@ -106,17 +122,30 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
             "NCCL_SOCKET_IFNAME": "lo",
             "GLOO_SOCKET_IFNAME": "lo",
             # the verified sources first on the path; no bytecode written into them
-            "PYTHONPATH": os.pathsep.join([c["path"] for c in checkouts.values()]
-                                          + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]),
+            "PYTHONPATH": os.pathsep.join(
+                [c["path"] for c in checkouts.values()]
+                + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+            ),
             "PYTHONDONTWRITEBYTECODE": "1",
         },
         run_dir,
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(par.world_size),
-        "--master-addr", "127.0.0.1", "--master-port", str(cfg.launcher.master_port or _free_port()),
-        "-m", "trainer.launch.megatron_worker", str(run_dir), str(rows_dir),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(par.world_size),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(cfg.launcher.master_port or _free_port()),
+        "-m",
+        "trainer.launch.megatron_worker",
+        str(run_dir),
+        str(rows_dir),
     ]
     rundir.write_job(command, env)
     outcome = supervise([command], env, run_dir / LOGS)
@@ -130,23 +159,28 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     return record
 
 
-def megatron_choice(cfg: TrainConfig) -> Dict[str, Any]:
+def megatron_choice(cfg: TrainConfig) -> dict[str, Any]:
     """What the plan says the worker builds: ``{"transformer_impl", "attention_backend", "why"}``."""
     impl = cfg.launcher.transformer_impl
     why = [
         "transformer_impl auto: TransformerEngine's layer spec when transformer_engine is importable in the "
-        "training process (the recipe's path), else megatron-core's local spec" if impl == "auto" else
-        f"transformer_impl {impl}: asked for",
+        "training process (the recipe's path), else megatron-core's local spec"
+        if impl == "auto"
+        else f"transformer_impl {impl}: asked for",
     ]
     if cfg.launcher.attention_backend == "unfused":
-        why.append("attention_backend unfused: TE 2.17.0's cuDNN fused attention failed on the lent H200 (torch "
-                   "2.11.0+cu130, the lock's cuDNN 9.19.0): backward CUDNN_STATUS_BAD_PARAM (2026-12-01, first "
-                   "try), forward CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED with the machine's apt cuDNN 9.14 mapped "
-                   "next to 9.19 (fused_attn_f16_arbitrary_seqlen.cu:419); unfused ran")
+        why.append(
+            "attention_backend unfused: TE 2.17.0's cuDNN fused attention failed on the lent H200 (torch "
+            "2.11.0+cu130, the lock's cuDNN 9.19.0): backward CUDNN_STATUS_BAD_PARAM (2026-12-01, first "
+            "try), forward CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED with the machine's apt cuDNN 9.14 mapped "
+            "next to 9.19 (fused_attn_f16_arbitrary_seqlen.cu:419); unfused ran"
+        )
     else:
         why.append(f"attention_backend {cfg.launcher.attention_backend}: asked for")
     if cfg.model.experimental_attention_variant == "dsv4":
-        why.append("model: miles' DeepSeekV4Attention (--spec miles_plugins.models.deepseek_v4.deepseek_v4 "
-                   "get_dsv4_spec) uses its own tilelang sparse-attention kernel; attention_backend applies to "
-                   "no V4 layer")
+        why.append(
+            "model: miles' DeepSeekV4Attention (--spec miles_plugins.models.deepseek_v4.deepseek_v4 "
+            "get_dsv4_spec) uses its own tilelang sparse-attention kernel; attention_backend applies to "
+            "no V4 layer"
+        )
     return {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend, "why": why}

@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import json
 import os
-import string
 import signal
+import string
 import subprocess
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any
 
-from trainer import runlog
-from trainer import REPO_ROOT
+from trainer import REPO_ROOT, runlog
 from trainer.errors import UserError
 from trainer.record.rundir import probe_rank
 from trainer.redact import redact_field
@@ -36,13 +36,14 @@ def default_kernel_cache(run_dir: Path) -> str:
             raise PermissionError(f"[Errno 13] Permission denied: '{cache}'")
     except OSError as err:
         fallback = Path(run_dir).absolute() / "kernels"
-        print(f"kernel cache {cache} not writable ({err.strerror or err}); using {fallback} for this run",
-              file=sys.stderr)
+        print(
+            f"kernel cache {cache} not writable ({err.strerror or err}); using {fallback} for this run", file=sys.stderr
+        )
         return str(fallback)
     return str(cache)
 
 
-def worker_env(recipe_env: Mapping[str, str], extra: Mapping[str, str], run_dir: Path) -> Dict[str, str]:
+def worker_env(recipe_env: Mapping[str, str], extra: Mapping[str, str], run_dir: Path) -> dict[str, str]:
     """The environment of a local run's processes: this process's, the recipe's ``env`` block, then ``extra``.
 
     The recipe's values may refer to variables (``$KERNEL_CACHE/triton``); here they are expanded as the
@@ -108,7 +109,7 @@ def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 30) -> set:
     return stopped
 
 
-def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path) -> Dict[str, Any]:
+def supervise(commands: Sequence[list[str]], env: Mapping[str, str], logs: Path) -> dict[str, Any]:
     """Run ``commands`` (one process each, logs in ``logs/rank-N.log``), echo rank 0's log, and wait.
 
     The first process to exit non-zero stops the others. SIGINT/SIGTERM to the launcher stops them all.
@@ -116,7 +117,7 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
     the reason of a failure names the rank, its exit code and the last line of its log.
     """
     logs.mkdir(parents=True, exist_ok=True)
-    procs: List[subprocess.Popen] = []
+    procs: list[subprocess.Popen] = []
     handles = []
     status, reason = "complete", None
     previous = signal.getsignal(signal.SIGTERM)
@@ -141,8 +142,11 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
                 runlog.log.debug("rank %d: pid %d, log %s", rank, procs[-1].pid, logs / f"rank-{rank}.log")
         except OSError as err:
             _stop(procs)
-            return {"status": "failed", "reason": f"cannot start rank {len(procs)}: {err}",
-                    "returncodes": [p.returncode for p in procs]}
+            return {
+                "status": "failed",
+                "reason": f"cannot start rank {len(procs)}: {err}",
+                "returncodes": [p.returncode for p in procs],
+            }
         position = 0
         while any(p.poll() is None for p in procs):
             position = _echo(logs / "rank-0.log", position)
@@ -170,7 +174,7 @@ def supervise(commands: Sequence[List[str]], env: Mapping[str, str], logs: Path)
     return {"status": status, "reason": reason, "returncodes": [p.returncode for p in procs]}
 
 
-def collect_probes(run_dir: Path, world: int) -> Dict[str, Any] | None:
+def collect_probes(run_dir: Path, world: int) -> dict[str, Any] | None:
     """``{"ranks": [probe of rank 0, ...]}`` from ``probe-rank-N.json`` files (None when no rank wrote one)."""
     probes = []
     for rank in range(world):

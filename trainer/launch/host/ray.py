@@ -27,18 +27,17 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
+from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError
 from trainer.launch.host import cluster
 from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
-from trainer.record.rundir import (COMPLETE, FAILED, INTERRUPTED, LOGS, PREFLIGHT, PROBES, RUNTIME_ENV, SUBMIT,
-                                    RunDir)
-from trainer.compose.schema import TrainConfig
+from trainer.record.rundir import COMPLETE, FAILED, INTERRUPTED, LOGS, PREFLIGHT, PROBES, RUNTIME_ENV, SUBMIT, RunDir
 from trainer.redact import redact_field
 
 if TYPE_CHECKING:
@@ -51,7 +50,9 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     """``launcher.address`` must be an http(s) URL; ``launcher.image``, when given, pinned by digest."""
     address = cfg.launcher.address or ""
     if not address.startswith(("http://", "https://")):
-        raise CheckError(f"launcher.address {redact_field('address', address)!r}: expected the Ray job submission address, http://HOST:8265")
+        raise CheckError(
+            f"launcher.address {redact_field('address', address)!r}: expected the Ray job submission address, http://HOST:8265"
+        )
     if cfg.launcher.image:
         cluster.parse_image(cfg.launcher.image)
 
@@ -62,7 +63,7 @@ def ray_cli() -> str:
     return str(beside) if beside.is_file() else "ray"
 
 
-def reachable(address: str, timeout_s: float = 10.0) -> Optional[str]:
+def reachable(address: str, timeout_s: float = 10.0) -> str | None:
     """None when the Ray dashboard at ``address`` answers ``/api/version``; else the cause in a few words."""
     try:
         with urllib.request.urlopen(address.rstrip("/") + "/api/version", timeout=timeout_s) as response:
@@ -76,7 +77,7 @@ def reachable(address: str, timeout_s: float = 10.0) -> Optional[str]:
         return str(ex) or type(ex).__name__
 
 
-def entrypoint(cfg: TrainConfig, argv: List[str], python: str, probe: bool = True) -> List[str]:
+def entrypoint(cfg: TrainConfig, argv: list[str], python: str, probe: bool = True) -> list[str]:
     """The job's entrypoint: :mod:`trainer.launch.ray_entry` with the preflight expectations and the argv."""
     out = [python, "-m", "trainer.launch.ray_entry", "--expand"]
     if probe:
@@ -90,10 +91,10 @@ def entrypoint(cfg: TrainConfig, argv: List[str], python: str, probe: bool = Tru
     return out + ["--argv-b64", encode_argv(argv)]
 
 
-def collect(rundir: RunDir, log: str) -> Dict[str, Any]:
+def collect(rundir: RunDir, log: str) -> dict[str, Any]:
     """Write ``probes/<node>.json`` and ``preflight.json`` from the marker lines of the driver's log; return
     ``{"probe": {"ranks": [...], "nodes": [...]}|None, "preflight": report dict|None}``."""
-    probes: Dict[str, Any] = {}
+    probes: dict[str, Any] = {}
     report = None
     for line in log.splitlines():
         if line.startswith(PROBE_MARK + " "):
@@ -108,7 +109,7 @@ def collect(rundir: RunDir, log: str) -> Dict[str, Any]:
     return {"probe": {"ranks": list(probes.values()), "nodes": list(probes)} if probes else None, "preflight": report}
 
 
-def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Submit, wait and collect; returns ``record`` with ``status``, ``reason``, ``ray``, ``probe``, ``preflight``."""
     cfg = prepared.config
     run_dir = rundir.path
@@ -125,10 +126,22 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         env_vars[cluster.DIGEST_ENV] = digest
     runtime_env = {"env_vars": env_vars, "py_modules": [str(REPO_ROOT / "trainer")]}
     rundir.write_json(RUNTIME_ENV, runtime_env)
-    submission_id = f"recipe-{datetime.now(timezone.utc).strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    submission_id = f"recipe-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     entry = entrypoint(cfg, argv, cfg.launcher.python or "python3")
-    command = [ray_cli(), "job", "submit", "--address", address, "--submission-id", submission_id,
-               "--runtime-env", str(run_dir / RUNTIME_ENV), "--no-wait", "--", *entry]
+    command = [
+        ray_cli(),
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--submission-id",
+        submission_id,
+        "--runtime-env",
+        str(run_dir / RUNTIME_ENV),
+        "--no-wait",
+        "--",
+        *entry,
+    ]
     rundir.write(SUBMIT, ("#!/usr/bin/env bash\n" + shlex.join(["ray", *command[1:]]) + "\n").encode(), mode=0o777)
     record["ray"] = {"address": address, "submission_id": submission_id, "image": cfg.launcher.image}
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
@@ -145,7 +158,9 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
         time.sleep(3)
     rundir.write(f"{LOGS}/submit.log", (submit.stdout + submit.stderr).encode())
     if submit.returncode != 0:
-        return rundir.end(record, FAILED, f"ray job submit refused the job: {cluster.last_line(submit.stderr or submit.stdout)}")
+        return rundir.end(
+            record, FAILED, f"ray job submit refused the job: {cluster.last_line(submit.stderr or submit.stdout)}"
+        )
     print(f"submitted Ray job {submission_id} to {address}")
     client = JobSubmissionClient(address)
     deadline = None if cfg.launcher.wait_s is None else time.monotonic() + cfg.launcher.wait_s
@@ -171,8 +186,11 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     log = client.get_job_logs(submission_id)
     rundir.write(f"{LOGS}/job.log", log.encode())
     info = client.get_job_info(submission_id)
-    record["ray"].update(status=str(info.status).split(".")[-1], message=info.message,
-                         driver_exit_code=getattr(info, "driver_exit_code", None))
+    record["ray"].update(
+        status=str(info.status).split(".")[-1],
+        message=info.message,
+        driver_exit_code=getattr(info, "driver_exit_code", None),
+    )
     collected = collect(rundir, log)
     record.update(collected)
     if stopped:
@@ -182,12 +200,21 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     elif collected["preflight"] and not collected["preflight"].get("ok"):
         rundir.end(record, FAILED, collected["preflight"]["reason"])
     elif status not in TERMINAL:
-        rundir.end(record, FAILED, f"Ray job {submission_id} still {status} after launcher.wait_s "
-                                   f"{cfg.launcher.wait_s} s; stopped")
+        rundir.end(
+            record,
+            FAILED,
+            f"Ray job {submission_id} still {status} after launcher.wait_s {cfg.launcher.wait_s} s; stopped",
+        )
     else:
         detail = cluster.last_line(log)
-        message = cluster.last_line(info.message or "") if not (info.message or "").startswith("Job entrypoint") \
+        message = (
+            cluster.last_line(info.message or "")
+            if not (info.message or "").startswith("Job entrypoint")
             else (info.message or "").splitlines()[0].split(",")[0]
-        rundir.end(record, FAILED, f"Ray job {submission_id} {status.lower()}: {message}"
-                                   + (f"; last log line: {detail}" if detail else ""))
+        )
+        rundir.end(
+            record,
+            FAILED,
+            f"Ray job {submission_id} {status.lower()}: {message}" + (f"; last log line: {detail}" if detail else ""),
+        )
     return record

@@ -25,9 +25,10 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any
 
 from trainer.errors import UserError
 
@@ -49,16 +50,18 @@ def _own_dir(root: Path) -> Path:
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     info = os.lstat(root)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o022:
-        raise UserError(f"{root}: the root file system cache must be a directory of this user that no one else may "
-                        "write (TRAINER_ROOTFS_CACHE)")
+        raise UserError(
+            f"{root}: the root file system cache must be a directory of this user that no one else may "
+            "write (TRAINER_ROOTFS_CACHE)"
+        )
     return root
 
 
-def tree(bundle: Path) -> Dict[str, List[Any]]:
+def tree(bundle: Path) -> dict[str, list[Any]]:
     """What :data:`FILES` records of the tree ``bundle``: every entry by relative POSIX path, regular files with
     mode, size (bytes) and sha256, directories with mode, links with their target, anything else with its mode.
     Raises ``OSError`` for an entry that cannot be read (a directory ``os.walk`` would otherwise skip)."""
-    out: Dict[str, List[Any]] = {}
+    out: dict[str, list[Any]] = {}
 
     def unreadable(err: OSError) -> None:
         raise err
@@ -98,10 +101,15 @@ class Rootfs:
     unpacked: bool
     log: str
 
-    def as_record(self) -> Dict[str, Any]:
+    def as_record(self) -> dict[str, Any]:
         """The record's ``image.rootfs`` block."""
-        return {"cache": str(self.bundle.parent), "files_sha256": self.files_sha256, "files": self.files,
-                "bytes": self.bytes, "unpacked": self.unpacked}
+        return {
+            "cache": str(self.bundle.parent),
+            "files_sha256": self.files_sha256,
+            "files": self.files,
+            "bytes": self.bytes,
+            "unpacked": self.unpacked,
+        }
 
 
 def _verified(entry: Path, digest: str) -> Rootfs:
@@ -118,7 +126,7 @@ def _verified(entry: Path, digest: str) -> Rootfs:
     return Rootfs(entry / "bundle", hashlib.sha256(data).hexdigest(), len(now), size, False, "")
 
 
-def unpacked(layout: Path, tag: str, digest: str, root: Optional[Path] = None) -> Rootfs:
+def unpacked(layout: Path, tag: str, digest: str, root: Path | None = None) -> Rootfs:
     """The root file system of image ``digest`` (named ``tag`` in the OCI layout ``layout``), from the cache at
     ``root`` (:func:`default_root`): verified when cached, else unpacked with ``umoci unpack`` (rootless when not
     root), hashed and put in place atomically. Raises :class:`UserError` (one line) when umoci fails or the cache
@@ -137,8 +145,11 @@ def unpacked(layout: Path, tag: str, digest: str, root: Optional[Path] = None) -
             note = f"cached root file system of {digest} was damaged ({ex}); unpacked anew\n"
     work = Path(tempfile.mkdtemp(prefix=f".unpack-{hex_[:12]}-", dir=root))
     try:
-        command = ["umoci", "unpack"] + (["--rootless"] if os.geteuid() != 0 else []) + \
-                  ["--image", f"{layout}:{tag}", str(work / "bundle")]
+        command = (
+            ["umoci", "unpack"]
+            + (["--rootless"] if os.geteuid() != 0 else [])
+            + ["--image", f"{layout}:{tag}", str(work / "bundle")]
+        )
         out = subprocess.run(command, capture_output=True, text=True, timeout=3600)
         if out.returncode != 0:
             lines = [line for line in out.stderr.splitlines() if line.strip()]
@@ -155,8 +166,9 @@ def unpacked(layout: Path, tag: str, digest: str, root: Optional[Path] = None) -
         shutil.rmtree(work, ignore_errors=True)
         raise
     size = sum(v[2] for v in files.values() if v[0] == "f")
-    return Rootfs(entry / "bundle", hashlib.sha256(data).hexdigest(), len(files), size, True,
-                  note + out.stdout + out.stderr)
+    return Rootfs(
+        entry / "bundle", hashlib.sha256(data).hexdigest(), len(files), size, True, note + out.stdout + out.stderr
+    )
 
 
 def image_path(rootfs: Path, path: str) -> Path:
@@ -166,8 +178,8 @@ def image_path(rootfs: Path, path: str) -> Path:
     launcher takes from an image (its stamped lock, ``.pth`` files, its interpreter) through this, never through
     the host's own resolution, which would follow an image's link to a file of this machine. Raises
     :class:`UserError` after 40 links (a loop)."""
-    parts: List[str] = [p for p in PurePosixPath(path).parts if p != "/"]
-    current: List[str] = []
+    parts: list[str] = [p for p in PurePosixPath(path).parts if p != "/"]
+    current: list[str] = []
     links = 0
     while parts:
         name = parts.pop(0)
@@ -191,7 +203,7 @@ def image_path(rootfs: Path, path: str) -> Path:
     return Path(rootfs).joinpath(*current)
 
 
-def readonly_view(rootfs: Path, mounts: Sequence[str]) -> List[str]:
+def readonly_view(rootfs: Path, mounts: Sequence[str]) -> list[str]:
     """bubblewrap arguments that show the tree ``rootfs`` at ``/``, read-only, leaving room for ``mounts`` (the
     absolute paths the sandbox mounts on top: ``/proc``, ``/dev``, ``/tmp``, the launcher's binds).
 
@@ -200,7 +212,7 @@ def readonly_view(rootfs: Path, mounts: Sequence[str]) -> List[str]:
     afresh (``--dir``) with their entries bound one by one, and the mount points themselves. Nothing in
     ``rootfs`` is ever written. Raises :class:`UserError` when a mount point lies under a link of the image."""
     wanted = [PurePosixPath(m) for m in mounts]
-    args: List[str] = []
+    args: list[str] = []
 
     def visit(inside: PurePosixPath, host: Path) -> None:
         for name in sorted(os.listdir(host)):

@@ -30,15 +30,15 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
+from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
 from trainer.record.rundir import FAILED, LOGS, RENDERED, SBATCH, SUBMITTED, RunDir
 from trainer.redact import is_secret_name, redact_field
-from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
@@ -63,29 +63,45 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     if lau.container == "pyxis" or lau.image:
         cluster.parse_image(lau.image or "")
     if not TIME_RE.match(lau.time_limit):
-        raise CheckError(f"launcher.time_limit {redact_field('time_limit', lau.time_limit)!r}: expected Slurm's time format, e.g. 04:00:00 or 1-00:00:00")
+        raise CheckError(
+            f"launcher.time_limit {redact_field('time_limit', lau.time_limit)!r}: expected Slurm's time format, e.g. 04:00:00 or 1-00:00:00"
+        )
     for mount in lau.container_mounts:
         if mount.count(":") not in (1, 2) or not mount.startswith("/"):
-            raise CheckError(f"launcher.container_mounts {redact_field('container_mounts', mount)!r}: expected /SRC:/DST or /SRC:/DST:ro")
+            raise CheckError(
+                f"launcher.container_mounts {redact_field('container_mounts', mount)!r}: expected /SRC:/DST or /SRC:/DST:ro"
+            )
     for port in ("ray_port", "dashboard_port"):
         if not 0 < getattr(lau, port) < 65536:
             raise CheckError(f"launcher.{port} {getattr(lau, port)}: expected a TCP port (1-65535)")
     # values that become #SBATCH lines or words of the script: one line each, no spaces where Slurm splits
-    for key, value in (("cluster.partition", cfg.cluster.partition), ("cluster.account", cfg.cluster.account),
-                       ("layout.name", cfg.layout.name), *((f"launcher.sbatch_args[{i}]", a) for i, a in enumerate(lau.sbatch_args))):
+    for key, value in (
+        ("cluster.partition", cfg.cluster.partition),
+        ("cluster.account", cfg.cluster.account),
+        ("layout.name", cfg.layout.name),
+        *((f"launcher.sbatch_args[{i}]", a) for i, a in enumerate(lau.sbatch_args)),
+    ):
         if value is not None and (not SBATCH_VALUE_RE.match(str(value))):
-            raise CheckError(f"{key} {redact_field(key, value)!r}: expected one word of letters, digits and _.,:=@/+- (it becomes an #SBATCH line)")
+            raise CheckError(
+                f"{key} {redact_field(key, value)!r}: expected one word of letters, digits and _.,:=@/+- (it becomes an #SBATCH line)"
+            )
 
 
 def _q(word: str) -> str:
     return shlex.quote(str(word))
 
 
-def _require_vars(env: Dict[str, str], argv: List[str]) -> List[str]:
+def _require_vars(env: dict[str, str], argv: list[str]) -> list[str]:
     """Script lines that stop the job with one clear line when a variable the env or argv refers to
     (``$KERNEL_CACHE``, ``$HF_CKPT`` from ``paths.*``) is not set where the batch script runs."""
-    names = sorted({m.group(1) for text in [*env.values(), *argv]
-                    for m in re.finditer(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", str(text))} - set(env))
+    names = sorted(
+        {
+            m.group(1)
+            for text in [*env.values(), *argv]
+            for m in re.finditer(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", str(text))
+        }
+        - set(env)
+    )
     if not names:
         return []
     return [
@@ -96,14 +112,16 @@ def _require_vars(env: Dict[str, str], argv: List[str]) -> List[str]:
     ]
 
 
-def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[str, str]) -> str:
+def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[str, str]) -> str:
     """The batch script for ``cfg`` writing into ``run_dir`` (absolute); see the module docstring."""
     from trainer.compose.render import argv_words, shell_word
 
     lau, clu = cfg.launcher, cfg.cluster
     run_dir = run_dir.absolute()
     if not SBATCH_VALUE_RE.match(str(run_dir)):
-        raise UserError(f"run directory {run_dir}: expected a path without spaces or special characters (Slurm's --output)")
+        raise UserError(
+            f"run directory {run_dir}: expected a path without spaces or special characters (Slurm's --output)"
+        )
     pyxis = lau.container == "pyxis"
     digest = cluster.parse_image(lau.image)[1] if lau.image else ""
     python = lau.python or ("python3" if pyxis else sys.executable)
@@ -157,8 +175,12 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
         "",
         *_require_vars(env, argv),
         "# the recipe's environment (env.json; as command.sh has it: a secret from the submitter's environment)",
-        *(f'export {k}="${{{k}:?{k} is a secret: set it in the environment before sbatch}}"' if is_secret_name(k)
-          else f"export {k}={shell_word(v)}" for k, v in env.items()),
+        *(
+            f'export {k}="${{{k}:?{k} is a secret: set it in the environment before sbatch}}"'
+            if is_secret_name(k)
+            else f"export {k}={shell_word(v)}"
+            for k, v in env.items()
+        ),
         "",
         "# the job (job.json; the same command as command.sh unless launcher.job names another)",
         "ARGV=(",
@@ -175,7 +197,9 @@ def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: List[str], env: Dict[st
     if workdir:
         entry += ["--workdir", workdir]
     preflight_args = [f"--expect-gpus {gpus}" if lau.expect_gpus else "", f"--expect-digest {digest}" if digest else ""]
-    head_ip = _q(lau.head_ip) if lau.head_ip else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname -I | awk \'{print $1}\')'
+    head_ip = (
+        _q(lau.head_ip) if lau.head_ip else "$(srun --overlap -N1 -n1 -w \"$HEAD\" hostname -I | awk '{print $1}')"
+    )
     ray_args = "".join(" " + _q(a) for a in lau.ray_start_args)
     body = f"""\
 mkdir -p "$RUN_DIR/logs" "$RUN_DIR/probes"
@@ -201,7 +225,7 @@ mark running --job-id "$SLURM_JOB_ID" --nodes "$NODELIST"
 STAGE=preflight
 srun --overlap --ntasks-per-node=1 "${{CONTAINER[@]}}" "$PY" -m trainer.probe --out "$RUN_DIR/probes/{{node}}.json" \\
   > "$RUN_DIR/logs/probe.log" 2>&1
-on_head "$PY" -m trainer.launch.preflight "$RUN_DIR/probes" --nodes "$NODELIST" {' '.join(a for a in preflight_args if a)} \\
+on_head "$PY" -m trainer.launch.preflight "$RUN_DIR/probes" --nodes "$NODELIST" {" ".join(a for a in preflight_args if a)} \\
   --out "$RUN_DIR/preflight.json" > "$RUN_DIR/logs/preflight.log" 2>&1
 rc=$?
 cat "$RUN_DIR/logs/preflight.log"
@@ -229,7 +253,7 @@ STAGE=job
 # (a fresh head answers before its job agent is up: retry while it says so, up to 60 s)
 for attempt in $(seq 20); do
   on_head ray job submit --address http://127.0.0.1:{lau.dashboard_port} --submission-id "recipe-$SLURM_JOB_ID" -- \\
-    "$PY" -m trainer.launch.ray_entry {' '.join(_q(e) for e in entry)} \\
+    "$PY" -m trainer.launch.ray_entry {" ".join(_q(e) for e in entry)} \\
     --argv-b64 "$(printf '%s\\0' "${{ARGV[@]}}" | base64 -w0)" > "$RUN_DIR/logs/job.log" 2>&1 &
   wait $!
   JOB_RC=$?
@@ -252,7 +276,7 @@ def _sbatch_error(text: str) -> str:
     return (errors[-1] if errors else (lines[-1] if lines else "no output")).replace("sbatch: error: ", "")
 
 
-def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> Dict[str, Any]:
+def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Write ``sbatch.sh`` (and ``job.json``); with ``launcher.submit`` submit it.
 
     Returns the record ``rendered`` once the script is written, ``submitted`` (with ``slurm.job_id``) once Slurm
@@ -273,13 +297,15 @@ def execute(prepared: "PreparedRun", rundir: RunDir, record: Dict[str, Any]) -> 
     if not cfg.launcher.submit:
         return rundir.hand_off(record, RENDERED, f"wrote {run_dir / SBATCH}; submit it with: sbatch {run_dir / SBATCH}")
     try:
-        out = subprocess.run(["sbatch", "--parsable", str(run_dir / SBATCH)], capture_output=True, text=True,
-                             timeout=120, cwd=run_dir)
+        out = subprocess.run(
+            ["sbatch", "--parsable", str(run_dir / SBATCH)], capture_output=True, text=True, timeout=120, cwd=run_dir
+        )
     except FileNotFoundError:
         return rundir.end(record, FAILED, "sbatch not found on PATH: submit from a Slurm login node")
     if out.returncode != 0:
         return rundir.end(record, FAILED, f"sbatch refused the job: {_sbatch_error(out.stderr + out.stdout)}")
     job_id = out.stdout.strip().split(";")[0]
     record["slurm"]["job_id"] = job_id
-    return rundir.hand_off(record, SUBMITTED,
-                           f"submitted Slurm job {job_id} ({run_dir}); follow it with: trainer status {run_dir}")
+    return rundir.hand_off(
+        record, SUBMITTED, f"submitted Slurm job {job_id} ({run_dir}); follow it with: trainer status {run_dir}"
+    )
