@@ -143,7 +143,7 @@ def check_record(tree: Path) -> int:
                         while block := f.read(BLOCK):
                             h.update(block)
                 except FileNotFoundError:
-                    raise SystemExit(f"{row[0]}: listed in {record.relative_to(tree)} but missing")
+                    raise SystemExit(f"{row[0]}: listed in {record.relative_to(tree)} but missing") from None
                 got = base64.urlsafe_b64encode(h.digest()).rstrip(b"=").decode()
                 if got != want:
                     raise SystemExit(f"{row[0]}: {algo} {got} differs from {record.relative_to(tree)}'s {want}")

@@ -80,7 +80,8 @@ def main() -> int:
             )
         if raw_tokens < args.min_tokens:
             raise SystemExit(
-                f"bench: corpus has {raw_tokens} tokens < --min-tokens {args.min_tokens}; raise TOKENS_PER_CONVERSATION margin"
+                f"bench: corpus has {raw_tokens} tokens < --min-tokens {args.min_tokens}; "
+                "raise TOKENS_PER_CONVERSATION margin"
             )
     base, built = statistics.median(base_s), statistics.median(build_s)
     result = {

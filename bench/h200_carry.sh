@@ -30,7 +30,7 @@ missing=$(STEPS="$steps" "$python" -c '
 import os
 from pathlib import Path
 from trainer.image.cas import Cache
-from trainer.image.imagelock import load_lock
+from trainer.lock.imagelock import load_lock
 from trainer.image.native import step_keys
 keys = step_keys(load_lock(Path("lockfiles/debian-full.lock.json")))
 cache = Cache()

@@ -18,7 +18,10 @@ import shutil
 import sys
 from pathlib import Path
 
-from megatron_h200_report import ROOT, trainer  # the `trainer ... --json` runner (same folder)
+from megatron_h200_report import (  # type: ignore[import-not-found]  # a script beside it in bench/, not on mypy's path
+    ROOT,
+    trainer,
+)  # the `trainer ... --json` runner (same folder)
 
 
 def error_line(run: Path) -> str:
@@ -26,9 +29,9 @@ def error_line(run: Path) -> str:
     log = run / "logs" / "rank-0.log"
     lines = (
         [
-            l
-            for l in log.read_text(errors="replace").splitlines()
-            if l.startswith("[rank0]:") and re.search(r"\w+Error: ", l)
+            line
+            for line in log.read_text(errors="replace").splitlines()
+            if line.startswith("[rank0]:") and re.search(r"\w+Error: ", line)
         ]
         if log.is_file()
         else []
@@ -88,8 +91,8 @@ def main() -> int:
             f"{', '.join(cudnn)} | ok: {len(ok)}; {', '.join(bad) or 'none drifted'} |"
         )
     print(
-        "| run | model | impl / attention | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | loss first -> last | "
-        "peak GB | plan GB (ratio) | libcudnn.so loaded | verify (stack.json) |"
+        "| run | model | impl / attention | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | "
+        "loss first -> last | peak GB | plan GB (ratio) | libcudnn.so loaded | verify (stack.json) |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(table))
@@ -100,7 +103,8 @@ def main() -> int:
         base = window_rate(rows, first, last)
         shutil.copyfile(bare, out / "bare-mla.jsonl")
         print(
-            f"\nbare Megatron-LM script, same model (proxy-te-mla's argv), steps {first}..{last}: {base:,.0f} tokens/s; "
+            f"\nbare Megatron-LM script, same model (proxy-te-mla's argv), steps {first}..{last}: "
+            f"{base:,.0f} tokens/s; "
             f"the bundle's worker {worker:,.0f} = {worker / base:.3f} of it"
         )
     # convergence on the V4 code: numerics-equivalent layouts must pass, a changed learning rate must fail.

@@ -32,7 +32,7 @@ ROOT = Path(__file__).absolute().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from trainer.image.cas import Cache, default_root  # noqa: E402
-from trainer.image.imagelock import inputs_of, load_lock  # noqa: E402
+from trainer.lock.imagelock import inputs_of, load_lock  # noqa: E402
 
 
 def timed(cmd, **kw):
@@ -70,7 +70,7 @@ def build(lock, out, cache):
 
 
 def one_pin_lock(lock_path: Path, work: Path, cache: Cache) -> Path:
-    from trainer.image.imagelockcli import pypi_files, wheel_fits
+    from trainer.lock.pypi import pypi_files, wheel_fits
 
     lock = json.loads(lock_path.read_text())
     wheel = next(w for w in lock["wheels"] if w["name"] == "six")
@@ -103,7 +103,7 @@ def main() -> int:
     work.mkdir(parents=True)
     items = inputs_of(lock)
     paths = [warm.blob_path(i["sha256"]) for i in items]
-    missing = [i["label"] for i, pth in zip(items, paths) if not pth.is_file()]
+    missing = [i["label"] for i, pth in zip(items, paths, strict=True) if not pth.is_file()]
     if missing:
         raise SystemExit(
             f"{len(missing)} inputs not cached (first: {missing[0]}); run trainer cache fetch --lock {args.lock}"
@@ -120,7 +120,7 @@ def main() -> int:
 
     cold_cache = Cache(work / "cas")  # inputs present (hard links), no layers
     (cold_cache.root / "sha256").mkdir(parents=True)
-    for i, pth in zip(items, paths):
+    for i, pth in zip(items, paths, strict=True):
         os.link(pth, cold_cache.blob_path(i["sha256"]))
         cold_cache.stamp(i["sha256"])
     cold, out = build(args.lock, work / "image.oci", cold_cache.root)
@@ -129,20 +129,20 @@ def main() -> int:
     assert json.loads(out2)["manifest_digest"] == result["manifest_digest"]
     pin_lock = one_pin_lock(Path(args.lock), work, cold_cache)
     pin, out3 = build(pin_lock, work / "one-pin.oci", cold_cache.root)
-    pin_status = {l["name"]: l["status"] for l in json.loads(out3)["layers"]}
-    image_bytes = sum(l["size"] for l in result["layers"])
+    pin_status = {layer["name"]: layer["status"] for layer in json.loads(out3)["layers"]}
+    image_bytes = sum(layer["size"] for layer in result["layers"])
 
     baseline = None
     if not args.skip_baseline:
         tree = work / "baseline-root"
         wheels = work / "baseline-wheels"
         wheels.mkdir()
-        for i, pth in zip(items, paths):
+        for i, pth in zip(items, paths, strict=True):
             if i["label"].startswith("wheel "):
                 os.link(pth, wheels / i["label"][len("wheel ") :])
         start = time.perf_counter()
         tree.mkdir()
-        for i, pth in zip(items, paths):
+        for i, pth in zip(items, paths, strict=True):
             if i["label"].startswith("deb "):
                 subprocess.run(["dpkg-deb", "-x", str(pth), str(tree)], check=True)
         site = tree / lock["python"]["site_packages"].lstrip("/")

@@ -29,9 +29,9 @@ def main() -> int:
     import torch
     import torch.distributed as dist
 
-    own = {"--rows": None, "--out": None}
+    own: dict[str, str] = {}
     argv = sys.argv[1:]
-    for flag in own:
+    for flag in ("--rows", "--out"):
         i = argv.index(flag)
         own[flag] = argv[i + 1]
         del argv[i : i + 2]

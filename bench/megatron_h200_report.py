@@ -2,8 +2,8 @@
 verify against the recipe's stack lock, and the plan's memory estimate next to the measured peak.
 
 Usage: python bench/megatron_h200_report.py RUNS_DIR OUT_DIR
-Writes OUT_DIR/<layout>/{summary,convergence,verify,probe}.json + metrics.jsonl (no paths of the machine) and prints a Markdown
-table for bench/RESULTS.md.
+Writes OUT_DIR/<layout>/{summary,convergence,verify,probe}.json + metrics.jsonl (no paths of the machine) and
+prints a Markdown table for bench/RESULTS.md.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def trainer(*args: str) -> tuple[int, dict]:
     try:
         return proc.returncode, json.loads(proc.stdout)
     except json.JSONDecodeError:
-        raise SystemExit(f"trainer {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()[-500:]}")
+        raise SystemExit(f"trainer {' '.join(args)}: exit {proc.returncode}: {proc.stderr.strip()[-500:]}") from None
 
 
 def main() -> int:
@@ -39,7 +39,7 @@ def main() -> int:
     runs, out = Path(sys.argv[1]), Path(sys.argv[2])
     layouts = sorted(p.name for p in runs.iterdir() if (p / "metrics.jsonl").is_file())
     rows = []
-    for layout in [BASELINE] + [l for l in layouts if l != BASELINE]:
+    for layout in [BASELINE] + [other for other in layouts if other != BASELINE]:
         run = runs / layout
         dest = out / layout
         dest.mkdir(parents=True, exist_ok=True)
@@ -69,13 +69,15 @@ def main() -> int:
             + (
                 "baseline | "
                 if layout == BASELINE
-                else f"{'pass' if conv_rc == 0 else 'FAIL'} (r = {checks['correlation']:.5f}, final {checks['final_loss']:.4f}) | "
+                else f"{'pass' if conv_rc == 0 else 'FAIL'} (r = {checks['correlation']:.5f}, "
+                f"final {checks['final_loss']:.4f}) | "
             )
             + f"{record['status']} |"
         )
         print(f"{layout}: verify exit {ver_rc}; drift/absent: {', '.join(drift)}", file=sys.stderr)
     print(
-        "| layout | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | peak GB (measured) | plan estimate GB (ratio) | converge vs 1 GPU | status |"
+        "| layout | tokens/s/GPU | model TFLOP/s/GPU | MFU | step-time CV | peak GB (measured) "
+        "| plan estimate GB (ratio) | converge vs 1 GPU | status |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))

@@ -31,9 +31,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import REPO_ROOT  # noqa: E402
-from trainer.image import imagelock as lockfile  # noqa: E402
 from trainer.image.build import plan_layers, realize_layer  # noqa: E402
 from trainer.image.cas import Cache, default_root  # noqa: E402
+from trainer.lock import imagelock as lockfile  # noqa: E402
 
 TZS = ["UTC", "Asia/Kolkata", "America/Los_Angeles"]
 UMASKS = [0o022, 0o077, 0o002]
@@ -60,8 +60,9 @@ def members(cache: Cache, diff_id: str) -> dict[str, str]:
     out = {}
     with tarfile.open(cache.blob_path(diff_id[7:])) as tar:
         for m in tar:
-            if m.isreg():
-                out[m.name] = hashlib.sha256(tar.extractfile(m).read()).hexdigest()
+            member = tar.extractfile(m) if m.isreg() else None
+            if member is not None:
+                out[m.name] = hashlib.sha256(member.read()).hexdigest()
     return out
 
 
@@ -103,7 +104,7 @@ def run(lock_path: Path, steps: list[str], runs: int, jobs: int, work: Path, off
         same = len({r["diff_id"] for r in rows}) == 1
         differing: list[str] = []
         if not same:
-            a, b = members(caches[0], rows[0]["diff_id"]), members(caches[-1], rows[-1]["diff_id"])
+            a, b = members(caches[0], str(rows[0]["diff_id"])), members(caches[-1], str(rows[-1]["diff_id"]))
             differing = sorted(p for p in set(a) | set(b) if a.get(p) != b.get(p))
         results[name] = {"runs": rows, "reproduced": same, "differing_files": differing}
     return results

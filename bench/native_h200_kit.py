@@ -30,9 +30,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trainer import REPO_ROOT  # noqa: E402
-from trainer.image import imagelock as lockfile  # noqa: E402
 from trainer.image.cas import Cache  # noqa: E402
 from trainer.image.native import step_keys  # noqa: E402
+from trainer.lock import imagelock as lockfile  # noqa: E402
 
 DEBS = [
     "python3.11-minimal",
@@ -140,7 +140,9 @@ def main(argv) -> int:
                     dest.symlink_to(m.linkname)
                 elif m.isreg():
                     dest.parent.mkdir(parents=True, exist_ok=True)
-                    dest.write_bytes(tar.extractfile(m).read())
+                    stream = tar.extractfile(m)
+                    assert stream is not None  # a regular file has a stream
+                    dest.write_bytes(stream.read())
                     dest.chmod(m.mode)
     (stage / "built.json").write_text(json.dumps(built, indent=1) + "\n")
     kit = out / "kit.tar"

@@ -129,7 +129,7 @@ def main() -> int:
             variants["before"] = (plan_cmd, dict(env, PYTHONPATH=str(Path(args.before).absolute())), False)
         for name in variants:
             times.setdefault(name, [])
-        for name, (cmd, variant_env, _) in variants.items():  # warm the page cache and the composition cache once
+        for cmd, variant_env, _ in variants.values():  # warm the page cache and the composition cache once
             plan_run(cmd, cwd, variant_env, last)
         for i in range(args.repeats):
             times["baseline"].append(timed(baseline_cmd, cwd, env))

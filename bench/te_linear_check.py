@@ -26,6 +26,7 @@ import importlib.util
 import json
 import sys
 import types
+from pathlib import Path
 
 
 class _Anything:
@@ -113,11 +114,11 @@ def standin_only() -> int:
     dist = distribution("transformer-engine")
     files = [
         f
-        for f in dist.files
+        for f in dist.files or []
         if "/triton/" in str(f) and str(f).endswith(".py") and str(f).startswith("transformer_engine/common/")
     ]
     for f in files:
-        path = dist.locate_file(f)
+        path = Path(str(dist.locate_file(f)))
         code = compile(path.read_text(), str(path), "exec")
         exec(code, {"__name__": f"standin_check.{path.stem}", "__file__": str(path)})
     print(json.dumps({"standin_files": len(files)}))
@@ -138,9 +139,9 @@ def main(argv) -> int:
 
     ext = sorted(
         {
-            m.__file__
+            file
             for n, m in list(sys.modules.items())
-            if n.startswith("transformer_engine_torch") and getattr(m, "__file__", None)
+            if n.startswith("transformer_engine_torch") and (file := getattr(m, "__file__", None))
         }
     )
     torch.manual_seed(0)
@@ -150,7 +151,7 @@ def main(argv) -> int:
     y.float().sum().backward()
     ref = torch.nn.functional.linear(x.detach(), lin.weight.detach(), lin.bias.detach())
     err = ((y.detach() - ref).abs().max() / ref.abs().max()).item()
-    finite = bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(lin.weight.grad).all())
+    finite = x.grad is not None and bool(torch.isfinite(x.grad).all()) and bool(torch.isfinite(lin.weight.grad).all())
     print(
         json.dumps(
             {

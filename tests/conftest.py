@@ -4,9 +4,10 @@ Under Bazel that is ``TEST_TMPDIR``; under plain pytest a fresh directory remove
 base directories (so ``$XDG_CACHE_HOME/recipe-bundle/{kernels,cas}`` and every cache a run or a tool creates)
 point there before any test runs, and ``KERNEL_CACHE`` is unset so runs take their default under it; under
 Bazel pytest's ``tmp_path`` directories are there too (``--basetemp``, helpers.main). ``TMPDIR`` is left alone:
-Bazel's ``TEST_TMPDIR`` is longer than a unix socket's path may be, and Ray puts sockets in the temp directory. ``TRAINER_ENV_ROOT`` names where the running launcher environment lives, so that ``bin/python-env``
-called from a test finds it instead of building another one under the new ``HOME``; ``PIP_CONFIG_FILE`` keeps
-the user's pip configuration (package access) when ``HOME`` moves.
+Bazel's ``TEST_TMPDIR`` is longer than a unix socket's path may be, and Ray puts sockets in the temp directory.
+``TRAINER_ENV_ROOT`` names where the running launcher environment lives, so that ``bin/python-env`` called from a
+test finds it instead of building another one under the new ``HOME``; ``PIP_CONFIG_FILE`` keeps the user's pip
+configuration (package access) when ``HOME`` moves.
 """
 
 import atexit
@@ -44,11 +45,11 @@ def _keep_pip_configuration() -> None:
 
 
 def _confine() -> Path:
-    base = os.environ.get("TEST_TMPDIR")
-    if not base:
-        base = tempfile.mkdtemp(prefix="recipe-bundle-tests-")
-        atexit.register(shutil.rmtree, base, True)
-    base = Path(base).absolute()
+    given = os.environ.get("TEST_TMPDIR")
+    if not given:
+        given = tempfile.mkdtemp(prefix="recipe-bundle-tests-")
+        atexit.register(shutil.rmtree, given, True)
+    base = Path(given).absolute()
     if (Path(sys.prefix) / ".complete").is_file():  # a launcher environment made by bin/python-env
         os.environ["TRAINER_ENV_ROOT"] = str(Path(sys.prefix).parent)
     _keep_pip_configuration()
@@ -78,12 +79,12 @@ def compose_cache(tmp_path, monkeypatch):
     """A composition-cache directory of the test's own, and a cache key of its own (``XDG_CONFIG_HOME`` under
     ``tmp_path``)."""
     from trainer.compose import cache as cache_module
-    from trainer.image import cas
+    from trainer.image import stampkey
 
     monkeypatch.setenv("TRAINER_COMPOSE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     monkeypatch.setattr(cache_module, "_KEY", None)
-    monkeypatch.setattr(cas, "_PROCESS_KEY", None)
+    monkeypatch.setattr(stampkey, "_PROCESS_KEY", None)
     return tmp_path / "cache"
 
 

@@ -210,7 +210,7 @@ def write_rows(path, rows):
 
 
 def run_trainer(
-    *args, cwd: Path = None, env: dict[str, str] = None, timeout: float = 300
+    *args, cwd: Path | None = None, env: dict[str, str] | None = None, timeout: float = 300
 ) -> subprocess.CompletedProcess:
     """Run ``python -m trainer ARGS`` (each argument str()-ed) in ``cwd`` (default: the repository) with this
     checkout on PYTHONPATH and ``env`` added to the environment; capture output (text)."""

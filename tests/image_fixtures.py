@@ -49,15 +49,15 @@ def make_wheel(
         record.append(f"{path},sha256={digest},{len(data)}")
     record.append(f"{info}/RECORD,,")
     members[f"{info}/RECORD"] = ("\n".join(record) + "\n").encode()
-    path = Path(directory) / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+    wheel = Path(directory) / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", compression=zipfile.ZIP_DEFLATED) as zf:
         for member, data in members.items():
             info_ = zipfile.ZipInfo(member, ZIP_TIME)
             info_.external_attr = 0o644 << 16
             zf.writestr(info_, data)
         for zinfo, data in extra_members or []:
             zf.writestr(zinfo, data)
-    return path
+    return wheel
 
 
 def sha256(path: Path) -> str:
@@ -127,8 +127,8 @@ def make_deb(
 ) -> Path:
     """Build ``{name}_{version}_amd64.deb`` with ``dpkg-deb --build --root-owner-group``: ``files`` maps an
     absolute path to (content, mode), ``symlinks`` a path to its target, ``dirs`` a path to its mode;
-    ``control`` adds fields to the control file; DEBIAN/md5sums lists the files. SOURCE_DATE_EPOCH = ``epoch`` (dpkg-deb uses it for the
-    member times). Returns the .deb's path."""
+    ``control`` adds fields to the control file; DEBIAN/md5sums lists the files. SOURCE_DATE_EPOCH = ``epoch``
+    (dpkg-deb uses it for the member times). Returns the .deb's path."""
     root = Path(directory) / f"{name}-{version}.root"
     if root.exists():
         shutil.rmtree(root)

@@ -194,7 +194,7 @@ MinJobAge=600
 GresTypes=gpu
 NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-""")
+""")  # noqa: E501 - slurm.conf takes a node's definition on one line
         if self.gpus:
             (r / "gres.conf").write_text(
                 f"AutoDetect=off\nNodeName=localhost Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n"

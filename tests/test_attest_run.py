@@ -16,6 +16,7 @@ import pytest
 import helpers
 from helpers import run_train
 from helpers import run_trainer as trainer
+from trainer import signing
 from trainer.record import attest
 
 
@@ -75,7 +76,7 @@ def test_the_attestation_names_the_run_files_the_probe_and_the_verdict(run):
     for name, digest in names.items():
         assert digest == sha(run["dir"] / name)
     record = json.loads((run["dir"] / "record.json").read_text())
-    assert record["attestation"] == {"path": "attestation.json", "signed_by": attest.load_public_key(run["pub"]).keyid}
+    assert record["attestation"] == {"path": "attestation.json", "signed_by": signing.load_public_key(run["pub"]).keyid}
     # the record's own hashes cover every other file, as they stay
     assert set(record["files_sha256"]) == on_disk - {"attestation.json", "record.json"}
     for name, digest in record["files_sha256"].items():
@@ -105,7 +106,7 @@ def test_verify_with_the_public_key_and_in_toto_agree(run):
     files = len([p for p in run["dir"].rglob("*") if p.is_file()]) - 1
     assert r.stdout.splitlines()[0] == (
         f"attestation ok: {run['dir'] / 'attestation.json'} signed by "
-        f"{attest.load_public_key(run['pub']).keyid}; {files} files of the run "
+        f"{signing.load_public_key(run['pub']).keyid}; {files} files of the run "
         "directory match, none added or removed"
     )
     assert "run complete, 2 steps in metrics.jsonl (as signed)" in r.stdout and "unsigned:" not in r.stdout
@@ -124,7 +125,7 @@ def test_verify_with_the_public_key_and_in_toto_agree(run):
 def test_any_changed_byte_of_metrics_fails(run, tmp_path):
     work = tmp_path / "run"
     shutil.copytree(run["dir"], work)
-    key = attest.load_public_key(run["pub"])
+    key = signing.load_public_key(run["pub"])
     metrics = work / "metrics.jsonl"
     original = metrics.read_bytes()
     assert len(original) > 100
@@ -132,7 +133,7 @@ def test_any_changed_byte_of_metrics_fails(run, tmp_path):
         changed = bytearray(original)
         changed[i] ^= 0x01
         metrics.write_bytes(bytes(changed))
-        with pytest.raises(attest.VerificationFailed, match="subject metrics.jsonl has sha256"):
+        with pytest.raises(signing.VerificationFailed, match="subject metrics.jsonl has sha256"):
             attest.check_run(work, key)
     metrics.write_bytes(original + b"\n")
     one_line(trainer("verify", work, "--key", run["pub"]), 1, "metrics.jsonl", "changed after the run")
@@ -183,7 +184,7 @@ def test_trainer_attest_writes_the_attestation_of_an_ended_run_once(run, tmp_pat
     assert trainer("verify", work, "--key", run["pub"]).returncode == 0
     assert (
         json.loads((work / "record.json").read_text())["attestation"]["signed_by"]
-        == attest.load_public_key(run["pub"]).keyid
+        == signing.load_public_key(run["pub"]).keyid
     )
     before = (work / "attestation.json").read_bytes()
     one_line(trainer("attest", work, "--sign-key", key), 2, "exists")
@@ -232,7 +233,7 @@ def test_every_file_flipped_deleted_or_made_a_link_fails(run, tmp_path):
     the plan, the probes, the logs, Hydra's files, the rows and their manifest, the metrics), fails verification
     when one byte changes (first, middle, last), when it is deleted, or when it becomes a link to a copy of itself."""
     work = copy(run, tmp_path)
-    key = attest.load_public_key(run["pub"])
+    key = signing.load_public_key(run["pub"])
     names = [x["name"] for x in statement(work)["subject"]]
     assert len(names) >= 16
     for name in names:
@@ -245,14 +246,14 @@ def test_every_file_flipped_deleted_or_made_a_link_fails(run, tmp_path):
         ] or [b"x"]  # train.log: empty
         for changed in variants:
             path.write_bytes(changed)
-            with pytest.raises(attest.VerificationFailed, match=f"subject {name} has sha256"):
+            with pytest.raises(signing.VerificationFailed, match=f"subject {name} has sha256"):
                 attest.check_run(work, key)
         path.unlink()
-        with pytest.raises(attest.VerificationFailed, match=f"subject {name} is missing"):
+        with pytest.raises(signing.VerificationFailed, match=f"subject {name} is missing"):
             attest.check_run(work, key)
         (tmp_path / "elsewhere").write_bytes(original)
         path.symlink_to(tmp_path / "elsewhere")
-        with pytest.raises(attest.VerificationFailed, match="symbolic link"):
+        with pytest.raises(signing.VerificationFailed, match="symbolic link"):
             attest.check_run(work, key)
         path.unlink()
         path.write_bytes(original)
@@ -308,7 +309,7 @@ def test_an_edited_record_cannot_turn_drift_or_a_failure_into_ok(run, tmp_path):
     (work / "metrics.jsonl").unlink()
     record = json.loads((work / "record.json").read_text())
     record.update(status="failed", reason="worker died", finished_utc=utc_now())
-    RunDir(work).seal(record, attest.load_signer(run["root"] / "key"))
+    RunDir(work).seal(record, signing.load_signer(run["root"] / "key"))
     failed = trainer("verify", work, "--key", run["pub"])
     assert failed.returncode == 0 and "run failed, 0 steps in metrics.jsonl (as signed)" in failed.stdout, failed.stdout
     (work / "metrics.jsonl").write_bytes(metrics)
@@ -375,7 +376,7 @@ def test_outside_rows_are_named_and_checked(run, tmp_path):
     cfg["paths"]["prompt_data"] = str(rows)
     (work / "config.yaml").write_text(yaml.safe_dump(cfg))
     record = json.loads((work / "record.json").read_text())
-    RunDir(work).seal(record, attest.load_signer(run["root"] / "key"))
+    RunDir(work).seal(record, signing.load_signer(run["root"] / "key"))
     names = {x["name"] for x in statement(work)["subject"]}
     assert {str(rows / "manifest.json"), str(rows / "rows.parquet")} <= names
     assert trainer("verify", work, "--key", run["pub"]).returncode == 0
@@ -390,12 +391,12 @@ def test_outside_rows_are_named_and_checked(run, tmp_path):
 
 def test_a_redirected_subject_path_is_refused(run, tmp_path):
     """Promise: a statement naming a path outside the run directory by '..' is not a file of the run: refused."""
-    from trainer.record.attest import sign
+    from trainer.signing import sign
 
     work = copy(run, tmp_path / "run")
     s = statement(work)
     s["subject"].append({"name": "../escape.txt", "digest": {"sha256": "0" * 64}})
-    (work / "attestation.json").write_bytes(sign(json.dumps(s).encode(), attest.load_signer(run["root"] / "key")))
+    (work / "attestation.json").write_bytes(sign(json.dumps(s).encode(), signing.load_signer(run["root"] / "key")))
     refused(run, work, "'../escape.txt' is not a file path inside the run directory")
 
 

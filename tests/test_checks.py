@@ -59,7 +59,8 @@ BAD = [
     # world size, DP, expert grid
     (
         ["cluster.nodes=4"],
-        "layout.data_parallel_size 8 != world 32 / (TP 2 x PP 4 x CP 1) = 4 (world size 32 = cluster.nodes 4 x cluster.gpus_per_node 8)",
+        "layout.data_parallel_size 8 != world 32 / (TP 2 x PP 4 x CP 1) = 4 "
+        "(world size 32 = cluster.nodes 4 x cluster.gpus_per_node 8)",
     ),
     (["layout.data_parallel_size=16"], "layout.data_parallel_size 16 != world 64 / (TP 2 x PP 4 x CP 1) = 8"),
     (
@@ -74,7 +75,8 @@ BAD = [
     # pipeline split
     (
         ["layout.decoder_first_pipeline_num_layers=12"],
-        "layout.pipeline_model_parallel_size 4: model.num_layers 43 - first 12 - last 10 = 21 layers do not split evenly over 2 middle stages",
+        "layout.pipeline_model_parallel_size 4: model.num_layers 43 - first 12 - last 10 = 21 layers "
+        "do not split evenly over 2 middle stages",
     ),
     (
         ["layout=tp8pp8ep8", "layout.decoder_last_pipeline_num_layers=4"],
@@ -110,7 +112,8 @@ BAD = [
     ),
     (
         ["layout.sequence_parallel=false"],
-        "layout.sequence_parallel must be true: MoE (model.num_experts 256) with layout.tensor_model_parallel_size 2 > 1 needs sequence parallel",
+        "layout.sequence_parallel must be true: MoE (model.num_experts 256) with "
+        "layout.tensor_model_parallel_size 2 > 1 needs sequence parallel",
     ),
     # batch and rows
     (
@@ -177,19 +180,21 @@ BAD = [
             "model.mtp_num_layers=1",
             "model.dsv4_compress_ratios=[0,4,128,4,0]",
         ],
-        "launcher local-megatron: model.mtp_num_layers 1 with the V4 attention: Megatron-LM 37f91617's MTP layer asserts",
+        "launcher local-megatron: model.mtp_num_layers 1 with the V4 attention: "
+        "Megatron-LM 37f91617's MTP layer asserts",
     ),
     (
         ["experiment=dsv4-tiny-h200", "launcher.transformer_impl=transformer_engine", "layout.micro_batch_size=2"],
-        "launcher local-megatron: layout.micro_batch_size 2 with the V4 model: TileKernels 1.0.0's hyper-connection backward",
+        "launcher local-megatron: layout.micro_batch_size 2 with the V4 model: "
+        "TileKernels 1.0.0's hyper-connection backward",
     ),
     (
         ["experiment=proxy-h200", "launcher.transformer_impl=apex"],
-        "launcher.transformer_impl 'apex': expected auto, transformer_engine or local",
+        "launcher.transformer_impl must be auto, transformer_engine or local (got apex)",  # the schema's Enum
     ),
     (
         ["experiment=proxy-h200", "launcher.attention_backend=cudnn"],
-        "launcher local-megatron: launcher.attention_backend 'cudnn': expected unfused, fused, flash, local or auto",
+        "launcher.attention_backend must be unfused, fused, flash, local or auto (got cudnn)",  # the schema's Enum
     ),
     (
         ["experiment=proxy-h200", "launcher.megatron_lm_path=/nonexistent/Megatron-LM"],

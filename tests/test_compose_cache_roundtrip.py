@@ -11,6 +11,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import helpers
 from helpers import REPO_ROOT
+from trainer import launch
 from trainer.compose import cache as cache_module
 from trainer.compose import compose as compose_module
 from trainer.compose.compose import session
@@ -19,7 +20,7 @@ from trainer.errors import UserError
 
 CONF = REPO_ROOT / "conf"
 # The groups of conf/train.yaml's defaults list.
-GROUPS = sorted(g for d in OmegaConf.load(CONF / "train.yaml").defaults if isinstance(d, DictConfig) for g in d)
+GROUPS = sorted(str(g) for d in OmegaConf.load(CONF / "train.yaml").defaults if isinstance(d, DictConfig) for g in d)
 OPTIONS = [[f"{group}={option.stem}"] for group in GROUPS for option in sorted((CONF / group).glob("*.yaml"))]
 OVERRIDES = [
     [],
@@ -100,7 +101,7 @@ def prepared(composer, job):
     """What `prepare` gives for ``job`` (plan, launch, numerics, choices, overrides, record fields, the job's
     composition), or its one-line refusal."""
     try:
-        run = prepare(job, composer)
+        run = prepare(job, composer, check_launcher=launch.check)
     except UserError as err:
         return str(err)
     return (

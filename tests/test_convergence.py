@@ -1,4 +1,5 @@
-"""The convergence check (Megatron-Bridge validate_convergence + alignment by step, missing and NaN fail) and --predict."""
+"""The convergence check (Megatron-Bridge validate_convergence + alignment by step, missing and NaN fail) and
+--predict."""
 
 import json
 import math

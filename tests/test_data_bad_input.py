@@ -370,7 +370,8 @@ def test_rederive_refuses_missing_or_changed_inputs_and_old_manifests(capsys, tm
     changed = hashlib.sha256((moved / "c.jsonl").read_bytes()).hexdigest()
     refused_verify(
         capsys,
-        f"input c.jsonl: {moved / 'c.jsonl'} has sha256 {changed}, the build read sha256 {sha} (changed since the build)",
+        f"input c.jsonl: {moved / 'c.jsonl'} has sha256 {changed}, the build read sha256 {sha} "
+        "(changed since the build)",
         out,
         "--rederive",
         4,

@@ -68,7 +68,7 @@ def reference_rows(tok, files, seed, row_tokens):
     keyed = []
     for path in files:
         sha = hashlib.sha256(path.read_bytes()).hexdigest()
-        for row, line in enumerate(l for l in path.read_text(encoding="utf-8").splitlines() if l.strip()):
+        for row, line in enumerate(text for text in path.read_text(encoding="utf-8").splitlines() if text.strip()):
             keyed.append((hashlib.sha256(f"{seed}:{sha}:{row}".encode()).digest(), json.loads(line)))
     keyed.sort(key=lambda kv: kv[0])
     stream, mask, owner = [], [], []
@@ -145,7 +145,8 @@ def without_eos(cid, *turns, system=None):
 
 def test_wo_eos_conversation_leaves_the_next_prompt_unsupervised(tmp_path, tok):
     # issue 26 point 1: after a conversation ending without EOS, the next one in the same tokenizer batch had its
-    # BOS, system, <｜User｜>, user text and <｜Assistant｜> set to 1 (3,206 prompt tokens in a 2,128-conversation build)
+    # BOS, system, <｜User｜>, user text and <｜Assistant｜> set to 1
+    # (3,206 prompt tokens in a 2,128-conversation build)
     tokenizer, special = tok
     rows_in = []
     for i in range(12):
@@ -204,7 +205,7 @@ def test_manifest_fields_and_hash_definitions(tmp_path):
     assert on_disk == manifest and REQUIRED_KEYS <= set(manifest)
     rows, masks, _ = read_rows(tmp_path / "out")
     digest = hashlib.sha256()
-    for r, m in zip(rows, masks):
+    for r, m in zip(rows, masks, strict=True):
         digest.update(r.astype("<i4").tobytes() + m.astype(np.uint8).tobytes())
     data = (tmp_path / "out" / "rows.parquet").read_bytes()
     assert manifest["rows_sha256"] == digest.hexdigest()
@@ -511,7 +512,7 @@ def forge(out, row, position):
     rows, masks, sources = read_rows(out)
     masks[row][position] ^= 1
     writer = RowWriter(out / "rows.parquet", len(rows[0]))
-    for r, m, ids in zip(rows, masks, sources):
+    for r, m, ids in zip(rows, masks, sources, strict=True):
         writer.add(r.astype(np.int32), m.astype(np.uint8), ids)
     rows_sha256 = writer.close()
     data = (out / "rows.parquet").read_bytes()
@@ -622,7 +623,7 @@ def rewrite(out, rows, masks, sources, starts):
     """Write ``rows``/``masks``/``sources`` and the anchors ``starts`` into out/ with hashes and counts that agree
     (a forger who rewrites the manifest too)."""
     writer = RowWriter(out / "rows.parquet", len(rows[0]))
-    for r, m, ids in zip(rows, masks, sources):
+    for r, m, ids in zip(rows, masks, sources, strict=False):
         writer.add(np.asarray(r).astype(np.int32), np.asarray(m).astype(np.uint8), ids)
     rows_sha256 = writer.close()
     data = (out / "rows.parquet").read_bytes()

@@ -32,8 +32,10 @@ CALL = {
     "function": {"name": "get_time", "arguments": '{"city": "Zürich", "utc": false, "n": 2}'},
 }
 CALL_TEXT = (
-    f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_time">\n<{DSML}parameter name="city" string="true">Zürich</{DSML}parameter>\n'
-    f'<{DSML}parameter name="utc" string="false">false</{DSML}parameter>\n<{DSML}parameter name="n" string="false">2</{DSML}parameter>\n'
+    f'\n\n<{DSML}tool_calls>\n<{DSML}invoke name="get_time">\n'
+    f'<{DSML}parameter name="city" string="true">Zürich</{DSML}parameter>\n'
+    f'<{DSML}parameter name="utc" string="false">false</{DSML}parameter>\n'
+    f'<{DSML}parameter name="n" string="false">2</{DSML}parameter>\n'
     f"</{DSML}invoke>\n</{DSML}tool_calls>"
 )
 
@@ -230,8 +232,8 @@ def test_unicode_and_marker_strings_inside_content(tok):
     )
     assert (ids, mask) == (want_ids, want_mask)
     # the marker inside user content is an unsupervised 128804; the EOS inside the answer a supervised 1
-    assert [m for t, m in zip(ids, mask) if t == 128804] == [0, 0]
-    assert [m for t, m in zip(ids, mask) if t == 1] == [1, 1]
+    assert [m for t, m in zip(ids, mask, strict=True) if t == 128804] == [0, 0]
+    assert [m for t, m in zip(ids, mask, strict=True) if t == 1] == [1, 1]
     assert tokenizer.decode(ids, skip_special_tokens=False) == text
 
 
@@ -240,7 +242,7 @@ def test_batch_encoding_equals_one_by_one(tok):
     convs = [[{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "a" * i}] for i in range(5)]
     ids, mask, lengths = chat.encode(tokenizer, special, [chat.render(c) for c in convs])
     start = 0
-    for conv, n in zip(convs, lengths.tolist()):
+    for conv, n in zip(convs, lengths.tolist(), strict=True):
         one_ids, one_mask = encode_one(tok, conv)
         assert ids[start : start + n].tolist() == one_ids and mask[start : start + n].tolist() == one_mask
         start += n
@@ -373,7 +375,7 @@ def test_property_a_batch_encodes_as_its_conversations_one_by_one(batch):
         alone = [chat.encode(tokenizer, special, [r], loss_mask) for r in batch]
         assert ids.tolist() == [t for one in alone for t in one[0].tolist()]
         assert mask.tolist() == [m for one in alone for m in one[1].tolist()], loss_mask
-        for r, one in zip(batch, alone):  # and each alone is the role-based mask of its pieces
+        for r, one in zip(batch, alone, strict=True):  # and each alone is the role-based mask of its pieces
             piece_ids, piece_mask = chat.mask_from_pieces(tokenizer, r, loss_mask)
             assert (one[0].tolist(), one[1].tolist()) == (piece_ids, piece_mask.tolist())
             assert one[1][0] == 0  # BOS is never a target, whatever the conversation before ended with
@@ -644,7 +646,8 @@ def test_property_masks_cut_where_the_tokenizer_cuts(tok):
         (["hi"], "messages[0]: expected an object with role and content, got str"),
         (
             [{"role": "function", "content": "x"}],
-            "messages[0].role: unknown role 'function' (expected system, developer, user, tool, assistant or latest_reminder)",
+            "messages[0].role: unknown role 'function' "
+            "(expected system, developer, user, tool, assistant or latest_reminder)",
         ),
         ([{"content": "x"}], "messages[0].role: unknown role None"),
         ([{"role": "user", "content": 3}], "messages[0].content: expected a string, got int 3"),
@@ -686,7 +689,8 @@ def test_property_masks_cut_where_the_tokenizer_cuts(tok):
         # keys the format has no place for are refused, not dropped
         (
             [{"role": "user", "content": "q", "name": "bob"}, {"role": "assistant", "content": "a"}],
-            "messages[0].name: not part of the DeepSeek-V4 format for a message of role user (expected content, mask, task)",
+            "messages[0].name: not part of the DeepSeek-V4 format for a message of role user "
+            "(expected content, mask, task)",
         ),
         (
             [{"role": "user", "content": "q", "tool_calls": [CALL]}, {"role": "assistant", "content": "a"}],
@@ -765,7 +769,8 @@ def test_property_masks_cut_where_the_tokenizer_cuts(tok):
                 {"role": "user", "content": "p"},
                 {"role": "assistant", "content": "a"},
             ],
-            "messages[0].task: the format renders a task token only before an assistant or latest_reminder turn; the next message is a user turn",
+            "messages[0].task: the format renders a task token only before an assistant or latest_reminder turn; "
+            "the next message is a user turn",
         ),
         (
             [

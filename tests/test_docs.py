@@ -1,4 +1,5 @@
-"""The docs say what runs: README.md, lockfiles/README.md and bench/RESULTS.md checked against the code and files.
+"""The docs say what runs: README.md, docs/*.md, CHANGELOG.md, lockfiles/README.md and bench/RESULTS.md checked
+against the code and files.
 
 Three kinds of check, each a function from the docs' text to a list of failures (``FILE:LINE: what``), so that
 every one is run on the real docs (no failure) and on a tampered copy (the failure named):
@@ -17,7 +18,9 @@ every one is run on the real docs (no failure) and on a tampered copy (the failu
   their figures, the configuration table against ``conf/``, the repository map against the files;
 * (c) cheap commands run in-process: ``trainer lock verify`` of every lock, ``trainer image check --predict``,
   ``--help`` of every subcommand, the plan and the refused overrides README shows, the offline build of the
-  full lock, with the exit codes and output the docs show.
+  full lock, with the exit codes and output the docs show;
+* (d) the docs hold together: every page of ``docs/`` is linked from README.md, every relative link resolves, and
+  no paragraph of README.md, ``docs/`` or CHANGELOG.md runs over :data:`PARAGRAPH_WORDS` words.
 """
 
 from __future__ import annotations
@@ -35,14 +38,21 @@ import shlex
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 import helpers
 from trainer import cli
 
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
 ROOT = helpers.REPO_ROOT
-DOCS = ("README.md", "lockfiles/README.md", "bench/RESULTS.md")
+# the reference, one page per phase (README.md is the guide that links them)
+DOCS_PAGES = tuple(sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md")))
+DOCS = ("README.md", "CHANGELOG.md", "lockfiles/README.md", "bench/RESULTS.md", *DOCS_PAGES)
+CONFIG_DOC = "docs/compose.md"  # the configuration table
 HISTORICAL = re.compile(r"\bhistorical\b", re.I)
 
 Docs = dict[str, list[str]]
@@ -50,6 +60,13 @@ Docs = dict[str, list[str]]
 
 def load_docs() -> Docs:
     return {name: (ROOT / name).read_text(encoding="utf-8").splitlines() for name in DOCS}
+
+
+def search(pattern: str, text: str) -> re.Match[str]:
+    """``re.search`` that must find ``pattern``: an AssertionError naming it and ``text`` when it does not."""
+    m = re.search(pattern, text)
+    assert m, f"no {pattern!r} in {text!r}"
+    return m
 
 
 def tampered(docs: Docs, name: str, old: str, new: str) -> Docs:
@@ -85,22 +102,22 @@ def paragraphs(lines: list[str]) -> list[tuple[int, int, str]]:
     """(first line, last line, text) of each prose paragraph or table outside fenced blocks (1-based lines); a
     table's paragraph includes the paragraph right above it (its caption)."""
     out: list[tuple[int, int, str]] = []
-    inside, start, buf = False, None, []
+    inside, start, buf = False, 0, list[str]()  # start: the first line of buf (0 while buf is empty)
     for i, line in enumerate(lines + [""], 1):
         if line.startswith("```"):
             inside = not inside
             if buf:
                 out.append((start, i - 1, "\n".join(buf)))
-            start, buf = None, []
+            start, buf = 0, []
             continue
         if inside:
             continue
         if not line.strip() or line.startswith("#"):
             if buf:
                 out.append((start, i - 1, "\n".join(buf)))
-            start, buf = None, []
+            start, buf = 0, []
             continue
-        if start is None:
+        if not buf:
             start = i
         buf.append(line)
     merged: list[tuple[int, int, str]] = []
@@ -241,7 +258,7 @@ def check_trainer(args: list[str], fragment: bool = False) -> str | None:
 
 def subcommand_path(args: list[str]) -> list[str]:
     """``args`` up to the first argument (the program's subcommands); ``sbom/provenance`` -> ``sbom``."""
-    path = []
+    path: list[str] = []
     for a in args:
         if a.startswith("-") or not re.fullmatch(r"[a-z][a-z0-9/-]*", a) or len(path) >= 2:
             break
@@ -263,7 +280,7 @@ TRAIN_FLAGS = {
 }
 TRAIN_VALUE_FLAGS = {"--sign-key", "--cfg", "-c"}
 HYDRA_KEYS = {"hydra.run.dir", "hydra.sweep.dir", "hydra.job.chdir", "hydra.verbose"}
-_COMPOSED: dict[tuple[str, ...], object] = {}
+_COMPOSED: dict[tuple[str, ...], DictConfig] = {}
 
 
 def groups() -> dict[str, set]:
@@ -342,6 +359,7 @@ def check_bench_python(script: str, args: list[str]) -> str | None:
             else f"{script} takes {want} arguments, {len(args)} shown"
         )
     spec = importlib.util.spec_from_file_location(f"_docs_bench_{path.stem}", path)
+    assert spec and spec.loader, f"{script}: not a Python module"
     module = importlib.util.module_from_spec(spec)
     saved, saved_bytecode = list(sys.argv), sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # tests write only under their temporary directory: no bench/__pycache__
@@ -461,19 +479,19 @@ def check_counts(docs: Docs) -> list[str]:
     all_locks = locks()
     counts = {
         name: {
-            "debs": {len(l["base"].get("debs", [])), len(l.get("build_root", {}).get("debs", []))} - {0},
-            "wheels": {len(l.get("wheels", []))},
-            "sdists": {len(l.get("sdists", []))},
+            "debs": {len(lk["base"].get("debs", [])), len(lk.get("build_root", {}).get("debs", []))} - {0},
+            "wheels": {len(lk.get("wheels", []))},
+            "sdists": {len(lk.get("sdists", []))},
         }
-        for name, l in all_locks.items()
+        for name, lk in all_locks.items()
     }
     for name, number, m in lines_matching(docs, r"\b(\d[\d,]*) (?:pinned )?(\.debs|wheels|sdists|packages)\b"):
         para = paragraph_at(docs[name], number)
         lock = next(
             (
-                l
-                for l in ("debian-full", "debian-smoke", "full", "smoke")
-                if re.search(rf"(?<![\w-]){re.escape(l)}(?:\.lock\.json)?(?![\w-])", para)
+                candidate
+                for candidate in ("debian-full", "debian-smoke", "full", "smoke")
+                if re.search(rf"(?<![\w-]){re.escape(candidate)}(?:\.lock\.json)?(?![\w-])", para)
             ),
             None,
         )
@@ -534,8 +552,12 @@ def check_digests(docs: Docs) -> list[str]:
     return failures
 
 
-def sections(lines: list[str]) -> list[tuple[int, str, list[tuple[int, str]]]]:
-    out, current = [], None
+Section = tuple[int, str, list[tuple[int, str]]]
+
+
+def sections(lines: list[str]) -> list[Section]:
+    out: list[Section] = []
+    current: Section | None = None
     for number, line in enumerate(lines, 1):
         if line.startswith("## "):
             current = (number, line[3:], [])
@@ -559,13 +581,12 @@ def table_rows(body: list[tuple[int, str]], header_has: str) -> list[tuple[int, 
         if set(line.strip()) <= set("|-: "):
             continue
         cells = [c.strip().strip("*").strip() for c in line.strip().strip("|").split("|")]
-        rows.append((number_, dict(zip(header, cells))))
+        rows.append((number_, dict(zip(header, cells, strict=False))))  # a short row: its missing cells are absent
     return rows
 
 
 def number(cell: str) -> float:
-    m = re.search(r"-?[\d,]*\.?\d+", cell)
-    return float(m.group(0).replace(",", ""))
+    return float(search(r"-?[\d,]*\.?\d+", cell).group(0).replace(",", ""))
 
 
 # section title (start) -> (results dir, the run's directory from a row, {column: (summary key, scale, digits)})
@@ -592,7 +613,7 @@ def check_results_tables(docs: Docs) -> list[str]:
     bench/results/native_builds.json and expected-digests.json."""
     failures, name = [], "bench/RESULTS.md"
     checked = 0
-    for start, title, body in sections(docs[name]):
+    for _start, title, body in sections(docs[name]):
         spec = next((v for k, v in H200_TABLES.items() if title.startswith(k)), None)
         if spec:
             folder, run_of, key = spec
@@ -633,14 +654,14 @@ def check_results_tables(docs: Docs) -> list[str]:
                     measured.setdefault(step, []).extend(x["seconds"] for x in r["runs"])
             builds = expected()["debian-full"]["builds"]
             for number_, row in table_rows(body, "run A"):
-                step = re.search(r"`([\w-]+)`", row["step"]).group(1)
+                step = search(r"`([\w-]+)`", row["step"]).group(1)
                 b = builds[step]
                 if f"{b['size']:,} B" not in row["output (layer)"]:
                     failures.append(
                         f"{name}:{number_}: {step} output {row['output (layer)']!r}, but "
                         f"expected-digests.json has {b['size']:,} B"
                     )
-                prefix = re.search(r"sha256:([0-9a-f]+)", row["output (layer)"]).group(1)
+                prefix = search(r"sha256:([0-9a-f]+)", row["output (layer)"]).group(1)
                 if not b["diff_id"][7:].startswith(prefix):
                     failures.append(
                         f"{name}:{number_}: {step} sha256:{prefix}, but expected-digests.json has {b['diff_id']}"
@@ -666,7 +687,7 @@ def check_ratios(docs: Docs) -> list[str]:
     image build (cold / floor, baseline / cold), the one-GPU baseline ratios of the megatron-core proxy."""
     failures, name = [], "bench/RESULTS.md"
     lines = docs[name]
-    for start, title, body in sections(lines):
+    for _start, title, body in sections(lines):
         if title.startswith("Plan latency"):
             for header_has in ("plan median", "plan (warm)"):
                 for n, row in table_rows(body, header_has):
@@ -686,8 +707,8 @@ def check_ratios(docs: Docs) -> list[str]:
                             )
         if title.startswith("Data build throughput"):
             for n, row in table_rows(body, "wall ratio"):
-                raw = float(re.search(r"\(([\d.]+) s\)", row["raw encoding"]).group(1))
-                build = float(re.search(r"\(([\d.]+) s\)", row["builder"]).group(1))
+                raw = float(search(r"\(([\d.]+) s\)", row["raw encoding"]).group(1))
+                build = float(search(r"\(([\d.]+) s\)", row["builder"]).group(1))
                 if abs(raw / build - number(row["wall ratio"])) > 0.006:
                     failures.append(
                         f"{name}:{n}: wall ratio {row['wall ratio']}, but {raw} / {build} = {raw / build:.3f}"
@@ -711,9 +732,10 @@ def check_ratios(docs: Docs) -> list[str]:
             rows = {row["layout"]: row for _, row in table_rows(body, "tokens/s/GPU")}
             base = number(rows["TP1 PP1 EP1 DP1"]["tokens/s/GPU"])
             for n, line in body:
-                m = re.search(r"DP2 (\d+\.\d+), EP2 (\d+\.\d+), PP2 (\d+\.\d+)", line)
-                if m:
-                    for layout, stated in zip(("TP1 PP1 EP1 DP2", "TP1 PP1 EP2 DP2", "TP1 PP2 EP1 DP1"), m.groups()):
+                stated_ratios = re.search(r"DP2 (\d+\.\d+), EP2 (\d+\.\d+), PP2 (\d+\.\d+)", line)
+                if stated_ratios:
+                    layouts = ("TP1 PP1 EP1 DP2", "TP1 PP1 EP2 DP2", "TP1 PP2 EP1 DP1")
+                    for layout, stated in zip(layouts, stated_ratios.groups(), strict=True):
                         ratio = number(rows[layout]["tokens/s/GPU"]) / base
                         if abs(ratio - float(stated)) > 0.006:
                             failures.append(f"{name}:{n}: {layout} ratio {stated}, but the table gives {ratio:.3f}")
@@ -721,9 +743,9 @@ def check_ratios(docs: Docs) -> list[str]:
 
 
 def check_config_table(docs: Docs) -> list[str]:
-    """README's configuration table lists exactly the options of each group in conf/."""
+    """The configuration table (:data:`CONFIG_DOC`) lists exactly the options of each group in conf/."""
     failures, conf, seen = [], groups(), set()
-    for n, line in enumerate(docs["README.md"], 1):
+    for n, line in enumerate(docs[CONFIG_DOC], 1):
         m = re.match(r"^\| `(\w+)` \| (.*?) \| .* \|$", line)
         if not m or m.group(1) not in conf:
             continue
@@ -733,12 +755,14 @@ def check_config_table(docs: Docs) -> list[str]:
         for option in re.findall(r"`([\w.*-]+)`", m.group(2)):
             matches = {o for o in conf[group] if re.fullmatch(option.replace("*", ".*"), o)}
             if not matches:
-                failures.append(f"README.md:{n}: {group} option `{option}`: no conf/{group}/{option}.yaml")
+                failures.append(f"{CONFIG_DOC}:{n}: {group} option `{option}`: no conf/{group}/{option}.yaml")
             listed |= matches
         if conf[group] - listed:
-            failures.append(f"README.md:{n}: {group}: conf/{group}/ also has {', '.join(sorted(conf[group] - listed))}")
+            also = ", ".join(sorted(conf[group] - listed))
+            failures.append(f"{CONFIG_DOC}:{n}: {group}: conf/{group}/ also has {also}")
     if seen != set(conf):
-        failures.append(f"README.md: the configuration table lacks the groups {', '.join(sorted(set(conf) - seen))}")
+        lacks = ", ".join(sorted(set(conf) - seen))
+        failures.append(f"{CONFIG_DOC}: the configuration table lacks the groups {lacks}")
     return failures
 
 
@@ -750,7 +774,7 @@ def check_repository_map(docs: Docs) -> list[str]:
     or under its ``host/``)."""
     failures = []
     lines = docs["README.md"]
-    start = next(i for i, l in enumerate(lines) if l.startswith("## Repository"))
+    start = next(i for i, line in enumerate(lines) if line.startswith("## Repository"))
     block = next(body for fence, _, body in fenced(lines) if fence > start)
     in_trainer, package = False, None
     for n, text in block:
@@ -781,17 +805,20 @@ def check_repository_map(docs: Docs) -> list[str]:
 
 
 def check_setup_packages(docs: Docs) -> list[str]:
-    """README's list of what `bin/setup` installs is bin/setup's package list."""
+    """The docs' list of what `bin/setup` installs is bin/setup's package list."""
     text = (ROOT / "bin" / "setup").read_text()
-    want = re.search(r"^packages=\(([^)]*)\)", text, re.M).group(1).split()
-    for n, line in enumerate(docs["README.md"], 1):
-        if "installs the Debian packages the bundle uses" in line:
-            para = paragraph_at(docs["README.md"], n)
-            listed = re.findall(r"`([\w-]+)`", para.split("(`--no-install-recommends`)")[0])
-            if listed != want:
-                return [f"README.md:{n}: bin/setup installs {' '.join(want)}, the README lists {' '.join(listed)}"]
-            return []
-    return ["README.md: the list of what bin/setup installs is gone"]
+    match = re.search(r"^packages=\(([^)]*)\)", text, re.M)
+    assert match, "bin/setup has no packages=(...) list"
+    want = match.group(1).split()
+    for name, lines in docs.items():
+        for n, line in enumerate(lines, 1):
+            if "installs the Debian packages the bundle uses" in line:
+                para = paragraph_at(lines, n)
+                listed = re.findall(r"`([\w-]+)`", para.split("(`--no-install-recommends`)")[0])
+                if listed != want:
+                    return [f"{name}:{n}: bin/setup installs {' '.join(want)}, the docs list {' '.join(listed)}"]
+                return []
+    return ["README.md: the list of what bin/setup installs is gone (from it and docs/)"]
 
 
 def check_first_build(docs: Docs) -> list[str]:
@@ -806,7 +833,7 @@ def check_first_build(docs: Docs) -> list[str]:
     )
     if section is None:
         return ['bench/RESULTS.md: no section "A first debian-full build"']
-    recorded = re.search(r"([\d,]+) s, ([\d,]+) s of it", " ".join(l for _, l in section[1]))
+    recorded = search(r"([\d,]+) s, ([\d,]+) s of it", " ".join(line for _, line in section[1]))
     for name, lines in docs.items():
         for first, _, text in paragraphs(lines):
             flat = text.replace("\n", " ")
@@ -905,6 +932,78 @@ def check_lock_example(docs: Docs) -> list[str]:
     return failures
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# (d) the docs hold together: links and paragraphs
+
+LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
+PARAGRAPH_WORDS = 120  # the most words of one paragraph of the guide, the reference pages and the changelog
+SHORT_PARAGRAPHS = ("README.md", "CHANGELOG.md", *DOCS_PAGES)
+
+
+def prose_lines(lines: list[str]) -> Iterator[tuple[int, str]]:
+    """(line number, text) of every line outside fenced code blocks."""
+    inside = False
+    for number_, line in enumerate(lines, 1):
+        if line.startswith("```"):
+            inside = not inside
+        elif not inside:
+            yield number_, line
+
+
+def links(docs: Docs) -> Iterator[tuple[str, int, str, Path]]:
+    """(doc, line, target as written, the file it names) of every relative link ``[text](target)`` outside code;
+    a ``#fragment`` is cut, web addresses and in-page anchors are left out."""
+    for name, lines in docs.items():
+        for number_, line in prose_lines(lines):
+            for m in LINK.finditer(line):
+                target = m.group(2)
+                if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
+                    continue
+                yield name, number_, target, (ROOT / name).parent / target.split("#")[0]
+
+
+def check_links(docs: Docs) -> list[str]:
+    """Every relative link of the docs names a file or directory of the repository, and README.md links every
+    page of ``docs/`` (the guide is the way in to the reference)."""
+    failures, linked = [], set()
+    for name, number_, target, path in links(docs):
+        resolved = os.path.normpath(path)
+        inside = resolved == str(ROOT) or resolved.startswith(str(ROOT) + os.sep)
+        rel = os.path.relpath(resolved, ROOT) if inside else None
+        if rel is None or not os.path.exists(resolved):
+            if rel is not None and rel.startswith(OUTSIDE_DATA) and os.environ.get("TEST_SRCDIR"):
+                continue  # not data of the tests: Bazel's runfiles do not hold it
+            failures.append(f"{name}:{number_}: link {target}: no such file in the repository")
+        elif name == "README.md":
+            linked.add(rel)
+    for page in DOCS_PAGES:
+        if page in docs and page not in linked:
+            failures.append(f"README.md: {page} is not linked from the README")
+    return failures
+
+
+def check_paragraph_length(docs: Docs) -> list[str]:
+    """No paragraph (a list item counts as its own paragraph; tables and code are left out) of README.md,
+    CHANGELOG.md or a ``docs/`` page is longer than :data:`PARAGRAPH_WORDS` words."""
+    failures = []
+    for name in SHORT_PARAGRAPHS:
+        if name not in docs:
+            continue
+        for first, _, text in paragraphs(docs[name]):
+            chunk: list[str] = []
+            start = first
+            for offset, line in enumerate([*text.split("\n"), "| end"]):
+                if line.startswith("|") or re.match(r"\s*(?:[-*]|\d+\.) ", line):
+                    words = len(" ".join(chunk).split())
+                    if words > PARAGRAPH_WORDS:
+                        failures.append(f"{name}:{start}: a paragraph of {words} words (at most {PARAGRAPH_WORDS})")
+                    chunk, start = [], first + offset
+                    if line.startswith("|"):
+                        continue
+                chunk.append(line)
+    return failures
+
+
 CHECKS = [
     check_counts,
     check_digests,
@@ -917,6 +1016,8 @@ CHECKS = [
     check_claims,
     check_names,
     check_lock_example,
+    check_links,
+    check_paragraph_length,
 ]
 
 
@@ -968,10 +1069,10 @@ def test_every_command_line_shown_parses(docs):
     [
         # the issue's drift: add-git without --commit is refused (exit 2)
         (
-            "README.md",
+            "docs/locks-and-images.md",
             "bin/trainer cache add-git ../miles       --commit 78527b9102b3a5f15891128cbec3ac6c2dc4089e",
             "bin/trainer cache add-git ../miles --lock lockfiles/debian-full.lock.json",
-            "README.md:",
+            "docs/locks-and-images.md:",
         ),
         (
             "bench/RESULTS.md",
@@ -985,9 +1086,14 @@ def test_every_command_line_shown_parses(docs):
             "nix run .#train -- layout=tp8pp9ep8",
             "no conf/layout/tp8pp9ep8.yaml",
         ),
-        ("README.md", "cluster.partition=<partition>", "cluster.partitio=<partition>", "cluster.partitio: not a key"),
         (
-            "README.md",
+            "docs/runs.md",
+            "cluster.partition=<partition>",
+            "cluster.partitio=<partition>",
+            "cluster.partitio: not a key",
+        ),
+        (
+            "docs/reports.md",
             "bin/trainer report RUN_DIR [--window 5:19]",
             "bin/trainer report RUN_DIR [--windw 5:19]",
             "does not parse",
@@ -1011,7 +1117,7 @@ def test_every_command_line_shown_parses(docs):
             "no tests/test_nothing.py",
         ),
         (
-            "README.md",
+            "docs/nix-and-bazel.md",
             "`bin/python-env --torch-source`",
             "`bin/python-env --torch-sources`",
             "knows no --torch-sources",
@@ -1023,19 +1129,19 @@ def test_every_command_line_shown_parses(docs):
             "unknown trainer command 'verfy'",
         ),
         (
-            "README.md",
+            "docs/runs.md",
             "bin/train launcher=ray launcher.address=http://HEAD:8265",
             "bin/train launcher=rey launcher.address=x",
             "no conf/launcher/rey.yaml",
         ),
-        ("README.md", "hydra.run.dir=/shared/runs/dsv4-tp2pp4ep8", "hydra.rundir=/shared", "not a Hydra key"),
+        ("docs/runs.md", "hydra.run.dir=/shared/runs/dsv4-tp2pp4ep8", "hydra.rundir=/shared", "not a Hydra key"),
     ],
 )
 def test_a_command_line_that_does_not_parse_is_named(docs, doc, old, new, said):
     failures = check_commands(tampered(docs, doc, old, new))
     assert failures and all(f.startswith(doc + ":") for f in failures), failures
     assert any(said in f for f in failures), failures
-    line = next(i for i, l in enumerate(tampered(docs, doc, old, new)[doc], 1) if new in l)
+    line = next(i for i, text in enumerate(tampered(docs, doc, old, new)[doc], 1) if new in text)
     # the line named is the command's first: the tampered line or up to two above it (continued lines)
     assert any(f.startswith(tuple(f"{doc}:{n}:" for n in range(line - 2, line + 1))) for f in failures), (
         line,
@@ -1051,7 +1157,13 @@ def test_stated_figures_match_their_files(docs, check):
 @pytest.mark.parametrize(
     "check,doc,old,new,said",
     [
-        (check_counts, "README.md", "110 pinned .debs", "94 pinned .debs", "README.md:"),
+        (
+            check_counts,
+            "docs/locks-and-images.md",
+            "110 pinned .debs",
+            "94 pinned .debs",
+            "lockfiles/debian-full.lock.json has 110",
+        ),
         (
             check_counts,
             "lockfiles/README.md",
@@ -1070,7 +1182,7 @@ def test_stated_figures_match_their_files(docs, check):
         (check_digests, "bench/RESULTS.md", "historical) was recorded", "was recorded", "sha256:afeaff9152fda55c"),
         (
             check_digests,
-            "README.md",
+            "docs/locks-and-images.md",
             "sha256:7b6a35df9839fd593a94",
             "sha256:7b6a35df9839fd593a95",
             "not in lockfiles/expected",
@@ -1104,12 +1216,12 @@ def test_stated_figures_match_their_files(docs, check):
         (check_ratios, "bench/RESULTS.md", "DP2 0.98, EP2 1.11", "DP2 0.98, EP2 1.21", "TP1 PP1 EP2 DP2 ratio 1.21"),
         (
             check_config_table,
-            "README.md",
+            "docs/compose.md",
             "`plan`, `local-cpu`, ",
             "`plan`, `local-gpu`, ",
             "no conf/launcher/local-gpu.yaml",
         ),
-        (check_config_table, "README.md", ", `synthetic-8192` |", " |", "also has synthetic-8192"),
+        (check_config_table, "docs/compose.md", ", `synthetic-8192` |", " |", "also has synthetic-8192"),
         (
             check_repository_map,
             "README.md",
@@ -1117,17 +1229,17 @@ def test_stated_figures_match_their_files(docs, check):
             "sbom provenance referers smoke",
             "trainer/image/referers",
         ),
-        (check_setup_packages, "README.md", "`munge`, `bubblewrap`", "`munge`", "bin/setup installs"),
+        (check_setup_packages, "docs/setup.md", "`munge`, `bubblewrap`", "`munge`", "bin/setup installs"),
         (
             check_names,
-            "README.md",
+            "docs/data.md",
             "unless `--keep-reasoning`",
             "unless `--keep-reasonings`",
             "--keep-reasonings: no such option",
         ),
         (
             check_names,
-            "README.md",
+            "docs/compose.md",
             "`TRAINER_COMPOSE_CACHE=DIR`",
             "`TRAINER_COMPOSE_CACHES=DIR`",
             "$TRAINER_COMPOSE_CACHES",
@@ -1147,7 +1259,17 @@ def test_stated_figures_match_their_files(docs, check):
             "missing ['resolved_from']",
         ),
         # the issue's drift: a first build is 1,186 s, not 95 s; the build steps are compiled; image diff exits 1 now
-        (check_first_build, "README.md", "took 1,186 s", "took 95 s", "records 1,186 s"),
+        (check_first_build, "docs/locks-and-images.md", "took 1,186 s", "took 95 s", "records 1,186 s"),
+        # the docs hold together: a page's link that names nothing, a page the README no longer links, a wall
+        (check_links, "docs/runs.md", "(supply-chain.md)", "(supply-chains.md)", "link supply-chains.md: no such"),
+        (check_links, "docs/compose.md", "(../SECURITY.md)", "(../SECURITY.txt)", "link ../SECURITY.txt"),
+        (
+            check_paragraph_length,
+            "docs/data.md",
+            "A conversation's tokens and mask depend on that conversation alone",
+            "A conversation's tokens and mask depend on that conversation alone" + " and on nothing else" * 20,
+            "a paragraph of",
+        ),
         (
             check_claims,
             "lockfiles/README.md",
@@ -1168,6 +1290,22 @@ def test_a_figure_that_drifted_is_named(docs, check, doc, old, new, said):
     failures = check(tampered(docs, doc, old, new))
     assert failures and any(said in f for f in failures), failures
     assert all(f.startswith(doc + ":") for f in failures), failures
+
+
+def test_a_docs_page_the_readme_does_not_link_is_named(docs):
+    readme = [re.sub(r"\]\(docs/data\.md\)", "]", line) for line in docs["README.md"]]
+    assert readme != docs["README.md"]
+    assert check_links({**docs, "README.md": readme}) == ["README.md: docs/data.md is not linked from the README"]
+
+
+def test_the_docs_hold_their_pages(docs):
+    # the reference moved from the README into docs/: each page is there, checked, and says where its code lives
+    assert len(DOCS_PAGES) >= 8 and "docs/compose.md" in DOCS_PAGES and "CHANGELOG.md" in docs
+    for page in DOCS_PAGES:
+        intro = " ".join(docs[page][:8])
+        assert docs[page][0].startswith("# ") and "Where it lives:" in intro, f"{page}: no 'Where it lives:' opening"
+    assert sum(1 for _ in links(docs)) >= 30
+    assert len(docs["README.md"]) <= 250, f"README.md is {len(docs['README.md'])} lines, a guide is at most 250"
 
 
 def test_the_checks_see_the_statements(docs):
@@ -1210,7 +1348,7 @@ def test_a_bench_header_naming_a_missing_subcommand_is_named():
 def test_historical_marks_only_their_own_paragraph(docs):
     # the mark excuses the digests of its paragraph (or table with its caption), never another's
     lines = list(docs["bench/RESULTS.md"])
-    row = next(i for i, l in enumerate(lines) if "sha256:c3ca95de" in l)
+    row = next(i for i, line in enumerate(lines) if "sha256:c3ca95de" in line)
     blank = next(i for i in range(row, len(lines)) if not lines[i].strip())  # the end of that table
     lines[blank + 1 : blank + 1] = ["The image is `sha256:c3ca95debd075d82`.", ""]
     failures = check_digests({**docs, "bench/RESULTS.md": lines})
@@ -1256,14 +1394,14 @@ def test_lock_verify_refuses_the_debian_smoke_torch_as_lockfiles_readme_says(cap
     )
 
 
-def test_image_check_predict_prints_what_readme_shows(capsys, docs):
-    n, line = doc_line(docs, "README.md", "--predict              # ")
+def test_image_check_predict_prints_what_the_docs_show(capsys, docs):
+    n, line = doc_line(docs, "docs/locks-and-images.md", "--predict              # ")
     shown = line.split("# ", 1)[1]
     code, out, err = trainer(["image", "check", "--lock", "lockfiles/debian-full.lock.json", "--predict"], capsys)
     digest = expected()["debian-full"]["manifest_digest"]
     assert code == 0, err
     assert out.strip() == shown.replace("sha256:...", digest), (
-        f"README.md:{n}: shows {shown!r}, the command prints {out!r}"
+        f"docs/locks-and-images.md:{n}: shows {shown!r}, the command prints {out!r}"
     )
 
 
@@ -1299,7 +1437,7 @@ def test_trainer_help_lists_every_command(capsys):
 
 def test_the_plan_prints_what_readme_shows(docs, tmp_path):
     lines = docs["README.md"]
-    start = next(i for i, l in enumerate(lines) if l == "$ nix run .#train -- layout=tp2pp4ep8")
+    start = next(i for i, line in enumerate(lines) if line == "$ nix run .#train -- layout=tp2pp4ep8")
     shown = []
     for n in range(start + 1, len(lines)):
         if lines[n].startswith("```"):
@@ -1308,7 +1446,7 @@ def test_the_plan_prints_what_readme_shows(docs, tmp_path):
     proc = helpers.run_train(["layout=tp2pp4ep8", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     printed = proc.stdout + proc.stderr
-    assert sum(1 for _, l in shown if l.startswith(("│", "peak estimate"))) == 5
+    assert sum(1 for _, line in shown if line.startswith(("│", "peak estimate"))) == 5
     rows = [" ".join(c.split()) for line in printed.splitlines() for c in [line.replace("│", " ").strip()] if c]
     for n, line in shown:
         if line.startswith("│"):
@@ -1319,17 +1457,20 @@ def test_the_plan_prints_what_readme_shows(docs, tmp_path):
             assert line in printed, f"README.md:{n}: {line!r} not printed"
 
 
-def test_refused_overrides_print_the_lines_readme_shows(docs, tmp_path):
-    lines = docs["README.md"]
+def test_refused_overrides_print_the_lines_the_docs_show(docs, tmp_path):
     checked = 0
-    for n, line in enumerate(lines, 1):
-        if line.startswith("$ nix run .#train -- ") and lines[n].startswith("train: error:"):
-            args = shlex.split(line[len("$ nix run .#train -- ") :])
-            proc = helpers.run_train([*args, f"hydra.run.dir={tmp_path / str(n)}"], cwd=tmp_path)
-            assert proc.returncode == 2, f"README.md:{n}: exit {proc.returncode}"
-            assert proc.stderr.strip() == lines[n], f"README.md:{n + 1}: shows {lines[n]!r}, train says {proc.stderr!r}"
-            assert not (tmp_path / str(n)).exists()
-            checked += 1
+    for name, lines in docs.items():
+        for n, line in enumerate(lines, 1):
+            if line.startswith("$ nix run .#train -- ") and lines[n].startswith("train: error:"):
+                args = shlex.split(line[len("$ nix run .#train -- ") :])
+                run = tmp_path / f"{name.replace('/', '-')}-{n}"
+                proc = helpers.run_train([*args, f"hydra.run.dir={run}"], cwd=tmp_path)
+                assert proc.returncode == 2, f"{name}:{n}: exit {proc.returncode}"
+                assert proc.stderr.strip() == lines[n], (
+                    f"{name}:{n + 1}: shows {lines[n]!r}, train says {proc.stderr!r}"
+                )
+                assert not run.exists()
+                checked += 1
     assert checked == 2
 
 
@@ -1430,8 +1571,8 @@ def test_the_carry_stops_without_the_image_build_steps(tmp_path):
 
 def test_the_carry_names_only_the_steps_that_are_missing(tmp_path):
     from trainer.image.cas import Cache
-    from trainer.image.imagelock import load_lock
     from trainer.image.native import step_keys
+    from trainer.lock.imagelock import load_lock
 
     cache = Cache()
     keys = step_keys(load_lock(ROOT / "lockfiles" / "debian-full.lock.json"))

@@ -175,12 +175,12 @@ def snapshot(root: Path) -> list:
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     """A plan run with metrics, a key pair, an OCI layout shell, inputs: shared by every case (copied per case)."""
-    from trainer.record import attest
+    from trainer import signing
 
     base = tmp_path_factory.mktemp("bounded")
     (base / "src").mkdir()
     run = planned_run(base / "src")
-    _, pub, _ = attest.keygen(base / "good", "ed25519")
+    _, pub, _ = signing.keygen(base / "good", "ed25519")
     return {"base": base, "run": run, "pub": pub}
 
 
@@ -337,7 +337,7 @@ def test_logs_streams_an_8gib_sparse_log_in_bounded_memory(tmp_path):
     got = _child(RUN_CLI.format(argv=["logs", str(log), "-o", str(tmp_path / "out.jsonl")]))
     assert got["code"] == 0, got["err"]
     assert f"{log}: 1 line longer than 65,536 bytes skipped (line 1; a step line is shorter)" in got["out"], got["out"]
-    assert [json.loads(l)["step"] for l in (tmp_path / "out.jsonl").read_text().splitlines()] == [1, 2]
+    assert [json.loads(line)["step"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == [1, 2]
     assert got["maxrss_kib"] < (400 << 10) and got["wall_s"] < 20, got
 
 
@@ -420,7 +420,7 @@ def test_logs_to_report_and_converge_round_trip(world, tmp_path, capsys):
     run = shutil.copytree(world["run"], tmp_path / "run")
     code, out, err = call(capsys, "logs", log, "-o", run, "--force", "--seq-length", "8192")
     assert code == 0, err
-    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 21)) and rows[-1]["lm_loss"] == "NaN"
     assert all(r["step_time_s"] == 20.27 and r["tokens"] == 128 * 8192 for r in rows)
     code, _, err = call(capsys, "report", run, "--no-plot", "--no-cost", "--out", tmp_path / "rep")
@@ -535,15 +535,15 @@ def test_keygen_writes_0600_and_a_0644_key_signs_nothing(world, tmp_path, capsys
     """Promise: `trainer keygen` writes the private key 0600; a private key the group or others may read (0644, 0640)
     is refused as ssh refuses it ("permissions 0644 for KEY are too open", exit 2, one line) before anything is
     signed; a key over 16 KiB is refused from its size; 0600 and 0400 load."""
-    from trainer.record import attest
+    from trainer import signing
 
     old = os.umask(0)
     try:
-        private, public, keyid = attest.keygen(tmp_path / "k")
+        private, public, keyid = signing.keygen(tmp_path / "k")
     finally:
         os.umask(old)
     assert (os.stat(private).st_mode & 0o777, os.stat(public).st_mode & 0o777) == (0o600, 0o644)
-    assert attest.load_signer(private).public_key.keyid == keyid
+    assert signing.load_signer(private).public_key.keyid == keyid
     run = shutil.copytree(world["run"], tmp_path / "run")
     before = snapshot(run)
     for mode in (0o644, 0o640, 0o604):
@@ -555,12 +555,12 @@ def test_keygen_writes_0600_and_a_0644_key_signs_nothing(world, tmp_path, capsys
             f"{private}); nothing signed\n"
         ), err
     os.chmod(private, 0o400)
-    assert attest.load_signer(private).public_key.keyid == keyid
+    assert signing.load_signer(private).public_key.keyid == keyid
     big = tmp_path / "big.pem"
     big.write_bytes(private.read_bytes() + b"\n" * (16 << 10))
     os.chmod(big, 0o600)
     with pytest.raises(UserError, match=r"big.pem: 16,\d{3} bytes, more than the 16,384 a PEM private key may have"):
-        attest.load_signer(big)
+        signing.load_signer(big)
     assert snapshot(run) == before
 
 

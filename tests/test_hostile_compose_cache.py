@@ -15,6 +15,7 @@ import pytest
 from omegaconf import OmegaConf
 
 import helpers
+from trainer import launch
 from trainer.compose import cache as cache_module
 from trainer.compose.compose import session
 from trainer.compose.prepare import prepare
@@ -40,7 +41,7 @@ def lr_of(overrides=LR):
     """optim.lr of the job through the cache, and the --lr the prepared launch passes to miles."""
     with session() as composer:
         lr = composer.compose(overrides).optim.lr
-        prepared = prepare(overrides, composer)
+        prepared = prepare(overrides, composer, check_launcher=launch.check)
     argv = prepared.launch.argv
     return lr, argv[argv.index("--lr") + 1], prepared.config.optim.lr
 
@@ -126,7 +127,7 @@ def test_a_layer_record_mac_is_not_an_entry_mac(root, hydra_calls):
     construction (Cache.mac) with that kind, under the key of trainer.image.cas.stamp_key."""
     import hashlib
 
-    from trainer.image import cas
+    from trainer.image import cas, stampkey
 
     with session() as composer:
         composer.compose(LR)
@@ -134,7 +135,7 @@ def test_a_layer_record_mac_is_not_an_entry_mac(root, hydra_calls):
     entry = the_entry(root)
     mac, _, payload = entry.read_bytes()[len(cache_module.FORMAT) :].partition(b"\n")
     assert cache_module.mac_key() == cas.stamp_key() and len(cas.stamp_key()) == 32
-    assert cache_module.key_path() == cas.stamp_key_path()
+    assert cache_module.key_path() == stampkey.stamp_key_path()
     fields = (cache_module.FORMAT.decode().strip(), key, hashlib.sha256(payload).hexdigest())
     image = cas.Cache(root / "cas")
     assert mac.decode() == image.mac(cache_module.MAC_KIND, *fields)
@@ -244,7 +245,7 @@ def test_a_key_others_may_read_or_a_fifo_key_turns_the_cache_off(root, hydra_cal
     assert len(hydra_calls) == 3 and entries(root) == []
 
 
-def test_the_type_names_of_an_entry_are_looked_up_in_the_schema_and_hydra_only():
+def test_the_type_names_of_an_entry_are_looked_up_in_the_schema_and_hydra_only() -> None:
     """Promise: even an authenticated entry names types only from trainer.compose.schema and Hydra's modules
     (dataclasses and enums): a description naming os.system, builtins.eval or a class of another module is
     refused, and a composition holding a type of another module is not stored."""

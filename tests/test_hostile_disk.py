@@ -358,13 +358,20 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+def _own_start() -> int:
+    """This process's start time (``/proc/self/stat``), which the tests' machines always have."""
+    started = process_started(os.getpid())
+    assert started is not None, "no start time for this process (/proc)"
+    return started
+
+
 PIDS = {
     "2**31": lambda: {"pid": 2147483648},
     "negative": lambda: {"pid": -1},
     "zero": lambda: {"pid": 0},
     "beyond pid_max": lambda: {"pid": (1 << 22) + 1},
     "dead": lambda: {"pid": _dead_pid()},
-    "reused, start time recorded": lambda: {"pid": os.getpid(), "pid_started": process_started(os.getpid()) - 1},
+    "reused, start time recorded": lambda: {"pid": os.getpid(), "pid_started": _own_start() - 1},
     "pid 1, start time recorded": lambda: {"pid": 1, "pid_started": (process_started(1) or 0) + 7},
     "reused, no start time (an older record)": lambda: {"pid": os.getpid()},
     "another boot": lambda: {

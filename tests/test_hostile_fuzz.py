@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 import helpers
 from trainer.errors import UserError
-from trainer.image.imagelock import validate_lock
 from trainer.inputs import parse_json, parse_yaml
+from trainer.lock.imagelock import validate_lock
 from trainer.record.rundir import check_record_types
 from trainer.redact import Redactor
 from trainer.report.logs import parse_log
@@ -85,7 +85,7 @@ def test_metrics_reader_returns_or_refuses_in_one_line(tmp_path_factory, lines):
     except UserError as err:
         one_line(err)
     else:
-        assert all(a.step < b.step for a, b in zip(steps, steps[1:]))
+        assert all(a.step < b.step for a, b in zip(steps, steps[1:], strict=False))
 
 
 log_line = st.one_of(

@@ -228,7 +228,7 @@ def test_resume_and_overwrite_are_asked_for(planned, tmp_path, refused_train):
     assert both.returncode == 2 and both.stderr == "train: error: --resume and --overwrite exclude each other\n"
 
 
-# ------------------------------------------------------------------------------------------ an interpolated run directory
+# ---------------------------------------------------------------------------------------- an interpolated run directory
 
 
 def _home(tmp: Path) -> Path:
@@ -331,7 +331,7 @@ def test_an_interpolated_run_directory_is_resolved_once(tmp_path):
     assert list(runs.iterdir()) == [run_dir]
 
 
-# ------------------------------------------------------------------------------------------ --overwrite removes only a run
+# --------------------------------------------------------------------------------------- --overwrite removes only a run
 
 
 NOT_A_RUNS_RECORD = {
@@ -456,18 +456,19 @@ def test_overwrite_never_follows_a_link(planned, tmp_path):
     assert list(run_dir.iterdir()) == [] and tree_hash(elsewhere) == before
 
 
-# ------------------------------------------------------------------------------------------ --resume of the same composition
+# ------------------------------------------------------------------------------------- --resume of the same composition
 
 
 def test_the_composition_hash_is_the_same_for_the_same_command_line():
     """Promise: composing the same command line twice (from the cache or not, at another time) gives the same
     composition_sha256; another composition, or another value of a field, another one."""
+    from trainer import launch
     from trainer.compose.compose import session
     from trainer.compose.prepare import prepare
 
     def digest(overrides, cached=True):
         with session(cached=cached) as composer:
-            return prepare(overrides, composer).record_fields()["composition_sha256"]
+            return prepare(overrides, composer, check_launcher=launch.check).record_fields()["composition_sha256"]
 
     same = {digest([]), digest([]), digest([], cached=False), digest(["hydra.run.dir=/elsewhere"])}
     assert len(same) == 1 and len(next(iter(same))) == 64
@@ -477,10 +478,11 @@ def test_the_composition_hash_is_the_same_for_the_same_command_line():
 def test_the_composition_hash_keeps_no_secret():
     """Promise: a secret's value does not change the composition hash (the hash of known text and a short secret
     would give it away): the hash is that of the composition as config.yaml records it, secrets redacted."""
+    from trainer import launch
     from trainer.compose.prepare import prepare
 
-    a = prepare(["+env.HF_TOKEN=hf_first_secret_1"]).record_fields()["composition_sha256"]
-    b = prepare(["+env.HF_TOKEN=hf_other_secret_2"]).record_fields()["composition_sha256"]
+    a = prepare(["+env.HF_TOKEN=hf_first_secret_1"], check_launcher=launch.check).record_fields()["composition_sha256"]
+    b = prepare(["+env.HF_TOKEN=hf_other_secret_2"], check_launcher=launch.check).record_fields()["composition_sha256"]
     assert a == b
 
 

@@ -26,8 +26,8 @@ import helpers
 from helpers import run_train
 from trainer.compose.commandline import quote_override_value
 from trainer.compose.render import shell_word
+from trainer.record.rundir import CHUNK_BYTES, scrub_file, sweep
 from trainer.redact import (
-    CHUNK_BYTES,
     REDACTED,
     RedactingStream,
     Redactor,
@@ -36,8 +36,6 @@ from trainer.redact import (
     redact_error,
     redact_field,
     redacted_streams,
-    scrub_file,
-    sweep,
 )
 
 # ------------------------------------------------------------------------------------------ the forms
@@ -124,8 +122,8 @@ def serialisations(override: str):
         "json ascii": json.dumps({key: value}, ensure_ascii=True),
         "json in json": json.dumps({"env": json.dumps({key: value})}),
         "argv.json": json.dumps(["--x", *strings], indent=2),
-        "shell": " ".join(shell_word(s) for s in strings),
-        "shlex": " ".join(shlex.quote(s) for s in strings),
+        "shell": " ".join(shell_word(str(s)) for s in strings),
+        "shlex": " ".join(shlex.quote(str(s)) for s in strings),
         "export": f"export {key.rsplit('.', 1)[-1]}={shlex.quote(str(strings[0]))}",
         "repr": repr(value),
         "error": f"Cannot convert 'list' to string: '{value!r}'",
@@ -315,7 +313,7 @@ def test_stdout_and_stderr_pass_through_the_redactor(capsys):
             _return_value=RuntimeError("boom"),
         )
         with pytest.raises(RuntimeError):
-            job.return_value
+            _ = job.return_value  # the property raises the job's error
         handler = logging.StreamHandler(sys.stdout)
         log = logging.getLogger("test_hostile_secrets")
         log.addHandler(handler)
@@ -369,7 +367,9 @@ KEY_VALUE = {  # one override per key: the forms that fit the schema, in several
     "paths.prompt_data='https://host/x#access_token=cnrE2e3'": "cnrE2e3",
     "+env.hf_token=lc7abcd": "lc7abcd",
     "++env.HfToken=cnrE2e5": "cnrE2e5",
-    "launcher.job=[x,HF_TOKEN\\=cnrE2e6,'--hf-token=cnrE2e7',--api-key,cnrE2e8,'Authorization: Bearer cnrE2e9']": "cnrE2e6 cnrE2e7 cnrE2e8 cnrE2e9",
+    (
+        "launcher.job=[x,HF_TOKEN\\=cnrE2e6,'--hf-token=cnrE2e7',--api-key,cnrE2e8,'Authorization: Bearer cnrE2e9']"
+    ): "cnrE2e6 cnrE2e7 cnrE2e8 cnrE2e9",
     "launcher.ray_start_args=['--redis-password=cnrE2e10','--password=cnrE2e11']": "cnrE2e10 cnrE2e11",
     "+env.X_KEY=$cnrE2e12": "cnrE2e12",
     "+env.LONG_SECRET='" + " ".join(["word"] * 20 + ["cnrE2e13"] + ["tail"] * 10) + "'": "cnrE2e13",

@@ -151,10 +151,10 @@ def test_train_log_holds_what_a_plan_said_and_decided_redacted(tmp_path):
     assert secret not in log and "+env.HF_TOKEN=<redacted>" in log
     lines = log.splitlines()
     assert all(
-        re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[[\w.]+\]\[(INFO|DEBUG|WARNING|ERROR)\] - ", l)
-        for l in lines
+        re.match(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}\]\[[\w.]+\]\[(INFO|DEBUG|WARNING|ERROR)\] - ", line)
+        for line in lines
     )
-    said = [l.split("] - ", 1)[1] for l in lines]
+    said = [line.split("] - ", 1)[1] for line in lines]
     assert any(s.startswith("checked ") and "stack pins against lockfiles/stack.json" in s for s in said)
     assert any(s.startswith("numerics against layout tp8pp8ep8: ") for s in said)
     for printed in r.stdout.splitlines():  # what the summary says, line by line
@@ -168,7 +168,7 @@ def test_train_log_of_a_cpu_run_holds_its_launcher_steps(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.splitlines()[0].startswith("starting ")  # said from the first second, before torch loads
-    said = [l.split("] - ", 1)[1] for l in (out / "train.log").read_text().splitlines()]
+    said = [line.split("] - ", 1)[1] for line in (out / "train.log").read_text().splitlines()]
     assert any(s.startswith("starting ") and "worker process" in s for s in said)
     assert any(s.startswith("workers ended complete: exit codes [0") for s in said)
     assert said[-1].startswith("run complete")

@@ -19,8 +19,8 @@ import helpers
 from helpers import REPO_ROOT
 from image_fixtures import make_base_image, make_wheel, small_lock
 from trainer.errors import UserError
-from trainer.image.imagelock import load_lock, validate_lock
 from trainer.image.oci import write_archive
+from trainer.lock.imagelock import load_lock, validate_lock
 
 EPOCH = 1767225600
 BASE_FILES = {
@@ -159,10 +159,12 @@ def test_build_reuses_base_blobs_and_continues_its_config(world):
         "digest": layer["digest"],
         "size": layer["size"],
     }
-    ours = [l for l in world["result"]["layers"]]
-    assert [l["name"] for l in ours] == ["rest", "bundle"]
-    assert [l["digest"] for l in manifest["layers"][1:]] == [l["diff_id"] for l in ours]
-    assert config["rootfs"]["diff_ids"] == [world["resolved"]["layers"][0]["diff_id"]] + [l["diff_id"] for l in ours]
+    ours = [layer for layer in world["result"]["layers"]]
+    assert [layer["name"] for layer in ours] == ["rest", "bundle"]
+    assert [layer["digest"] for layer in manifest["layers"][1:]] == [layer["diff_id"] for layer in ours]
+    assert config["rootfs"]["diff_ids"] == [world["resolved"]["layers"][0]["diff_id"]] + [
+        layer["diff_id"] for layer in ours
+    ]
     assert [h["created_by"] for h in config["history"]] == [
         "base: add files",
         "base: ENV BASE_ONLY=1",
@@ -195,7 +197,7 @@ def test_same_lock_and_base_from_an_oci_archive_give_the_same_digest(world, tmp_
     assert result["manifest_digest"] == world["result"]["manifest_digest"]
     again = build(world, world["lock"], tmp_path / "b.oci", cache)
     assert again["manifest_digest"] == world["result"]["manifest_digest"]
-    assert {l["status"] for l in again["layers"]} == {"cached", "built"}  # rest cached, bundle always written
+    assert {layer["status"] for layer in again["layers"]} == {"cached", "built"}  # rest cached, bundle always written
 
 
 def test_entrypoint_and_cmd_from_the_lock(world, tmp_path):
@@ -228,7 +230,9 @@ def test_skopeo_and_umoci_see_the_base_files_and_ours(world, tmp_path):
         ).stdout
     )
     assert inspect["Digest"] == world["result"]["manifest_digest"]
-    assert inspect["Layers"] == [base_layer(world)["digest"]] + [l["diff_id"] for l in world["result"]["layers"]]
+    assert inspect["Layers"] == [base_layer(world)["digest"]] + [
+        layer["diff_id"] for layer in world["result"]["layers"]
+    ]
     subprocess.run(
         ["umoci", "unpack", "--rootless", "--image", f"{world['layout']}:latest", str(tmp_path / "u")],
         check=True,
@@ -420,7 +424,7 @@ def test_diff_aligns_base_layers_by_diff_id(world, tmp_path):
         "diff_id": world["resolved"]["layers"][0]["diff_id"],
         "status": "same",
     }
-    assert [(l["name"], l["status"]) for l in data["layers"][1:]] == [
+    assert [(layer["name"], layer["status"]) for layer in data["layers"][1:]] == [
         ("recipe-bundle layer rest", "changed"),
         ("recipe-bundle layer bundle", "changed"),
     ]
@@ -455,3 +459,17 @@ def test_full_lock_verifies_but_needs_the_seeded_base(tmp_path):
 
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))
+
+
+def test_an_index_manifest_without_a_digest_is_refused_on_one_line(tmp_path):
+    # it used to end in a KeyError traceback: the manifest was looked up by the digest it does not have
+    seed = tmp_path / "seed"
+    (seed / "blobs/sha256").mkdir(parents=True)
+    (seed / "oci-layout").write_text('{"imageLayoutVersion": "1.0.0"}')
+    (seed / "index.json").write_text(
+        json.dumps({"schemaVersion": 2, "manifests": [{"mediaType": "application/vnd.oci.image.manifest.v1+json"}]})
+    )
+    r = trainer("cache", "--cache", tmp_path / "cas", "add-image", seed)
+    assert r.returncode == 2
+    assert r.stderr.splitlines()[-1] == f"trainer cache: error: {seed}: index.json lists a manifest without a digest"
+    assert not (tmp_path / "cas" / "sha256").exists() or not list((tmp_path / "cas" / "sha256").glob("*"))

@@ -107,7 +107,7 @@ def built(inputs, tmp_path_factory):
 
 def test_build_writes_an_oci_layout_with_grouped_layers(built):
     result = built["result"]
-    assert [l["name"] for l in result["layers"]] == ["torch", "rest", "sources", "bundle"]
+    assert [layer["name"] for layer in result["layers"]] == ["torch", "rest", "sources", "bundle"]
     layout = built["layout"]
     index = json.loads((layout / "index.json").read_text())
     digest = index["manifests"][0]["digest"]
@@ -119,8 +119,8 @@ def test_build_writes_an_oci_layout_with_grouped_layers(built):
     assert config["created"] == "2026-01-01T00:00:00Z"
     assert (
         config["rootfs"]["diff_ids"]
-        == [l["digest"] for l in manifest["layers"]]
-        == [l["diff_id"] for l in result["layers"]]
+        == [layer["digest"] for layer in manifest["layers"]]
+        == [layer["diff_id"] for layer in result["layers"]]
     )
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in config["config"]["Env"]
     labels = config["config"]["Labels"]
@@ -150,8 +150,8 @@ def test_digest_command_reads_layout_and_archive(built):
         assert r.returncode == 0 and r.stdout.splitlines()[-1] == built["result"]["manifest_digest"]
     r = trainer("image", "digest", "--json", built["archive"])
     data = json.loads(r.stdout)
-    assert [l["diff_id"] for l in data["layers"]] == [l["diff_id"] for l in built["result"]["layers"]]
-    assert [l["size"] for l in data["layers"]] == [l["size"] for l in built["result"]["layers"]]
+    assert [layer["diff_id"] for layer in data["layers"]] == [layer["diff_id"] for layer in built["result"]["layers"]]
+    assert [layer["size"] for layer in data["layers"]] == [layer["size"] for layer in built["result"]["layers"]]
 
 
 def test_same_lock_same_digest_under_different_conditions(inputs, built, tmp_path):
@@ -208,7 +208,7 @@ def test_changed_pin_rebuilds_only_its_layer_and_diff_names_it(inputs, built, tm
     cache = built["cache"]
     seeded_cache(cache, inputs["files2"])
     result = build(inputs, tmp_path / "v2.oci", cache, lock=inputs["lock2"])
-    status = {l["name"]: l["status"] for l in result["layers"]}
+    status = {layer["name"]: layer["status"] for layer in result["layers"]}
     assert status == {"torch": "built", "rest": "cached", "sources": "cached", "bundle": "built"}
     assert result["manifest_digest"] != built["result"]["manifest_digest"]
     r = trainer("image", "diff", built["layout"], tmp_path / "v2.oci")
@@ -236,7 +236,7 @@ def test_skopeo_and_umoci_accept_the_layout(built, tmp_path):
         ).stdout
     )
     assert inspect["Digest"] == built["result"]["manifest_digest"]
-    assert inspect["Layers"] == [l["diff_id"] for l in built["result"]["layers"]]
+    assert inspect["Layers"] == [layer["diff_id"] for layer in built["result"]["layers"]]
     subprocess.run(
         ["skopeo", "copy", "-q", f"oci:{built['layout']}:latest", f"docker-archive:{tmp_path / 'd.tar'}:smoke:latest"],
         check=True,

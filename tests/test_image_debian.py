@@ -108,12 +108,12 @@ def world(tmp_path_factory):
 
 
 def layer_tar(world, name):
-    diff_id = next(l["diff_id"] for l in world["result"]["layers"] if l["name"] == name)
+    diff_id = next(layer["diff_id"] for layer in world["result"]["layers"] if layer["name"] == name)
     return tarfile.open(world["layout"] / "blobs" / "sha256" / diff_id[7:])
 
 
 def test_debian_base_is_a_merged_usr_rootfs_with_a_dpkg_database(world):
-    assert [l["name"] for l in world["result"]["layers"]] == ["base", "rest", "bundle"]
+    assert [layer["name"] for layer in world["result"]["layers"]] == ["base", "rest", "bundle"]
     tar = layer_tar(world, "base")
     members = {m.name: m for m in tar.getmembers()}
     assert members["bin"].issym() and members["bin"].linkname == "usr/bin"
@@ -232,7 +232,9 @@ def test_big_wheel_member_is_streamed_not_held_in_memory(tmp_path):
         digest.update(zero)
     import base64
 
-    b64 = lambda d: base64.urlsafe_b64encode(d).rstrip(b"=").decode()
+    def b64(d):
+        return base64.urlsafe_b64encode(d).rstrip(b"=").decode()
+
     small = {
         f"{dist}/METADATA": b"Metadata-Version: 2.1\nName: big\nVersion: 1.0\n",
         f"{dist}/WHEEL": b"Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
@@ -324,7 +326,7 @@ def test_noop_rebuild_trusts_stamps_and_a_modified_layer_is_rebuilt(world, tmp_p
     try:
         out = tmp_path / "n.oci"
         result = build_mod.build_image(world["lock"], out, cache, world["bundle"], revision="test", offline=True)
-        assert [l[3] for l in result.layers] == ["cached", "cached", "built"]
+        assert [layer[3] for layer in result.layers] == ["cached", "cached", "built"]
         assert hashed == []  # the no-op rebuild re-hashed nothing: every cached layer's stamp matched
         assert result.manifest_digest == world["result"]["manifest_digest"]
         # modify a cached layer's bytes keeping size and mtime: ctime moved, so it is re-hashed, found corrupt
@@ -344,7 +346,7 @@ def test_noop_rebuild_trusts_stamps_and_a_modified_layer_is_rebuilt(world, tmp_p
         again = build_mod.build_image(
             world["lock"], tmp_path / "m.oci", cache, world["bundle"], revision="test", offline=True
         )
-        assert [l[3] for l in again.layers] == ["built", "cached", "built"]
+        assert [layer[3] for layer in again.layers] == ["built", "cached", "built"]
         assert again.manifest_digest == world["result"]["manifest_digest"]
         assert base.name in hashed and hashlib.sha256(base.read_bytes()).hexdigest() == base.name
     finally:

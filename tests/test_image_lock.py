@@ -9,8 +9,9 @@ import pytest
 import helpers
 from helpers import REPO_ROOT
 from trainer.errors import UserError
-from trainer.image.imagelock import find_stack_consistency, validate_lock
-from trainer.image.imagelockcli import group_of, parse_uv_output, verify, wheel_fits
+from trainer.lock.cli import group_of, parse_uv_output, verify
+from trainer.lock.imagelock import find_stack_consistency, validate_lock
+from trainer.lock.pypi import wheel_fits
 
 SMOKE = REPO_ROOT / "lockfiles" / "smoke.lock.json"
 STACK = REPO_ROOT / "lockfiles" / "stack.json"
@@ -51,19 +52,25 @@ def mutate(fn):
 @pytest.mark.parametrize(
     "change,message",
     [
-        (lambda l: l["wheels"][0].pop("sha256"), r"wheels\[0\]\.sha256: expected str"),
-        (lambda l: l["wheels"][0].update(sha256="ABC"), r"wheels\[0\]\.sha256: expected a sha256"),
-        (lambda l: l["wheels"].append(copy.deepcopy(l["wheels"][0])), r"wheels\[2\]\.name: 'idna' is locked twice"),
-        (lambda l: l["wheels"][1].update(sha256=l["wheels"][0]["sha256"]), r"wheels\[1\]\.sha256: same hash as"),
-        (lambda l: l["wheels"][0].update(group="gpu"), r"wheels\[0\]\.group: 'gpu'"),
-        (lambda l: l["sources"][0].update(commit="7875b87"), r"sources\[0\]\.commit: expected a full 40-hex git id"),
-        (lambda l: l["base"].update(type="docker"), r"base\.type: 'docker'"),
-        (lambda l: l.update(epoch="2026"), r"\.epoch: expected int"),
+        (lambda raw: raw["wheels"][0].pop("sha256"), r"wheels\[0\]\.sha256: expected str"),
+        (lambda raw: raw["wheels"][0].update(sha256="ABC"), r"wheels\[0\]\.sha256: expected a sha256"),
         (
-            lambda l: l["python"].update(site_packages="lib/python3.12"),
+            lambda raw: raw["wheels"].append(copy.deepcopy(raw["wheels"][0])),
+            r"wheels\[2\]\.name: 'idna' is locked twice",
+        ),
+        (lambda raw: raw["wheels"][1].update(sha256=raw["wheels"][0]["sha256"]), r"wheels\[1\]\.sha256: same hash as"),
+        (lambda raw: raw["wheels"][0].update(group="gpu"), r"wheels\[0\]\.group: 'gpu'"),
+        (
+            lambda raw: raw["sources"][0].update(commit="7875b87"),
+            r"sources\[0\]\.commit: expected a full 40-hex git id",
+        ),
+        (lambda raw: raw["base"].update(type="docker"), r"base\.type: 'docker'"),
+        (lambda raw: raw.update(epoch="2026"), r"\.epoch: expected int"),
+        (
+            lambda raw: raw["python"].update(site_packages="lib/python3.12"),
             r"python\.site_packages: expected an absolute path",
         ),
-        (lambda l: l["bundle"]["include"].append("../secrets"), r"bundle\.include: '\.\./secrets'"),
+        (lambda raw: raw["bundle"]["include"].append("../secrets"), r"bundle\.include: '\.\./secrets'"),
     ],
 )
 def test_malformed_locks_are_refused_naming_the_field(change, message):
@@ -74,7 +81,7 @@ def test_malformed_locks_are_refused_naming_the_field(change, message):
 def test_stack_consistency_names_the_package_and_both_versions():
     stack = json.loads(STACK.read_text())
     lock = mutate(
-        lambda l: l["wheels"].append(
+        lambda raw: raw["wheels"].append(
             {
                 "name": "torch",
                 "version": "2.10.0",
@@ -87,7 +94,7 @@ def test_stack_consistency_names_the_package_and_both_versions():
     )
     assert find_stack_consistency(lock, stack) == ["torch: lock has 2.10.0, stack.json components.torch pins 2.11.0"]
     ok = mutate(
-        lambda l: l["wheels"].append(
+        lambda raw: raw["wheels"].append(
             {
                 "name": "torch",
                 "version": "2.11.0",
@@ -100,7 +107,7 @@ def test_stack_consistency_names_the_package_and_both_versions():
     )
     assert find_stack_consistency(ok, stack) == []
     base = mutate(
-        lambda l: l.update(
+        lambda raw: raw.update(
             base={
                 "type": "oci",
                 "reference": "lmsysorg/sglang:v0.5.15@sha256:" + "b" * 64,
@@ -115,7 +122,7 @@ def test_verify_cli_one_line_and_exit_codes(tmp_path):
     ok = helpers.run_trainer("lock", "verify", SMOKE)
     assert ok.returncode == 0 and ok.stdout.startswith("ok: ") and "2 wheels, 0 sdists, 1 sources" in ok.stdout
     bad = tmp_path / "bad.lock.json"
-    bad.write_text(json.dumps(mutate(lambda l: l["wheels"][0].update(sha256="0"))))
+    bad.write_text(json.dumps(mutate(lambda raw: raw["wheels"][0].update(sha256="0"))))
     r = helpers.run_trainer("lock", "verify", bad)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "wheels[0].sha256" in r.stderr
 

@@ -6,7 +6,6 @@ into this test's cache, hash-checked). The C project is made here. The debian-sm
 CPU torch wheel, which pip finds in this machine's configured wheel directory (`pip download`).
 """
 
-
 import json
 import os
 import shutil
@@ -18,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 from image_fixtures import make_git_source, sha256, small_lock
 from trainer.errors import UserError
-from trainer.image import imagelock
 from trainer.image.build import build_image
 from trainer.image.cas import Cache
+from trainer.lock import imagelock
 
 EPOCH = 1767225600
 SMOKE = REPO_ROOT / "lockfiles" / "debian-smoke.lock.json"
@@ -83,7 +83,7 @@ BUILD = 'make && install -D -m 0755 hello "$BUILD_OUT/bin/hello"'
 
 
 def layer(result, name):
-    return next(l for l in result.layers if l[0] == name)
+    return next(entry for entry in result.layers if entry[0] == name)
 
 
 def test_build_step_reproduces_caches_and_rebuilds_only_what_changed(world):
@@ -326,4 +326,4 @@ def test_debian_smoke_image_imports_hydra_torch_and_trainer(world, tmp_path):
 
 
 if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
+    raise SystemExit(helpers.main(__file__))

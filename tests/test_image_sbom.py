@@ -245,7 +245,7 @@ def test_validators_accept_the_sboms_and_they_list_every_input(world):
 
 def test_sboms_of_the_repository_locks_validate_with_every_kind_of_input():
     """debian-full (debs) and full (an oci base) as locked, cut to a few inputs per section, plus a native build."""
-    from trainer.image.imagelock import load_lock
+    from trainer.lock.imagelock import load_lock
 
     for name in ("debian-full", "full"):
         lock = load_lock(REPO_ROOT / "lockfiles" / f"{name}.lock.json")
@@ -302,8 +302,8 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
     """debian-full as locked (4 build steps, a build root of 179 .debs and 6 wheels), with its layers' digests:
     each step's output has its layer's sha256, every build-root package is a build dependency of each step that
     used it, each output is generated from its input, and both documents pass their official schemas."""
-    from trainer.image import buildroot, provenance
-    from trainer.image.imagelock import canonical_name, load_lock
+    from trainer.image import provenance
+    from trainer.lock.imagelock import canonical_name, load_lock, wheel_items
 
     lock = load_lock(REPO_ROOT / "lockfiles" / "debian-full.lock.json")
     layers, digest = step_layers(lock), "sha256:" + "cd" * 32
@@ -336,17 +336,21 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
     n_wheels = len(lock["wheels"])
     assert (len(lock["base"]["debs"]), n_wheels, len(lock["sdists"]), len(lock["sources"])) == (110, 191, 2, 4)
     assert sum(d["sha256"] in {b["sha256"] for b in lock["base"]["debs"]} for d in root_debs) == 110  # all of the base
-    # image, base .debs, wheels, sdists, sources, builds, the build-root .debs that are not the base's, build-root wheels
+    # image, base .debs, wheels, sdists, sources, builds, the build-root .debs that are not the base's,
+    # build-root wheels
     assert len(packages) == 1 + 110 + n_wheels + 2 + 4 + 4 + (179 - 110) + 6 == 387
 
     relations = {}
     for r in spdx["relationships"]:
         relations.setdefault(r["relationshipType"], set()).add((r["spdxElementId"], r["relatedSpdxElement"]))
-    deb_purl = lambda d: f"pkg:deb/debian/{d['name']}@{d['version']}?arch={d['architecture']}&distro=bookworm"
+
+    def deb_purl(d):
+        return f"pkg:deb/debian/{d['name']}@{d['version']}?arch={d['architecture']}&distro=bookworm"
+
     for step in lock["builds"]:
         out = f"SPDXRef-build-{step['name']}"
         used = {purl_of[a] for a, b in relations["BUILD_DEPENDENCY_OF"] if b == out}
-        wheels = buildroot.wheel_items(lock, step["wheels"], step["name"])
+        wheels = wheel_items(lock, step["wheels"], step["name"])
         assert used == {deb_purl(d).replace("+", "%2B") for d in root_debs} | {
             f"pkg:pypi/{canonical_name(w['name'])}@{w['version'].replace('+', '%2B')}?file_name={w['filename']}"
             for w in wheels
@@ -423,7 +427,7 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
 def test_the_stored_spdx_schema_refuses_the_spelling_spdx_tools_writes():
     """The check is not vacuous: spdx-tools' own spelling PACKAGE_MANAGER (what these SBOMs had) fails SPDX 2.3's
     schema once per package; a CycloneDX document without its specVersion fails CycloneDX 1.6's."""
-    from trainer.image.imagelock import load_lock
+    from trainer.lock.imagelock import load_lock
 
     lock = load_lock(REPO_ROOT / "lockfiles" / "debian-smoke.lock.json")
     spdx = sbom.spdx_json(lock, "sha256:" + "cd" * 32, step_layers(lock))
@@ -527,8 +531,8 @@ def seed_step_outputs(lock_path: Path, cache_dir: Path, wheels, work: Path):
     build then takes the layer from the cache and runs no sandbox. Returns {step: diff_id}."""
     from trainer.image import native
     from trainer.image.cas import Cache
-    from trainer.image.imagelock import load_lock
     from trainer.image.layer import write_layer
+    from trainer.lock.imagelock import load_lock
 
     lock, cache = load_lock(lock_path), Cache(cache_dir)
     keys, made = native.step_keys(lock), {}
@@ -567,8 +571,8 @@ def stepped(tmp_path_factory):
 
 def test_an_image_with_build_steps_names_their_outputs_build_roots_and_built_distributions(stepped):
     layout, outputs = stepped["layout"], stepped["outputs"]
-    layers = {l["name"]: l for l in stepped["built"]["layers"]}
-    assert [l["name"] for l in stepped["built"]["layers"]] == [
+    layers = {layer["name"]: layer for layer in stepped["built"]["layers"]}
+    assert [layer["name"] for layer in stepped["built"]["layers"]] == [
         "base",
         "torch",
         "rest",
@@ -689,7 +693,7 @@ def test_provenance_names_the_image_the_lock_and_every_input(world):
     assert {"gitCommit": lock["sources"][0]["commit"], "sha256": lock["sources"][0]["archive"]["sha256"]} in [
         d["digest"] for d in definition["resolvedDependencies"]
     ]
-    bundle = [l for l in world["a"]["layers"] if l["name"] == "bundle"][0]
+    bundle = [layer for layer in world["a"]["layers"] if layer["name"] == "bundle"][0]
     assert {"sha256": bundle["diff_id"][7:]} in [d["digest"] for d in definition["resolvedDependencies"]]
     details = statement["predicate"]["runDetails"]
     assert details["builder"]["id"].endswith("/image-build@0.1.0") and details["metadata"] == {}
@@ -712,7 +716,7 @@ def test_skopeo_and_umoci_still_read_the_image(world, tmp_path):
         subprocess.run(["skopeo", "inspect", f"oci:{layout}:latest"], capture_output=True, text=True, check=True).stdout
     )
     assert inspect["Digest"] == world["a"]["manifest_digest"]
-    assert inspect["Layers"] == [l["diff_id"] for l in world["a"]["layers"]]
+    assert inspect["Layers"] == [layer["diff_id"] for layer in world["a"]["layers"]]
     subprocess.run(
         ["skopeo", "copy", "-q", f"oci:{layout}:latest", f"oci:{tmp_path / 'copy'}:latest"],
         check=True,
@@ -755,17 +759,17 @@ def test_ecdsa_p256_keys_sign_and_verify_and_in_toto_agrees(tmp_path):
     from in_toto.models._signer import load_public_key_from_file
     from in_toto.models.metadata import Envelope
 
-    from trainer.record import attest
+    from trainer import signing
 
-    _, pub, keyid = attest.keygen(tmp_path / "ec", "ecdsa")
+    _, pub, keyid = signing.keygen(tmp_path / "ec", "ecdsa")
     statement = {
-        "_type": attest.STATEMENT_TYPE,
+        "_type": signing.STATEMENT_TYPE,
         "subject": [{"name": "x", "digest": {"sha256": "ab" * 32}}],
         "predicateType": "https://example.invalid/p",
         "predicate": {},
     }
-    data = attest.sign(json.dumps(statement).encode(), attest.load_signer(tmp_path / "ec"))
-    assert attest.open_envelope(data, attest.load_public_key(pub), "e") == statement
+    data = signing.sign(json.dumps(statement).encode(), signing.load_signer(tmp_path / "ec"))
+    assert signing.open_envelope(data, signing.load_public_key(pub), "e") == statement
     assert json.loads(data)["signatures"][0]["keyid"] == keyid
     Envelope.from_dict(json.loads(data)).verify_signature(load_public_key_from_file(str(pub)))
 
@@ -851,9 +855,9 @@ def test_bad_referrers_are_refused_with_one_line(world, tmp_path):
     one_line(trainer("verify", short, "--key", world["pub"]), 1, "not valid JSON")
     # a provenance signed for another image, attached to this one
     v2_statement = {**statement, "subject": [{"name": "x", "digest": {"sha256": world["v2"]["manifest_digest"][7:]}}]}
-    from trainer.record import attest
+    from trainer import signing
 
-    resigned = attest.sign(json.dumps(v2_statement).encode(), attest.load_signer(world["key"]))
+    resigned = signing.sign(json.dumps(v2_statement).encode(), signing.load_signer(world["key"]))
     moved = rewrite_referrer(layout, tmp_path / "moved.oci", "application/vnd.dsse.envelope.v1+json", document=resigned)
     one_line(trainer("verify", moved, "--key", world["pub"]), 1, "is not this image's manifest")
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(

@@ -170,7 +170,7 @@ def test_add_git_seeds_builds_and_the_image_holds_the_tree(repo, tmp_path):
     assert json.loads(r2.stdout)["sha256"] == added["sha256"]
     r = build(tmp_path, lock, cache, "img")
     assert r.returncode == 0, r.stderr
-    layers = {l["name"]: l["diff_id"] for l in json.loads(r.stdout)["layers"]}
+    layers = {layer["name"]: layer["diff_id"] for layer in json.loads(r.stdout)["layers"]}
     blob = tmp_path / "img" / "blobs" / "sha256" / layers["sources"][7:]
     with tarfile.open(blob) as tar:
         names = {m.name: m for m in tar.getmembers()}
@@ -240,7 +240,7 @@ def test_archive_formats_of_one_tree_give_one_layer(repo, tmp_path):
         assert trainer("cache", "--cache", cache, "add", path, "--sha256", sha).returncode == 0
         r = build(tmp_path, with_archive, cache, f"img-{name}")
         assert r.returncode == 0, (name, r.stderr)
-        digests.add({l["name"]: l["diff_id"] for l in json.loads(r.stdout)["layers"]}["sources"])
+        digests.add({layer["name"]: layer["diff_id"] for layer in json.loads(r.stdout)["layers"]}["sources"])
     assert len(digests) == 1, digests
 
 

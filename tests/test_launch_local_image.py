@@ -214,7 +214,10 @@ def test_secrets_in_the_image_are_redacted_its_words_are_not_and_every_hash_hold
     pattern did not match, the copied stamp stays byte-exact, and the record's hashes and the signed attestation
     hold for every file."""
     assert trainer("keygen", "--out", tmp_path / "key").returncode == 0
-    job = "launcher.job=[python3,-c,'import alpha, pathlib; print(pathlib.Path(alpha.__file__).with_name(\"smb.conf\").read_text())']"
+    job = (
+        "launcher.job=[python3,-c,'import alpha, pathlib; "
+        'print(pathlib.Path(alpha.__file__).with_name("smb.conf").read_text())\']'
+    )
     result, run_dir = launch(tmp_path, image, None, job, f"+env.HF_TOKEN={SECRET}", "--sign-key", str(tmp_path / "key"))
     assert result.returncode == 0, result.stdout + result.stderr
     log = (run_dir / "logs" / "job.log").read_text()

@@ -82,12 +82,15 @@ def test_missing_probe_gpu_count_and_digest(base):
 def test_command_line_exit_codes(base, tmp_path):
     for name in ("n1", "n2"):
         (tmp_path / f"{name}.json").write_text(json.dumps(base))
-    run = lambda *a: subprocess.run(
-        [sys.executable, "-m", "trainer.launch.preflight", str(tmp_path), *a],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+
+    def run(*a):
+        return subprocess.run(
+            [sys.executable, "-m", "trainer.launch.preflight", str(tmp_path), *a],
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+
     ok = run("--nodes", "n1,n2", "--expect-gpus", "8", "--out", str(tmp_path / "pf.json"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert json.loads((tmp_path / "pf.json").read_text())["ok"] is True

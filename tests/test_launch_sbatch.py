@@ -32,7 +32,9 @@ def render(tmp_path, *extra):
 
 def bash_array(script: str, name: str, env_names):
     """Expand the bash array ``name`` of ``script`` as bash would, with each $VAR standing for itself."""
-    block = re.search(rf"^{name}=\(\n.*?^\)$", script, re.M | re.S).group(0)
+    found = re.search(rf"^{name}=\(\n.*?^\)$", script, re.M | re.S)
+    assert found, f"no bash array {name} in the script"
+    block = found.group(0)
     env = {**os.environ, **{n: f"${n}" for n in env_names}}
     out = subprocess.run(["bash", "-c", block + f'\nprintf "%s\\0" "${{{name}[@]}}"'], capture_output=True, env=env)
     assert out.returncode == 0, out.stderr
@@ -88,7 +90,7 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
         "--num-gpus-per-node",
         "8",
     ]
-    assert len(argv) == len(seed_argv) and [(a, b) for a, b in zip(argv, seed_argv) if a != b] == []
+    assert len(argv) == len(seed_argv) and [(a, b) for a, b in zip(argv, seed_argv, strict=True) if a != b] == []
     # and the same command as command.sh
     command = (run_dir / "command.sh").read_text()
     assert (

@@ -15,10 +15,9 @@ import helpers
 from helpers import compose
 from trainer.compose import checks
 from trainer.compose.compose import validate
-from trainer.compose.plan import build_plan
+from trainer.compose.plan import build_plan, megatron_choice
 from trainer.errors import CheckError
 from trainer.launch.host.checkout import verify_checkouts
-from trainer.launch.host.local_megatron import megatron_choice
 from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
 
 

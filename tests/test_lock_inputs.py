@@ -95,7 +95,7 @@ def test_a_malformed_inputs_record_is_one_line(tmp_path, field, value, needle):
 
 def test_the_launcher_lock_knows_its_requirements(tmp_path):
     from trainer.errors import UserError
-    from trainer.image.imagelock import stale_requirements_lock
+    from trainer.lock.imagelock import stale_requirements_lock
 
     assert stale_requirements_lock(REPO_ROOT / "lockfiles" / "launcher.lock") is None
     lock = tmp_path / "launcher.lock"
@@ -178,7 +178,7 @@ def test_a_conf_change_is_predicted_without_building(tmp_path):
     old = json.loads((REPO_ROOT / "lockfiles" / "expected-digests.json").read_text())["debian-full"]
     new = json.loads(expected.read_text())["debian-full"]
     assert new["manifest_digest"] != old["manifest_digest"] and new["recorded_by"] == "prediction"
-    assert [l["diff_id"] for l in new["layers"][:-1]] == [l["diff_id"] for l in old["layers"][:-1]]
+    assert [layer["diff_id"] for layer in new["layers"][:-1]] == [layer["diff_id"] for layer in old["layers"][:-1]]
     assert new["layers"][-1]["diff_id"] != old["layers"][-1]["diff_id"]
     assert new["builds"] == old["builds"]
     assert (
@@ -255,8 +255,8 @@ def test_a_real_build_of_the_smoke_lock_matches_its_prediction_byte_for_byte(tmp
     second = build("second.oci")
     assert second["manifest_digest"] == entry["manifest_digest"]
     assert second["config_digest"] == entry["config_digest"]
-    assert [(l["name"], l["diff_id"], l["size"]) for l in second["layers"]] == [
-        (l["name"], l["diff_id"], l["size"]) for l in entry["layers"]
+    assert [(layer["name"], layer["diff_id"], layer["size"]) for layer in second["layers"]] == [
+        (layer["name"], layer["diff_id"], layer["size"]) for layer in entry["layers"]
     ]
     check = trainer("image", "check", tmp_path / "second.oci", "--lock", lock, "--expected", expected)
     assert check.returncode == 0 and "is the expected digest" in check.stdout

@@ -27,14 +27,14 @@ MEGATRON = """\
 [Rank 0] (after 1 iterations) memory (MB) | allocated: 1000.0 | max allocated: 2000.0
  [2026-10-13 10:01:20] iteration        2/      20 | consumed samples:          256 | elapsed time per iteration (ms): 20270.0 | learning rate: 2.000000E-06 | global batch size:   128 | lm loss: 2.398000E+00 | loss scale: 1.0 | grad norm: nan | number of skipped iterations:   0 | number of nan iterations:   1 |
  [2026-10-13 10:01:40] iteration        3/      20 | consumed samples:          384 | elapsed time per iteration (ms): 20100.5 | learning rate: 3.000000E-06 | global batch size:   128 | lm loss: 2.350000E+00 | loss scale: 1.0 | grad norm: 2.500 | number of skipped iterations:   0 | number of nan iterations:   0 |
-"""
+"""  # noqa: E501 - Megatron's log lines as it prints them, one line each
 
 MILES = """\
 (MegatronTrainRayActor pid=4711) [2026-10-13 10:01:00] model.py:612 - step 0: {'train/loss': 2.45123, 'train/grad_norm': 3.21, 'train/lr-pg_0': 1e-06, 'train/global_batch_size': 128, 'train/step': 0}
 (MegatronTrainRayActor pid=4711) [2026-10-13 10:01:01] actor.py:300 - perf 0: {'perf/actor_train_time': 30.5124, 'perf/step_time': 31.0}
 (MegatronTrainRayActor pid=4711) [2026-10-13 10:01:20] model.py:612 - step 1: {'train/loss': 2.398, 'train/grad_norm': inf, 'train/lr-pg_0': 2e-06, 'train/global_batch_size': 128, 'train/step': 1}
 (MegatronTrainRayActor pid=4711) [2026-10-13 10:01:21] actor.py:300 - perf 1: {'perf/actor_train_time': 20.27, 'perf/step_time': 21.0}
-"""
+"""  # noqa: E501 - miles' log lines as it prints them, one line each
 
 
 def test_megatron_lines():
@@ -163,7 +163,8 @@ MILES_RAY = LOGS / "miles-78527b91-ray-driver.log"  # miles 78527b91's formats t
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
-    """A plan run of the recipe (`train`): config.yaml with optim.global_batch_size 128, data.seq_length 8192, 64 GPUs."""
+    """A plan run of the recipe (`train`): config.yaml with optim.global_batch_size 128, data.seq_length 8192,
+    64 GPUs."""
     root = tmp_path_factory.mktemp("runs")
     proc = helpers.run_train([f"hydra.run.dir={root / 'run'}"], cwd=root)
     assert proc.returncode == 0, proc.stderr
@@ -174,8 +175,10 @@ def miles_log(steps, step_time=2.0):
     """A miles 78527b91 log of ``steps`` steps (0-based step K and perf R lines, one step per rollout)."""
     prefix = "(MegatronTrainRayActor pid=4711) [2026-10-13 10:01:00.123 actor_cell0_rank0]"
     return "".join(
-        f"{prefix} log_utils.py:542 - step {k}: {{'train/loss': {2.5 - 0.01 * k}, 'train/grad_norm': 1.5, 'train/lr-pg_0': 1e-05, 'train/step': {k}}}\n"
-        f"{prefix} train_metric_utils.py:56 - perf {k}: {{'perf/train_wait_time': 0.05, 'perf/actor_train_time': {step_time + 0.01 * k}, 'perf/step_time': {step_time + 0.5}}}\n"
+        f"{prefix} log_utils.py:542 - step {k}: {{'train/loss': {2.5 - 0.01 * k}, 'train/grad_norm': 1.5, "
+        f"'train/lr-pg_0': 1e-05, 'train/step': {k}}}\n"
+        f"{prefix} train_metric_utils.py:56 - perf {k}: {{'perf/train_wait_time': 0.05, "
+        f"'perf/actor_train_time': {step_time + 0.01 * k}, 'perf/step_time': {step_time + 0.5}}}\n"
         for k in range(steps)
     )
 
@@ -207,7 +210,8 @@ def test_logs_run_dir_gives_tokens_and_report_reads_a_miles_log(run_dir, tmp_pat
     assert cli.main(["logs", str(log), "--run", str(run_dir)]) == 0  # writes RUN_DIR/metrics.jsonl
     out = capsys.readouterr().out
     assert (
-        f"{run_dir / 'metrics.jsonl'}: 20 steps (1..20), 20 with a step time, 20 with tokens (from {run_dir / 'config.yaml'} "
+        f"{run_dir / 'metrics.jsonl'}: 20 steps (1..20), 20 with a step time, 20 with tokens "
+        f"(from {run_dir / 'config.yaml'} "
         "optim.global_batch_size x data.seq_length)" in out
     )
     steps = read_metrics(run_dir / "metrics.jsonl")

@@ -9,6 +9,7 @@ from omegaconf.errors import ReadonlyConfigError
 
 import helpers
 from helpers import REPO_ROOT, compose
+from trainer import launch
 from trainer.compose import compose as compose_module
 from trainer.compose.prepare import prepare, reference_overrides
 from trainer.compose.render import render
@@ -34,7 +35,7 @@ def test_a_layout_override_reaches_the_miles_argv_through_compose_and_render_onl
     calls = []
     real = compose_module.compose
     monkeypatch.setattr(compose_module, "compose", lambda *a, **k: calls.append(k.get("overrides")) or real(*a, **k))
-    prepared = prepare(["layout=tp8pp8ep8"])
+    prepared = prepare(["layout=tp8pp8ep8"], check_launcher=launch.check)
     assert calls == [["layout=tp8pp8ep8"], ["layout=tp8pp8ep8"]]  # the job, then the reference (the same layout)
     assert prepared.launch.argv == render(compose("layout=tp8pp8ep8")).argv
     flags = pairs(prepared.launch.argv)
@@ -48,7 +49,7 @@ def test_a_layout_override_reaches_the_miles_argv_through_compose_and_render_onl
 
 
 def test_the_recipe_is_prepared_with_its_verdict_and_plan():
-    prepared = prepare(["hydra.run.dir=/tmp/unused"])
+    prepared = prepare(["hydra.run.dir=/tmp/unused"], check_launcher=launch.check)
     assert prepared.overrides == ()  # Hydra's task overrides: hydra.* ones are Hydra's own
     assert len(prepared.launch.argv) == 229
     assert prepared.plan["numerics"]["reference_layout"] == "tp8pp8ep8"
@@ -57,7 +58,7 @@ def test_the_recipe_is_prepared_with_its_verdict_and_plan():
 
 
 def test_a_prepared_run_is_frozen():
-    prepared = prepare([])
+    prepared = prepare([], check_launcher=launch.check)
     with pytest.raises(dataclasses.FrozenInstanceError):
         prepared.plan = {}
     with pytest.raises(ReadonlyConfigError):
@@ -73,7 +74,7 @@ def test_the_reference_keeps_every_override_but_layout_and_cluster():
 
 def test_a_bad_job_is_refused_on_one_line():
     with pytest.raises(UserError) as info:
-        prepare(["cluster.nodes=4"])
+        prepare(["cluster.nodes=4"], check_launcher=launch.check)
     assert str(info.value).startswith("layout.data_parallel_size 8 != world 32")
 
 
@@ -169,7 +170,7 @@ def test_run_dir_begins_with_the_launch_and_hashes_what_is_on_disk(tmp_path):
 
     from trainer.record.rundir import JOB, PLANNED
 
-    prepared = prepare(["layout=tp8pp8ep8"])
+    prepared = prepare(["layout=tp8pp8ep8"], check_launcher=launch.check)
     (tmp_path / JOB).write_text("{}")
     rundir = RunDir(tmp_path)
     rundir.write_plan(prepared)
@@ -195,7 +196,7 @@ def test_run_dir_begins_with_the_launch_and_hashes_what_is_on_disk(tmp_path):
 def test_run_dir_finish_attests_an_ended_run_and_not_a_handed_off_one(tmp_path):
     from trainer.record.rundir import RENDERED, RUNNING
 
-    prepared = prepare(["launcher=local-cpu", "experiment=smoke"])
+    prepared = prepare(["launcher=local-cpu", "experiment=smoke"], check_launcher=launch.check)
     for name, status in (("ended", COMPLETE), ("handed-off", RENDERED)):
         rundir = RunDir(tmp_path / name)
         rundir.path.mkdir()

@@ -59,7 +59,7 @@ def _fast_path_setup(tmp_path):
     """An environment root holding a complete environment for the lock, and TRAINER_PYTHON a wrapper that logs
     every start of the interpreter it wraps (the Python running the tests)."""
     key = hashlib.sha256((REPO_ROOT / "lockfiles" / "launcher.lock").read_bytes()).hexdigest()[:16]
-    version = "%d.%d" % sys.version_info[:2]
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
     env_dir = tmp_path / "envs" / f"{key}-py{version}"
     (env_dir / "bin").mkdir(parents=True)
     (env_dir / "bin" / "python").symlink_to(sys.executable)

@@ -16,7 +16,11 @@ def test_default_composition_renders_the_seed_command_argument_for_argument():
     assert golden_argv[8 : 8 + len(reference_model_args())] == reference_model_args()
     assert len(launch.argv) == len(golden_argv)
     # Raw strings, byte for byte: no numeric normalisation (the recipe's `16` is not our `16.0`).
-    mismatches = [(i, ours, theirs) for i, (ours, theirs) in enumerate(zip(launch.argv, golden_argv)) if ours != theirs]
+    mismatches = [
+        (i, ours, theirs)
+        for i, (ours, theirs) in enumerate(zip(launch.argv, golden_argv, strict=True))
+        if ours != theirs
+    ]
     assert mismatches == []
     assert launch.argv == golden_argv
     # Flags (every token starting with --) are identical strings, in the same order.
@@ -43,14 +47,14 @@ def test_model_args_match_miles_snapshot(variant):
     launch = render(compose(f"model={variant}"))
     golden = reference_model_args(variant)
     assert len(launch.model_args) == len(golden)
-    assert [(a, b) for a, b in zip(launch.model_args, golden) if a != b] == []
+    assert [(a, b) for a, b in zip(launch.model_args, golden, strict=True) if a != b] == []
 
 
 def test_every_model_field_with_a_flag_is_rendered_from_config():
     # Change one value: exactly that token changes.
     base = render(compose()).model_args
     changed = render(compose("model.dsv4_window_size=256")).model_args
-    diff = [(a, b) for a, b in zip(base, changed) if a != b]
+    diff = [(a, b) for a, b in zip(base, changed, strict=False) if a != b]
     assert diff == [("128", "256")]
     assert len({key for _, key, _ in MODEL_ARGS}) == len(MODEL_ARGS)
 

@@ -183,7 +183,7 @@ def test_secrets_are_redacted_everywhere(dp1):
 def test_data_parallel_matches_one_process(dp1, dp2):
     one, two = metrics(dp1), metrics(dp2)
     assert len(one) == len(two) == STEPS
-    for a, b in zip(one, two):
+    for a, b in zip(one, two, strict=True):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
         assert (b["tokens"], b["supervised_tokens"]) == (a["tokens"], a["supervised_tokens"])

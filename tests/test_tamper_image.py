@@ -100,7 +100,9 @@ def copy(signed, tmp_path: Path, name: str = "copy.oci") -> Path:
     return dst
 
 
-def attach(layout: Path, artifact_type: str, data: bytes, subject_digest: str = None, first: bool = False) -> str:
+def attach(
+    layout: Path, artifact_type: str, data: bytes, subject_digest: str | None = None, first: bool = False
+) -> str:
     """Add a well-formed referrer of ``data`` (made by the builder's own :func:`referrer`) to ``layout``'s index,
     as the first referrer (right after the image) or the last; returns its manifest digest."""
     idx = index(layout)
@@ -122,10 +124,10 @@ def drop(layout: Path, *artifact_types: str) -> None:
 
 def replace_provenance(layout: Path, key: Path, statement) -> None:
     """Re-sign ``statement`` with the genuine key and attach it in place of the provenance."""
-    from trainer.record import attest
+    from trainer import signing
 
     drop(layout, DSSE)
-    envelope = attest.sign(json.dumps(statement, sort_keys=True).encode(), attest.load_signer(key))
+    envelope = signing.sign(json.dumps(statement, sort_keys=True).encode(), signing.load_signer(key))
     attach(layout, DSSE, envelope)
 
 
@@ -159,7 +161,7 @@ def test_the_untouched_copy_verifies_and_its_sboms_are_the_byproducts(signed, tm
     assert image[0]["checksums"] == [{"algorithm": "SHA256", "checksumValue": manifest_digest[7:]}]
     # the layers the provenance names are the image's layers, by diff_id
     layers = [b["digest"]["sha256"] for b in byproducts if b["mediaType"] == "application/vnd.oci.image.layer.v1.tar"]
-    assert layers and layers == [l["diff_id"][7:] for l in signed["build"]["layers"]]
+    assert layers and layers == [layer["diff_id"][7:] for layer in signed["build"]["layers"]]
     prov = trainer("image", "provenance", layout)
     assert prov.returncode == 0 and prov.stdout.encode() == document_of(layout, DSSE)
 

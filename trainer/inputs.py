@@ -10,10 +10,15 @@ terminal never blocks), ``fstat``, and anything but a regular file is refused be
 kind found and the kind expected; then a size cap per kind (the ``MAX_*_BYTES`` constants below) from ``st_size``.
 Large inputs are streamed instead (:func:`lines`, :func:`raw_lines`: memory bounded by a per-line cap whatever the
 file's size; holes of a sparse file are skipped, not read, where only line structure matters).
+
+A file that is missing or cannot be read is one line too, said once for every reader (:func:`reading`): a block
+reading a file the user named turns ``FileNotFoundError`` and any other ``OSError`` into a :class:`UserError`
+with the caller's words (``--key KEY: no such file (...)``), the system's reason in parentheses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -50,6 +55,35 @@ _KINDS = (
     (stat.S_ISBLK, "a block device"),
     (stat.S_ISSOCK, "a socket"),
 )
+
+
+@contextlib.contextmanager
+def reading(
+    path: Path | str, missing: str | None = None, unreadable: str | None = None, prefix: str = ""
+) -> Iterator[None]:
+    """The block reads ``path`` (a file the user named); an ``OSError`` it raises becomes one :class:`UserError`:
+
+    * ``FileNotFoundError``: ``missing`` (default ``PREFIXPATH: no such file``);
+    * any other ``OSError`` (a permission, an I/O error, a name too long): ``UNREADABLE (REASON)``, the system's
+      reason (``strerror``) in parentheses; with ``unreadable`` None it propagates as it is (the command line
+      prints it as one line, :func:`trainer.errors.os_error_line`);
+    * a :class:`UserError` of the block (a FIFO, a file too large, not UTF-8: :func:`open_regular`,
+      :func:`decode`) is raised with ``prefix`` before it (``--key `` names the flag), unless it starts so already.
+
+    Every message is folded to one line (:class:`UserError`)."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise UserError(missing if missing is not None else f"{prefix}{path}: no such file") from None
+    except UserError as err:
+        text = str(err)
+        if not prefix or text.startswith(prefix):
+            raise
+        raise UserError(prefix + text) from None
+    except OSError as err:
+        if unreadable is None:
+            raise
+        raise UserError(f"{unreadable} ({err.strerror or err})") from None
 
 
 def kind_of(mode: int) -> str:

@@ -19,6 +19,9 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from trainer.image.gittree import directory_tree_id
+from trainer.publish import atomic_write
+
 # component -> distributions to try, in order
 DISTRIBUTIONS = {
     "torch": ("torch",),
@@ -58,7 +61,7 @@ def _megatron_version(checkout: str) -> str | None:
     values = {}
     for node in tree.body:
         if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
-            if isinstance(node.value, ast.Constant):
+            if isinstance(node.value, ast.Constant) and isinstance(node.value.value, str | int):
                 values[node.targets[0].id] = node.value.value
     if not all(k in values for k in ("MAJOR", "MINOR", "PATCH")):
         return None
@@ -144,8 +147,6 @@ def source_of(module_name: str, pins: dict[str, dict[str, str]] | None = None) -
     the site directory, never hashed). Hash at the start of a run: files a job later writes into the
     checkout change the tree. Returns {"commit", "tree", "path"}, each None when unknown.
     """
-    from trainer.image.gittree import directory_tree_id
-
     out: dict[str, str | None] = {"commit": None, "tree": None, "path": None}
     package = _package_dir(module_name)
     if package is None:
@@ -213,7 +214,8 @@ def probe() -> dict[str, Any]:
 
     Keys: ``python``, ``host``, ``cpu``, ``components`` (name -> version or None), ``torch`` (version, CUDA,
     cuDNN, NCCL as loaded, GPUs), ``nccl_net_plugin``, ``sources`` (megatron_lm, miles: commit, tree, path;
-    :func:`source_of`), ``megatron_lm_commit``/``_tree``, ``miles_commit``/``_tree``, ``driver``, ``image``. Imports torch if installed (seconds).
+    :func:`source_of`), ``megatron_lm_commit``/``_tree``, ``miles_commit``/``_tree``, ``driver``, ``image``. Imports
+    torch if installed (seconds).
     """
     components = {name: _dist_version(dists) for name, dists in DISTRIBUTIONS.items()}
     pins = _pins()
@@ -279,7 +281,7 @@ def distributions() -> dict[str, str]:
     comparing an image's site-packages with the lock stamped into it."""
     out: dict[str, str] = {}
     for dist in metadata.distributions():
-        name = (dist.metadata.get("Name") or "").lower().replace("_", "-")
+        name = (dist.name or "").lower().replace("_", "-")  # the metadata's Name (None when it has none)
         if name:
             out.setdefault(name, dist.version)
     return dict(sorted(out.items()))
@@ -310,8 +312,6 @@ def main(argv: list | None = None) -> int:
         sys.stdout.write(text)
         return 0
     path = Path(args.out.replace("{node}", node))
-    from trainer.publish import atomic_write
-
     try:
         atomic_write(path, text.encode())
     except OSError as ex:

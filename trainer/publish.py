@@ -12,12 +12,20 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
+
+from trainer.redact import redactor_for
+
+
+def canonical_json(obj: Any) -> bytes:
+    """JSON with sorted keys, two-space indent and a final newline (stable bytes for hashing)."""
+    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
 def umask() -> int:
@@ -53,7 +61,8 @@ def _named(err: OSError, path: Path) -> OSError:
     if err.errno is None or getattr(err, "_atomic_named", False):
         return err
     named = OSError(err.errno, err.strerror or os.strerror(err.errno), str(path))
-    named._atomic_named = True  # an atomic_file nested in another names the inner file
+    # an atomic_file nested in another names the inner file; an exception instance takes any attribute
+    named._atomic_named = True  # type: ignore[attr-defined]
     return named
 
 
@@ -64,7 +73,7 @@ class _Handle(io.BufferedWriter):
 
     target: Path
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         try:
             return super().write(data)
         except OSError as err:
@@ -129,11 +138,9 @@ def atomic_write(path: Path, data: bytes, mode: int = 0o666, umask: bool = True,
     """Write ``data`` to ``path`` through :func:`atomic_file`; return the sha256 (hex) of the bytes written.
 
     ``mode`` is applied less the process umask (as ``open()`` would) unless ``umask`` is false. Under a run
-    directory guarded by :func:`trainer.redact.guard` the bytes are scrubbed of secrets first (the hash is of
+    directory guarded by :func:`trainer.redact.guarding` the bytes are scrubbed of secrets first (the hash is of
     what was written), unless ``verbatim`` (a copy of content verified by digest, which must stay byte-exact).
     """
-    from trainer.redact import redactor_for
-
     redactor = None if verbatim else redactor_for(Path(path))
     if redactor is not None:
         data = redactor.scrub_bytes(data)

@@ -34,11 +34,11 @@ percent-encoding) unless it is learnt in that form.
 
 A :class:`Redactor` is taught a run's secrets (its overrides, its ``env`` block and the caller's environment), then
 frozen (:meth:`Redactor.freeze`): from then on it learns nothing from the text it scrubs, so a word that a file
-happens to assign to a secret-named key is redacted there, by the pattern, and nowhere else. :func:`guard` makes
-every :func:`trainer.publish.atomic_write` under a run directory pass through it, :func:`sweep` passes the files
-others wrote there (Hydra's ``.hydra/``, workers' logs) through it once more, and :func:`redacted_streams` puts
-stdout and stderr behind it (:class:`RedactingStream`, line by line), so that Hydra's and our own error lines and
-Hydra's log lines are redacted too.
+happens to assign to a secret-named key is redacted there, by the pattern, and nowhere else. :func:`guarding` makes
+every :func:`trainer.publish.atomic_write` under a run directory pass through it while the run lasts,
+:func:`trainer.record.rundir.sweep` passes the files others wrote there (Hydra's ``.hydra/``, workers' logs) through
+it once more, and :func:`redacted_streams` puts stdout and stderr behind it (:class:`RedactingStream`, line by
+line), so that Hydra's and our own error lines and Hydra's log lines are redacted too.
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ import contextlib
 import re
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 from typing import Any
+
+from trainer.errors import EX_SOFTWARE, PLACE_ERRNOS, internal_error_report, os_error_line
 
 REDACTED = "<redacted>"
 
@@ -294,7 +297,7 @@ class Redactor:
         """Learn the secrets inside ``value`` (any string of it): what the rule's patterns find, a URL password
         holding quotes, and the argument after a secret flag in a list (``[x, --hf-token, V]``)."""
         for items in _lists(value):
-            for flag, following in zip(items, items[1:]):
+            for flag, following in zip(items, items[1:], strict=False):  # each element with the one after it
                 if (
                     isinstance(flag, str)
                     and re.fullmatch(r"--?[A-Za-z][A-Za-z0-9_.-]*", flag)
@@ -527,7 +530,7 @@ def _unquoted_in_shell(text: str, positions: Sequence[int]) -> set[int]:
     return out
 
 
-def _apply(text: str, spans: Sequence[tuple[int, int]], quoted: set[int] = frozenset()) -> str:
+def _apply(text: str, spans: Sequence[tuple[int, int]], quoted: AbstractSet[int] = frozenset()) -> str:
     """``text`` with each span replaced by ``<redacted>`` (by ``'<redacted>'`` where it starts at one of ``quoted``)."""
     parts, last = [], 0
     for start, end in spans:
@@ -650,8 +653,6 @@ class RedactingStream:
         self._held = ""
 
     def _emit(self, text: str, flush: bool = False) -> None:
-        from trainer.errors import PLACE_ERRNOS
-
         if self.failed is not None:
             return
         try:
@@ -688,14 +689,14 @@ class RedactingStream:
 
 
 @contextlib.contextmanager
-def redacted_streams(redactor: Redactor) -> Iterator[Redactor]:
-    """stdout and stderr behind ``redactor`` (:class:`RedactingStream`) for the time of the block; an exception
-    that is not an exit is printed (its traceback redacted) and the block exits 1, except an ``OSError`` of the
-    place (:data:`trainer.errors.PLACE_ERRNOS`: standard output on a full disk) which is one line and exit 2;
-    Ctrl-C exits 130."""
+def redacted_streams(redactor: Redactor, errors: Redactor | None = None) -> Iterator[Redactor]:
+    """stdout and stderr behind ``redactor`` (:class:`RedactingStream`) for the time of the block. An exception
+    that is not an exit is a bug: one line ``train: internal error: TYPE: MESSAGE (...)``
+    (:func:`trainer.errors.internal_error_line`, passed through ``errors`` too, the redactor of error lines;
+    ``TRAINER_DEBUG=1``: after its traceback) and exit 70; an ``OSError`` of the place
+    (:data:`trainer.errors.PLACE_ERRNOS`: standard output on a full disk) is one line and exit 2, another
+    ``OSError`` its traceback (redacted) and exit 1; Ctrl-C exits 130."""
     import traceback
-
-    from trainer.errors import PLACE_ERRNOS, os_error_line
 
     saved = sys.stdout, sys.stderr
     out = sys.stdout = RedactingStream(saved[0], redactor, "standard output")
@@ -732,9 +733,10 @@ def redacted_streams(redactor: Redactor) -> Iterator[Redactor]:
             raise SystemExit(1) from None
         _last_words(f"train: error: {redactor.scrub(os_error_line(err))}")
         raise SystemExit(2) from None
-    except Exception:  # noqa: BLE001 - a bug: its traceback, redacted
-        sys.stderr.write("".join(traceback.format_exc()))
-        raise SystemExit(1) from None
+    except Exception as err:  # noqa: BLE001 - a bug: one line (its traceback with TRAINER_DEBUG=1), redacted
+        report = internal_error_report("train", err)
+        sys.stderr.write(errors.scrub(report) if errors is not None else report)
+        raise SystemExit(EX_SOFTWARE) from None
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:
@@ -754,16 +756,30 @@ def _last_words(line: str) -> None:
 
 # ------------------------------------------------------------------------------------------------ files
 
+# The run directories being written now, each with its run's redactor (:func:`guarding`): an entry lives as long
+# as its run, never longer, so one run's secrets never scrub, nor its directory capture, another run's files.
 _GUARDED: dict[Path, Redactor] = {}
 
 
-def guard(directory: Path, redactor: Redactor) -> None:
-    """From now on, every :func:`trainer.publish.atomic_write` under ``directory`` is scrubbed by ``redactor``."""
-    _GUARDED[Path(directory).absolute()] = redactor
+@contextlib.contextmanager
+def guarding(directory: Path, redactor: Redactor) -> Iterator[Redactor]:
+    """For the time of the block, every :func:`trainer.publish.atomic_write` under ``directory`` is scrubbed by
+    ``redactor`` (:func:`redactor_for`); when the block ends, however it ends, ``directory`` is guarded by what
+    guarded it before (nothing, for a run's directory)."""
+    key = Path(directory).absolute()
+    before = _GUARDED.get(key)
+    _GUARDED[key] = redactor
+    try:
+        yield redactor
+    finally:
+        if before is None:
+            _GUARDED.pop(key, None)
+        else:
+            _GUARDED[key] = before
 
 
 def redactor_for(path: Path) -> Redactor | None:
-    """The redactor guarding ``path``'s directory (or one above it), or None."""
+    """The redactor guarding ``path``'s directory (or one above it) now (:func:`guarding`), or None."""
     path = Path(path).absolute()
     for directory, redactor in _GUARDED.items():
         if path == directory or directory in path.parents:
@@ -771,135 +787,9 @@ def redactor_for(path: Path) -> Redactor | None:
     return None
 
 
-# Files larger than this are read in chunks of this size: a chunk is scrubbed with the OVERLAP characters after
-# it in view and cut at a line end no secret crosses (see scrub_file).
-CHUNK_BYTES = 16 << 20
+# A large file is scrubbed in chunks (trainer.record.rundir.scrub_file), each with this many characters after
+# it in view; a secret is searched for in windows of this many characters around a secret-named key
 OVERLAP = 1 << 20
-
-
-def sweep(directory: Path, redactor: Redactor, verbatim: Iterable[str] = ()) -> list[str]:
-    """Pass every regular file under ``directory`` through ``redactor`` and rewrite those that changed (atomically,
-    keeping their mode: :func:`scrub_file`); returns their paths relative to ``directory``, sorted.
-
-    Done: every regular file, whatever its size (a file over :data:`CHUNK_BYTES`, 256 MiB and more, is streamed in
-    chunks) and content (NUL bytes, bytes that are not UTF-8: they round-trip unchanged, as does everything but
-    the redacted spans). Not done: a symbolic link and what it points to (neither is followed; ``train --resume``
-    refuses a run directory holding one, and an attestation refuses links), FIFOs and other special files, the
-    folders ``verbatim`` names (paths relative to ``directory``: copies of content verified by digest, which a
-    rewrite would make untrue), files written after the sweep (a Slurm job's own logs)."""
-    directory = Path(directory)
-    skipped = [directory / name for name in verbatim]
-    changed = []
-    for path in sorted(directory.rglob("*")):
-        if any(path == top or top in path.parents for top in skipped):
-            continue
-        if scrub_file(path, redactor):
-            changed.append(path.relative_to(directory).as_posix())
-    return changed
-
-
-def _pieces(handle: Any, redactor: Redactor) -> Iterator[tuple[str, list[tuple[int, int]]]]:
-    """The text of ``handle`` (bytes, surrogateescape) in pieces of about :data:`CHUNK_BYTES`, each with the spans to
-    redact in it. A piece ends at a line end with :data:`OVERLAP` characters or more of the file read past it, and
-    no span found in what was read crosses its end; a line longer than a chunk is cut inside, after the end of
-    the span that crosses the cut (a secret whose serialisation is longer than :data:`OVERLAP` and crosses the
-    cut of such a line is replaced in part)."""
-    carry = b""
-    while True:
-        data = handle.read(CHUNK_BYTES)
-        buffer = carry + data
-        text = buffer.decode("utf-8", "surrogateescape")
-        spans = redactor._spans(text)
-        if not data:
-            yield text, spans
-            return
-        limit = max(len(text) - OVERLAP, 1)
-        cut = text.rfind("\n", 0, limit) + 1
-        for start, end in spans:
-            if start < cut < end:
-                cut = text.rfind("\n", 0, start) + 1
-        if cut <= 0:  # one line longer than a chunk: cut inside it, never inside a span
-            cut = limit
-            for start, end in spans:
-                if start < cut < end:
-                    cut = end
-        head = [(s, e) for s, e in spans if e <= cut]
-        yield text[:cut], head
-        carry = text[cut:].encode("utf-8", "surrogateescape")
-
-
-def scrub_file(path: Path, redactor: Redactor) -> bool:
-    """Pass the regular file ``path`` (not a link; any size, NUL bytes and bytes that are not UTF-8 included)
-    through ``redactor``, rewriting it atomically with its mode when that changed it; returns whether it did. A
-    file of at most :data:`CHUNK_BYTES` is scrubbed whole; a larger one is read once, in pieces (:func:`_pieces`),
-    into a temporary copy that replaces it only when a piece changed. A missing file is left alone."""
-    from trainer.publish import atomic_file, atomic_write
-
-    path = Path(path)
-    if path.is_symlink() or not path.is_file():
-        return False
-    mode = path.stat().st_mode & 0o777
-    if path.stat().st_size <= CHUNK_BYTES:
-        data = path.read_bytes()
-        clean = redactor.scrub_bytes(data)
-        if clean != data:
-            try:
-                atomic_write(path, clean, mode=mode, umask=False)
-            except OSError as err:
-                if not _scrub_in_place(path, clean, err):
-                    raise
-        return clean != data
-    try:
-        with path.open("rb") as handle, atomic_file(path, mode, umask_applies=False) as out:
-            changed = False
-            for text, spans in _pieces(handle, redactor):
-                changed = changed or bool(spans)
-                out.write(_apply(text, spans).encode("utf-8", "surrogateescape"))
-            if not changed:
-                raise _Unchanged()
-    except _Unchanged:
-        return False
-    return True
-
-
-def _scrub_in_place(path: Path, clean: bytes, err: OSError) -> bool:
-    """After ``err``, a full disk or quota (no room for the temporary copy an atomic rewrite needs): rewrite
-    ``path`` in place, which needs no new blocks when ``clean`` is not longer than what the file holds (on file
-    systems that write in place; copy-on-write ones may refuse this too), else empty it, saying so on stderr (a
-    secret left is worse than a log lost). Returns False when ``err`` is another error or this fails too."""
-    import errno
-    import os
-
-    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
-        return False
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        if len(clean) <= os.fstat(fd).st_size:
-            os.pwrite(fd, clean, 0)
-            os.ftruncate(fd, len(clean))
-            return True
-        os.ftruncate(fd, 0)
-        _last_words(f"train: warning: {path}: no room to write it redacted; emptied rather than kept with a secret")
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-class _Unchanged(Exception):
-    """Nothing to redact in a large file: its temporary copy is dropped (:func:`trainer.publish.atomic_file`)."""
-
-
-def resweep(directory: Path, verbatim: Iterable[str] = ()) -> list[str]:
-    """Pass the files others wrote into the guarded ``directory`` (Hydra's, the workers') through its redactor now
-    (:func:`sweep`, ``verbatim`` folders aside), so that hashes taken next are those of the files as they stay;
-    nothing happens outside a guarded directory. Returns the paths it rewrote."""
-    redactor = redactor_for(directory)
-    return sweep(directory, redactor, verbatim) if redactor is not None else []
 
 
 def scrub_data(value: Any, redactor: Redactor) -> Any:

@@ -10,12 +10,19 @@ command line is prepared and checked, before any run directory exists) are held 
 the job's log once it is open (:func:`release`). Every record is redacted before any handler writes it
 (:class:`Redacting`, with ``train``'s redactor: :func:`redact_with`). The file handler is a
 ``WatchedFileHandler``: a sweep that rewrites ``train.log`` is followed, not written past.
+
+Both the held records and the redactor last one ``train`` command line (:func:`session`): when it ends, records
+never released are dropped and the redactor is forgotten, so that a second run in the same process (a test, a
+notebook) neither logs the first one's records nor scrubs with its secrets.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import logging.handlers
+from collections.abc import Iterator
+from typing import Any
 
 log = logging.getLogger("trainer")
 
@@ -39,6 +46,7 @@ def hold() -> None:
     handler = logging.handlers.MemoryHandler(capacity=1 << 20, flushLevel=logging.CRITICAL + 1)
     log.addHandler(handler)
     log.setLevel(logging.DEBUG)
+    log.propagate = False  # held only: not also written by handlers an earlier run left (its train.log)
     _HELD.append(handler)
 
 
@@ -51,6 +59,7 @@ def release() -> None:
     handler = _HELD.pop()
     log.removeHandler(handler)
     log.setLevel(logging.NOTSET)
+    log.propagate = True
     level = log.getEffectiveLevel()
     for record in handler.buffer:
         if record.levelno >= level:
@@ -58,13 +67,53 @@ def release() -> None:
     handler.buffer.clear()
 
 
-_REDACTOR: list = []  # the redactor every record passes through before any handler writes it (train's)
+def drop() -> None:
+    """Forget the records held since :func:`hold` and never released (a command line refused before any job's log
+    was open: there is no log for them), and stop holding."""
+    while _HELD:
+        handler = _HELD.pop()
+        log.removeHandler(handler)
+        handler.buffer.clear()
+    log.setLevel(logging.NOTSET)
+    log.propagate = True
 
 
-def redact_with(redactor) -> None:
+# The redactor every record passes through before any handler writes it (train's, for the time of its command line:
+# :func:`session`). Hydra's logging configuration makes the filter (:class:`Redacting`) by name, without arguments,
+# so the filter finds the redactor here.
+_REDACTOR: list[Any] = []
+
+
+def redact_with(redactor: Any) -> None:
     """Pass every record a handler of the job's logging writes through ``redactor``
-    (:class:`trainer.redact.Redactor`, which ``train`` teaches each job's secrets as it goes: :class:`Redacting`)."""
-    _REDACTOR[:] = [redactor]
+    (:class:`trainer.redact.Redactor`, which ``train`` teaches each job's secrets as it goes: :class:`Redacting`);
+    None: no longer."""
+    _REDACTOR[:] = [] if redactor is None else [redactor]
+
+
+@contextlib.contextmanager
+def session(redactor: Any) -> Iterator[None]:
+    """One ``train`` command line: records held until its job's log is open (:func:`hold`, :func:`release`), and
+    every record redacted by ``redactor`` (:func:`redact_with`). When the block ends, however it ends, what was
+    held and not released is dropped (:func:`drop`), the redactor is forgotten, and the handlers Hydra's job
+    logging added to the root logger meanwhile (the job's ``train.log``, sealed with its run) are closed and
+    removed: nothing logged later in this process is written into a finished run."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    drop()  # what an earlier command line in this process left, were it not ended by this
+    hold()
+    redact_with(redactor)
+    try:
+        yield
+    finally:
+        drop()
+        redact_with(None)
+        for handler in [h for h in root.handlers if h not in before]:
+            root.removeHandler(handler)
+            try:
+                handler.close()
+            except (OSError, ValueError):  # a full disk: as logging.shutdown at exit, the log's last bytes are lost
+                pass
 
 
 class Redacting(logging.Filter):

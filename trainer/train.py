@@ -12,7 +12,12 @@ Usage (Hydra overrides; ``--help`` lists the groups)::
 3. launch and record (:func:`run_one`: :mod:`trainer.launch`, :class:`trainer.record.rundir.RunDir`), an executed
    run attested (``--sign-key KEY``).
 
-Exit codes: 0 ok, 2 refused input (one line on stderr), 1 an executed run that did not complete, 130 interrupted.
+What the command line chose (:class:`RunOptions`) and what one ``train`` prints through (:class:`Invocation`) are
+made by :func:`main` and handed down as arguments: no module global holds a run's state, so two runs in one process
+(tests, a notebook) never see each other's.
+
+Exit codes: 0 ok, 2 refused input (one line on stderr), 1 an executed run that did not complete, 70 an internal
+error (a bug: one line ``train: internal error: ...``; ``TRAINER_DEBUG=1`` adds the traceback), 130 interrupted.
 
 Everything ``train`` and Hydra print goes through one redactor (:func:`trainer.redact.redacted_streams`): the
 secrets of the command line as Hydra reads it and of this process's environment, then of each job's environment
@@ -25,7 +30,10 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -36,7 +44,8 @@ from trainer import launch, runlog
 from trainer.compose import commandline, schema
 from trainer.compose.compose import CONF_DIR
 from trainer.compose.prepare import FROZEN, PreparedRun, prepare
-from trainer.errors import STORAGE_ERRNOS, UserError, os_error_line, place_error
+from trainer.compose.summary import print_plan_summary
+from trainer.errors import EX_SOFTWARE, STORAGE_ERRNOS, UserError, internal_error_report, os_error_line, place_error
 from trainer.record.attest import ATTESTATION, take_sign_key
 from trainer.record.rundir import (
     COMPLETE,
@@ -50,52 +59,84 @@ from trainer.record.rundir import (
     RunDir,
     claim_run_dir,
     others_in,
+    scrub_file,
+    sweep,
 )
-from trainer.redact import Redactor, guard, redacted_streams, scrub_file, sweep
+from trainer.redact import Redactor, guarding, redacted_streams
 
-SIGNER = None  # the signer of run attestations (--sign-key KEY), or None
-RUN_DIR_MODE = "new"  # how a run directory that already holds a run is treated: new, resume, overwrite
-COMMAND_LINE: list[str] = []  # the overrides as typed (a multirun's sweeps unexpanded)
-STREAMS = Redactor()  # what stdout and stderr pass through (taught the command line's and each job's secrets)
-ERRORS: Redactor | None = None  # what an error line passes through: also the short values of secret overrides
+RUN_DIR_MODES = ("new", "resume", "overwrite")  # how a run directory that already holds a run is treated
 
 
-def error_line(err: object) -> str:
-    """``train: error: ERR`` with the secrets of the command line replaced (:data:`ERRORS`)."""
-    text = f"train: error: {err}"
-    return (ERRORS or STREAMS).scrub(text)
+@dataclass(frozen=True)
+class RunOptions:
+    """What one ``train`` command line chose for every job of it, made once by :func:`run_main` and handed down.
+
+    ``mode``: one of :data:`RUN_DIR_MODES` (``--resume``, ``--overwrite``; default ``new``); ``signer``: the signer
+    of run attestations (``--sign-key KEY``, :func:`trainer.record.attest.take_sign_key`), or None;
+    ``command_line``: the overrides as typed (a multirun's sweeps unexpanded, ``--sign-key`` taken out)."""
+
+    mode: str = "new"
+    signer: Any = None
+    command_line: tuple[str, ...] = ()
 
 
-def teach_command_line(argv: list[str]) -> None:
-    """:data:`STREAMS` and :data:`ERRORS` taught the secrets of ``argv`` (as Hydra reads each override) and of
-    this process's environment; both frozen."""
-    global ERRORS, STREAMS
-    inherited = Redactor().learn_env(os.environ)
-    STREAMS = Redactor().learn_overrides(argv).teach(inherited).freeze()
-    ERRORS = Redactor(short=1).learn_overrides(argv).teach(inherited).freeze()
+@dataclass
+class Invocation:
+    """One ``train`` process's run of a command line: its :class:`RunOptions`, the prepared jobs
+    (``overrides -> PreparedRun``), and what its output passes through: ``streams`` (stdout and stderr, taught the
+    command line's and then each job's secrets) and ``errors`` (an error line: also the short values of secret
+    overrides); ``reported``: the lines of full-disk errors already printed (:func:`out_of_room`), not printed
+    twice. Made by :func:`main`, passed to every step; gone when the command line ends."""
+
+    streams: Redactor
+    errors: Redactor
+    options: RunOptions = RunOptions()
+    jobs: Mapping[tuple[str, ...], PreparedRun] = field(default_factory=dict)
+    reported: set[str] = field(default_factory=set)
+
+    @classmethod
+    def of(cls, argv: list[str]) -> Invocation:
+        """The redactors taught the secrets of ``argv`` (as Hydra reads each override) and of this process's
+        environment, both frozen (they learn nothing from what they scrub)."""
+        inherited = Redactor().learn_env(os.environ)
+        return cls(
+            streams=Redactor().learn_overrides(argv).teach(inherited).freeze(),
+            errors=Redactor(short=1).learn_overrides(argv).teach(inherited).freeze(),
+        )
+
+    def error_line(self, err: object) -> str:
+        """``train: error: ERR`` with the secrets of the command line (and of the jobs so far) replaced."""
+        return self.errors.scrub(f"train: error: {err}")
+
+    def teach(self, redactor: Redactor) -> None:
+        """Both redactors taught the values ``redactor`` knows (a job's secrets, once it is prepared)."""
+        self.streams.teach(redactor)
+        self.errors.teach(redactor)
 
 
 def main() -> None:
-    """Console entry point: :func:`run_main` with stdout and stderr redacted (:data:`STREAMS`)."""
+    """Console entry point: :func:`run_main` with stdout and stderr redacted (:attr:`Invocation.streams`), the
+    records of the job's log held until Hydra opens it and redacted too (:func:`trainer.runlog.session`)."""
     prog = os.environ.pop("TRAINER_PROG", "")
     if prog:  # bin/train: the name Hydra's shell completion binds and prints (`eval "$(bin/train -sc install=bash)"`)
         sys.argv[0] = prog
         import hydra._internal.utils as hydra_utils
 
         hydra_utils._get_exec_command = lambda: prog  # Hydra would print only the name: `train`, not `bin/train`
-    runlog.hold()
-    teach_command_line(sys.argv[1:])
-    runlog.redact_with(STREAMS)
-    with redacted_streams(STREAMS):
-        run_main()
+    invocation = Invocation.of(sys.argv[1:])
+    frozen = os.environ.get(FROZEN)  # --frozen sets it for this command line (and its workers) only
+    try:
+        with runlog.session(invocation.streams), redacted_streams(invocation.streams, errors=invocation.errors):
+            run_main(invocation)
+    finally:
+        if frozen is None:
+            os.environ.pop(FROZEN, None)
+        else:
+            os.environ[FROZEN] = frozen
 
 
-REPORTED: set = set()  # the lines of full-disk errors already printed (out_of_room): not printed twice
-
-
-def run_main() -> None:
-    """Prepare every job, claim the run directory, then run. Exit 2 with one line on bad input."""
-    global COMMAND_LINE, RUN_DIR_MODE, SIGNER
+def run_main(invocation: Invocation) -> None:
+    """Read the options, prepare every job, claim the run directory, then run. Exit 2 with one line on bad input."""
     flags = {"--resume": "resume", "--overwrite": "overwrite"}
     modes = [flags[a] for a in sys.argv[1:] if a in flags]
     if "--frozen" in sys.argv[1:]:  # lockfiles/launcher.lock as it is, even when launcher.in changed since
@@ -104,44 +145,51 @@ def run_main() -> None:
     if len(set(modes)) > 1:
         print("train: error: --resume and --overwrite exclude each other", file=sys.stderr)
         sys.exit(2)
-    RUN_DIR_MODE = modes[0] if modes else "new"
     try:
-        argv, SIGNER = take_sign_key(sys.argv[1:])
-        COMMAND_LINE = list(argv)
-        single = prepare_command_line(argv)
+        argv, signer = take_sign_key(sys.argv[1:])
+        invocation.options = RunOptions(modes[0] if modes else "new", signer, tuple(argv))
+        single, invocation.jobs = prepare_command_line(argv, invocation.options.mode)
         sys.argv[1:] = argv  # the run directory's override made literal: what Hydra reads (a multirun, --cfg, ...)
     except (UserError, OSError) as err:  # an OSError of a path given (a name too long, a key not readable)
         err = place_error(err) or err if isinstance(err, OSError) else err
         if not isinstance(err, UserError):
             raise err
-        print(error_line(err), file=sys.stderr)
+        print(invocation.error_line(err), file=sys.stderr)
         sys.exit(err.exit_code)
     if single is None:
         schema.register()  # @hydra.main composes itself (a composition from the cache needs no ConfigStore)
-        run()
+        hydra_main(invocation)
     else:
+        composed, config_loader, job = single
         commandline.hydra_run(
-            *single, task=lambda prepared, run_dir: guarded(prepared, Path(run_dir)), unfinished=scrub_unfinished
+            composed,
+            config_loader,
+            job,
+            task=lambda prepared, run_dir: reported(invocation, prepared, Path(run_dir)),
+            unfinished=scrub_unfinished,
         )
 
 
-def prepare_command_line(argv: list[str]):
+def prepare_command_line(
+    argv: list[str], mode: str = "new"
+) -> tuple[commandline.Single | None, dict[tuple[str, ...], PreparedRun]]:
     """:func:`trainer.compose.commandline.prepare_jobs`, then the run directory the command line names claimed
-    (:func:`trainer.record.rundir.claim_run_dir`, in :data:`RUN_DIR_MODE`; for ``--resume`` with the job's
-    ``composition_sha256``, :meth:`~trainer.compose.prepare.PreparedRun.record_fields`). ``argv`` is rewritten in
-    place: a run-directory override with an interpolation becomes the literal it resolved to, the directory
-    claimed and the one Hydra then uses. Returns the single plain run (or None: Hydra's entry point runs the
-    command line). Raises :class:`UserError` (one line)."""
-    single, named, literal = commandline.prepare_jobs(argv)
+    (:func:`trainer.record.rundir.claim_run_dir`, in ``mode``, one of :data:`RUN_DIR_MODES`; for ``--resume``
+    with the job's ``composition_sha256``, :meth:`~trainer.compose.prepare.PreparedRun.record_fields`). ``argv``
+    is rewritten in place: a run-directory override with an interpolation becomes the literal it resolved to, the
+    directory claimed and the one Hydra then uses. Returns the single plain run (or None: Hydra's entry point
+    runs the command line) and every job's prepared run by its task overrides. Raises :class:`UserError` (one
+    line)."""
+    single, named, literal, jobs = commandline.prepare_jobs(argv, launch.check)
     if named:
         composition = None
-        if RUN_DIR_MODE == "resume":
-            jobs = list(commandline.PREPARED.values())
-            composition = jobs[0].record_fields()["composition_sha256"] if len(jobs) == 1 else None
-        claim_run_dir(named[1], RUN_DIR_MODE, named[0], composition=composition)
+        if mode == "resume":
+            prepared = list(jobs.values())
+            composition = prepared[0].record_fields()["composition_sha256"] if len(prepared) == 1 else None
+        claim_run_dir(named[1], mode, named[0], composition=composition)
         refuse_links(Path(named[1]))
     argv[:] = literal
-    return single
+    return single, jobs
 
 
 def refuse_links(directory: Path) -> None:
@@ -160,14 +208,12 @@ def refuse_links(directory: Path) -> None:
                 )
 
 
-def run_one(prepared: PreparedRun, run_dir: Path) -> None:
+def run_one(invocation: Invocation, prepared: PreparedRun, run_dir: Path) -> None:
     """One job in its run directory: the plan's files, then the launch (unless ``launcher=plan``), then how it
     ended. Exits 1 when an executed run did not complete, 2 (or the error's code) on input refused late."""
     rundir = RunDir(run_dir)
     rundir.write_plan(prepared)
     if prepared.launcher == "plan":
-        from trainer.compose.summary import print_plan_summary
-
         rundir.begin(PLANNED, prepared.record_fields())
         print_plan_summary(prepared.plan, run_dir)
         return
@@ -175,9 +221,9 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
     try:
         record = launch.execute(prepared, rundir, record)
     except UserError as err:
-        fail(rundir, record, FAILED, str(err), error_line(err), err.exit_code)
+        fail(invocation, rundir, record, FAILED, str(err), invocation.error_line(err), err.exit_code)
     except KeyboardInterrupt:
-        fail(rundir, record, INTERRUPTED, "interrupted by a signal", f"train: interrupted ({run_dir})", 130)
+        fail(invocation, rundir, record, INTERRUPTED, "interrupted by a signal", f"train: interrupted ({run_dir})", 130)
     except Exception as err:  # noqa: BLE001 - the record must say how the run ended, whatever ended it
         reason = (
             os_error_line(err)
@@ -185,11 +231,12 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
             else f"{type(err).__name__}: {' '.join(str(err).split())}"
         )
         fail(
+            invocation,
             rundir,
             record,
             FAILED,
             f"launcher {prepared.launcher} raised {reason}",
-            error_line(f"launcher {prepared.launcher} failed: {reason} ({run_dir})"),
+            invocation.error_line(f"launcher {prepared.launcher} failed: {reason} ({run_dir})"),
             1,
         )
     message = record.pop("message", None)
@@ -197,9 +244,9 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
     # the log's last line goes in before the run is sealed (train.log is one of the files its record hashes)
     runlog.info(message or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else ""))
     try:
-        record = rundir.finish(record, SIGNER)
+        record = rundir.finish(record, invocation.options.signer)
     except OSError as err:  # the disk filled during the run: the record says so where it can (exit 1)
-        out_of_room(rundir, record, err)
+        out_of_room(invocation, rundir, record, err)
     print(
         message
         or f"run {record['status']}" + (f": {record['reason']}" if record.get("reason") else "") + f" ({run_dir})"
@@ -208,26 +255,27 @@ def run_one(prepared: PreparedRun, run_dir: Path) -> None:
         sys.exit(1)
 
 
-def fail(rundir: RunDir, record: dict, status: str, reason: str, line: str, code: int) -> None:
+def fail(invocation: Invocation, rundir: RunDir, record: dict, status: str, reason: str, line: str, code: int) -> None:
     """End ``record`` ``status`` (``reason``) after a launch that raised, unless the launcher had ended it already;
     attest and save it, print ``line`` on stderr and exit with ``code``."""
     runlog.log.error(line)  # before the seal: train.log is one of the files the record hashes
     try:
-        rundir.seal(record if record["status"] in FINAL else rundir.end(record, status, reason), SIGNER)
+        ended = record if record["status"] in FINAL else rundir.end(record, status, reason)
+        rundir.seal(ended, invocation.options.signer)
     except OSError as err:
-        out_of_room(rundir, record, err)
+        out_of_room(invocation, rundir, record, err)
     print(line, file=sys.stderr)
     sys.exit(code)
 
 
-def out_of_room(rundir: RunDir, record: dict, err: OSError) -> None:
+def out_of_room(invocation: Invocation, rundir: RunDir, record: dict, err: OSError) -> None:
     """After a write of a run's end stopped on the place (``err``: a full disk, a quota, a read-only mount;
     any other error is raised again): the run recorded failed with the reason where there is room
     (:meth:`~trainer.record.rundir.RunDir.record_out_of_room`), one line on stderr saying what the record says,
     exit 1."""
     if err.errno not in STORAGE_ERRNOS:
         raise err
-    REPORTED.add(os_error_line(err))
+    invocation.reported.add(os_error_line(err))
     saved = rundir.record_out_of_room(record, err)
     print(
         f"train: error: run {record.get('status')}: {record.get('reason') or os_error_line(err)} ({rundir.path}); "
@@ -242,23 +290,34 @@ def out_of_room(rundir: RunDir, record: dict, err: OSError) -> None:
     sys.exit(1)
 
 
-@hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")  # absolute: `trainer train` too
-def run(cfg: DictConfig) -> None:
+def hydra_main(invocation: Invocation) -> None:
+    """The command line run by Hydra's own entry point (``@hydra.main``: a multirun, ``--cfg``, ``--help``, shell
+    completion), each job through :func:`hydra_job` with ``invocation``, which the decorated function closes
+    over (no module global carries it to the job)."""
+
+    @hydra.main(config_path=str(CONF_DIR), config_name="train", version_base="1.3")  # absolute: `trainer train` too
+    def run(cfg: DictConfig) -> None:
+        hydra_job(invocation)
+
+    run()
+
+
+def hydra_job(invocation: Invocation) -> None:
     """A job of a multirun (or of a command line :func:`main` leaves to Hydra): its prepared run, then
-    :func:`guarded`."""
+    :func:`guarded` (through :func:`reported`)."""
     hydra_cfg = HydraConfig.get()
     overrides = tuple(hydra_cfg.overrides.task)
-    prepared = commandline.PREPARED.get(overrides)
+    prepared = invocation.jobs.get(overrides)
     if prepared is None:
         try:
-            prepared = prepare(overrides)
+            prepared = prepare(overrides, check_launcher=launch.check)
         except UserError as err:
-            print(error_line(err), file=sys.stderr)
+            print(invocation.error_line(err), file=sys.stderr)
             sys.exit(err.exit_code)
     if hydra_cfg.mode == RunMode.MULTIRUN:  # Hydra's record of the sweep, written before the first job
-        scrub_file(Path(hydra_cfg.sweep.dir) / "multirun.yaml", sweep_redactor())
+        scrub_file(Path(hydra_cfg.sweep.dir) / "multirun.yaml", sweep_redactor(invocation))
     try:
-        guarded(prepared, Path(hydra_cfg.runtime.output_dir))
+        reported(invocation, prepared, Path(hydra_cfg.runtime.output_dir))
     except OSError as err:  # a full disk, a name too long: one line (Hydra's own writes of a sweep excepted)
         if place_error(err) is None:
             raise
@@ -266,19 +325,36 @@ def run(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-def sweep_redactor() -> Redactor:
+def reported(invocation: Invocation, prepared: PreparedRun, run_dir: Path) -> None:
+    """:func:`guarded`, where an exception that is neither bad input (:class:`UserError`: its line, its exit code)
+    nor an ``OSError`` (its caller's) is a bug: one line ``train: internal error: ...`` (redacted as every error
+    line; ``TRAINER_DEBUG=1``: after its traceback) and exit 70, not Hydra's report of a failed job."""
+    try:
+        guarded(invocation, prepared, run_dir)
+    except UserError as err:
+        print(invocation.error_line(err), file=sys.stderr)
+        sys.exit(err.exit_code)
+    except OSError:
+        raise
+    except Exception as err:  # noqa: BLE001 - no check turned it into a UserError: a bug, said as one
+        print(invocation.errors.scrub(internal_error_report("train", err)), end="", file=sys.stderr)
+        sys.exit(EX_SOFTWARE)
+
+
+def sweep_redactor(invocation: Invocation) -> Redactor:
     """A redactor that knows the secrets of every job of the command line: the overrides as typed (a sweep
     ``+env.HF_TOKEN=a,b`` whole) and as each prepared job got them, and each job's environment block; frozen."""
-    redactor = Redactor().learn_overrides(COMMAND_LINE).learn_env(os.environ)
-    for job in commandline.PREPARED.values():
+    redactor = Redactor().learn_overrides(invocation.options.command_line).learn_env(os.environ)
+    for job in invocation.jobs.values():
         learn_secrets(redactor, job)
     return redactor.freeze()
 
 
 def learn_secrets(redactor: Redactor, prepared: PreparedRun) -> Redactor:
     """``redactor`` taught the secrets of one job: its overrides and its environment block's secret-named values."""
-    env = OmegaConf.to_container(prepared.cfg.env, resolve=True) or {}
-    return redactor.learn_overrides(list(prepared.overrides)).learn_env(env)
+    env = OmegaConf.to_container(prepared.cfg.env, resolve=True)
+    variables = {str(name): value for name, value in env.items()} if isinstance(env, dict) else {}
+    return redactor.learn_overrides(list(prepared.overrides)).learn_env(variables)
 
 
 def scrub_unfinished(prepared: PreparedRun, run_dir: str) -> None:
@@ -291,12 +367,12 @@ def scrub_unfinished(prepared: PreparedRun, run_dir: str) -> None:
         print(f"train: error: {os_error_line(err)} (not swept of secrets)", file=sys.stderr)
 
 
-def guarded(prepared: PreparedRun, run_dir: Path) -> None:
+def guarded(invocation: Invocation, prepared: PreparedRun, run_dir: Path) -> None:
     """:func:`run_one` in a run directory whose every file is scrubbed of the run's secrets (those of the
     overrides and of the environment block), Hydra's own files included. Refuses (exit 2) a directory Hydra chose
     that another run took in the meantime."""
     left = others_in(run_dir)
-    if left and RUN_DIR_MODE == "new":
+    if left and invocation.options.mode == "new":
         print(
             f"train: error: {run_dir}: holds another run ({', '.join(left[:3])}); pass --resume or --overwrite",
             file=sys.stderr,
@@ -307,24 +383,22 @@ def guarded(prepared: PreparedRun, run_dir: Path) -> None:
         f"run directory {run_dir}: overrides {' '.join(prepared.overrides) or '(none)'}; launcher {prepared.launcher}"
     )
     redactor = learn_secrets(Redactor(), prepared).learn_env(os.environ).freeze()
-    STREAMS.teach(redactor)
-    if ERRORS is not None:
-        ERRORS.teach(redactor)
-    guard(run_dir, redactor)
-    try:
-        sweep(run_dir, redactor, (*VERBATIM, ATTESTATION))  # Hydra's .hydra/ now, not only once the run ended
-        run_one(prepared, run_dir)
-    finally:
-        ending = sys.exc_info()[1]
+    invocation.teach(redactor)
+    with guarding(run_dir, redactor):  # for this job only: the next job (of a multirun, of a test) has its own
         try:
-            # a late rewrite: the record's hashes and the attestation follow it (scrubbed before it was signed)
-            if sweep(run_dir, redactor, (*VERBATIM, ATTESTATION)):
-                RunDir(run_dir).reseal(SIGNER)
-        except OSError as err:  # a full disk as the run ended (out_of_room): the error in flight and its code stand
-            if err.errno not in STORAGE_ERRNOS or ending is None:
-                raise
-            if os_error_line(err) not in REPORTED:
-                print(f"train: error: {os_error_line(err)} (not swept of secrets)", file=sys.stderr)
+            sweep(run_dir, redactor, (*VERBATIM, ATTESTATION))  # Hydra's .hydra/ now, not only once the run ended
+            run_one(invocation, prepared, run_dir)
+        finally:
+            ending = sys.exc_info()[1]
+            try:
+                # a late rewrite: the record's hashes and the attestation follow it (scrubbed before it was signed)
+                if sweep(run_dir, redactor, (*VERBATIM, ATTESTATION)):
+                    RunDir(run_dir).reseal(invocation.options.signer)
+            except OSError as err:  # a full disk as the run ended (out_of_room): the error in flight and code stand
+                if err.errno not in STORAGE_ERRNOS or ending is None:
+                    raise
+                if os_error_line(err) not in invocation.reported:
+                    print(f"train: error: {os_error_line(err)} (not swept of secrets)", file=sys.stderr)
 
 
 if __name__ == "__main__":

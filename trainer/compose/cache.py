@@ -22,17 +22,18 @@ holding anything else is not stored. What a caching resolver remembered while Hy
 ``${now:...}``) is not in the entry: it is resolved when the run reads it, as for a fresh composition.
 
 An entry is this user's own statement: ``FORMAT``, then an HMAC-SHA256 (kind :data:`MAC_KIND`, the format, the
-entry's key and the payload's sha256) under this user's cache key (:func:`trainer.image.cas.stamp_key`, the key of
+entry's key and the payload's sha256) under this user's cache key (:func:`trainer.image.stampkey.stamp_key`, the key of
 the image cache's stamps and layer records, ``$XDG_CONFIG_HOME/recipe-bundle/cache-stamp.key``; its own kind, so
 that no layer record or stamp MAC verifies as an entry), then the payload. It is written atomically (mode 0600
 whatever the umask, in a directory of this user's that only they may write, made 0700 when the cache makes it; a
-directory that group or others may write, or another user's, is not used, never chmodded, nothing in it removed). Reading opens the entry without following a link and without blocking, and takes only a regular file of
+directory that group or others may write, or another user's, is not used, never chmodded, nothing in it
+removed). Reading opens the entry without following a link and without blocking, and takes only a regular file of
 at most :data:`MAX_ENTRY_BYTES` (checked before any byte is read) that this user owns and no one else may write,
 whose MAC verifies under the key of its own name. Anything else (absent, forged without the key, edited,
 truncated, renamed from another key, oversized, a FIFO, a link, foreign, an older format) is a miss: the
 composition is made by Hydra again and the entry written again. Where the key cannot be read back from its file
 (not a regular file of 32 bytes that only this user may read and write; a configuration directory that cannot be
-written, where :func:`trainer.image.cas.stamp_key` falls back to a key of one process), nothing is read or stored.
+written, where :func:`trainer.image.stampkey.stamp_key` falls back to a key of one process), nothing is read or stored.
 When the cache next writes, it removes the entries older formats left (``KEY.composition``: pickles, never read),
 whatever bears an entry's name but is not a 0600 regular file (a link, a FIFO), and temporary files of writers
 killed over an hour before; only those names (:data:`ENTRY_NAME`, :data:`TEMP_NAME`), never another file.
@@ -61,6 +62,11 @@ from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from trainer.errors import UserError
+from trainer.image import stampkey
+from trainer.publish import atomic_file
+from trainer.redact import Redactor, sets_secret
 
 # Changing how entries are keyed or laid out changes this, so that old entries are never read as new ones.
 FORMAT = b"recipe-bundle compose cache 4\n"
@@ -130,12 +136,12 @@ def tree_digest(conf_dir: Path, schema_file: Path) -> bytes:
     """sha256 over the config tree ``conf_dir`` as Hydra can see it, and the schema module's source
     ``schema_file``: what a composition reads from disk.
 
-    The tree is walked depth-first in sorted order, symbolic links followed (as Hydra follows them), each
-    directory at most once by ``(st_dev, st_ino)``: a directory met again (a second link to it, a link loop such
-    as ``conf/model/loop -> ..``) is recorded as the path it was first met at, not walked, so the walk is linear
-    in the tree (``__pycache__`` directories included: Hydra lists configs in them too). Per name it records the relative path and the bytes of a
-    regular file; a FIFO, socket or device (which Hydra does not list as a config) or a dangling link is recorded
-    by its kind and never opened. Raises ``OSError`` when a name cannot be read, and :class:`TooLarge` beyond
+    The tree is walked depth-first in sorted order, symbolic links followed (as Hydra follows them), each directory at
+    most once by ``(st_dev, st_ino)``: a directory met again (a second link to it, a link loop such as ``conf/model/loop
+    -> ..``) is recorded as the path it was first met at, not walked, so the walk is linear in the tree (``__pycache__``
+    directories included: Hydra lists configs in them too). Per name it records the relative path and the bytes of a
+    regular file; a FIFO, socket or device (which Hydra does not list as a config) or a dangling link is recorded by its
+    kind and never opened. Raises ``OSError`` when a name cannot be read, and :class:`TooLarge` beyond
     :data:`MAX_TREE_ENTRIES` names or :data:`MAX_TREE_BYTES` bytes: the tree is then not cached."""
     digest = hashlib.sha256()
     conf_dir = Path(conf_dir)
@@ -194,8 +200,6 @@ def cacheable(composed: DictConfig, conf_dir: Path, overrides: Sequence[str]) ->
     secret wherever the composition holds it), finds nothing in the composition's YAML nor in any key or string
     value on a line of its own, also as ``KEY: VALUE`` with the key it is under (list elements, where YAML may fold
     a long line, and the ``hydra`` node's record of the overrides included)."""
-    from trainer.redact import Redactor, sets_secret
-
     hydra_node = composed.hydra
     if list(hydra_node.job.env_copy):
         return False
@@ -234,7 +238,7 @@ class Unstorable(ValueError):
     """A composition holding a node, value or type that :func:`to_data` does not name: it is not stored."""
 
 
-def _node_classes() -> dict[str, type]:
+def _node_classes() -> dict[str, type[Any]]:
     from omegaconf import nodes
 
     return {
@@ -341,11 +345,11 @@ class _Writer:
                 return name
         origin = typing.get_origin(t)
         if origin is not None:
-            name = {dict: "Dict", list: "List", tuple: "Tuple", typing.Union: "Union"}.get(origin)
+            generic = {dict: "Dict", list: "List", tuple: "Tuple", typing.Union: "Union"}.get(origin)
             args = typing.get_args(t)
-            if name is None or self.rebuild(name, args) != t:  # list[int] is not typing.List[int]: not named
+            if generic is None or self.rebuild(generic, args) != t:  # list[int] is not typing.List[int]: not named
                 raise Unstorable(repr(t))
-            return [name, *(self.type_of(a) for a in args)]
+            return [generic, *(self.type_of(a) for a in args)]
         if isinstance(t, type) and _allowed_module(t.__module__) and _named_class(t.__module__, t.__qualname__) is t:
             return f"{t.__module__}:{t.__qualname__}"
         raise Unstorable(repr(t))
@@ -366,7 +370,7 @@ class _Writer:
         if not all(isinstance(k, str) and v in (True, False, None) for k, v in flags.items()):
             raise Unstorable("flags")
         record = [self.type_of(m.ref_type), self.type_of(m.object_type), bool(m.optional), flags, bool(m.flags_root)]
-        if container:
+        if isinstance(m, ContainerMetadata):  # a container's (its type was checked above)
             record += [self.type_of(m.key_type), self.type_of(m.element_type)]
         text = json.dumps(record, sort_keys=True)
         index = self.meta_index.get(text)
@@ -446,6 +450,7 @@ def from_data(data: Any) -> DictConfig:
         if not made[index]:
             made[index] = 1
             d = described[index]
+            t: Any
             if d is None:
                 t = None
             elif d == "Any":
@@ -489,7 +494,7 @@ def from_data(data: Any) -> DictConfig:
             )
             if container:
                 fields.update(key_type=type_at(record[5]), element_type=type_at(record[6]))
-            cls = ContainerMetadata if container else Metadata
+            cls: type[Metadata] = ContainerMetadata if container else Metadata
             cls(key=None, **fields)  # raises for types OmegaConf does not take
             checked[(index, container)] = found = (cls, fields)
         cls, fields = found
@@ -515,7 +520,7 @@ def from_data(data: Any) -> DictConfig:
         code = record[0]
         cls = classes[code]
         container = code in "DL"
-        node = cls.__new__(cls)
+        node = object.__new__(cls)  # no node class defines __new__: as cls.__new__(cls)
         state = node.__dict__
         state["_metadata"] = metadata(record[1], value(record[2]), container)
         state["_parent"] = parent
@@ -561,27 +566,22 @@ _KEY: bytes | None = None
 
 
 def key_path() -> Path:
-    """Where this user's cache key lives: :func:`trainer.image.cas.stamp_key_path` (the same expression, so that
-    a cache hit need not import the image cache and its HTTP client)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "recipe-bundle" / "cache-stamp.key"
+    """Where this user's cache key lives: :func:`trainer.image.stampkey.stamp_key_path`."""
+    return stampkey.stamp_key_path()
 
 
 def mac_key() -> bytes | None:
-    """This user's cache key (:func:`trainer.image.cas.stamp_key`, made by it when absent), read at most once per
+    """This user's cache key (:func:`trainer.image.stampkey.stamp_key`, made by it when absent), read at most once per
     process, without blocking; None where it cannot be used (not a regular file of 32 bytes, owned by this user,
-    that no one else may read or write; one :func:`trainer.image.cas.stamp_key` could not keep in its file, its key
+    that no one else may read or write; one :func:`trainer.image.stampkey.stamp_key` could not keep in its file, its key
     of one process: no later process could verify what this one stored): then no entry is read or stored."""
     global _KEY
     if _KEY is None:
         try:
             key = _read_regular(key_path(), 4096, private=True)
         except FileNotFoundError:
-            from trainer.errors import UserError
-            from trainer.image import cas
-
             try:
-                made = cas.stamp_key()
+                made = stampkey.stamp_key()
                 key = _read_regular(key_path(), 4096, private=True)  # kept: the file holds it
                 key = key if hmac.compare_digest(key, made) else b""
             except (OSError, UserError):
@@ -641,10 +641,10 @@ class CompositionCache:
         return digest.hexdigest()
 
     def usable_root(self) -> bool:
-        """Whether the cache directory may hold entries: absent (:meth:`put` makes it, 0700), or a directory (a
-        link to one is judged by the directory) this user owns that neither group nor others may write. Any other (``/tmp``-like 1777, a group's,
-        another user's) is not used: the cache is then off, and the directory never changed (not chmodded, nothing
-        in it removed)."""
+        """Whether the cache directory may hold entries: absent (:meth:`put` makes it, 0700), or a directory (a link to
+        one is judged by the directory) this user owns that neither group nor others may write. Any other (``/tmp``-like
+        1777, a group's, another user's) is not used: the cache is then off, and the directory never changed (not
+        chmodded, nothing in it removed)."""
         try:
             info = os.stat(self.root)
         except FileNotFoundError:
@@ -680,8 +680,6 @@ class CompositionCache:
         resolvers remembered while Hydra composed it; nothing is stored when the tree changed since this cache read
         it, when the composition holds what :func:`to_data` cannot name, or when it is larger than
         :data:`MAX_ENTRY_BYTES`. A cache that cannot be written is left as it is."""
-        from trainer.publish import atomic_file
-
         secret = mac_key()
         if secret is None:
             return

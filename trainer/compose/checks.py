@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from trainer.compose.schema import TrainConfig
+from trainer.compose.schema import RecomputeGranularity, TrainConfig
 from trainer.errors import CheckError
 from trainer.redact import redact_field
 
@@ -178,7 +178,8 @@ def check(cfg: TrainConfig) -> Parallelism:
     dp = world // (tp * pp * cp)
     if lay.data_parallel_size is not None and lay.data_parallel_size != dp:
         raise CheckError(
-            f"layout.data_parallel_size {lay.data_parallel_size} != world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp} "
+            f"layout.data_parallel_size {lay.data_parallel_size} != "
+            f"world {world} / (TP {tp} x PP {pp} x CP {cp}) = {dp} "
             f"({world_text})"
         )
     if world % (etp * ep * pp):
@@ -222,25 +223,15 @@ def check(cfg: TrainConfig) -> Parallelism:
             f"layout.sequence_parallel must be true: MoE (model.num_experts {model.num_experts}) with "
             f"layout.tensor_model_parallel_size {tp} > 1 needs sequence parallel in Megatron"
         )
-    if lay.recompute_granularity not in (None, "full", "selective"):
-        raise CheckError(
-            f"layout.recompute_granularity must be full, selective or null (got {redact_field('recompute_granularity', lay.recompute_granularity)})"
-        )
-    if lay.recompute_granularity == "full":
-        if lay.recompute_method not in ("uniform", "block"):
-            raise CheckError(
-                f"layout.recompute_method must be uniform or block with full recompute (got {lay.recompute_method})"
-            )
+    # the sets of the choice fields (recompute granularity and method, dispatcher, qkv format) are the schema's
+    # (trainer.compose.schema: an Enum each, refused at composition); what is left here relates fields
+    if lay.recompute_granularity == RecomputeGranularity.full:
+        if lay.recompute_method is None:
+            raise CheckError("layout.recompute_method must be uniform or block with full recompute (got None)")
         if lay.recompute_num_layers is None or lay.recompute_num_layers < 1:
             raise CheckError(
                 f"layout.recompute_num_layers must be >= 1 with full recompute (got {lay.recompute_num_layers})"
             )
-    if lay.moe_token_dispatcher_type not in ("allgather", "alltoall", "flex"):
-        raise CheckError(
-            f"layout.moe_token_dispatcher_type must be allgather, alltoall or flex (got {lay.moe_token_dispatcher_type})"
-        )
-    if lay.qkv_format not in ("bshd", "thd"):
-        raise CheckError(f"layout.qkv_format must be bshd or thd (got {redact_field('qkv_format', lay.qkv_format)})")
 
     per_step = lay.micro_batch_size * dp
     if optim.global_batch_size < 1 or optim.global_batch_size % per_step:
@@ -267,7 +258,8 @@ def check(cfg: TrainConfig) -> Parallelism:
         raise CheckError(f"optim.lr_warmup_fraction must be in [0, 1] (got {optim.lr_warmup_fraction})")
     if optim.lr_decay_style not in LR_DECAY_STYLES:
         raise CheckError(
-            f"optim.lr_decay_style {redact_field('lr_decay_style', optim.lr_decay_style)!r}: expected one of {', '.join(LR_DECAY_STYLES)} "
+            f"optim.lr_decay_style {redact_field('lr_decay_style', optim.lr_decay_style)!r}: "
+            f"expected one of {', '.join(LR_DECAY_STYLES)} "
             "(the styles the workers' learning-rate schedule follows)"
         )
     if optim.min_lr > optim.lr:

@@ -2,8 +2,8 @@
 Hydra's run directory the way ``@hydra.main`` runs one.
 
 :func:`prepare_jobs` expands the overrides into jobs (a multirun sweep is one job per combination) and
-prepares each (:func:`trainer.compose.prepare.prepare`; the prepared runs are kept in :data:`PREPARED` for the
-jobs of a multirun, which Hydra's sweeper runs) and writes nothing: ``train`` claims the run directory the
+prepares each (:func:`trainer.compose.prepare.prepare`; the prepared runs are returned, for the jobs of a
+multirun, which Hydra's sweeper runs, to find theirs) and writes nothing: ``train`` claims the run directory the
 command line names only once every job was prepared. :func:`hydra_run` is where the writing starts: it runs a
 single job from its one composition (``hydra.core.utils.run_job``: Hydra makes the run directory, writes
 ``.hydra/`` and ``train.log``).
@@ -26,37 +26,43 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.compose.compose import describe_error, expand_sweep, session, uses_glob
-from trainer.compose.prepare import PreparedRun, prepare
+from trainer.compose.prepare import LauncherCheck, PreparedRun, prepare
+from trainer.compose.schema import as_dict
 from trainer.errors import PLACE_ERRNOS, UserError, os_error_line
 from trainer.redact import redact_argv, redact_error, redact_value
 
-# The jobs of the command line, prepared before any runs: their task overrides -> PreparedRun.
-PREPARED: dict[tuple[str, ...], PreparedRun] = {}
+# A single plain run: its composition with the ``hydra`` node, Hydra's config loader (None when every composition
+# came from the cache) and the prepared run.
+Single = tuple[DictConfig, Any, PreparedRun]
 
 
 def prepare_jobs(
-    argv: list[str],
-) -> tuple[tuple[DictConfig, Any, PreparedRun] | None, tuple[str, str] | None, list[str]]:
-    """Prepare every job of a command line before any runs (into :data:`PREPARED`, emptied first).
+    argv: list[str], check_launcher: LauncherCheck
+) -> tuple[Single | None, tuple[str, str] | None, list[str], dict[tuple[str, ...], PreparedRun]]:
+    """Prepare every job of a command line before any runs.
 
-    Returns (``single``, ``named``, ``argv``): ``single`` is (the composition with its ``hydra`` node, Hydra's
+    Returns (``single``, ``named``, ``argv``, ``jobs``): ``single`` is (the composition with its ``hydra`` node, Hydra's
     config loader or None when every composition came from the cache, the prepared run) of a single plain run,
     which :func:`hydra_run` then runs, or None when Hydra's own entry point is to run the command line (a
     multirun, also one chosen by ``hydra.mode=MULTIRUN``; ``--cfg``, ``--help``, ...); ``named`` is
     (``hydra.run.dir``, or ``hydra.sweep.dir`` for a multirun, and its value as Hydra will use it: interpolations
     resolved, :func:`resolve_run_dir`) when the command line names the run directory, else None; ``argv`` is the
     command line to hand to Hydra: ``argv`` itself, or a copy whose run-directory override is that literal value
-    (the composition in ``single`` has it too).
+    (the composition in ``single`` has it too); ``jobs``: every job's prepared run by its task overrides
+    (:attr:`~trainer.compose.prepare.PreparedRun.overrides`), in the order of the command line (empty when Hydra's
+    entry point is to run a ``--cfg``, ``--help``, ... command line).
+
+    ``check_launcher``: the launcher's own checks, which :func:`~trainer.compose.prepare.prepare` runs on each job.
 
     Raises :class:`UserError` (one line) on a bad override, composition or check, and on a run directory whose
     value cannot be resolved (naming the field).
     """
     from hydra._internal.utils import get_args_parser
 
-    PREPARED.clear()
+    prepared_jobs: dict[tuple[str, ...], PreparedRun] = {}
     args = get_args_parser().parse_args(argv)
     if args.help or args.hydra_help or args.info or args.shell_completion or args.cfg:
-        return None, None, list(argv)
+        return None, None, list(argv), prepared_jobs
     sweeper = [o for o in args.overrides if _override_key(o).startswith("hydra.sweeper.params")]
     if sweeper:
         raise UserError(
@@ -78,18 +84,20 @@ def prepare_jobs(
     )
     field = "hydra.sweep.dir" if multirun else "hydra.run.dir"
     given = [o for o in args.overrides if _override_key(o) == field]
-    single, named, argv = None, None, list(argv)
+    single: Single | None = None
+    named: tuple[str, str] | None = None
+    argv = list(argv)
     with session() as composer:
         for job in jobs:
             try:
                 # a single run is composed as @hydra.main composes it (hydra.mode=RUN among Hydra's overrides)
                 full = composer.compose([*job, "hydra.mode=RUN"], hydra_node=True) if plain else None
-                prepared = prepare(job, composer, full)
-                PREPARED[prepared.overrides] = prepared
+                prepared = prepare(job, composer, full, check_launcher=check_launcher)
+                prepared_jobs[prepared.overrides] = prepared
             except UserError as err:
                 message = f"{' '.join(redact_argv(job)) or '(defaults)'}: {err}" if len(jobs) > 1 else str(err)
                 raise UserError(redact_error(message, [*args.overrides, *job])) from None
-            single = (full, composer.config_loader, prepared) if plain else None
+            single = (full, composer.config_loader, prepared) if full is not None else None
         if given:
             if any(_is_sweep(o) for o in given):
                 raise UserError(
@@ -107,7 +115,7 @@ def prepare_jobs(
                 if single is not None:
                     literal_composition(single[0], field, literal)
             named = (field, literal)
-    return single, named, argv
+    return single, named, argv, prepared_jobs
 
 
 def _is_sweep(override: str) -> bool:
@@ -136,7 +144,7 @@ def resolve_run_dir(composed: DictConfig, field: str, override: str) -> tuple[st
 
     shown = redact_argv([override])[0]
     parent_key, _, leaf = field.rpartition(".")
-    raw = OmegaConf.to_container(OmegaConf.select(composed, parent_key), resolve=False).get(leaf)
+    raw = as_dict(OmegaConf.select(composed, parent_key), resolve=False).get(leaf)
     if raw is None:
         raise UserError(f"{shown}: {field} is null (a run needs its own directory)")
     if not isinstance(raw, str) or "${" not in raw:
@@ -203,7 +211,7 @@ def literal_composition(composed: DictConfig, field: str, literal: str) -> None:
     replace each that sets ``field`` by the literal override (:func:`literal_override`)."""
     with read_write(composed.hydra), open_dict(composed.hydra):
         OmegaConf.update(composed, field, literal, merge=False)
-        typed = OmegaConf.to_container(composed.hydra.overrides, resolve=False).get("hydra") or []
+        typed = as_dict(composed.hydra.overrides, resolve=False).get("hydra") or []
         composed.hydra.overrides.hydra = [
             _literal(word, field, literal) if _override_key(word) == field else word for word in typed
         ]

@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import pickle
+import re
+import typing
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException, MissingConfigException
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer import REPO_ROOT, runlog
@@ -51,6 +54,10 @@ def describe_error(ex: BaseException) -> str:
     cause: BaseException | None = ex
     while cause is not None and not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
         cause = cause.__cause__
+    if isinstance(cause, OmegaConfBaseException):
+        choice = choice_error(cause)
+        if choice is not None:
+            return choice
     head = str(ex).splitlines()[0] if str(ex) else type(ex).__name__
     if isinstance(cause, OmegaConfBaseException) and cause is not ex:
         msg = getattr(cause, "msg", None) or str(cause).splitlines()[0]
@@ -64,6 +71,44 @@ def describe_error(ex: BaseException) -> str:
     return " ".join(head.split())
 
 
+INVALID_CHOICE = re.compile(r"Invalid value '(?P<value>.*)', expected one of \[.*\]", re.DOTALL)
+
+
+def choice_field(dotted: str) -> tuple[type[enum.Enum], bool] | None:
+    """The ``Enum`` type of the schema field at ``dotted`` (``layout.moe_token_dispatcher_type``) and whether it may
+    be null, or None when the key is not a choice field of :class:`~trainer.compose.schema.TrainConfig`."""
+    node: Any = schema.TrainConfig
+    hint: Any = None
+    for part in dotted.split("."):
+        if not (isinstance(node, type) and dataclasses.is_dataclass(node)):
+            return None
+        hint = typing.get_type_hints(node).get(part)
+        if hint is None:
+            return None
+        node = hint
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    choice = next((a for a in args if a is not type(None)), None) if optional else hint
+    if isinstance(choice, type) and issubclass(choice, enum.Enum):
+        return choice, optional
+    return None
+
+
+def choice_error(ex: OmegaConfBaseException) -> str | None:
+    """The line for a value outside a choice field's set, as the checks wrote it before the schema typed the field
+    (``layout.moe_token_dispatcher_type must be allgather, alltoall or flex (got ring)``), or None when ``ex`` is
+    not OmegaConf's refusal of such a value."""
+    key = getattr(ex, "full_key", None)
+    match = INVALID_CHOICE.match(getattr(ex, "msg", None) or "")
+    field = choice_field(str(key)) if key and match else None
+    if match is None or field is None:
+        return None
+    choices, optional = field
+    names = [member.value for member in choices] + ["null"] * optional
+    allowed = ", ".join(names[:-1]) + f" or {names[-1]}" if len(names) > 1 else names[0]
+    return f"{key} must be {allowed} (got {' '.join(match['value'].split())})"
+
+
 def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: str = "") -> list[str]:
     """Dotted keys of ``cfg`` that the schema dataclass ``node_type`` does not declare (recursively).
 
@@ -71,7 +116,7 @@ def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: 
     """
     fields = {f.name: f for f in dataclasses.fields(node_type)}
     bad: list[str] = []
-    for key in cfg.keys():
+    for key in map(str, cfg.keys()):
         dotted = f"{prefix}{key}"
         if key not in fields:
             bad.append(dotted)
@@ -80,7 +125,7 @@ def unknown_keys(cfg: DictConfig, node_type: type = schema.TrainConfig, prefix: 
         sub = cfg._get_node(key)
         if isinstance(sub, DictConfig) and not sub._is_missing() and not sub._is_none():
             target = getattr(schema, sub_type, None) if isinstance(sub_type, str) else sub_type
-            if dataclasses.is_dataclass(target):
+            if isinstance(target, type) and dataclasses.is_dataclass(target):
                 bad += unknown_keys(sub, target, dotted + ".")
     return bad
 
@@ -140,7 +185,9 @@ class Composer:
             schema.register()
             GlobalHydra.instance().clear()
             self._hydra.enter_context(initialize_config_dir(str(self.conf_dir), version_base="1.3", job_name="train"))
-            self.config_loader = GlobalHydra.instance().hydra.config_loader
+            hydra = GlobalHydra.instance().hydra
+            assert hydra is not None  # initialize_config_dir made it
+            self.config_loader = hydra.config_loader
 
     @staticmethod
     def _as_initialised() -> None:
@@ -171,9 +218,10 @@ class Composer:
         it holds it; raises :class:`UserError` with one line for any composition error.
         """
         wanted = list(overrides) if hydra_node else [o for o in overrides if not o.startswith(("hydra.", "hydra/"))]
-        cfg = self.cache.get(wanted, hydra_node) if self.cache is not None else None
-        if cfg is not None:
-            runlog.log.debug("composition of %s from the cache (%s)", " ".join(wanted) or "(defaults)", self.cache.root)
+        cache = self.cache
+        cfg = cache.get(wanted, hydra_node) if cache is not None else None
+        if cfg is not None and cache is not None:
+            runlog.log.debug("composition of %s from the cache (%s)", " ".join(wanted) or "(defaults)", cache.root)
         if cfg is not None and self.config_loader is None:
             self._as_initialised()
         if cfg is None:
@@ -186,21 +234,21 @@ class Composer:
                 raise UserError(
                     redact_error(f"{' '.join(wanted)}: Hydra cannot apply these overrides ({ex})", wanted)
                 ) from None
-            store = self.cache is not None and cacheable(cfg, self.conf_dir, wanted)
+            store = cache is not None and cacheable(cfg, self.conf_dir, wanted)
             runlog.log.debug(
                 "composed %s with Hydra; %s",
                 " ".join(wanted) or "(defaults)",
                 "stored in the cache"
                 if store
                 else "not cached"
-                if self.cache is None
+                if cache is None
                 else "not stored: it reads what the cache key leaves out, or holds a secret",
             )
             if not hydra_node:  # as hydra.compose(return_hydra_config=False) removes it
                 with open_dict(cfg):
                     del cfg["hydra"]
-            if store:
-                self.cache.put(wanted, hydra_node, cfg)
+            if store and cache is not None:
+                cache.put(wanted, hydra_node, cfg)
         if not hydra_node:  # a composition with its hydra node is validated as the job sees it, by its caller
             validate(cfg)
         return cfg
@@ -259,8 +307,3 @@ def validate(cfg: DictConfig) -> schema.TrainConfig:
         return schema.to_object(cfg)
     except OmegaConfBaseException as ex:
         raise UserError(describe_error(ex)) from None
-
-
-def as_container(cfg: DictConfig) -> Any:
-    """The composition as plain, resolved Python data (for JSON/YAML output)."""
-    return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)

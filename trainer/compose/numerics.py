@@ -14,11 +14,12 @@ miles is classed, and over the environment.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from trainer.compose.render import SECTIONS
+from trainer.compose.schema import as_dict
 
 PERFORMANCE = "performance"
 NUMERICS = "numerics"
@@ -50,6 +51,26 @@ def classify(key: str) -> str:
     return NUMERICS
 
 
+# One difference as the plan and reports write it (``class``, a Python keyword, needs the functional form).
+DifferenceRecord = TypedDict(
+    "DifferenceRecord", {"flag": str, "key": str, "candidate": Any, "reference": Any, "class": str}
+)
+
+
+class VerdictRecord(TypedDict):
+    """:meth:`Verdict.as_dict`: ``equivalent``, the ``verdict`` sentence and every difference."""
+
+    equivalent: bool
+    verdict: str
+    differences: list[DifferenceRecord]
+
+
+class NumericsVerdict(VerdictRecord):
+    """The plan's ``numerics``: the verdict against ``launcher.reference_layout`` (an option of ``conf/layout``)."""
+
+    reference_layout: str
+
+
 @dataclass
 class Difference:
     """One launch argument whose value differs between two compositions."""
@@ -60,7 +81,7 @@ class Difference:
     reference: Any
     cls: str
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> DifferenceRecord:
         """The difference as JSON-able data: ``flag``, ``key``, ``candidate``, ``reference``, ``class``."""
         return {
             "flag": self.flag,
@@ -87,7 +108,7 @@ class Verdict:
         """True when no numerics-affecting argument differs (performance differences are allowed)."""
         return not self.numerics_differences
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> VerdictRecord:
         """The verdict as JSON-able data: ``equivalent`` (bool), ``verdict`` (one sentence naming the differing
         numerics arguments) and ``differences`` (:meth:`Difference.as_dict` each).
         """
@@ -135,8 +156,7 @@ def compare(candidate: DictConfig, reference: DictConfig) -> Verdict:
     """
     verdict = Verdict()
     seen = set()
-    data_a = OmegaConf.to_container(candidate, resolve=True)
-    data_b = OmegaConf.to_container(reference, resolve=True)
+    data_a, data_b = as_dict(candidate), as_dict(reference)
     for _, rows in SECTIONS:
         for flag, key, _kind in rows:
             if key in seen:

@@ -32,13 +32,96 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NotRequired, TypedDict
 
 from trainer.compose.checks import Parallelism
+from trainer.compose.numerics import NumericsVerdict
 from trainer.compose.params import ModelParams, count_params
 from trainer.compose.schema import TrainConfig
 
 GB = 1e9  # bytes
+
+
+class RankPlacement(TypedDict):
+    """Where one global rank sits: its node and local GPU, its pipeline stage, its dense (TP, CP, DP) and expert
+    (ETP, EP, EDP) grid ranks, and the half-open ``[start, end)`` ranges of the layers and experts it holds."""
+
+    rank: int
+    node: int
+    local_rank: int
+    pipeline_stage: int
+    tensor_rank: int
+    context_rank: int
+    data_rank: int
+    expert_tensor_rank: int
+    expert_rank: int
+    expert_data_rank: int
+    layers: list[int]
+    experts: list[int]
+
+
+class StageMemory(TypedDict):
+    """One pipeline stage's estimate per GPU: parameters held (count) and GB (1e9 bytes) of each part."""
+
+    stage: int
+    params_per_gpu: int
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    total_gb: float
+
+
+class MemoryEstimate(TypedDict):
+    """:func:`memory_estimate`: per stage, the largest total and the GPU's memory (GB), and whether it fits."""
+
+    formula: str
+    per_stage: list[StageMemory]
+    max_gb: float
+    gpu_memory_gb: float
+    fits: bool
+
+
+class PipelineStage(TypedDict):
+    """One pipeline stage: its ``[start, end)`` decoder layers and their count, its ranks, what else it holds."""
+
+    stage: int
+    layers: list[int]
+    num_layers: int
+    ranks: list[int]
+    extra: list[str]
+
+
+class Submission(TypedDict):
+    """How the plan is submitted: the launcher, in words, and the script (a file of the run directory)."""
+
+    launcher: str
+    how: str
+    command: str
+
+
+class Plan(TypedDict):
+    """``plan.json`` (:func:`build_plan`): counts of GPUs, layers, experts, tokens and steps; memory in GB.
+    ``parallelism`` is :class:`~trainer.compose.checks.Parallelism` as a dict; ``params`` the counts of
+    :meth:`~trainer.compose.params.ModelParams.summary`; ``numerics`` the verdict against the reference layout;
+    ``megatron`` only for ``launcher=local-megatron`` (what its worker builds)."""
+
+    schema_version: int
+    model: str
+    layout: str
+    cluster: str
+    parallelism: dict[str, Any]
+    params: dict[str, int]
+    pipeline: list[PipelineStage]
+    experts_per_ep_rank: int
+    ranks: list[RankPlacement]
+    memory: MemoryEstimate
+    numerics: NumericsVerdict
+    tokens_per_step: int
+    steps: int
+    warnings: list[str]
+    submit: Submission
+    megatron: NotRequired[dict[str, Any]]
 
 
 def recipe_steps(cfg: TrainConfig) -> int:
@@ -53,7 +136,7 @@ def run_steps(cfg: TrainConfig) -> int:
     return cfg.launcher.steps or recipe_steps(cfg)
 
 
-def rank_table(cfg: TrainConfig, par: Parallelism) -> list[dict[str, Any]]:
+def rank_table(cfg: TrainConfig, par: Parallelism) -> list[RankPlacement]:
     """One entry per global rank: node, local GPU, stage, TP/CP/DP and ETP/EP/EDP ranks, layers and experts.
 
     ``layers`` and ``experts`` are half-open ``[start, end)`` index ranges.
@@ -67,7 +150,7 @@ def rank_table(cfg: TrainConfig, par: Parallelism) -> list[dict[str, Any]]:
     )
     experts_per_rank = cfg.model.num_experts // ep
     starts = [sum(par.stage_layers[:i]) for i in range(len(par.stage_layers))]
-    ranks = []
+    ranks: list[RankPlacement] = []
     for rank in range(par.world_size):
         stage, idx = divmod(rank, per_stage)
         ep_rank = (idx // etp) % ep
@@ -90,7 +173,7 @@ def rank_table(cfg: TrainConfig, par: Parallelism) -> list[dict[str, Any]]:
     return ranks
 
 
-def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> dict[str, Any]:
+def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> MemoryEstimate:
     """Per-stage memory estimate per GPU in GB (1e9 bytes), by the formula in the module docstring.
 
     Returns ``{"formula", "per_stage": [{stage, params, weights_gb, grads_gb, optimizer_gb, activations_gb,
@@ -102,7 +185,7 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     grad_bytes = 4 if cfg.optim.accumulate_allreduce_grads_in_fp32 else 2
     checkpoint = s * b * h * model.dsv4_hc_mult * 2 / (tp if lay.sequence_parallel else 1) / cp
     layer_acts = 34 * s * b * h / tp / cp
-    stages = []
+    stages: list[StageMemory] = []
     first_layer = 0
     for stage, n_layers in enumerate(par.stage_layers):
         layers = params.layers[first_layer : first_layer + n_layers]
@@ -155,7 +238,7 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     }
 
 
-def build_plan(cfg: TrainConfig, par: Parallelism, numerics: dict[str, Any]) -> dict[str, Any]:
+def build_plan(cfg: TrainConfig, par: Parallelism, numerics: NumericsVerdict) -> Plan:
     """The plan as JSON-ready data: parallelism, stages, ranks, memory, numerics verdict, throughput inputs, submission.
 
     Depends only on the composition (no paths, times or hosts), so the same config gives the same bytes.
@@ -163,7 +246,7 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: dict[str, Any]) -> 
     params = count_params(cfg.model)
     ranks = rank_table(cfg, par)
     starts = [sum(par.stage_layers[:i]) for i in range(len(par.stage_layers))]
-    pipeline = [
+    pipeline: list[PipelineStage] = [
         {
             "stage": i,
             "layers": [starts[i], starts[i] + n],
@@ -179,7 +262,7 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: dict[str, Any]) -> 
         for i, n in enumerate(par.stage_layers)
     ]
     memory = memory_estimate(cfg, par, params)
-    warnings = []
+    warnings: list[str] = []
     if not memory["fits"]:
         warnings.append(
             f"estimated {memory['max_gb']} GB per GPU exceeds cluster.gpu_memory_gb {cfg.cluster.gpu_memory_gb}"
@@ -190,7 +273,7 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: dict[str, Any]) -> 
             f"optim.num_rollout {cfg.optim.num_rollout} x optim.rollout_batch_size {cfg.optim.rollout_batch_size} = "
             f"{rows_needed} rows > data.build.rows {cfg.data.build.rows}: rows repeat"
         )
-    plan = {
+    plan: Plan = {
         "schema_version": 1,
         "model": cfg.model.display_name,
         "layout": cfg.layout.label,
@@ -209,14 +292,39 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: dict[str, Any]) -> 
             "launcher": cfg.launcher.name,
             "how": (
                 f"inside the recipe image on {cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node} GPU(s), in the "
-                "miles checkout, with HF_CKPT, TORCH_DIST, SFT_DATA and KERNEL_CACHE set: bash command.sh from this run "
-                "directory (miles starts its Ray actors from the head node)"
+                "miles checkout, with HF_CKPT, TORCH_DIST, SFT_DATA and KERNEL_CACHE set: bash command.sh from this "
+                "run directory (miles starts its Ray actors from the head node)"
             ),
             "command": "command.sh",
         },
     }
     if cfg.launcher.name == "local-megatron":
-        from trainer.launch.host.local_megatron import megatron_choice
-
         plan["megatron"] = megatron_choice(cfg)
     return plan
+
+
+def megatron_choice(cfg: TrainConfig) -> dict[str, Any]:
+    """What the plan says the worker builds: ``{"transformer_impl", "attention_backend", "why"}``."""
+    impl = cfg.launcher.transformer_impl
+    why = [
+        "transformer_impl auto: TransformerEngine's layer spec when transformer_engine is importable in the "
+        "training process (the recipe's path), else megatron-core's local spec"
+        if impl == "auto"
+        else f"transformer_impl {impl}: asked for",
+    ]
+    if cfg.launcher.attention_backend == "unfused":
+        why.append(
+            "attention_backend unfused: TE 2.17.0's cuDNN fused attention failed on the lent H200 (torch "
+            "2.11.0+cu130, the lock's cuDNN 9.19.0): backward CUDNN_STATUS_BAD_PARAM (2026-12-01, first "
+            "try), forward CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED with the machine's apt cuDNN 9.14 mapped "
+            "next to 9.19 (fused_attn_f16_arbitrary_seqlen.cu:419); unfused ran"
+        )
+    else:
+        why.append(f"attention_backend {cfg.launcher.attention_backend}: asked for")
+    if cfg.model.experimental_attention_variant == "dsv4":
+        why.append(
+            "model: miles' DeepSeekV4Attention (--spec miles_plugins.models.deepseek_v4.deepseek_v4 "
+            "get_dsv4_spec) uses its own tilelang sparse-attention kernel; attention_backend applies to "
+            "no V4 layer"
+        )
+    return {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend, "why": why}

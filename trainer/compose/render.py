@@ -45,6 +45,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.compose.schema import as_dict
 from trainer.redact import is_secret_name
 
 Row = tuple[str, str, str]  # (flag, dotted config key, kind)
@@ -374,5 +375,5 @@ def render(cfg: DictConfig) -> Launch:
         if name == "model":
             model_args = tokens
         argv += tokens
-    env = {str(k): str(v) for k, v in OmegaConf.to_container(cfg.env, resolve=True).items()}
+    env = {k: str(v) for k, v in as_dict(cfg.env).items()}
     return Launch(argv=argv, env=env, model_args=model_args)

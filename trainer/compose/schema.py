@@ -14,14 +14,87 @@ Units: sizes are counts (layers, heads, experts, tokens); memory in GB (1e9 byte
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
 
+from trainer.compose.frozen import Record
+
+# Choice fields: a closed set of values, spelled as Megatron-LM spells them (the ``choices`` of its argument, each
+# member named by its value). OmegaConf 2.3 refuses ``typing.Literal`` in a structured config but types an ``Enum``
+# field, so a value outside the set fails at composition (the error line: compose.describe_error); the typed
+# config holds the member, a ``str`` equal to its value, rendered and written as before.
+
+
+class Normalization(StrEnum):
+    """Megatron ``--normalization``."""
+
+    LayerNorm = "LayerNorm"
+    RMSNorm = "RMSNorm"
+
+
+class PositionEmbeddingType(StrEnum):
+    """Megatron ``--position-embedding-type``."""
+
+    learned_absolute = "learned_absolute"
+    rope = "rope"
+    mrope = "mrope"
+    relative = "relative"
+    none = "none"
+
+
+class RecomputeGranularity(StrEnum):
+    """Megatron ``--recompute-granularity``."""
+
+    full = "full"
+    selective = "selective"
+
+
+class RecomputeMethod(StrEnum):
+    """Megatron ``--recompute-method``."""
+
+    uniform = "uniform"
+    block = "block"
+
+
+class MoeTokenDispatcherType(StrEnum):
+    """Megatron ``--moe-token-dispatcher-type``."""
+
+    allgather = "allgather"
+    alltoall = "alltoall"
+    flex = "flex"
+
+
+class QkvFormat(StrEnum):
+    """miles ``--qkv-format``: ``bshd`` (padded rows) or ``thd`` (packed)."""
+
+    bshd = "bshd"
+    thd = "thd"
+
+
+class TransformerImpl(StrEnum):
+    """``launcher.transformer_impl``: Megatron ``--transformer-impl`` (``local``, ``transformer_engine``) or
+    ``auto`` (TransformerEngine when installed)."""
+
+    auto = "auto"
+    transformer_engine = "transformer_engine"
+    local = "local"
+
+
+class AttentionBackend(StrEnum):
+    """Megatron ``--attention-backend`` (its ``AttnBackend`` enum), in the order the error line lists them."""
+
+    unfused = "unfused"
+    fused = "fused"
+    flash = "flash"
+    local = "local"
+    auto = "auto"
+
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Record):
     """Model shape and architecture flags (miles ``model_args_utils.py <model>`` plus ``--model-name``)."""
 
     name: str = MISSING  # config option name, e.g. deepseek-v4-flash
@@ -32,8 +105,8 @@ class ModelConfig:
     hidden_size: int = MISSING
     ffn_hidden_size: int = MISSING  # dense MLP width
     num_attention_heads: int = MISSING
-    normalization: str = "RMSNorm"
-    position_embedding_type: str = "rope"
+    normalization: Normalization = Normalization.RMSNorm
+    position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.rope
     norm_epsilon: float = 1e-6
     swiglu: bool = True
     untie_embeddings_and_output_weights: bool = True
@@ -87,7 +160,7 @@ class ModelConfig:
 
 
 @dataclass
-class LayoutConfig:
+class LayoutConfig(Record):
     """How the model is spread over GPUs (Megatron parallelism, recompute, optimizer sharding)."""
 
     name: str = MISSING  # config option name, e.g. tp2pp4ep8
@@ -95,9 +168,7 @@ class LayoutConfig:
     tensor_model_parallel_size: int = 1
     sequence_parallel: bool = False
     pipeline_model_parallel_size: int = 1
-    num_virtual_stages_per_pipeline_rank: int | None = (
-        None  # interleaved (virtual) pipeline stages per rank; null = 1
-    )
+    num_virtual_stages_per_pipeline_rank: int | None = None  # interleaved (virtual) pipeline stages per rank; null = 1
     decoder_first_pipeline_num_layers: int | None = None  # layers on the first stage; null = even split
     decoder_last_pipeline_num_layers: int | None = None  # layers on the last stage; null = even split
     context_parallel_size: int = 1
@@ -105,18 +176,18 @@ class LayoutConfig:
     expert_tensor_parallel_size: int = 1
     data_parallel_size: int | None = None  # expected DP; checked against world / (TP x PP x CP)
     micro_batch_size: int = 1  # rows per microbatch
-    recompute_granularity: str | None = None  # full | selective | null
-    recompute_method: str | None = None  # uniform | block | null
+    recompute_granularity: RecomputeGranularity | None = None  # null = no recompute
+    recompute_method: RecomputeMethod | None = None  # needed with full recompute
     recompute_num_layers: int | None = None
     use_distributed_optimizer: bool = True
-    moe_token_dispatcher_type: str = "alltoall"  # allgather | alltoall | flex
-    qkv_format: str = "bshd"  # miles --qkv-format: bshd (padded rows) | thd (packed)
+    moe_token_dispatcher_type: MoeTokenDispatcherType = MoeTokenDispatcherType.alltoall
+    qkv_format: QkvFormat = QkvFormat.bshd  # miles --qkv-format
     max_tokens_per_gpu: int | None = None  # miles dynamic batching budget; null = off
     offload: str | None = None  # CPU offload of optimizer/activations; null = none
 
 
 @dataclass
-class DatasetBuild:
+class DatasetBuild(Record):
     """How the fixed-row dataset was built (the recipe's ``workload.dataset.build``)."""
 
     name: str = MISSING
@@ -136,7 +207,7 @@ class DatasetBuild:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Record):
     """The training rows (the recipe's ``workload.dataset`` plus how miles reads them)."""
 
     name: str = MISSING  # config option name
@@ -155,7 +226,7 @@ class DataConfig:
 
 
 @dataclass
-class ClusterConfig:
+class ClusterConfig(Record):
     """Where the run goes: nodes, GPUs, price."""
 
     name: str = MISSING
@@ -173,7 +244,7 @@ class ClusterConfig:
 
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Record):
     """Optimizer, schedule, batch and loss (all numerics-affecting)."""
 
     optimizer: str = "adam"
@@ -197,7 +268,7 @@ class OptimConfig:
 
 
 @dataclass
-class StackConfig:
+class StackConfig(Record):
     """The pins of the recipe's ``stack:`` block; ``lockfile`` holds them with sources and hashes."""
 
     lockfile: str = MISSING  # path relative to the repository root
@@ -214,7 +285,7 @@ class StackConfig:
 
 
 @dataclass
-class PathsConfig:
+class PathsConfig(Record):
     """Locations the launch refers to; ``$VAR`` values stay symbolic and are expanded on the cluster."""
 
     hf_checkpoint: str = "$HF_CKPT"  # miles --hf-checkpoint
@@ -224,7 +295,7 @@ class PathsConfig:
 
 
 @dataclass
-class LauncherConfig:
+class LauncherConfig(Record):
     """How the composed run is executed; ``plan`` writes the plan and launches nothing."""
 
     name: str = "plan"
@@ -252,9 +323,8 @@ class LauncherConfig:
     head_ip: str | None = None  # slurm: address Ray binds on the head node; null = the head's `hostname -i`
     address: str | None = None  # ray: job submission address of an existing cluster, http://HOST:8265
     python: str | None = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
-    workdir: str | None = (
-        None  # directory the job starts in on the cluster (the image's miles checkout, /root/miles, in conf/launcher/); null = as started
-    )
+    # directory the job starts in on the cluster (the image's miles checkout, /root/miles, in conf/launcher/)
+    workdir: str | None = None  # null = as started
     job: list[str] = field(
         default_factory=list
     )  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
@@ -264,13 +334,13 @@ class LauncherConfig:
     # local-megatron: the Megatron-LM and miles sources (checkouts of the locked commits, verified by git tree hash)
     megatron_lm_path: str | None = None  # Megatron-LM checkout; null = $MEGATRON_LM_PATH
     miles_path: str | None = None  # miles checkout; null = $MILES_PATH
-    transformer_impl: str = "auto"  # Megatron --transformer-impl: auto (TE when installed) | transformer_engine | local
-    attention_backend: str = "unfused"  # Megatron --attention-backend: unfused | fused | flash | local | auto
+    transformer_impl: TransformerImpl = TransformerImpl.auto  # Megatron --transformer-impl (auto: TE when installed)
+    attention_backend: AttentionBackend = AttentionBackend.unfused  # Megatron --attention-backend
     profile_step: int | None = None  # local-megatron: run this step under torch.profiler (top kernels table)
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(Record):
     """A whole run: one option per config group plus overrides (``conf/train.yaml``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -297,6 +367,18 @@ def register() -> None:
 
 
 _REGISTERED = False
+
+
+def as_dict(node: Any, resolve: bool = True) -> dict[str, Any]:
+    """A mapping node of a composition (a ``DictConfig``) as plain Python data (``OmegaConf.to_container``),
+    interpolations resolved unless ``resolve`` is false. Raises :class:`TypeError` when ``node`` is not a mapping
+    (a list, a value, None), and what resolving raises."""
+    from omegaconf import OmegaConf
+
+    data = OmegaConf.to_container(node, resolve=resolve)
+    if not isinstance(data, dict):
+        raise TypeError(f"as_dict: a {type(data).__name__}, not a mapping")
+    return {str(key): value for key, value in data.items()}
 
 
 def to_object(cfg: Any) -> TrainConfig:

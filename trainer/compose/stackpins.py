@@ -1,6 +1,6 @@
 """The stack pins (``lockfiles/stack.json``, the recipe's versions) and their agreement with ``conf/stack/``.
 
-Not to be confused with the image locks (:mod:`trainer.image.imagelock`, ``lockfiles/*.lock.json``) and the
+Not to be confused with the image locks (:mod:`trainer.lock.imagelock`, ``lockfiles/*.lock.json``) and the
 launcher's lock (``lockfiles/launcher.lock``, written by ``bin/lock-launcher``).
 
 ``conf/stack/<option>.yaml`` restates the pins a run is composed with; the lockfile is the source of
@@ -15,7 +15,7 @@ from typing import Any
 from trainer import REPO_ROOT
 from trainer.compose.schema import StackConfig
 from trainer.errors import UserError
-from trainer.inputs import read_json
+from trainer.inputs import read_json, reading
 
 # conf field -> (component, key) in lockfiles/stack.json
 STACK_FIELDS = {
@@ -37,12 +37,8 @@ def load_stack_lock(path: Path) -> dict[str, Any]:
 
     Raises :class:`UserError` naming the file when it is missing, not JSON, or lacks ``components``.
     """
-    try:
+    with reading(path, missing=f"{path}: stack lockfile not found", unreadable=f"{path}: not readable"):
         data = read_json(path, "stack lockfile")
-    except FileNotFoundError:
-        raise UserError(f"{path}: stack lockfile not found") from None
-    except OSError as ex:
-        raise UserError(f"{path}: not readable ({ex.strerror})") from None
     if not isinstance(data, dict) or not isinstance(data.get("components"), dict):
         raise UserError(f"{path}: expected an object with a 'components' object")
     return data

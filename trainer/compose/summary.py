@@ -10,12 +10,25 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
+
+from trainer import runlog
+from trainer.compose.plan import Plan
 
 STAGE_COLUMNS = ("stage", "layers", "weights", "grads", "optimizer", "activations", "total")
 
 
-def summary_rows(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
+class SummaryRows(TypedDict):
+    """:func:`summary_rows`: the title, ``(label, value, style)`` rows, one row of :data:`STAGE_COLUMNS` strings per
+    stage and the ``(style, text)`` lines after the table (a style is a ``rich`` colour or ``""``)."""
+
+    title: str
+    head: list[tuple[str, str, str]]
+    stages: list[list[str]]
+    lines: list[tuple[str, str]]
+
+
+def summary_rows(plan: Plan, run_dir: Path) -> SummaryRows:
     """The summary of ``plan`` as data: ``title``; ``head`` (label, value, style) rows; ``stages`` (one row of
     :data:`STAGE_COLUMNS` strings per pipeline stage, memory in GB per GPU); ``lines`` (style, text) after the
     tables (peak memory, warnings, how to submit)."""
@@ -46,7 +59,7 @@ def summary_rows(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
         ("run dir", str(run_dir), ""),
     ]
     stages = []
-    for stage, mem in zip(plan["pipeline"], plan["memory"]["per_stage"]):
+    for stage, mem in zip(plan["pipeline"], plan["memory"]["per_stage"], strict=True):
         lo, hi = stage["layers"]
         stages.append(
             [
@@ -55,11 +68,11 @@ def summary_rows(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
                 *(f"{mem[k]:.1f}" for k in ("weights_gb", "grads_gb", "optimizer_gb", "activations_gb", "total_gb")),
             ]
         )
-    mem = plan["memory"]
+    memory = plan["memory"]
     lines = [
         (
-            "green" if mem["fits"] else "red",
-            f"peak estimate {mem['max_gb']:.1f} GB of {mem['gpu_memory_gb']:.0f} GB per GPU",
+            "green" if memory["fits"] else "red",
+            f"peak estimate {memory['max_gb']:.1f} GB of {memory['gpu_memory_gb']:.0f} GB per GPU",
         )
     ]
     lines += [("yellow", f"warning: {warning}") for warning in plan["warnings"]]
@@ -72,12 +85,10 @@ def summary_rows(plan: dict[str, Any], run_dir: Path) -> dict[str, Any]:
     }
 
 
-def print_plan_summary(plan: dict[str, Any], run_dir: Path, console: Any = None) -> None:
+def print_plan_summary(plan: Plan, run_dir: Path, console: Any = None) -> None:
     """Print a short summary of a plan: layout, per-stage layers and memory, numerics verdict, where it was
     written. ``console`` (a ``rich.console.Console``) forces the rich rendering; without it, rich is used when
     stdout is a terminal."""
-    from trainer import runlog
-
     rows = summary_rows(plan, run_dir)
     plain = plain_summary(rows)
     runlog.info(plain)  # the job's log holds the plain text whatever the terminal shows
@@ -104,7 +115,7 @@ def print_plan_summary(plan: dict[str, Any], run_dir: Path, console: Any = None)
         console.print(f"[{style}]{text}" if style else text, highlight=False, overflow="fold")
 
 
-def plain_summary(rows: dict[str, Any]) -> str:
+def plain_summary(rows: SummaryRows) -> str:
     """The rows of :func:`summary_rows` as plain text: ``label: value`` lines, then the stage table with
     right-aligned columns, then the closing lines."""
     width = max(len(label) for label, _, _ in rows["head"])
@@ -112,6 +123,6 @@ def plain_summary(rows: dict[str, Any]) -> str:
     table = [list(STAGE_COLUMNS), *rows["stages"]]
     widths = [max(len(row[i]) for row in table) for i in range(len(STAGE_COLUMNS))]
     out.append("pipeline stages: layers and estimated memory per GPU (GB)")
-    out += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in table]
+    out += ["  " + "  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in table]
     out += [text for _, text in rows["lines"]]
     return "\n".join(out) + "\n"

@@ -33,12 +33,12 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Union
+from typing import Any
 
 import numpy as np
 
 from trainer.errors import UserError
-from trainer.inputs import open_regular, read_json
+from trainer.inputs import open_regular, read_json, reading
 
 IGNORE_INDEX = -100  # label of positions without a target (torch.nn.functional.cross_entropy's default)
 ROWS_FILE = "rows.parquet"
@@ -70,22 +70,20 @@ class Rows:
 
         self.directory = Path(directory)
         manifest_path = self.directory / MANIFEST_FILE
-        try:
+        with reading(
+            manifest_path,
+            missing=f"{manifest_path}: no such file (a directory without manifest.json is an incomplete build)",
+        ):
             self.manifest: dict[str, Any] = read_json(manifest_path, "rows manifest")
+        try:
             self.row_tokens = int(self.manifest["row_tokens"])
             expected_rows = int(self.manifest["rows"])
-        except FileNotFoundError:
-            raise UserError(
-                f"{manifest_path}: no such file (a directory without manifest.json is an incomplete build)"
-            ) from None
         except (ValueError, KeyError, TypeError) as err:
             raise UserError(f"{manifest_path}: not a rows manifest ({err})") from None
         rows_path = self.directory / ROWS_FILE
-        try:
+        with reading(rows_path, unreadable=f"{rows_path}: cannot read"):
             with open_regular(rows_path, "rows file", None) as handle:
                 data = handle.read()
-        except OSError as err:
-            raise UserError(f"{rows_path}: cannot read ({err.strerror or err})") from None
         if verify:
             digest = hashlib.sha256(data).hexdigest()
             if len(data) != self.manifest.get("parquet_bytes") or digest != self.manifest.get("parquet_sha256"):
@@ -138,7 +136,8 @@ class Rows:
         group = micro_batch_size * dp_size
         if len(self) < group:
             raise UserError(
-                f"{self.directory}: {len(self)} rows, fewer than one global group of {group} (micro_batch_size x dp_size)"
+                f"{self.directory}: {len(self)} rows, "
+                f"fewer than one global group of {group} (micro_batch_size x dp_size)"
             )
         order = self.order(epoch)
         positions = np.arange(self.row_tokens, dtype=np.int64)

@@ -29,7 +29,7 @@ The build, step by step (``build()``):
    counted; the stream goes on. Rows are never padded: the stream's last, incomplete row is dropped
    (``tail_tokens_dropped``). With ``max_rows`` the build stops after that many rows (fewer is an error);
    conversations after the stop are neither rendered nor checked.
-6. **Write** ``DIR/rows.parquet`` and then ``DIR/manifest.json`` (see :func:`write_rows` and
+6. **Write** ``DIR/rows.parquet`` and then ``DIR/manifest.json`` (see :class:`RowWriter` and
    :func:`manifest_fields`), both through a temporary directory beside ``DIR`` and renamed into place, so
    that a failed build leaves nothing behind and an earlier build in ``DIR`` intact until the new one is
    complete.
@@ -56,6 +56,7 @@ and their counts (and the first few reasons) are recorded in the manifest.
 
 from __future__ import annotations
 
+import builtins
 import glob
 import hashlib
 import importlib.util
@@ -71,11 +72,12 @@ from typing import Any
 import numpy as np
 
 from trainer import __version__
+from trainer.compose.compose import compose_run
+from trainer.compose.schema import as_dict
 from trainer.data import MANIFEST_FILE, ROWS_FILE, chat
 from trainer.errors import UserError
-from trainer.inputs import MAX_LINE_BYTES, MAX_TEXT_BYTES, kind_of, open_regular, parse_json, read_bytes
-from trainer.publish import publish_files, temp_dir
-from trainer.record.record import canonical_json
+from trainer.inputs import MAX_LINE_BYTES, MAX_TEXT_BYTES, kind_of, open_regular, parse_json, read_bytes, reading
+from trainer.publish import canonical_json, publish_files, temp_dir
 
 FORMAT = "recipe-bundle/fixed-rows/1"  # manifest "format"; bump when the meaning of the files changes
 SHIPPED_TOKENIZER_SHA256 = (
@@ -97,10 +99,10 @@ ROW_ANCHORS_DEFINITION = (
 )
 INPUT_SUFFIXES = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 LOSS_MASK_DEFINITIONS = {  # the manifest's one-line statement of each convention (trainer.data.chat)
-    "deepseek_v4": "supervised: from right after each <｜Assistant｜> (the mode token <think>/</think> included) through "
-    "the assistant turn's EOS inclusive (Megatron-Bridge's DeepSeek-V4 SFT convention)",
-    "deepseek_v4_official": "supervised: the assistant messages' own text through EOS; the mode token after <｜Assistant｜> "
-    "is prompt (the official encoder's prompt/response split)",
+    "deepseek_v4": "supervised: from right after each <｜Assistant｜> (the mode token <think>/</think> included) "
+    "through the assistant turn's EOS inclusive (Megatron-Bridge's DeepSeek-V4 SFT convention)",
+    "deepseek_v4_official": "supervised: the assistant messages' own text through EOS; the mode token after "
+    "<｜Assistant｜> is prompt (the official encoder's prompt/response split)",
 }
 
 
@@ -166,7 +168,8 @@ def load_tokenizer(path: Path | None = None, sha256: str | None = None) -> tuple
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected:
         raise UserError(
-            f"tokenizer {path}: sha256 {actual} != expected {expected} (another tokenizer needs --tokenizer-sha256 HEX naming its hash)"
+            f"tokenizer {path}: sha256 {actual} != expected {expected} "
+            "(another tokenizer needs --tokenizer-sha256 HEX naming its hash)"
         )
     try:
         tokenizer = Tokenizer.from_str(data.decode("utf-8"))
@@ -179,12 +182,8 @@ def load_tokenizer(path: Path | None = None, sha256: str | None = None) -> tuple
 def _tokenizer_bytes(path: Path) -> bytes:
     """The bytes of ``tokenizer.json`` at ``path`` (a regular file of at most 64 MiB, a FIFO refused without
     blocking); raises :class:`UserError` naming ``tokenizer PATH``."""
-    try:
+    with reading(path, unreadable=f"tokenizer {path}: cannot read", prefix="tokenizer "):
         return read_bytes(path, "tokenizer.json", MAX_TEXT_BYTES)
-    except OSError as err:
-        raise UserError(f"tokenizer {path}: cannot read ({err.strerror or err})") from None
-    except UserError as err:
-        raise UserError(f"tokenizer {err}") from None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -205,7 +204,7 @@ class InputFile:
     rows: int = 0
     error: str | None = None
     _table: Any = None  # parquet: pyarrow Table with columns id, messages
-    _lines: list[tuple[int, bytes]] = field(default_factory=list)  # jsonl: (line number, line)
+    _lines: list[tuple[int, builtins.bytes]] = field(default_factory=list)  # jsonl: (line number, line)
 
     def where(self, row: int, name_only: bool = False) -> str:
         """``PATH line L`` (jsonl, 1-based line) or ``PATH row R`` (parquet, 0-based row); the file name
@@ -215,13 +214,13 @@ class InputFile:
             return f"{path} line {self._lines[row][0]}"
         return f"{path} row {row}"
 
-    def fetch(self, rows: Sequence[int]) -> list[tuple[Any, Any]]:
-        """``(id, messages)`` of ``rows`` as Python objects; a jsonl line that is not a JSON object raises
-        ``ValueError`` naming what was expected."""
+    def fetch(self, rows: Sequence[int]) -> list[tuple[Any, Any] | ValueError]:
+        """``(id, messages)`` of ``rows`` as Python objects; for a jsonl line that is not a JSON object, in its place,
+        the ``ValueError`` naming what was expected (the caller raises it for that row)."""
         if self.format == "parquet":
             part = self._table.take(np.asarray(rows, dtype=np.int64))
-            return list(zip(part.column("id").to_pylist(), part.column("messages").to_pylist()))
-        out = []
+            return list(zip(part.column("id").to_pylist(), part.column("messages").to_pylist(), strict=True))
+        out: list[tuple[Any, Any] | ValueError] = []
         for row in rows:
             line = self._lines[row][1]
             try:
@@ -303,13 +302,11 @@ def resolve_inputs(patterns: Sequence[str]) -> list[Path]:
 def hash_file(path: Path) -> tuple[str, int]:
     """``(sha256 hex, bytes)`` of the input ``path``, streamed (a FIFO or device refused without blocking)."""
     digest, size = hashlib.sha256(), 0
-    try:
+    with reading(path, unreadable=f"{path}: cannot read"):
         with open_regular(path, "conversation file", None) as handle:
             while block := handle.read(1 << 20):
                 digest.update(block)
                 size += len(block)
-    except OSError as err:
-        raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
     return digest.hexdigest(), size
 
 
@@ -344,7 +341,8 @@ def _read_parquet_bytes(path: Path) -> bytes:
         tail = handle.read(4)
         if size and (size < 12 or head != b"PAR1" or tail != b"PAR1"):
             raise UserError(
-                f"{path}: not a readable parquet file (no PAR1 magic at {'its start' if head != b'PAR1' else 'its end'}; "
+                f"{path}: not a readable parquet file "
+                f"(no PAR1 magic at {'its start' if head != b'PAR1' else 'its end'}; "
                 f"{size:,} bytes: truncated, or not parquet)"
             )
         handle.seek(0)
@@ -361,14 +359,12 @@ def read_input(path: Path) -> InputFile:
     fmt = INPUT_SUFFIXES.get(path.suffix.lower())
     if fmt is None:
         raise UserError(f"{path}: unknown input type {path.suffix or '(no suffix)'}; expected .parquet or .jsonl")
-    try:
+    with reading(path, unreadable=f"{path}: cannot read"):
         if fmt == "jsonl":
             sha256, size, kept, content = _read_jsonl(path)
         else:
             data = _read_parquet_bytes(path)
             sha256, size, kept, content = hashlib.sha256(data).hexdigest(), len(data), [], bool(data.strip())
-    except OSError as err:
-        raise UserError(f"{path}: cannot read ({err.strerror or err})") from None
     entry = InputFile(path=path, sha256=sha256, bytes=size, format=fmt)
     if not content:
         raise UserError(f"{path}: empty file ({size} bytes); expected conversations in the Tulu 3 schema")
@@ -382,7 +378,8 @@ def read_input(path: Path) -> InputFile:
             missing = [c for c in ("id", "messages") if c not in names]
             if missing:
                 raise UserError(
-                    f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); expected the Tulu 3 schema id, messages, source"
+                    f"{path}: no column {missing[0]!r} (columns: {', '.join(names)}); "
+                    "expected the Tulu 3 schema id, messages, source"
                 )
             table = parquet.read(columns=["id", "messages"], use_threads=True)
         except (pa.ArrowException, OSError, ValueError) as err:
@@ -455,8 +452,9 @@ def conversations(
         by_file: dict[int, list[int]] = {}
         for index, row in chunk:
             by_file.setdefault(index, []).append(row)
-        fetched = {index: dict(zip(rows, inputs[index].fetch(rows))) for index, rows in by_file.items()}
-        batch, chars = [], 0
+        fetched = {index: dict(zip(rows, inputs[index].fetch(rows), strict=True)) for index, rows in by_file.items()}
+        batch: list[tuple[str, chat.Rendered, int]] = []
+        chars = 0
         for position, (index, row) in enumerate(chunk, start=lo):
             item = fetched[index][row]
             try:
@@ -588,7 +586,9 @@ def pack(
         mask = np.insert(mask, insert_at, 0)
         stats.separator_tokens += len(insert_at)
         conv_starts = stream + starts + np.arange(first, first + len(lengths))
-        spans.extend([(s, s + n, cid, p) for s, n, (cid, _, p) in zip(conv_starts.tolist(), lengths.tolist(), batch)])
+        spans.extend(
+            (s, s + n, cid, p) for s, n, (cid, _, p) in zip(conv_starts.tolist(), lengths.tolist(), batch, strict=True)
+        )
         stream += int(ids.shape[0])
         stats.conversations_packed += len(batch)
         buf_ids = np.concatenate([buf_ids, ids])
@@ -610,7 +610,7 @@ def pack(
                 stats.unsupervised_rows_skipped += 1
                 continue
             sources = []
-            for s, e, cid, _ in spans:
+            for s, _end, cid, _ in spans:
                 if s >= row_hi:
                     break
                 sources.append(cid)
@@ -648,18 +648,24 @@ def manifest_fields(
         "padding_tokens": 0,
         "supervised_tokens": stats.supervised_tokens,
         "supervised_token_ratio": round(stats.supervised_tokens / tokens, 6) if tokens else 0.0,
-        "supervised_tokens_definition": "label-aligned: sum over rows of loss_mask[1:] (token 0 of a row is never a target)",
+        "supervised_tokens_definition": (
+            "label-aligned: sum over rows of loss_mask[1:] (token 0 of a row is never a target)"
+        ),
         "loss_mask": config.loss_mask,
         "loss_mask_definition": LOSS_MASK_DEFINITIONS[config.loss_mask],
         "chat_encoding": config.encoding().manifest(),
-        "loss_mask_alignment": "token: loss_mask[i] = 1 iff token i is a supervised target (labels[i] = tokens[i+1] use loss_mask[i+1])",
+        "loss_mask_alignment": (
+            "token: loss_mask[i] = 1 iff token i is a supervised target (labels[i] = tokens[i+1] use loss_mask[i+1])"
+        ),
         "seed": config.seed,
         "permutation": "ascending sha256(f'{seed}:{input sha256 hex}:{row}')",
         "separator": "one EOS token (mask 0) between consecutive conversations",
         "max_rows": config.max_rows,
         "tokenizer_sha256": tokenizer_sha256,
         "special_token_ids": {name: getattr(special, name) for name in chat.SPECIAL_TOKENS},
-        "rows_sha256_definition": "sha256 over rows in order; per row: tokens as little-endian int32, then loss_mask as uint8",
+        "rows_sha256_definition": (
+            "sha256 over rows in order; per row: tokens as little-endian int32, then loss_mask as uint8"
+        ),
         "conversations": {
             "inputs": sum(entry.rows for entry in inputs),
             "packed": stats.conversations_packed,
@@ -668,7 +674,8 @@ def manifest_fields(
         "dropped_by_drop_thinking": {  # what the format's rule removed (thinking mode, drop_thinking on, no tools)
             "reasoning_content": stats.reasoning_dropped,
             "developer_messages": stats.developer_dropped,
-            "rule": "before the last user turn: reasoning_content of assistant turns and developer messages are not rendered",
+            "rule": "before the last user turn: reasoning_content of assistant turns and developer messages "
+            "are not rendered",
         },
         "tokens_encoded": stats.tokens_encoded,
         "separator_tokens": stats.separator_tokens,
@@ -721,7 +728,8 @@ def build(
         raise UserError(f"--out {out}: exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not (out / MANIFEST_FILE).is_file():
         raise UserError(
-            f"--out {out}: a non-empty directory that is not a rows build (no {MANIFEST_FILE}); refusing to write into it"
+            f"--out {out}: a non-empty directory that is not a rows build (no {MANIFEST_FILE}); "
+            "refusing to write into it"
         )
     stats = Stats()
     inputs: list[InputFile] = []
@@ -777,11 +785,13 @@ def build(
         if stats.rows == 0:
             raise UserError(
                 f"inputs give no row: {stats.tokens_encoded + stats.separator_tokens:,} tokens in all, "
-                f"{stats.unsupervised_rows_skipped} rows without supervised targets; a row has {config.row_tokens:,} tokens"
+                f"{stats.unsupervised_rows_skipped} rows without supervised targets; "
+                f"a row has {config.row_tokens:,} tokens"
             )
         if config.max_rows is not None and stats.rows < config.max_rows:
             raise UserError(
-                f"inputs give only {stats.rows:,} rows of {config.row_tokens:,} tokens; --rows asks for {config.max_rows:,} "
+                f"inputs give only {stats.rows:,} rows of {config.row_tokens:,} tokens; "
+                f"--rows asks for {config.max_rows:,} "
                 "(give more conversations, or --rows 0 for all rows)"
             )
         for entry in usable:  # free the input copies before hashing the output
@@ -816,12 +826,9 @@ def default_config(data: str | None = None) -> tuple[BuildConfig, dict[str, Any]
     results (``rows``, ``rows_sha256``, ``parquet_sha256``, ``parquet_bytes``) to compare a build with.
     Raises :class:`UserError` for an unknown option.
     """
-    from omegaconf import OmegaConf
-
-    from trainer.compose.compose import compose_run
 
     cfg = compose_run([f"data={data}"] if data else [])
-    node = OmegaConf.to_container(cfg.data, resolve=True)
+    node = as_dict(cfg.data)
     build_node = node["build"]
     config = BuildConfig(
         row_tokens=int(build_node["row_tokens"]),
@@ -895,7 +902,8 @@ def _rederive_config(
             )
         ):
             raise ValueError(
-                f"row_anchors: expected every_rows >= 1 and {-(-rows // every) if every >= 1 else '?'} [position, offset] pairs"
+                "row_anchors: expected every_rows >= 1 and "
+                f"{-(-rows // every) if every >= 1 else '?'} [position, offset] pairs"
             )
         entries = [e for e in manifest["inputs"] if not e.get("skipped")]
         if not all(
@@ -922,8 +930,8 @@ def _rederive_inputs(entries: list[dict[str, Any]], patterns: Sequence[str]) -> 
     read: dict[str, InputFile] = {}
     out = []
     for e in entries:
-        path = by_sha.get(e["sha256"])
-        if path is None:
+        found = by_sha.get(e["sha256"])
+        if found is None:
             if e["name"] in by_name:
                 other, sha = by_name[e["name"]]
                 raise UserError(
@@ -934,11 +942,12 @@ def _rederive_inputs(entries: list[dict[str, Any]], patterns: Sequence[str]) -> 
                 f"input {e['name']} (sha256 {e['sha256']}): missing, no --input file has its bytes; cannot re-derive"
             )
         if e["sha256"] not in read:
-            read[e["sha256"]] = read_input(path)
+            read[e["sha256"]] = read_input(found)
         entry = read[e["sha256"]]
         if entry.rows != int(e["conversations"]):
             raise UserError(
-                f"input {e['name']}: {entry.rows} conversations, the manifest says {e['conversations']}; cannot re-derive"
+                f"input {e['name']}: {entry.rows} conversations, the manifest says {e['conversations']}; "
+                "cannot re-derive"
             )
         out.append(entry)
     return out
@@ -961,13 +970,12 @@ def rederive(
     does. Returns ``{"checked": [row, ...], "mismatched": n, "first": None or {"row", "position",
     "stored", "derived", "message"}}``: ``position`` the first index where tokens or loss_mask differ
     (``stored``/``derived``: ``[token, mask]`` there; position None when the inputs give no such row).
-    The anchors are checked, not trusted (a forger rewrites them with the rows): one per group, group 0 re-derived
-    from the packing order's first packable conversation itself, and each sampled group re-derived on into the next group's
-    first row (the last group one row past the end, which must not exist unless the build stopped at
-    ``max_rows``); groups 0 and last are always among those re-derived. The ``source_ids`` column is neither
-    hashed nor re-derived. Raises :class:`UserError` (one line) when the manifest cannot be re-derived (no
-    ``row_anchors``: a build older than re-derivation), an input is missing or changed, or the tokenizer has
-    another hash.
+    The anchors are checked, not trusted (a forger rewrites them with the rows): one per group, group 0 re-derived from
+    the packing order's first packable conversation itself, and each sampled group re-derived on into the next group's
+    first row (the last group one row past the end, which must not exist unless the build stopped at ``max_rows``);
+    groups 0 and last are always among those re-derived. The ``source_ids`` column is neither hashed nor re-derived.
+    Raises :class:`UserError` (one line) when the manifest cannot be re-derived (no ``row_anchors``: a build older than
+    re-derivation), an input is missing or changed, or the tokenizer has another hash.
     """
     where = str(Path(rows.directory) / "manifest.json")
     manifest = rows.manifest

@@ -128,7 +128,7 @@ import itertools
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -166,7 +166,8 @@ MAX_CONVERSATION_CHARS = 4_000_000
 # Text of the format (the official encoder's templates, reproduced as data; the fixtures pin every byte).
 TOOLS_SECTION = f"""## Tools
 
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "<{DSML}tool_calls>" block like the following:
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a \
+"<{DSML}tool_calls>" block like the following:
 
 <{DSML}tool_calls>
 <{DSML}invoke name="$TOOL_NAME">
@@ -178,9 +179,11 @@ You have access to a set of tools to help answer the user's question. You can in
 </{DSML}invoke>
 </{DSML}tool_calls>
 
-String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
+String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, \
+arrays, objects), pass the value in JSON format and set `string="false"`.
 
-If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning inside {THINK_START}...{THINK_END} BEFORE any tool calls or final response.
+If thinking_mode is enabled (triggered by {THINK_START}), you MUST output your complete reasoning inside \
+{THINK_START}...{THINK_END} BEFORE any tool calls or final response.
 
 Otherwise, output directly after {THINK_END} with tool calls or final response.
 
@@ -195,8 +198,8 @@ REASONING_EFFORT_MAX = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve the root cause, "
     "rigorously stress-testing your logic against all potential paths, edge cases, and adversarial scenarios.\n"
-    "Explicitly write out your entire deliberation process, documenting every intermediate step, considered alternative, "
-    "and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left unchecked.\n\n"
 )
 
 PROMPT, OPENER, RESPONSE = 0, 1, 2  # parts of a piece
@@ -309,7 +312,17 @@ def _what(value: Any) -> str:
     return "missing" if value is None else f"{type(value).__name__} {_short(value)}"
 
 
+@overload
+def _string(value: Any, where: str, *, optional: Literal[False] = False, nonempty: bool = False) -> str: ...
+
+
+@overload
+def _string(value: Any, where: str, *, optional: bool, nonempty: bool = False) -> str | None: ...
+
+
 def _string(value: Any, where: str, *, optional: bool = False, nonempty: bool = False) -> str | None:
+    """``value`` when it is a string (non-empty with ``nonempty``) of at most :data:`MAX_MESSAGE_CHARS` characters, or
+    None with ``optional``; else :class:`ConversationError` naming ``where``."""
     if value is None and optional:
         return None
     if not isinstance(value, str):
@@ -364,7 +377,8 @@ def _tool_calls_block(calls: Any, where: str) -> tuple[str, list[str]]:
         unknown = sorted(set(call) - {"id", "type", "function"}) + sorted(set(function) - {"name", "arguments", "id"})
         if unknown:
             raise ConversationError(
-                f"{at}: key {unknown[0]!r} is not part of the DeepSeek-V4 format (expected id, type, function.name, function.arguments)"
+                f"{at}: key {unknown[0]!r} is not part of the DeepSeek-V4 format "
+                "(expected id, type, function.name, function.arguments)"
             )
         if call.get("type") not in (None, "function"):
             raise ConversationError(f"{at}.type: {_short(call['type'])}; the format renders function calls only")
@@ -397,7 +411,8 @@ def _tool_content(value: Any, where: str) -> str:
         for k, block in enumerate(value):
             if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
                 raise ConversationError(
-                    f"{where}[{k}]: expected a {{type: text, text: string}} block; the format renders only text tool results"
+                    f"{where}[{k}]: expected a {{type: text, text: string}} block; "
+                    "the format renders only text tool results"
                 )
             texts.append(_string(block["text"], f"{where}[{k}].text"))
         joined = "\n\n".join(texts)
@@ -505,8 +520,8 @@ def _merge(messages: list[dict[str, Any]]) -> list[_Turn]:
         elif turn.role == "user" and order:
             results = [b for b in turn.blocks if b[0] == "tool"]
             if len(results) > 1:
-                ids = {b[2]: messages[b[2]].get("tool_call_id", "") for b in results}
-                ranked = iter(sorted(results, key=lambda b: order.get(ids[b[2]], 0)))
+                call_ids = {b[2]: messages[b[2]].get("tool_call_id", "") for b in results}
+                ranked = iter(sorted(results, key=lambda b: order.get(call_ids[b[2]], 0)))
                 turn.blocks = [next(ranked) if b[0] == "tool" else b for b in turn.blocks]
     return turns
 
@@ -630,11 +645,12 @@ def _finish(
         else:
             joined.append([text, part, index])
     roles = {t.index: t.role for t in turns}
-    for (left, _, before), (right, _, index) in zip(joined, joined[1:]):
+    for (left, _, before), (right, _, index) in itertools.pairwise(joined):
         if not left.endswith(MARKERS) and not right.startswith(MARKERS):
             raise ConversationError(
-                f"messages[{index}]: the {roles[index]} turn follows the {roles[before]} text of messages[{before}] with no special "
-                "token between (the format puts no <｜Assistant｜> there), so its first token could merge with that text "
+                f"messages[{index}]: the {roles[index]} turn follows the {roles[before]} text of messages[{before}] "
+                "with no special token between (the format puts no <｜Assistant｜> there), "
+                "so its first token could merge with that text "
                 "and the loss mask cannot split them"
             )
     text = "".join(p[0] for p in joined)
@@ -665,7 +681,9 @@ def _finish(
 # ---------------------------------------------------------------------------------------------- masks
 
 
-def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Sequence[int] | None = None) -> np.ndarray:
+def deepseek_v4_mask(
+    ids: np.ndarray, special: SpecialIds, lengths: Sequence[int] | np.ndarray | None = None
+) -> np.ndarray:
     """The ``deepseek_v4`` token mask of a token stream, computed from marker ids alone, per conversation.
 
     ``ids``: int array of shape ``(n,)``; ``lengths``: tokens per conversation (int, summing to ``n``), the
@@ -681,12 +699,11 @@ def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Sequence[int
     ids = np.asarray(ids)
     n = ids.shape[0]
     mask = np.zeros(n, dtype=np.uint8)
-    if lengths is None:
-        lengths = [n]
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if (lengths < 0).any() or int(lengths.sum()) != n:
+    counts = np.asarray([n] if lengths is None else lengths, dtype=np.int64)
+    if (counts < 0).any() or int(counts.sum()) != n:
         raise ValueError(
-            f"lengths: {lengths.size} conversations of {int(lengths.sum())} tokens in all; expected >= 0 each and {n} in all"
+            f"lengths: {counts.size} conversations of {int(counts.sum())} tokens in all; "
+            f"expected >= 0 each and {n} in all"
         )
     if n < 2:
         return mask
@@ -694,7 +711,7 @@ def deepseek_v4_mask(ids: np.ndarray, special: SpecialIds, lengths: Sequence[int
     last = np.where(is_assistant | (ids == special.eos), np.arange(n, dtype=np.int64), -1)
     np.maximum.accumulate(last, out=last)  # last[i]: index of the last marker at or before i (-1: none)
     before = last[:-1]  # for token i >= 1: the last marker strictly before i
-    conversation_start = np.repeat(np.cumsum(lengths) - lengths, lengths)  # per token: where its conversation starts
+    conversation_start = np.repeat(np.cumsum(counts) - counts, counts)  # per token: where its conversation starts
     # a marker before the token's own conversation does not count (before = -1 fails this too: starts are >= 0)
     mask[1:] = is_assistant[before] & (before >= conversation_start[1:])
     return mask
@@ -713,7 +730,7 @@ def mask_from_pieces(
     encodings = tokenizer.encode_batch_fast([text for text, _ in segments], add_special_tokens=False)
     ids: list[int] = []
     flags: list[int] = []
-    for encoding, (_, supervised) in zip(encodings, segments):
+    for encoding, (_, supervised) in zip(encodings, segments, strict=True):
         piece = encoding.ids
         ids += piece
         flags += [int(supervised)] * len(piece)
@@ -745,7 +762,7 @@ def encode(
         else np.zeros(ids.shape[0], dtype=np.uint8)
     )
     start = 0
-    for k, (rendered, length) in enumerate(zip(conversations, lengths.tolist())):
+    for k, (rendered, length) in enumerate(zip(conversations, lengths.tolist(), strict=True)):
         if loss_mask != "deepseek_v4" or not rendered.scan_exact:  # follow the roles, not the marker ids
             piece_ids, piece_mask = mask_from_pieces(tokenizer, rendered, loss_mask)
             if piece_ids != id_lists[k]:  # render() puts every cut next to a special token; anything else is a bug

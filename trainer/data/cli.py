@@ -26,7 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from trainer.data import chat
+from trainer.data import Rows, chat, synthetic
+from trainer.data import build as builder
 from trainer.errors import UserError
 
 
@@ -44,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
         "build",
         help="pack conversations into fixed-length rows with the deepseek_v4 loss mask",
         description="Read Tulu-3-schema conversations (id, messages, source) from parquet/jsonl files, render them in "
-        "the DeepSeek-V4 chat format, tokenize with the verified DeepSeek-V4-Flash tokenizer, build the deepseek_v4 loss "
-        "mask and pack them (seeded global permutation, one EOS between conversations, rows of --row-tokens, rows without "
-        "supervised targets skipped, no padding). Writes DIR/rows.parquet and DIR/manifest.json.",
+        "the DeepSeek-V4 chat format, tokenize with the verified DeepSeek-V4-Flash tokenizer, build the deepseek_v4 "
+        "loss mask and pack them (seeded global permutation, one EOS between conversations, rows of --row-tokens, "
+        "rows without supervised targets skipped, no padding). Writes DIR/rows.parquet and DIR/manifest.json.",
     )
     build.add_argument(
         "--input", nargs="+", required=True, metavar="FILE", help=".parquet or .jsonl files or globs (quote globs)"
@@ -173,8 +174,6 @@ def main(argv: list[str]) -> int:
     if args.command == "verify":
         return _verify(args)
     if args.command == "example":
-        from trainer.data import synthetic
-
         if args.out.is_dir() or (args.out.is_symlink() and not args.out.exists()):
             raise UserError(
                 f"--out {args.out}: {'a directory' if args.out.is_dir() else 'a dangling symlink'}; "
@@ -191,8 +190,6 @@ def main(argv: list[str]) -> int:
 
 def _build(args: argparse.Namespace) -> int:
     from rich.console import Console
-
-    from trainer.data import build as builder
 
     config, expected = builder.default_config(args.data)
     if args.row_tokens is not None:
@@ -307,11 +304,13 @@ def _summary(
     table.add_column("value", overflow="fold")
     table.add_row(
         "rows",
-        f"{manifest['rows']:,} x {manifest['row_tokens']:,} tokens = {manifest['tokens']:,} (padding {manifest['padding_tokens']})",
+        f"{manifest['rows']:,} x {manifest['row_tokens']:,} tokens = {manifest['tokens']:,} "
+        f"(padding {manifest['padding_tokens']})",
     )
     table.add_row(
         "supervised",
-        f"{manifest['supervised_token_ratio']:.4f} ({manifest['supervised_tokens']:,} tokens, loss mask {manifest['loss_mask']})",
+        f"{manifest['supervised_token_ratio']:.4f} "
+        f"({manifest['supervised_tokens']:,} tokens, loss mask {manifest['loss_mask']})",
     )
     conv = manifest["conversations"]
     table.add_row(
@@ -339,8 +338,6 @@ def _summary(
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from trainer.data import Rows
-
     if args.rederive is None and (args.input or args.tokenizer):
         raise UserError("--input and --tokenizer are for --rederive N (re-derive N sampled rows from the inputs)")
     if args.rederive is not None and args.rederive < 1:
@@ -363,8 +360,6 @@ def _verify(args: argparse.Namespace) -> int:
     }
     line = f"{args.dir}: ok, {len(rows):,} rows x {rows.row_tokens:,} tokens, rows_sha256 {result['rows_sha256']}"
     if args.rederive is not None:
-        from trainer.data import build as builder
-
         if not args.input:
             names = ", ".join(
                 f"{e.get('name')} (sha256 {str(e.get('sha256'))[:12]}…)"
@@ -389,7 +384,8 @@ def _verify(args: argparse.Namespace) -> int:
                 print(json.dumps(result, indent=2))
             else:
                 print(
-                    f"trainer data verify: {args.dir}: {first}; {found['mismatched']} of {len(found['checked'])} re-derived rows "
+                    f"trainer data verify: {args.dir}: {first}; "
+                    f"{found['mismatched']} of {len(found['checked'])} re-derived rows "
                     "differ (the hashes match: the rows were rewritten with consistent hashes, or built by other code)",
                     file=sys.stderr,
                 )

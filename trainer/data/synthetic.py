@@ -4,8 +4,8 @@ Each row is ``{"id": "synthetic-{seed}-{i}", "messages": [{"role", "content"}, .
 an optional system message (1 in 4), then 1 to 3 user/assistant turns of pseudo-words drawn from a fixed
 vocabulary that includes non-ASCII words (accents, Greek, CJK, emoji). The text is meaningless; its
 lengths are of the order of Tulu 3's long conversations (user turns 8-150 words, assistant turns 20-600
-words; about 2,500 DeepSeek-V4 tokens per conversation on average: 2,000 conversations give 5.05 M tokens). The output is a function of ``(conversations, seed)``
-only: the same bytes on any machine for a given pyarrow version.
+words; about 2,500 DeepSeek-V4 tokens per conversation on average: 2,000 conversations give 5.05 M tokens). The
+output is a function of ``(conversations, seed)`` only: the same bytes on any machine for a given pyarrow version.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.publish import atomic_write
 
 _UNICODE_WORDS = [
     "naïve",
@@ -64,8 +65,6 @@ def write(path: Path, count: int, seed: int = 0) -> int:
 
     Raises :class:`UserError` for another suffix or a non-positive count.
     """
-    from trainer.publish import atomic_write
-
     path = Path(path)
     if count < 1:
         raise UserError(f"--conversations {count}: expected a positive number")

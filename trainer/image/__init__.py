@@ -1,3 +1,9 @@
-"""OCI images from lockfiles, bit for bit: lock format (``lockfile``), content-addressed cache (``cas``),
-deterministic layers (``layer``), wheel installation (``wheels``), git sources (``sources``), the build
-(``build``), layouts and archives (``oci``), comparison (``diff``) and the ``trainer image|lock|cache`` CLIs."""
+"""OCI images from image locks (:mod:`trainer.lock`), bit for bit.
+
+The content-addressed input cache (``cas``, its CLI ``cachecli``: ``trainer cache``), the bases (``base``: a
+registry image seeded into the cache; ``debian``: a root file system from pinned .debs), deterministic layers
+(``layer``, reading tars: ``tarread``), wheel installation (``wheels``), git sources (``sources``, tree ids without
+git: ``gittree``; the smoke image's source: ``smoke``), compiled parts built like derivations (``native``, in the
+build root: ``buildroot``), the build (``build``), layouts and archives (``oci``), comparison (``diff``), SBOMs
+(``sbom``), provenance (``provenance``) attached as OCI referrers (``referrers``), and ``trainer image`` (``cli``).
+"""

@@ -28,10 +28,11 @@ import json
 import os
 import tarfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.cas import CHUNK, Cache, _progress, parse_sha256
@@ -141,9 +142,9 @@ class Seed:
         self,
         path: Path,
         kind: str,
-        top: list[tuple[str | None, Callable[[], bytes | None]]],
+        top: Sequence[tuple[str | None, Callable[[], bytes | None]]],
         manifest: Callable[[str], bytes | None],
-        blob: Callable[[str], BinaryIO | None],
+        blob: Callable[[str], IO[bytes] | None],
         close: Callable[[], None] = lambda: None,
     ) -> None:
         self.path, self.kind, self.top, self.manifest, self.blob, self.close = path, kind, top, manifest, blob, close
@@ -171,9 +172,18 @@ def open_seed(path: Path) -> Seed:
     if path.is_dir():
         if (path / "oci-layout").is_file():
             index = _parse_json(_read(path / "index.json") or b"", f"{path}/index.json")
-            blob_path = lambda d: path / "blobs" / "sha256" / parse_sha256(d, f"{path}: descriptor digest")
-            top = [(d.get("digest"), (lambda d=d: _read(blob_path(d["digest"])))) for d in index.get("manifests", [])]
-            return Seed(path, "oci-layout", top, lambda d: _read(blob_path(d)), lambda d: _open_file(blob_path(d)))
+
+            def blob_path(digest: str) -> Path:
+                return path / "blobs" / "sha256" / parse_sha256(digest, f"{path}: descriptor digest")
+
+            def load_blob(digest: str) -> bytes | None:
+                return _read(blob_path(digest))
+
+            def load_listed(entry: dict[str, Any]) -> bytes | None:
+                return load_blob(entry["digest"])
+
+            top = [(d.get("digest"), partial(load_listed, d)) for d in index.get("manifests", [])]
+            return Seed(path, "oci-layout", top, load_blob, lambda d: _open_file(blob_path(d)))
         if (path / "manifest.json").is_file():
 
             def dir_blob(d: str) -> BinaryIO | None:
@@ -209,7 +219,7 @@ def open_seed(path: Path) -> Seed:
             )
         raise UserError(f"{path}: a tar without oci-layout (not an oci-archive)")
 
-    def member(name: str) -> BinaryIO | None:
+    def member(name: str) -> IO[bytes] | None:
         m = members.get(name)
         return tar.extractfile(m) if m is not None else None  # streams from the archive file
 
@@ -218,14 +228,23 @@ def open_seed(path: Path) -> Seed:
         return handle.read() if handle is not None else None
 
     index = _parse_json(read("index.json") or b"", f"{path}: index.json")
-    blob_name = lambda d: f"blobs/sha256/{parse_sha256(d, f'{path}: descriptor digest')}"
-    top = [(d.get("digest"), (lambda d=d: read(blob_name(d["digest"])))) for d in index.get("manifests", [])]
-    return Seed(path, "oci-archive", top, lambda d: read(blob_name(d)), lambda d: member(blob_name(d)), tar.close)
+
+    def blob_name(digest: str) -> str:
+        return f"blobs/sha256/{parse_sha256(digest, f'{path}: descriptor digest')}"
+
+    def read_blob(digest: str) -> bytes | None:
+        return read(blob_name(digest))
+
+    def read_listed(entry: dict[str, Any]) -> bytes | None:
+        return read_blob(entry["digest"])
+
+    top = [(d.get("digest"), partial(read_listed, d)) for d in index.get("manifests", [])]
+    return Seed(path, "oci-archive", top, read_blob, lambda d: member(blob_name(d)), tar.close)
 
 
 def _stream_into_cache(
     cache: Cache,
-    stream: BinaryIO,
+    stream: IO[bytes],
     hexdigest: str,
     what: str,
     diff: DiffIdHasher | None = None,
@@ -329,10 +348,13 @@ def _add_image(
             if len(listed) != 1:
                 raise UserError(f"{where}: index.json lists {len(listed)} manifests; name one with --digest or --lock")
             digest = listed[0]
+            if digest is None:
+                raise UserError(f"{where}: index.json lists a manifest without a digest")
         matching = [load for d, load in seed.top if d == digest]
         if not matching:
             raise UserError(
-                f"{where}: index.json does not list manifest {digest} (it lists {', '.join(map(str, listed)) or 'none'}); "
+                f"{where}: index.json does not list manifest {digest} "
+                f"(it lists {', '.join(map(str, listed)) or 'none'}); "
                 "skopeo converts Docker manifests when writing oci: or oci-archive:, which changes the digest - "
                 "copy with `dir:` instead"
             )
@@ -365,7 +387,7 @@ def _add_image(
     if len(diff_ids) != len(layers):
         raise UserError(f"{where}: manifest has {len(layers)} layers but the config {len(diff_ids)} rootfs.diff_ids")
     resolved = []
-    for i, (layer, diff_id) in enumerate(zip(layers, diff_ids)):
+    for i, (layer, diff_id) in enumerate(zip(layers, diff_ids, strict=True)):
         mt = layer.get("mediaType", "")
         if mt not in LAYER_TYPES:
             raise UserError(f"{where}: layer {i} has media type {mt!r} (expected one of {', '.join(LAYER_TYPES)})")
@@ -458,11 +480,13 @@ def load_base(cache: Cache, base: dict[str, Any], platform: dict[str, str], lock
         )
     want = [
         {"digest": d["digest"], "mediaType": d.get("mediaType", ""), "size": int(d.get("size", 0)), "diff_id": i}
-        for d, i in zip(descs, diff_ids)
+        for d, i in zip(descs, diff_ids, strict=True)
     ]
     if "layers" in base and base["layers"] != want:
         first = next(
-            (n for n, (a, b) in enumerate(zip(base["layers"], want)) if a != b), min(len(want), len(base["layers"]))
+            # lengths may differ (strict=False): the first difference is then at the shorter one's end
+            (n for n, (a, b) in enumerate(zip(base["layers"], want, strict=False)) if a != b),
+            min(len(want), len(base["layers"])),
         )
         raise UserError(
             f"base.layers[{first}]: the lock does not match the cached manifest {digest} "

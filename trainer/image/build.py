@@ -26,37 +26,26 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from trainer import PROJECT, __version__
 from trainer.errors import UserError
-from trainer.image import imagelock
+from trainer.image import native, referrers
+from trainer.image.base import load_base
 from trainer.image.cas import Cache
+from trainer.image.debian import deb_inputs, rootfs_entries
 from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
-from trainer.image.oci import Layer, based_config, compact_json, write_archive, write_layout
+from trainer.image.layerplan import LayerPlan, layer_key
+from trainer.image.oci import Layer, based_config, compact_json, digest_of, image_manifest, write_archive, write_layout
 from trainer.image.sources import cached_archive, pth_entry, source_entries
 from trainer.image.wheels import install_wheels
+from trainer.lock import imagelock
+from trainer.signing import load_signer
 
-LAYER_FORMAT = 1  # bump when layer bytes for the same inputs would change (writer or installer behaviour)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
-
-
-@dataclass
-class LayerPlan:
-    """One layer to build: ``name`` (group), ``inputs`` (what its key hashes), ``comment`` for the history,
-    ``make(spool, handles)`` returning its entries (called only on a cache miss; open files the entries
-    read from are appended to ``handles`` and closed after the layer is written)."""
-
-    name: str
-    inputs: Any
-    comment: str
-    make: Callable[[Path, list[Any]], list[Entry]]
-    cacheable: bool = True
-    allow_absolute_symlinks: bool = False
 
 
 @dataclass
@@ -69,18 +58,6 @@ class BuildResult:
     layers: list[tuple[str, str, int, str]] = field(default_factory=list)
     archive_digest: str | None = None
     referrers: list[tuple[str, str]] = field(default_factory=list)  # (artifactType, manifest digest) attached
-
-
-def layer_key(lock: dict[str, Any], plan: LayerPlan) -> str:
-    """sha256 hex of the canonical JSON of everything that determines ``plan``'s bytes."""
-    basis = {
-        "format": LAYER_FORMAT,
-        "epoch": lock["epoch"],
-        "python": lock["python"],
-        "layer": plan.name,
-        "inputs": plan.inputs,
-    }
-    return hashlib.sha256(compact_json(basis)).hexdigest()
 
 
 def _wheel_label(w: dict[str, Any]) -> str:
@@ -96,7 +73,6 @@ def plan_layers(
     base = lock["base"]
     plans: list[LayerPlan] = []
     if base["type"] == "debian-rootfs":
-        from trainer.image.debian import deb_inputs, rootfs_entries
 
         def make_base(spool: Path, handles: list[Any]) -> list[Entry]:
             debs = [
@@ -112,8 +88,8 @@ def plan_layers(
         plans.append(LayerPlan("base", deb_inputs(base), comment, make_base, allow_absolute_symlinks=True))
     elif base["type"] not in ("scratch", "oci"):
         raise UserError(
-            f"{lock['_path']}: base.type {base['type']!r} is not built by this version (scratch and debian-rootfs are); "
-            "see lockfiles/README.md"
+            f"{lock['_path']}: base.type {base['type']!r} is not built by this version "
+            "(scratch and debian-rootfs are); see lockfiles/README.md"
         )
     for group in imagelock.GROUPS:
         wheels = imagelock.wheels_in(lock, group)
@@ -132,8 +108,6 @@ def plan_layers(
         plans.append(LayerPlan(group, inputs, f"{len(wheels)} wheels: {names}"[:1000], make))
     sources = sorted(lock.get("sources", []), key=lambda s: s["name"])
     # sdists are built by build steps (layers build-<name>, below), never shipped unbuilt
-    from trainer.image import native
-
     unbuilt = native.unbuilt_sdists(lock)
     if unbuilt:
         raise UserError(
@@ -152,14 +126,14 @@ def plan_layers(
             return entries
 
         # a source's layer bytes follow from its tree (verified on unpacking), not from the archive it came in
-        inputs = {
+        source_inputs: dict[str, Any] = {
             "sources": [[s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))] for s in sources],
             "sdists": [],
         }
         if any(s.get("python_path") for s in sources):
-            inputs["pth"] = lock["python"]["site_packages"]
+            source_inputs["pth"] = lock["python"]["site_packages"]
         comment = "git sources: " + ", ".join(f"{s['name']}@{s['commit'][:12]}" for s in sources)
-        plans.append(LayerPlan("sources", inputs, comment, make_sources))
+        plans.append(LayerPlan("sources", source_inputs, comment, make_sources))
     plans += native.build_plans(lock, cache, offline, jobs, console)
     plans.append(
         LayerPlan(
@@ -298,18 +272,26 @@ def make_config(
     )
 
 
-def predict_digests(lock_path: Path, recorded: dict[str, Any], bundle_root: Path) -> dict[str, str]:
+class PredictedDigests(TypedDict):
+    """What :func:`predict_digests` returns: ``bundle`` (the bundle layer's diff_id), ``bundle_size`` (bytes),
+    ``config_digest`` and ``manifest_digest`` ("sha256:<hex>" each)."""
+
+    bundle: str
+    bundle_size: int
+    config_digest: str
+    manifest_digest: str
+
+
+def predict_digests(lock_path: Path, recorded: dict[str, Any], bundle_root: Path) -> PredictedDigests:
     """The digests a build of ``lock_path`` would give now, without its inputs: the layers below the bundle
     are taken from ``recorded`` (an ``expected-digests.json`` entry: their diff_ids and sizes follow from the
     lock alone), the bundle layer is rebuilt in memory from ``bundle_root``'s ``conf/``, then the config and
     manifest are made as :func:`build_image` makes them (with ``recorded["revision"]``).
 
-    Returns {"bundle", "config_digest", "manifest_digest"} ("sha256:<hex>" each) and "bundle_size" (bytes). Raises :class:`UserError`
-    for an ``oci`` base (its config comes from the base image's blobs) or a record whose layers do not match
-    the lock's layer plan.
+    Returns {"bundle", "config_digest", "manifest_digest"} ("sha256:<hex>" each) and "bundle_size" (bytes).
+    Raises :class:`UserError` for an ``oci`` base (its config comes from the base image's blobs) or a record whose
+    layers do not match the lock's layer plan.
     """
-    from trainer.image.layer import write_layer
-    from trainer.image.oci import digest_of, image_manifest
 
     lock = imagelock.load_lock(lock_path)
     if lock["base"]["type"] == "oci":
@@ -317,13 +299,13 @@ def predict_digests(lock_path: Path, recorded: dict[str, Any], bundle_root: Path
     plans = plan_layers(lock, Cache(Path(tempfile.gettempdir()) / "unused-cache"), bundle_root, offline=True)
     names = [p.name for p in plans]
     rec = recorded.get("layers", [])
-    if [l["name"] for l in rec] != names:
-        raise UserError(f"{lock_path}: recorded layers {[l['name'] for l in rec]} do not match the lock's {names}")
-    built = [(l["name"], l["diff_id"]) for l in rec[:-1]]
+    if [r["name"] for r in rec] != names:
+        raise UserError(f"{lock_path}: recorded layers {[r['name'] for r in rec]} do not match the lock's {names}")
+    built = [(r["name"], r["diff_id"]) for r in rec[:-1]]
     info = write_layer(bundle_entries(lock, bundle_root, built), None, lock["epoch"])
     layers = [
-        Layer(l["diff_id"], int(l["size"]), Path("/nonexistent"), p.name, p.comment, diff_id=l["diff_id"])
-        for l, p in zip(rec[:-1], plans)
+        Layer(r["diff_id"], int(r["size"]), Path("/nonexistent"), p.name, p.comment, diff_id=r["diff_id"])
+        for r, p in zip(rec[:-1], plans, strict=False)  # all but the bundle layer, the plans' last
     ]
     layers.append(
         Layer(info.diff_id, info.size, Path("/nonexistent"), "bundle", plans[-1].comment, diff_id=info.diff_id)
@@ -405,6 +387,8 @@ def realize_layer(
     record = cache.layer_record(key) if plan.cacheable else None
     if record is not None and _cached_layer_ok(cache, record, plan.name, verify_cache, console):
         return record["diff_id"], int(record["size"]), "cached"
+    if plan.make is None:
+        raise ValueError(f"layer {plan.name}: a plan made only for its key cannot be built")
     handles: list[Any] = []
     try:
         entries = plan.make(spool, handles)
@@ -447,23 +431,19 @@ def build_image(
     lock = imagelock.load_lock(lock_path)
     signer = None
     if sign_key is not None:
-        from trainer.record.attest import load_signer
-
         signer = load_signer(sign_key)  # a bad key is refused before anything is built
     base_image = None
     layers: list[Layer] = []
     if lock["base"]["type"] == "oci":
-        from trainer.image.base import load_base
-
         base_image = load_base(cache, lock["base"], lock.get("platform", {}), str(lock_path))
         layers = [
-            Layer(l["digest"], l["size"], l["path"], "base", media_type=l["mediaType"], diff_id=l["diff_id"])
-            for l in base_image.layers
+            Layer(b["digest"], b["size"], b["path"], "base", media_type=b["mediaType"], diff_id=b["diff_id"])
+            for b in base_image.layers
         ]
         if console is not None:
             console.print(
                 f"base  {lock['base']['reference']}  manifest {base_image.manifest_digest}: "
-                f"{len(layers)} layers, {sum(l.size for l in layers):,} bytes, verified",
+                f"{len(layers)} layers, {sum(layer.size for layer in layers):,} bytes, verified",
                 soft_wrap=True,
             )
     base_count = len(layers)
@@ -489,8 +469,6 @@ def build_image(
 
     config = make_config(lock, layers, revision, base_image, base_count)
     checked = {layer.digest[7:]: cache.blob_path(layer.digest[7:]).stat() for layer in layers}
-    from trainer.image import referrers
-
     attached: list[tuple[str, str]] = []
 
     def attach(subject: dict[str, Any]):

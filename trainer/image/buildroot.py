@@ -37,64 +37,25 @@ import hashlib
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
 from trainer.image.cas import Cache
+from trainer.image.debian import deb_inputs, resolve_debs, rootfs_entries
 from trainer.image.layer import DIR, SYMLINK, Entry, plan_entries
 from trainer.image.oci import compact_json
+from trainer.image.wheels import install_wheels
+from trainer.lock.imagelock import PYTHON_KEYS
+from trainer.lock.pypi import pypi_files, wheel_fits
 
 FORMAT = 1  # bump when the unpacked trees for the same inputs would change
 MOUNTS = ("build/input", "build/src", "build/out")
-PYTHON_KEYS = ("version", "prefix", "site_packages", "interpreter")
-
-
-def validate_build_root(block: Any, where: str) -> None:
-    """Check a ``build_root`` block (see the module docstring). Raises :class:`UserError` naming the field."""
-    from trainer.image.imagelock import _need, _sha
-
-    if not isinstance(block, dict):
-        raise UserError(f"{where}: expected an object")
-    _need(block, "suite", str, where)
-    debs = _need(block, "debs", list, where)
-    for i, deb in enumerate(debs):
-        for key in ("name", "version", "architecture", "url"):
-            _need(deb, key, str, f"{where}.debs[{i}]")
-        _sha(deb, "sha256", f"{where}.debs[{i}]")
-    links = block.get("links", {})
-    if not isinstance(links, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) and not k.startswith("/") and ".." not in k.split("/")
-        for k, v in links.items()
-    ):
-        raise UserError(
-            f"{where}.links: expected {{relative path: symlink target}} (what update-alternatives would make)"
-        )
-    python = _need(block, "python", dict, where)
-    for key in PYTHON_KEYS:
-        if not _need(python, key, str, f"{where}.python").strip():
-            raise UserError(f"{where}.python.{key}: expected a non-empty string")
-    if not python["site_packages"].startswith(python["prefix"].rstrip("/") + "/"):
-        raise UserError(f"{where}.python.site_packages: expected a directory under python.prefix {python['prefix']!r}")
-    seen = set()
-    for i, wheel in enumerate(block.get("wheels", [])):
-        w = f"{where}.wheels[{i}]"
-        for key in ("name", "version", "filename", "url"):
-            _need(wheel, key, str, w)
-        _sha(wheel, "sha256", w)
-        if not wheel["filename"].endswith(".whl"):
-            raise UserError(f"{w}.filename: {wheel['filename']!r} is not a wheel file name")
-        if wheel["name"] in seen:
-            raise UserError(f"{w}.name: {wheel['name']!r} is listed twice")
-        seen.add(wheel["name"])
 
 
 def deb_key(block: dict[str, Any]) -> str:
     """sha256 hex naming the unpacked Debian tree of ``block``: the formats and every .deb's name, version,
     architecture and sha256 (the same inputs as the image's ``debian-rootfs`` base layer)."""
-    from trainer.image.debian import deb_inputs
-
     return hashlib.sha256(
         compact_json(
             {"format": FORMAT, "debs": deb_inputs(block), "mounts": mounts(block), "links": block.get("links", {})}
@@ -103,26 +64,10 @@ def deb_key(block: dict[str, Any]) -> str:
 
 
 def mounts(block: dict[str, Any]) -> list[str]:
-    """The empty directories the Debian tree gets as mount points: ``build/input``, ``build/src``, ``build/out`` and the Python
-    prefix where the step's wheels are bound (``usr/local``, which only base-files' postinst would create)."""
+    """The empty directories the Debian tree gets as mount points: ``build/input``, ``build/src``, ``build/out``
+    and the Python prefix where the step's wheels are bound (``usr/local``, which only base-files' postinst would
+    create)."""
     return sorted({*MOUNTS, block["python"]["prefix"].strip("/")})
-
-
-def wheel_items(lock: dict[str, Any], names: Sequence[str], where: str) -> list[dict[str, Any]]:
-    """The wheel lock items of ``names``, each looked up in ``build_root.wheels`` first, then in the image's
-    ``wheels``; sorted by canonical name. Raises :class:`UserError` for a name in neither."""
-    from trainer.image.imagelock import canonical_name
-
-    pool: dict[str, dict[str, Any]] = {}
-    for w in lock.get("wheels", []) + lock.get("build_root", {}).get("wheels", []):
-        pool[canonical_name(w["name"])] = w
-    items = []
-    for name in names:
-        item = pool.get(canonical_name(name))
-        if item is None:
-            raise UserError(f"{where}: wheel {name!r} is neither in build_root.wheels nor in wheels")
-        items.append(item)
-    return sorted(items, key=lambda w: canonical_name(w["name"]))
 
 
 def wheels_key(block: dict[str, Any], items: list[dict[str, Any]]) -> str:
@@ -159,6 +104,8 @@ def materialize(entries: list[Entry], dest: Path, allow_absolute_symlinks: bool 
             elif entry.source is not None:
                 with open(entry.source, "rb") as src:
                     shutil.copyfileobj(src, out, 1 << 20)
+            elif entry.opener is None:
+                raise ValueError(f"build root entry {entry.path}: a file without content (data, source or opener)")
             else:
                 digest = hashlib.sha256()
                 with entry.opener() as src:
@@ -208,7 +155,6 @@ def remove_tree(path: Path) -> None:
 
 def debian_tree(cache: Cache, block: dict[str, Any], offline: bool, console=None) -> Path:
     """The unpacked Debian tree of ``block`` (made on first use; every .deb hash-checked)."""
-    from trainer.image.debian import rootfs_entries
 
     def fill(tmp: Path) -> None:
         spool = Path(tempfile.mkdtemp(prefix="spool-", dir=cache.tmp_dir()))
@@ -235,8 +181,6 @@ def wheel_tree(
 ) -> Path | None:
     """The tree of ``items`` installed under ``block['python']['prefix']`` (paths relative to the prefix), or
     None when ``items`` is empty. Every wheel is hash-checked and its contents checked against RECORD."""
-    from trainer.image.wheels import install_wheels
-
     if not items:
         return None
     python = block["python"]
@@ -291,9 +235,6 @@ def resolve_build_root(block: dict[str, Any]) -> dict[str, Any]:
     of ``requirements``: the best fitting wheel for ``python`` from PyPI) resolved. Network. Raises
     :class:`UserError` for a requirement that is not ``name==version`` or has no fitting wheel."""
     import re
-
-    from trainer.image.debian import resolve_debs
-    from trainer.image.imagelockcli import pypi_files, wheel_fits
 
     python = block["python"]
     cp = "cp" + "".join(python["version"].split(".")[:2])

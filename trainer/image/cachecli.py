@@ -30,8 +30,12 @@ import os
 import re
 from pathlib import Path
 
+from trainer import REPO_ROOT
 from trainer.errors import UserError
+from trainer.image.base import add_image, load_base
 from trainer.image.cas import Cache, parse_sha256
+from trainer.image.sources import FETCH_HOSTS, add_archive, add_git, fetch_source, pins_for
+from trainer.lock.imagelock import inputs_of, load_lock
 
 
 def main(argv: list[str]) -> int:
@@ -139,9 +143,6 @@ def main(argv: list[str]) -> int:
 def _add_image(cache: Cache, args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from trainer.image.base import add_image
-    from trainer.image.imagelock import load_lock
-
     digest, reference, platform = args.digest, None, tuple(args.platform.split("/", 1))
     if len(platform) != 2:
         raise UserError(f"--platform: expected OS/ARCH (e.g. linux/amd64), got {args.platform!r}")
@@ -158,7 +159,7 @@ def _add_image(cache: Cache, args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(block, indent=1, sort_keys=True))
     else:
-        size = sum(l["size"] for l in block["layers"])
+        size = sum(layer["size"] for layer in block["layers"])
         print(
             f"added {block['digest']} (config {block['config_digest']}, {len(block['layers'])} layers, {size:,} bytes)"
         )
@@ -180,8 +181,6 @@ def _pin_options(parser: argparse.ArgumentParser, what: str) -> None:
 
 
 def _add_git(cache: Cache, args: argparse.Namespace) -> int:
-    from trainer import REPO_ROOT
-    from trainer.image.sources import add_archive, add_git, pins_for
 
     if args.tree is not None and not re.match(r"^[0-9a-f]{40}$", args.tree):
         raise UserError(f"--tree: expected a full 40-hex git tree id, got {args.tree!r}")
@@ -199,8 +198,8 @@ def _add_git(cache: Cache, args: argparse.Namespace) -> int:
         print(json.dumps(stored, indent=2, sort_keys=True))
     else:
         print(
-            f"added {stored['name']} {stored['commit'] or '(commit unknown)'} tree {stored['tree']} ({stored['files']} files, "
-            f"{stored['bytes']:,} bytes) as sha256:{stored['sha256']}"
+            f"added {stored['name']} {stored['commit'] or '(commit unknown)'} tree {stored['tree']} "
+            f"({stored['files']} files, {stored['bytes']:,} bytes) as sha256:{stored['sha256']}"
         )
     return 0
 
@@ -222,8 +221,6 @@ def _remove_non_file(path: Path) -> None:
 
 
 def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()) -> int:
-    from trainer.image.imagelock import inputs_of, load_lock
-    from trainer.image.sources import FETCH_HOSTS, fetch_source
 
     lock = load_lock(lock_path)
     fetched, present, missing = 0, 0, []
@@ -248,8 +245,6 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
     corrupt: list[str] = []  # the corrupt blobs of the input at hand
     repaired: list[str] = []  # those fetched again
     if lock["base"]["type"] == "oci":
-        from trainer.image.base import load_base
-
         try:
             load_base(cache, lock["base"], lock.get("platform", {}), str(lock_path))
             present += 1

@@ -48,6 +48,9 @@ from pathlib import Path
 
 from trainer import inputs
 from trainer.errors import UserError
+from trainer.image.layer import write_layer
+from trainer.image.stampkey import stamp_key
+from trainer.publish import atomic_write
 
 HEX = re.compile(r"^[0-9a-f]{64}$")
 DOWNLOAD_HOSTS = (
@@ -136,42 +139,6 @@ def hash_file(path: Path, description: str = "") -> str:
             if bar:
                 bar[0].stop()
     return digest.hexdigest()
-
-
-_PROCESS_KEY: bytes | None = None
-
-
-def stamp_key_path() -> Path:
-    """This user's stamp key: ``$XDG_CONFIG_HOME/recipe-bundle/cache-stamp.key`` (``~/.config`` without it)."""
-    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
-    return Path(base) / "recipe-bundle" / "cache-stamp.key"
-
-
-def stamp_key() -> bytes:
-    """The secret key of stamps and layer records (32 random bytes, created once, mode 0600, outside the cache so
-    that whoever can write the cache cannot also vouch for it). Where it cannot be kept, a key of this process only:
-    stamps are then never trusted across runs and every blob is re-hashed."""
-    global _PROCESS_KEY
-    if _PROCESS_KEY is not None:
-        return _PROCESS_KEY
-    path = stamp_key_path()
-    try:
-        key = inputs.read_bytes(path, "cache stamp key", 4096)  # a FIFO or device refused without blocking
-    except (OSError, UserError):
-        key = b""
-    if len(key) != 32:
-        key = os.urandom(32)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(key)
-        except FileExistsError:
-            key = existing if len(existing := inputs.read_bytes(path, "cache stamp key", 4096)) == 32 else key
-        except OSError:
-            pass
-    _PROCESS_KEY = key
-    return key
 
 
 # A live process holds an exclusive flock on its marker ROOT/tmp/live-<pid>-*; debris older than the oldest live
@@ -294,7 +261,8 @@ class Cache:
             path.unlink(missing_ok=True)
             self._stamp_path(hexdigest).unlink(missing_ok=True)
             raise UserError(
-                f"cache entry for {name} is corrupt: sha256 {actual} != expected {hexdigest} (removed; run again to re-fetch)"
+                f"cache entry for {name} is corrupt: sha256 {actual} != expected {hexdigest} "
+                "(removed; run again to re-fetch)"
             )
         self.stamp(hexdigest, st)
         return path
@@ -357,8 +325,6 @@ class Cache:
 
     def stamp(self, hexdigest: str, st: os.stat_result | None = None) -> None:
         """Record the blob's current stat (``st``: taken before its hash was checked) as trusted."""
-        from trainer.publish import atomic_write
-
         path = self.blob_path(hexdigest)
         now = path.stat()
         if st is not None and self._stamp_of(st) != self._stamp_of(now):
@@ -466,7 +432,8 @@ class Cache:
         elif url and not offline:
             reason = f"{url} is not fetched by builds"
         raise UserError(
-            f"missing input {name} sha256:{hexdigest} ({reason}); add it with `trainer cache add FILE --sha256 {hexdigest}`"
+            f"missing input {name} sha256:{hexdigest} ({reason}); "
+            f"add it with `trainer cache add FILE --sha256 {hexdigest}`"
         )
 
     # built layers, keyed by the hash of their inputs
@@ -503,8 +470,6 @@ class Cache:
         """Write ``record`` (JSON, sorted keys) as ``ROOT/layers/<key>.json`` atomically
         (:func:`trainer.publish.atomic_write`).
         """
-        from trainer.publish import atomic_write
-
         record = {**record, "key": key, "mac": self.mac("layer", key, record["diff_id"], int(record["size"]))}
         atomic_write(self.root / "layers" / f"{key}.json", (json.dumps(record, sort_keys=True) + "\n").encode())
 
@@ -529,8 +494,6 @@ class Cache:
         """Store the canonical archive of git ``tree`` (layer ``entries``, see
         :func:`trainer.image.sources.canonical_entries`) as a blob and index it under the tree id; returns the
         blob's sha256 hex. The blob is written to a temporary file and renamed in, then the index entry."""
-        from trainer.image.layer import write_layer
-        from trainer.publish import atomic_write
 
         tmp = self.new_temp()
         try:

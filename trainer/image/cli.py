@@ -13,11 +13,22 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from trainer import REPO_ROOT
 from trainer.errors import UserError
+from trainer.image import provenance, referrers, sbom
+from trainer.image.build import LOCK_LABEL, build_image, layer_keys, predicted_record
 from trainer.image.cas import Cache
+from trainer.image.diff import diff_main
+from trainer.image.native import check_builds
+from trainer.image.oci import open_image
+from trainer.image.smoke import smoke_source
 from trainer.inputs import read_json
+from trainer.lock.imagelock import load_lock, stale_inputs
+from trainer.publish import atomic_write
+from trainer.record.record import git_revision
+from trainer.signing import parse_statement
 
 EPILOG = """examples:
   trainer image build --lock lockfiles/smoke.lock.json --out build/smoke.oci --archive build/smoke.oci.tar
@@ -38,12 +49,11 @@ EXPECTED = REPO_ROOT / "lockfiles" / "expected-digests.json"
 def _revision(value: str) -> str:
     if value != "auto":
         return value
-    from trainer.record.record import git_revision
-
     rev = git_revision()
-    if not rev.get("revision"):
+    revision = rev["revision"]
+    if not revision:
         return "unknown"
-    return rev["revision"] + ("-dirty" if rev.get("dirty") else "")
+    return revision + ("-dirty" if rev["dirty"] else "")
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -53,11 +63,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     """
     from rich.console import Console
 
-    from trainer.image.build import build_image
-
     if not args.frozen:
-        from trainer.image.imagelock import load_lock, stale_inputs
-
         stale = stale_inputs(load_lock(Path(args.lock)))
         if stale:
             raise UserError(stale)
@@ -102,8 +108,6 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
     Raises :class:`UserError` for a docker-archive without ``--json`` (it has no manifest digest).
     """
-    from trainer.errors import UserError
-    from trainer.image.oci import open_image
 
     image = open_image(Path(args.image))
     if args.json:
@@ -114,8 +118,8 @@ def cmd_digest(args: argparse.Namespace) -> int:
                     "manifest_digest": image.manifest_digest,
                     "config_digest": image.config_digest,
                     "layers": [
-                        {"diff_id": l.diff_id, "digest": l.digest, "size": l.size, "mediaType": l.media_type}
-                        for l in image.layers
+                        {"diff_id": x.diff_id, "digest": x.digest, "size": x.size, "mediaType": x.media_type}
+                        for x in image.layers
                     ],
                 },
                 indent=2,
@@ -133,8 +137,6 @@ def cmd_digest(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """``trainer image diff A B``: :func:`trainer.image.diff.diff_main`; returns 0 identical, 1 different."""
-    from trainer.image.diff import diff_main
-
     return diff_main(Path(args.a), Path(args.b), args.json)
 
 
@@ -143,8 +145,6 @@ def cmd_sbom(args: argparse.Namespace) -> int:
     attached, digest-checked, its subject this image: :func:`trainer.image.referrers.find`). Returns 0; raises
     :class:`UserError` (one line) when there is none or the layout's referrers do not bind (an extra,
     duplicated, foreign or altered one, two provenances), or ``--validate`` fails."""
-    from trainer.image import referrers, sbom
-    from trainer.image.oci import open_image
 
     image = open_image(Path(args.image))
     media = sbom.SPDX_MEDIA_TYPE if args.format == "spdx" else sbom.CYCLONEDX_MEDIA_TYPE
@@ -162,9 +162,6 @@ def cmd_provenance(args: argparse.Namespace) -> int:
     statement, or its DSSE envelope when the build was signed; ``--statement`` prints the statement inside an
     envelope). Raises :class:`UserError` (one line) as :func:`cmd_sbom` does, and for a payload that is not a
     statement; the signature is checked by ``trainer verify IMAGE --key``, not here."""
-    from trainer.image import provenance, referrers
-    from trainer.image.oci import open_image
-    from trainer.record import attest
 
     image = open_image(Path(args.image))
     kind, data = referrers.find(image, (referrers.MT_DSSE, provenance.INTOTO_MEDIA_TYPE), provenance.SLSA_PROVENANCE)
@@ -176,23 +173,18 @@ def cmd_provenance(args: argparse.Namespace) -> int:
         except (ValueError, KeyError, TypeError):
             raise UserError(f"{args.image}: the provenance envelope has no base64 payload") from None
     if args.statement or kind != referrers.MT_DSSE:
-        attest.parse_statement(data, f"{args.image} provenance")
+        parse_statement(data, f"{args.image} provenance")
     sys.stdout.buffer.write(data)
     return 0
 
 
 def _layer_names(image) -> list[str]:
     prefix = "recipe-bundle layer "
-    return [l.history[len(prefix) :] if l.history.startswith(prefix) else l.history for l in image.layers]
+    return [x.history[len(prefix) :] if x.history.startswith(prefix) else x.history for x in image.layers]
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     """Compare an image with the expected digest recorded for its lock (``--record`` writes that record)."""
-    from trainer.errors import UserError
-    from trainer.image.build import LOCK_LABEL
-    from trainer.image.imagelock import load_lock
-    from trainer.image.oci import open_image
-    from trainer.publish import atomic_write
 
     lock = load_lock(Path(args.lock))
     expected_path = Path(args.expected)
@@ -208,14 +200,15 @@ def cmd_check(args: argparse.Namespace) -> int:
         raise UserError("trainer image check: name the IMAGE to check (or pass --predict to check without one)")
     image = open_image(Path(args.image))
     labels = (image.config.get("config") or {}).get("Labels") or {}
-    layers = [{"name": n, "diff_id": l.diff_id, "size": l.size} for n, l in zip(_layer_names(image), image.layers)]
+    layers: list[dict[str, Any]] = [
+        {"name": n, "diff_id": x.diff_id, "size": x.size}
+        for n, x in zip(_layer_names(image), image.layers, strict=True)  # one name per layer
+    ]
     if args.record:
         if labels.get(LOCK_LABEL) != lock["_sha256"]:
             raise UserError(
                 f"{args.image}: built from lock sha256 {labels.get(LOCK_LABEL)}, not {args.lock} ({lock['_sha256']})"
             )
-        from trainer.image.build import layer_keys
-
         builds = (table.get(lock["name"]) or {}).get("builds")
         keys = layer_keys(lock, Path(args.bundle_root))
         table[lock["name"]] = {
@@ -234,8 +227,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     entry = table.get(lock["name"])
     if entry is None:
         raise UserError(f"{expected_path}: no expected digest for lock {lock['name']!r} (record one with --record)")
-    from trainer.image.native import check_builds
-
     build_lines, builds_ok = check_builds(lock, layers, entry.get("builds", {}))
     if "manifest_digest" not in entry:  # only the build steps' outputs are recorded (bench/native_builds.py)
         for line in build_lines:
@@ -249,7 +240,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     lines = []
     if labels.get(LOCK_LABEL) != lock["_sha256"]:
         lines.append(f"lock: image built from lock sha256 {labels.get(LOCK_LABEL)}, expected {lock['_sha256']}")
-    want = {l["name"]: l["diff_id"] for l in entry.get("layers", [])}
+    want = {x["name"]: x["diff_id"] for x in entry.get("layers", [])}
     for layer in layers:
         if layer["name"] not in want:
             lines.append(f"layer {layer['name']}: {layer['diff_id']} not expected")
@@ -258,7 +249,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         else:
             lines.append(f"layer {layer['name']}: {layer['diff_id']}, expected {want[layer['name']]}")
     for name in want:
-        if name not in {l["name"] for l in layers}:
+        if name not in {x["name"] for x in layers}:
             lines.append(f"layer {name}: missing, expected {want[name]}")
     lines += build_lines
     ok = image.manifest_digest == entry.get("manifest_digest") and builds_ok
@@ -292,8 +283,6 @@ def _check_predicted(args: argparse.Namespace, lock: dict, table: dict, expected
     """``trainer image check --predict``: the digests a build of the lock would give now, made without building
     (:func:`trainer.image.build.predicted_record`), compared with the recorded ones (exit 0 same, 1 not) or,
     with ``--record``, recorded in their place."""
-    from trainer.image.build import predicted_record
-    from trainer.publish import atomic_write
 
     entry = table.get(lock["name"])
     if entry is None or "manifest_digest" not in entry:
@@ -329,8 +318,6 @@ def _check_predicted(args: argparse.Namespace, lock: dict, table: dict, expected
 
 def cmd_smoke_source(args: argparse.Namespace) -> int:
     """``trainer image smoke-source DIR``: :func:`trainer.image.smoke.smoke_source`, printed as one JSON line."""
-    from trainer.image.smoke import smoke_source
-
     print(json.dumps(smoke_source(Path(args.dir))))
     return 0
 

@@ -42,7 +42,7 @@ from typing import Any
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
-from trainer.image.tarread import member_name, tar_entries
+from trainer.image.tarread import member_name, member_stream, tar_entries
 
 MERGED = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 SPOOL_BYTES = 1 << 20  # files from a .deb larger than this are spooled to disk while the layer is planned
@@ -127,7 +127,7 @@ def resolve_debs(base: dict[str, Any]) -> list[dict[str, Any]]:
         (root / "var/lib/dpkg/status").write_text("")
         lines = base.get("sources") or default_sources(suite)
         (root / "etc/apt/sources.list").write_text(
-            "".join(re.sub(r"^deb\s+", f"deb [arch=amd64 signed-by={KEYRING}] ", l) + "\n" for l in lines)
+            "".join(re.sub(r"^deb\s+", f"deb [arch=amd64 signed-by={KEYRING}] ", line) + "\n" for line in lines)
         )
         _apt(root, "update", "-q")
         essential = set()
@@ -150,17 +150,17 @@ def resolve_debs(base: dict[str, Any]) -> list[dict[str, Any]]:
         if not match:
             continue
         url, filename, size = match.groups()
-        para = index.get(urllib.parse.unquote(url.rsplit("/", 1)[-1]))
-        if para is None or not re.match(r"^[0-9a-f]{64}$", para.get("SHA256", "")):
+        listed = index.get(urllib.parse.unquote(url.rsplit("/", 1)[-1]))
+        if listed is None or not re.match(r"^[0-9a-f]{64}$", listed.get("SHA256", "")):
             raise UserError(f"{filename}: no SHA256 for it in the suite's Packages index (refused)")
         debs.append(
             {
-                "name": para["Package"],
-                "version": para["Version"],
-                "architecture": para["Architecture"],
+                "name": listed["Package"],
+                "version": listed["Version"],
+                "architecture": listed["Architecture"],
                 "url": url,
-                "sha256": para["SHA256"],
-                "size": int(para.get("Size", size)),
+                "sha256": listed["SHA256"],
+                "size": int(listed.get("Size", size)),
             }
         )
     if not debs:
@@ -179,6 +179,7 @@ def _dpkg_tar(path: Path, option: str, label: str, what: str) -> Iterator[tarfil
     if shutil.which("dpkg-deb") is None:
         raise UserError(f"{label}: unpacking .debs needs dpkg-deb (Debian's dpkg)")
     proc = subprocess.Popen(["dpkg-deb", option, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None  # both are pipes (PIPE above)
     try:
         with tarfile.open(fileobj=proc.stdout, mode="r|") as tar:
             yield tar
@@ -207,7 +208,7 @@ def _read_control(path: Path, label: str) -> dict[str, bytes]:
                         f"{label}: control member {name!r} is {member.size:,} bytes (at most "
                         f"{MAX_CONTROL_BYTES:,}; refused)"
                     )
-                files[name] = tar.extractfile(member).read()
+                files[name] = member_stream(tar, member).read()
     if "control" not in files:
         raise UserError(f"{label}: no control file")
     return files
@@ -232,7 +233,7 @@ def _data_entries(path: Path, label: str, spool: Path, counter: list[int]) -> tu
                     f"{label}: member {member.name!r} is {member.size:,} bytes (at most "
                     f"{MAX_MEMBER_BYTES:,} per file; refused)"
                 )
-            handle = tar.extractfile(member)
+            handle = member_stream(tar, member)
             if member.size > SPOOL_BYTES:
                 counter[0] += 1
                 spooled = spool / f"deb-{counter[0]:08d}"
@@ -328,8 +329,12 @@ def rootfs_entries(debs: list[tuple[Path, dict[str, Any]]], spool: Path) -> list
     ):
         found = entries.get(master)
         if found is not None and f"etc/{name}" not in entries:
-            e = found[0]
-            out.append(Entry(f"etc/{name}", FILE, data=e.data if e.data is not None else Path(e.source).read_bytes()))
+            master_data, source = found[0].data, found[0].source
+            if master_data is None:
+                if source is None:  # a .deb's files are read into memory or spooled: never neither
+                    raise ValueError(f"{master}: an entry without data or source")
+                master_data = source.read_bytes()
+            out.append(Entry(f"etc/{name}", FILE, data=master_data))
     return out
 
 

@@ -34,9 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.image import referrers, sbom
 from trainer.image.oci import ImageRef, LayerRef, open_image
-from trainer.image.tarread import member_name, open_layer
+from trainer.image.recorded import record_image
+from trainer.image.tarread import member_name, member_stream, open_layer
 from trainer.inputs import parse_json, read_text
+from trainer.lock.imagelock import load_lock
 
 STAMP = "etc/recipe-bundle/lock.json"
 LOCK_LABEL = "dev.recipe-bundle.lock.sha256"
@@ -91,11 +94,11 @@ def file_changes(fa: dict[str, dict[str, Any]], fb: dict[str, dict[str, Any]]) -
 
 def align_layers(a: list[LayerRef], b: list[LayerRef]) -> list[tuple[LayerRef | None, LayerRef | None]]:
     """Pairs of layers: equal diff_ids first, then unmatched ones by history name, then by position."""
-    b_ids = {l.diff_id for l in b}
-    a_ids = {l.diff_id for l in a}
-    only_a = [l for l in a if l.diff_id not in b_ids]
-    only_b = [l for l in b if l.diff_id not in a_ids]
-    pairs: list[tuple[LayerRef | None, LayerRef | None]] = [(l, l) for l in a if l.diff_id in b_ids]
+    b_ids = {layer.diff_id for layer in b}
+    a_ids = {layer.diff_id for layer in a}
+    only_a = [layer for layer in a if layer.diff_id not in b_ids]
+    only_b = [layer for layer in b if layer.diff_id not in a_ids]
+    pairs: list[tuple[LayerRef | None, LayerRef | None]] = [(layer, layer) for layer in a if layer.diff_id in b_ids]
     rest_b = list(only_b)
     for la in only_a:
         match = next((lb for lb in rest_b if la.history and lb.history == la.history), None)
@@ -106,6 +109,15 @@ def align_layers(a: list[LayerRef], b: list[LayerRef]) -> list[tuple[LayerRef | 
         pairs.append((la, match))
     pairs += [(None, lb) for lb in rest_b]
     return pairs
+
+
+def _describe_file(x: dict[str, Any] | None) -> str:
+    """One file of :meth:`ImageRef.files` as the text report shows it ("-" for none)."""
+    if x is None:
+        return "-"
+    if x.get("type") == "file":
+        return f"{x['size']} bytes sha256:{x['sha256'][:12]}"
+    return f"{x['type']} {x.get('target', '')}".strip()
 
 
 def _canonical(name: str) -> str:
@@ -135,13 +147,13 @@ def _scan(image: ImageRef) -> tuple[dict[str, str], dict[str, str], dict[str, st
                 for member in tar:
                     name = member_name(member.name)
                     if member.isreg() and METADATA.search(name):
-                        headers = BytesHeaderParser().parsebytes(tar.extractfile(member).read())
+                        headers = BytesHeaderParser().parsebytes(member_stream(tar, member).read())
                         if headers.get("Name"):
                             dists[_canonical(headers["Name"])] = headers.get("Version", "")
                             where[_canonical(headers["Name"])] = name.rsplit("/", 2)[0]
                             layer_of[_canonical(headers["Name"])] = layer.diff_id
                     elif member.isreg() and name == DPKG_STATUS:
-                        status = tar.extractfile(member).read()
+                        status = member_stream(tar, member).read()
     return dists, _dpkg_installed(status or b""), where, layer_of
 
 
@@ -206,8 +218,6 @@ def sbom_changes(a: ImageRef, b: ImageRef) -> list[dict[str, Any]] | None:
     has no SBOM (a docker-archive, or an image built before SBOMs). Raises :class:`UserError` for a layout
     whose referrers do not bind (:func:`trainer.image.referrers.bound`: a digest or subject check fails, an
     extra or duplicated referrer)."""
-    from trainer.image import referrers, sbom
-
     if not (referrers.listed(a) and referrers.listed(b)):
         return None
     try:
@@ -233,10 +243,10 @@ def sbom_changes(a: ImageRef, b: ImageRef) -> list[dict[str, Any]] | None:
 
 def diff_images(a: ImageRef, b: ImageRef) -> dict[str, Any]:
     """The differences between images ``a`` and ``b`` as a JSON-able dict with ``identical`` (bool)."""
-    same_layers = [l.diff_id for l in a.layers] == [l.diff_id for l in b.layers]
+    same_layers = [layer.diff_id for layer in a.layers] == [layer.diff_id for layer in b.layers]
     if a.config_digest == b.config_digest and same_layers:
         return {"identical": True, "a": a.manifest_digest or a.config_digest, "b": b.manifest_digest or b.config_digest}
-    layers = []
+    layers: list[dict[str, Any]] = []
     for la, lb in align_layers(a.layers, b.layers):
         if la is not None and lb is not None and la.diff_id == lb.diff_id:
             layers.append({"name": la.history, "diff_id": la.diff_id, "status": "same"})
@@ -245,7 +255,7 @@ def diff_images(a: ImageRef, b: ImageRef) -> dict[str, Any]:
         fb = b.files(lb) if lb is not None else {}
         layers.append(
             {
-                "name": (la or lb).history,
+                "name": la.history if la is not None else lb.history if lb is not None else "",
                 "old": la.diff_id if la else None,
                 "new": lb.diff_id if lb else None,
                 "status": "changed" if la and lb else "removed" if la else "added",
@@ -314,27 +324,6 @@ def diff_image_lock(a: ImageRef, lock: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def record_image(record: dict[str, Any]) -> dict[str, Any]:
-    """What a run record says about the image it ran in: ``{"digest", "lock"}`` (either may be None).
-
-    Read from ``record["image"]`` (``{"digest": "sha256:...", "lock": "<lock sha256>"}``, or a bare digest
-    string) and, failing that, from the first rank's probe (``record["probe"]["ranks"][0]["image"]``, same
-    shape). ``lock`` may also be a path to a lock file; then its sha256 is used."""
-    found: dict[str, Any] = {"digest": None, "lock": None}
-    candidates = [record.get("image")]
-    probe = record.get("probe")
-    ranks = probe.get("ranks") if isinstance(probe, dict) else probe if isinstance(probe, list) else None
-    if isinstance(ranks, list) and ranks and isinstance(ranks[0], dict):
-        candidates.append(ranks[0].get("image"))
-    for item in candidates:
-        if isinstance(item, str):
-            item = {"digest": item}
-        if isinstance(item, dict):
-            found["digest"] = found["digest"] or item.get("digest")
-            found["lock"] = found["lock"] or item.get("lock") or item.get("lock_sha256")
-    return found
-
-
 def diff_image_record(a: ImageRef, record: dict[str, Any], where: Path) -> dict[str, Any]:
     """Image ``a`` against a run record: identical when the record's image digest is ``a``'s manifest digest
     (or, when it names only a lock, when that lock's sha256 is the one ``a`` was stamped with)."""
@@ -347,8 +336,6 @@ def diff_image_record(a: ImageRef, record: dict[str, Any], where: Path) -> dict[
     label = (_config_view(a.config)["Labels"]).get(LOCK_LABEL)
     lock = seen["lock"]
     if lock and not re.match(r"^[0-9a-f]{64}$", str(lock)):
-        from trainer.image.imagelock import load_lock
-
         lock = load_lock(Path(lock))["_sha256"]
     mine = a.manifest_digest or a.config_digest
     result: dict[str, Any] = {
@@ -384,16 +371,7 @@ def render(result: dict[str, Any]) -> str:
             continue
         lines.append(f"layer {layer['name'] or '?'}: {layer['status']} {layer['old']} -> {layer['new']}")
         for f in layer["files"]:
-            describe = lambda x: (
-                "-"
-                if x is None
-                else (
-                    f"{x['size']} bytes sha256:{x['sha256'][:12]}"
-                    if x.get("type") == "file"
-                    else f"{x['type']} {x.get('target', '')}".strip()
-                )
-            )
-            lines.append(f"  {f['change']:<7} {f['path']}  {describe(f['old'])} -> {describe(f['new'])}")
+            lines.append(f"  {f['change']:<7} {f['path']}  {_describe_file(f['old'])} -> {_describe_file(f['new'])}")
     for d in result.get("distributions", []):
         lines.append(f"python {d['name']}: {d['old'] or '(absent)'} -> {d['new'] or '(absent)'}")
     for d in result.get("debs", []):
@@ -415,8 +393,6 @@ def diff_main(a: Path, b: Path, as_json: bool) -> int:
     """Compare ``a`` (an image) with ``b`` (an image or an image lock); print; 0 identical, 1 different."""
     image_a = open_image(a)
     if b.is_file() and b.suffix == ".json":
-        from trainer.image.imagelock import load_lock
-
         data = (
             parse_json(read_text(b, "lock or run record") or "null", str(b)) if b.stat().st_size < (64 << 20) else None
         )

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.gittree import MAX_LINK_HOPS, SymlinkError, resolve_in_tree
@@ -62,7 +62,7 @@ class Entry:
     executable: bool = False
     target: str = ""
     mode_bits: int | None = None
-    opener: Callable[[], BinaryIO] | None = field(default=None, compare=False)
+    opener: Callable[[], IO[bytes]] | None = field(default=None, compare=False)
     length: int = 0
     sha256: str | None = None
     label: str = ""
@@ -223,7 +223,7 @@ class HashingWriter(io.RawIOBase):
         """Always True (a write-only stream)."""
         return True
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         """Hash ``data`` (any bytes-like object), pass it to the sink, count it; returns its length in bytes."""
         view = memoryview(data)
         self.sha256.update(view)
@@ -271,7 +271,7 @@ class PipelinedHashingWriter(HashingWriter):
             except BaseException as ex:  # surfaced in close()
                 self._error = ex
 
-    def write(self, data) -> int:  # type: ignore[override]
+    def write(self, data) -> int:
         """Queue a copy of ``data`` for the hashing thread (blocks while the queue is full); count it and return
         its length in bytes. A sink error surfaces in :meth:`close`, not here.
         """
@@ -359,16 +359,18 @@ def _write_tar(planned: list[Entry], writer: HashingWriter, epoch: int) -> None:
                         reader.finish()
                 except (zipfile.BadZipFile, zlib.error, EOFError) as ex:
                     raise UserError(f"{entry.label or 'layer entry'}: {entry.path} is corrupt ({ex})") from None
-            else:
+            elif entry.source is not None:
                 with open(entry.source, "rb") as handle:
                     tar.addfile(info, _ExactReader(handle, info.size, entry.path))
+            else:
+                raise ValueError(f"layer entry {entry.path}: a file without content")  # refused above (UserError)
 
 
 class _ExactReader:
     """Reads exactly ``size`` bytes from ``handle``; a file that shrank or grew is an error. With ``sha256``
     (hex) the bytes are hashed as they pass and :meth:`finish` compares."""
 
-    def __init__(self, handle: BinaryIO, size: int, path: str, sha256: str | None = None, label: str = "") -> None:
+    def __init__(self, handle: IO[bytes], size: int, path: str, sha256: str | None = None, label: str = "") -> None:
         self.handle, self.left, self.path = handle, size, path
         self.expected, self.label = sha256, label
         self.digest = hashlib.sha256() if sha256 is not None else None

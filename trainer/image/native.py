@@ -25,7 +25,7 @@ step's ``env``, umask 022. The sandbox path of everything is the same on every m
 ``-ffile-prefix-map=/build/src=.`` is in ``CFLAGS``/``CXXFLAGS``, so no host path reaches the output. A write
 outside ``/build/out``, ``/build/src`` and ``/tmp`` fails (read-only file system), and so does a connection.
 
-The layer's cache key (:func:`trainer.image.build.layer_key`) hashes the step (name, command, env, install),
+The layer's cache key (:func:`trainer.image.layerplan.layer_key`) hashes the step (name, command, env, install),
 the input's sha256 (and git tree), the build root's .debs and the step's wheels (name, version, sha256), the
 lock's epoch and python block: an unchanged step is never rebuilt, a changed input rebuilds that step only.
 ``BUILD_JOBS`` (``--jobs``) is not part of the key: a build whose bytes depend on it is a bug that the
@@ -47,7 +47,11 @@ from trainer.errors import UserError
 from trainer.image import buildroot
 from trainer.image.cas import Cache
 from trainer.image.layer import Entry, entries_from_tree
+from trainer.image.layerplan import LayerPlan, layer_key
+from trainer.image.sources import cached_archive, source_entries
 from trainer.image.tarread import entries_from_tar
+from trainer.image.wheels import install_wheels
+from trainer.lock.imagelock import canonical_name, wheel_items
 
 FORMAT = 1  # bump when the same step would give other bytes (sandbox, fixed env, output handling)
 INPUT, SRC, OUT = "/build/input", "/build/src", "/build/out"
@@ -69,71 +73,15 @@ FIXED_ENV = {
     "BUILD_SRC": SRC,
     "BUILD_OUT": OUT,
 }
-INSTALL_TYPES = ("tree", "wheel")
-
-
-def validate_builds(lock: dict[str, Any], where: str) -> None:
-    """Check ``lock['builds']`` and ``lock['build_root']`` (see the module docstring). Raises :class:`UserError`
-    naming the field: an unknown input, a step without a build root, a bad command, env or install."""
-    from trainer.image.imagelock import NAME, _need, canonical_name
-
-    builds = lock.get("builds", [])
-    if not isinstance(builds, list):
-        raise UserError(f"{where}.builds: expected a list")
-    if "build_root" in lock:
-        buildroot.validate_build_root(lock["build_root"], f"{where}.build_root")
-    elif builds:
-        raise UserError(f"{where}.build_root: missing (builds need a build root of pinned .debs)")
-    sources = {s.get("name") for s in lock.get("sources", [])}
-    sdists = {canonical_name(s.get("name", "")) for s in lock.get("sdists", [])}
-    names = set()
-    for i, step in enumerate(builds):
-        w = f"{where}.builds[{i}]"
-        name = _need(step, "name", str, w)
-        if not NAME.match(name) or name in names:
-            raise UserError(f"{w}.name: {name!r} is not a simple name or is used twice")
-        names.add(name)
-        spec = _need(step, "input", dict, w)
-        if set(spec) == {"source"}:
-            if spec["source"] not in sources:
-                raise UserError(f"{w}.input.source: {spec['source']!r} is not a sources[] name")
-        elif set(spec) == {"sdist"}:
-            if canonical_name(str(spec["sdist"])) not in sdists:
-                raise UserError(f"{w}.input.sdist: {spec['sdist']!r} is not an sdists[] name")
-        else:
-            raise UserError(f'{w}.input: expected {{"source": NAME}} or {{"sdist": NAME}}, got {spec!r}')
-        command = _need(step, "command", list, w)
-        if not command or not all(isinstance(x, str) for x in command) or not command[0].startswith("/"):
-            raise UserError(f"{w}.command: expected a list of strings starting with an absolute program path")
-        env = step.get("env", {})
-        if not isinstance(env, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) and "=" not in k for k, v in env.items()
-        ):
-            raise UserError(f"{w}.env: expected string values and names without '='")
-        wheels = step.get("wheels", [])
-        if not isinstance(wheels, list) or not all(isinstance(x, str) for x in wheels):
-            raise UserError(f"{w}.wheels: expected a list of wheel names")
-        buildroot.wheel_items(lock, wheels, f"{w}.wheels")
-        install = _need(step, "install", dict, w)
-        if install.get("type") not in INSTALL_TYPES:
-            raise UserError(f"{w}.install.type: {install.get('type')!r} (expected one of {', '.join(INSTALL_TYPES)})")
-        if install["type"] == "tree":
-            dest = _need(install, "dest", str, f"{w}.install")
-            if not dest.startswith("/") or ".." in dest.split("/"):
-                raise UserError(f"{w}.install.dest: expected an absolute path without '..', got {dest!r}")
 
 
 def unbuilt_sdists(lock: dict[str, Any]) -> list[str]:
     """Names of the lock's sdists that no build step builds (an image must not ship them unbuilt)."""
-    from trainer.image.imagelock import canonical_name
-
     built = {canonical_name(s["input"]["sdist"]) for s in lock.get("builds", []) if "sdist" in s["input"]}
     return [s["name"] for s in lock.get("sdists", []) if canonical_name(s["name"]) not in built]
 
 
 def _input_item(lock: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
-    from trainer.image.imagelock import canonical_name
-
     spec = step["input"]
     if "source" in spec:
         return next(s for s in lock["sources"] if s["name"] == spec["source"])
@@ -153,7 +101,7 @@ def step_inputs(lock: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
     else:
         source = {"sdist": item["filename"], "sha256": item["sha256"]}
     root = lock["build_root"]
-    wheels = buildroot.wheel_items(lock, step.get("wheels", []), step["name"])
+    wheels = wheel_items(lock, step.get("wheels", []), step["name"])
     return {
         "format": FORMAT,
         "step": {k: step.get(k) for k in ("name", "command", "env", "install")},
@@ -209,8 +157,6 @@ def sandbox_argv(
 
 
 def _unpack_input(lock: dict[str, Any], step: dict[str, Any], cache: Cache, offline: bool, dest: Path) -> None:
-    from trainer.image.sources import cached_archive, source_entries
-
     item = _input_item(lock, step)
     if "source" in step["input"]:
         entries = source_entries(cached_archive(cache, item), {**item, "dest": "/"})  # checked against its tree
@@ -251,7 +197,7 @@ def run_step(
         raise UserError(f"build step {step['name']}: needs bubblewrap (`bwrap`, Debian package bubblewrap)")
     block = lock["build_root"]
     root = buildroot.debian_tree(cache, block, offline, console)
-    wheels = buildroot.wheel_items(lock, step.get("wheels", []), step["name"])
+    wheels = wheel_items(lock, step.get("wheels", []), step["name"])
     local = buildroot.wheel_tree(cache, block, wheels, offline, console)
     src, out = work / "src", work / "out"
     src.mkdir()
@@ -276,7 +222,7 @@ def run_step(
         )
     seconds = time.monotonic() - started
     if proc.returncode != 0:
-        tail = [l for l in log.read_text(errors="replace").splitlines() if l.strip()][-1:] or ["(no output)"]
+        tail = [line for line in log.read_text(errors="replace").splitlines() if line.strip()][-1:] or ["(no output)"]
         raise UserError(
             f"build step {step['name']} failed (exit {proc.returncode} after {seconds:.0f} s): "
             f"{tail[0].strip()[:200]}; log: {log}"
@@ -302,8 +248,6 @@ def output_entries(
         raise UserError(
             f"build step {step['name']}: expected one wheel in {OUT}, found {[p.name for p in wheels] + others}"
         )
-    from trainer.image.wheels import install_wheels
-
     cache.add_file(wheels[0])
     return install_wheels(
         [(wheels[0], wheels[0].name, f"built wheel {wheels[0].name}")], lock["python"], spool, handles
@@ -311,9 +255,7 @@ def output_entries(
 
 
 def build_plans(lock: dict[str, Any], cache: Cache, offline: bool, jobs: int = 1, console=None) -> list:
-    """One :class:`trainer.image.build.LayerPlan` per build step (layer ``build-<name>``), in the lock's order."""
-    from trainer.image.build import LayerPlan, layer_key
-
+    """One :class:`trainer.image.layerplan.LayerPlan` per build step (layer ``build-<name>``), in the lock's order."""
     plans = []
     for step in lock.get("builds", []):
 
@@ -343,9 +285,7 @@ def build_plans(lock: dict[str, Any], cache: Cache, offline: bool, jobs: int = 1
 
 
 def step_keys(lock: dict[str, Any]) -> dict[str, str]:
-    """step name -> the cache key of its layer (:func:`trainer.image.build.layer_key` of its inputs)."""
-    from trainer.image.build import LayerPlan, layer_key
-
+    """step name -> the cache key of its layer (:func:`trainer.image.layerplan.layer_key` of its inputs)."""
     return {
         step["name"]: layer_key(lock, LayerPlan(f"build-{step['name']}", step_inputs(lock, step), "", None))
         for step in lock.get("builds", [])
@@ -358,7 +298,7 @@ def check_builds(lock: dict[str, Any], layers: list[dict[str, Any]], expected: d
     by ``bench/native_builds.py --record``). Only records whose key equals the step's current key count (an
     input changed otherwise). Returns (one line per step, whether none differs)."""
     keys = step_keys(lock)
-    have = {l["name"][len("build-") :]: l for l in layers if l["name"].startswith("build-")}
+    have = {layer["name"][len("build-") :]: layer for layer in layers if layer["name"].startswith("build-")}
     lines, ok = [], True
     for name, key in keys.items():
         want = expected.get(name)

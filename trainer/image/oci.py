@@ -36,7 +36,7 @@ from typing import Any, BinaryIO
 from trainer import inputs
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, Entry, write_layer
-from trainer.image.tarread import member_name, open_layer
+from trainer.image.tarread import member_name, member_stream, open_layer
 from trainer.publish import atomic_file, fsync_dir, swap_dir
 
 MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -149,7 +149,7 @@ def based_config(
             "rootfs": {
                 "type": "layers",
                 "diff_ids": list((base.get("rootfs") or {}).get("diff_ids") or [])
-                + [l.diff_id or l.digest for l in layers],
+                + [layer.diff_id or layer.digest for layer in layers],
             },
             "history": history
             + [
@@ -180,7 +180,7 @@ def write_layout(
     layers: list[Layer],
     annotations: dict[str, str],
     place_blob: Callable[[Layer, Path], None],
-    referrers: Callable[[dict[str, Any]], list[tuple[dict[str, Any], bytes, list[bytes]]]] = None,
+    referrers: Callable[[dict[str, Any]], list[tuple[dict[str, Any], bytes, list[bytes]]]] | None = None,
 ) -> str:
     """Write the OCI layout of ``config`` and ``layers`` to ``out`` atomically; return the manifest digest.
 
@@ -319,7 +319,8 @@ class ImageRef:
     config: dict[str, Any]
     layers: list[LayerRef]
     index: dict[str, Any] | None = None  # an OCI layout's index.json (it also lists referrers)
-    blob: Callable[[str], bytes] = field(default=None, repr=False)  # digest -> bytes, sha256-checked (OCI only)
+    # digest -> bytes, sha256-checked (OCI only; anything but a "sha256:<hex>" string is refused)
+    blob: Callable[[object], bytes] | None = field(default=None, repr=False)
 
     def files(self, layer: LayerRef) -> dict[str, dict[str, Any]]:
         """path -> {type, size, sha256, mode, target} for every member of ``layer`` (decompressed)."""
@@ -331,7 +332,7 @@ class ImageRef:
                     item: dict[str, Any] = {"mode": oct(member.mode & 0o7777)}
                     if member.isreg():
                         digest = hashlib.sha256()
-                        handle = tar.extractfile(member)
+                        handle = member_stream(tar, member)
                         while chunk := handle.read(1 << 20):
                             digest.update(chunk)
                         item.update(type="file", size=member.size, sha256=digest.hexdigest())
@@ -399,7 +400,7 @@ def _open_image(path: Path) -> ImageRef:
     except tarfile.TarError as ex:
         raise UserError(f"{path}: not a tar archive ({ex})") from None
 
-    def reader(name: str) -> bytes | None:
+    def archive_reader(name: str) -> bytes | None:
         member = names.get(name)
         return (
             inputs.read_member(tar, member, f"{path}: {name}", "document of an image archive")
@@ -407,19 +408,20 @@ def _open_image(path: Path) -> ImageRef:
             else None
         )
 
-    def opener(name: str) -> Callable[[], BinaryIO]:
+    def archive_opener(name: str) -> Callable[[], BinaryIO]:
         def open_member() -> BinaryIO:
             member = names[name]
             handle = open(path, "rb")
             handle.seek(member.offset_data)
-            return _Slice(handle, member.size)  # a bounded view: a layer is streamed, never held in memory
+            # a bounded view: a layer is streamed, never held in memory
+            return _Slice(handle, member.size)  # type: ignore[return-value]  # a RawIOBase file, not typing's IO
 
         return open_member
 
     if "oci-layout" in names:
-        return _from_oci(path, "oci-archive", reader, opener)
+        return _from_oci(path, "oci-archive", archive_reader, archive_opener)
     if "manifest.json" in names:
-        return _from_docker(path, reader, opener)
+        return _from_docker(path, archive_reader, archive_opener)
     raise UserError(f"{path}: a tar without oci-layout or manifest.json (not an oci-archive or docker-archive)")
 
 
@@ -517,8 +519,8 @@ def _from_oci(path: Path, kind: str, reader, opener) -> ImageRef:
         for i, d in enumerate(manifest.get("layers", []))
     ]
 
-    def blob(d: str) -> bytes:
-        if not re.fullmatch(r"sha256:[0-9a-f]{64}", str(d)):
+    def blob(d: object) -> bytes:
+        if not isinstance(d, str) or not re.fullmatch(r"sha256:[0-9a-f]{64}", d):
             raise UserError(f"{path}: {d!r} is not a sha256 digest")
         return _checked_blob(reader, f"blobs/sha256/{d[7:]}", d, path)
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from trainer import PROJECT, PROJECT_URL, __version__
 from trainer.image import sbom
+from trainer.image.layerplan import LAYER_FORMAT
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -142,7 +143,7 @@ def statement(
                 "internalParameters": {
                     "epoch": lock["epoch"],
                     "platform": lock.get("platform", {}),
-                    "layer_format": _layer_format(),
+                    "layer_format": LAYER_FORMAT,
                 },
                 "resolvedDependencies": resolved_dependencies(lock, outputs) + bundle_layers,
             },
@@ -153,12 +154,6 @@ def statement(
             },
         },
     }
-
-
-def _layer_format() -> int:
-    from trainer.image.build import LAYER_FORMAT
-
-    return LAYER_FORMAT
 
 
 def to_bytes(obj: dict[str, Any]) -> bytes:

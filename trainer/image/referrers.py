@@ -35,9 +35,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from trainer.errors import UserError
+from trainer.image import provenance, sbom
 from trainer.image.oci import MT_MANIFEST, ImageRef, compact_json, digest_of, rfc3339
 from trainer.image.provenance import INTOTO_MEDIA_TYPE
 from trainer.inputs import decode, parse_json
+from trainer.signing import sign
 
 MT_EMPTY = "application/vnd.oci.empty.v1+json"
 EMPTY = b"{}"
@@ -101,9 +103,7 @@ def documents(
     """The SBOMs and provenance of the image ``manifest_digest`` built from ``lock`` (in index order:
     SPDX, CycloneDX, provenance), whose layers are ``layers`` ((name, diff_id) as built: the SBOMs take the
     build steps' output sha256 from the ``build-<name>`` ones); the provenance is a DSSE envelope signed by
-    ``signer`` when given (see :func:`trainer.record.attest.load_signer`), else the bare statement."""
-    from trainer.image import provenance, sbom
-
+    ``signer`` when given (see :func:`trainer.signing.load_signer`), else the bare statement."""
     spdx = sbom.spdx_json(lock, manifest_digest, layers)  # the build-<name> layers: the build steps' outputs
     cdx = sbom.cyclonedx_json(lock, manifest_digest, layers)
     name = lock["name"]
@@ -120,8 +120,6 @@ def documents(
     if signer is None:
         docs.append(Document(provenance.INTOTO_MEDIA_TYPE, data, f"{name}.provenance.json", annotations))
     else:
-        from trainer.record.attest import sign
-
         docs.append(Document(MT_DSSE, sign(data, signer), f"{name}.provenance.dsse.json", annotations))
     return docs
 
@@ -137,6 +135,8 @@ def read(image: ImageRef, descriptor: dict[str, Any]) -> tuple[dict[str, Any], b
     artifact manifest with one layer of its artifactType, and that its subject is ``image``'s manifest.
     Raises :class:`UserError` (one line naming the layout, the referrer and the digests) otherwise."""
     where = image.path
+    if image.blob is None:  # a docker-archive: listed() finds no referrers in it
+        raise UserError(f"{where}: a docker-archive has no referrers")
     digest = descriptor.get("digest")
     manifest_bytes = image.blob(digest)
     try:

@@ -61,6 +61,7 @@ from urllib.parse import urlparse
 
 from trainer import PROJECT, PROJECT_URL, __version__
 from trainer.errors import UserError
+from trainer.lock.imagelock import canonical_name, wheel_items
 
 SPDX_MEDIA_TYPE = "application/spdx+json"
 CYCLONEDX_MEDIA_TYPE = "application/vnd.cyclonedx+json"
@@ -93,7 +94,7 @@ class Item:
 
 
 def _purl(
-    type_: str, namespace: str | None, name: str, version: str | None, qualifiers: dict[str, str] | None = None
+    type_: str, namespace: str | None, name: str, version: str | None, qualifiers: dict[str, str | None] | None = None
 ) -> str:
     from packageurl import PackageURL
 
@@ -153,8 +154,6 @@ def _base_image(lock: dict[str, Any]) -> Iterable[Item]:
 
 
 def _wheel_item(d: dict[str, Any], kind: str, note: str | None = None) -> Item:
-    from trainer.image.imagelock import canonical_name
-
     host = urlparse(d.get("url") or "").hostname or ""
     index = None if host in PYPI_HOSTS or not d.get("url") else d["url"].rsplit("/", 1)[0]
     name = canonical_name(d["name"])
@@ -281,7 +280,8 @@ def _builds(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> Iter
 
 
 # lock section -> the items it contributes, bottom of the image first; a lock without a section has none of it
-SECTIONS: dict[str, Callable[[dict[str, Any]], Iterable[Item]]] = {
+# (each is called with the lock; "builds" also with the build steps' outputs)
+SECTIONS: dict[str, Callable[..., Iterable[Item]]] = {
     "base.debs": _debs,
     "base": _base_image,
     "wheels": _python("wheels"),
@@ -305,7 +305,7 @@ def inventory(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> li
 class Step:
     """A build step as the SBOMs describe it: its ``name``; ``output``, the ref of its build :class:`Item`;
     ``input``, the ref of the source or sdist it builds; ``debs`` and ``wheels``, the refs of the packages its
-    build root is made of (``build_root.debs``; its ``wheels`` as :func:`trainer.image.buildroot.wheel_items`
+    build root is made of (``build_root.debs``; its ``wheels`` as :func:`trainer.lock.imagelock.wheel_items`
     picks them); ``command``, ``env`` and ``install`` (``tree`` or ``wheel``) as the lock has them."""
 
     name: str
@@ -337,8 +337,6 @@ def graph(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> Graph:
     """The packages of the image built from ``lock`` (:func:`inventory`, builds with ``outputs``), the build
     root its steps ran in and the steps themselves (see :class:`Graph`). A build-root .deb or wheel with the
     sha256 of one of the image's .debs or wheels is that package (one entry, two roles)."""
-    from trainer.image import buildroot
-    from trainer.image.imagelock import canonical_name
 
     items = inventory(lock, outputs)
     steps_in = [
@@ -349,7 +347,9 @@ def graph(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> Graph:
     built_sdists = {f"sdist:{canonical_name(str(b['input']['sdist']))}" for b in steps_in if b["input"].get("sdist")}
     contained = [i for i in items if i.ref not in built_sdists]
     transient = [i for i in items if i.ref in built_sdists]
-    by_sha = {(i.kind, i.sha256): i.ref for i in items if i.kind in ("deb", "wheel") and i.sha256}
+    by_sha: dict[tuple[str, str | None], str] = {
+        (i.kind, i.sha256): i.ref for i in items if i.kind in ("deb", "wheel") and i.sha256
+    }
     root = lock.get("build_root") or {}
     names = ", ".join(str(b["name"]) for b in steps_in) or "none"
     deb_refs: list[str] = []
@@ -384,7 +384,7 @@ def graph(lock: dict[str, Any], outputs: dict[str, str] | None = None) -> Graph:
         )
         wheels = [
             wheel_refs.get(w["sha256"]) or by_sha.get(("wheel", w["sha256"])) or f"wheel:{canonical_name(w['name'])}"
-            for w in buildroot.wheel_items(lock, b.get("wheels") or [], str(b["name"]))
+            for w in wheel_items(lock, b.get("wheels") or [], str(b["name"]))
         ]
         steps.append(
             Step(
@@ -446,6 +446,7 @@ def spdx_json(lock: dict[str, Any], manifest_digest: str, layers: Iterable[tuple
     are ``layers`` (they give the build steps' output sha256, :func:`build_outputs`). Built with spdx-tools'
     model, validated by spdx-tools before it is written; relationships as the module docstring says. Raises
     :class:`UserError` if it does not validate."""
+    from spdx_tools.spdx.jsonschema.document_converter import DocumentConverter
     from spdx_tools.spdx.model import (
         Actor,
         ActorType,
@@ -560,7 +561,7 @@ def spdx_json(lock: dict[str, Any], manifest_digest: str, layers: Iterable[tuple
         raise UserError(
             f"lock {lock['name']}: its SPDX SBOM does not validate ({' '.join(str(ex).split())[:400]})"
         ) from None
-    return (json.dumps(_spdx_23(convert(document, None)), indent=4) + "\n").encode()
+    return (json.dumps(_spdx_23(convert(document, DocumentConverter())), indent=4) + "\n").encode()
 
 
 def _cdx_formula(found: Graph) -> dict[str, Any] | None:
@@ -570,7 +571,7 @@ def _cdx_formula(found: Graph) -> dict[str, Any] | None:
         return None
     workflows = []
     for step in found.steps:
-        inputs = [
+        inputs: list[dict[str, Any]] = [
             {"resource": {"ref": ref}}
             for ref in dict.fromkeys(([step.input] if step.input else []) + list(step.debs) + list(step.wheels))
         ]

@@ -34,9 +34,11 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from trainer.errors import UserError
+from trainer.image import tarread
 from trainer.image.gittree import EXEC_MODE, FILE_MODE, LINK_MODE, check_links_stay_inside, git_tree_id
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
 from trainer.image.tarread import entries_from_tar
+from trainer.lock.imagelock import KIND, load_lock
 
 PTH_NAME = "recipe-bundle-sources.pth"
 MAX_SOURCE_BYTES = 2 << 30  # a source tree larger than this (uncompressed) is refused: 2 GiB
@@ -118,6 +120,8 @@ def tree_files(raw: list[Entry], label: str) -> dict[str, tuple[str, bytes]]:
         if not rel:
             continue
         if entry.type == FILE:
+            if entry.data is None:  # an archive's members are read into memory (entries_from_tar, from zip)
+                raise ValueError(f"{label}: {entry.path} was not read into memory")
             files[rel] = (EXEC_MODE if entry.executable else FILE_MODE, entry.data)
         elif entry.type == SYMLINK:
             files[rel] = (LINK_MODE, entry.target.encode("utf-8", "surrogateescape"))
@@ -274,8 +278,6 @@ def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[st
     read one at a time from one ``git cat-file --batch`` (:func:`_read_blobs`), so memory holds the tree's
     files once, never git's whole output besides them.
     """
-    from trainer.image import tarread
-
     gitdir = git_dir_of(path)
     try:
         full = _git(gitdir, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}").decode().strip()
@@ -327,6 +329,7 @@ def _read_blobs(
         )
     except FileNotFoundError:
         raise UserError("git is not installed (apt-get install git)") from None
+    assert proc.stdin is not None and proc.stdout is not None  # both are pipes (PIPE above)
     files: dict[str, tuple[str, bytes]] = {}
     done = False
     try:
@@ -377,8 +380,6 @@ def pins_for(locks: list[Path]) -> list[dict[str, Any]]:
     tree. Raises :class:`UserError` for an unreadable file."""
     import json
 
-    from trainer.image.imagelock import KIND, load_lock
-
     out: list[dict[str, Any]] = []
     for path in locks:
         try:
@@ -404,9 +405,7 @@ def pins_for(locks: list[Path]) -> list[dict[str, Any]]:
     return out
 
 
-def add_git(
-    cache: Any, repo: Path, commit: str, pins: list[dict[str, Any]], tree: str | None = None
-) -> dict[str, Any]:
+def add_git(cache: Any, repo: Path, commit: str, pins: list[dict[str, Any]], tree: str | None = None) -> dict[str, Any]:
     """Seed the cache with ``commit``'s tree from the local git repository ``repo`` (clone or bare).
 
     The commit must be one that ``pins`` (see :func:`pins_for`) name, or ``tree`` must be given; its files

@@ -13,7 +13,7 @@ import gzip
 import tarfile
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
 from trainer.errors import UserError
 from trainer.image.layer import DIR, FILE, SYMLINK, Entry
@@ -30,12 +30,21 @@ def member_name(name: str) -> str:
     return "/".join(member_parts(name))
 
 
-def open_layer(raw: BinaryIO) -> tarfile.TarFile:
+def member_stream(tar: tarfile.TarFile, member: tarfile.TarInfo) -> IO[bytes]:
+    """The content of ``member`` of ``tar`` as a stream (:meth:`tarfile.TarFile.extractfile`). Raises
+    :class:`UserError` for a member that has none (not a regular file or a hard link to one)."""
+    handle = tar.extractfile(member)
+    if handle is None:
+        raise UserError(f"archive member {member.name!r}: not a regular file")
+    return handle
+
+
+def open_layer(raw: IO[bytes]) -> tarfile.TarFile:
     """A streaming tar reader over a layer blob, gzip-compressed (sniffed by its magic bytes) or plain;
     ``raw`` must be seekable to its start."""
     head = raw.read(2)
     raw.seek(0)
-    stream: BinaryIO = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
+    stream: gzip.GzipFile | IO[bytes] = gzip.GzipFile(fileobj=raw) if head == b"\x1f\x8b" else raw
     return tarfile.open(fileobj=stream, mode="r|")
 
 
@@ -65,8 +74,8 @@ def tar_entries(
     the layer (None: skip it); ``file_entry(member, path, mode)`` reads a regular file (size limits and
     spooling are the caller's; ``mode`` holds the Entry's mode fields); ``keep_modes`` keeps every member's
     permission bits (``mode_bits``, a .deb's) instead of the layer's normalized ones (``executable`` from any
-    execute bit; directories 0755); ``key_of(parts)`` names a file for hard links (a link's ``linkname`` is looked up the same
-    way, so a hard link becomes a copy of an earlier file's content with its own mode).
+    execute bit; directories 0755); ``key_of(parts)`` names a file for hard links (a link's ``linkname`` is looked up
+    the same way, so a hard link becomes a copy of an earlier file's content with its own mode).
 
     Raises :class:`UserError` for a ``..`` component, a hard link to no earlier file, and a device, FIFO or
     other special file.
@@ -138,7 +147,7 @@ def entries_from_tar(
 
     def file_entry(member: tarfile.TarInfo, path: str, mode: dict) -> Entry:
         try:
-            data = tar.extractfile(member).read()
+            data = member_stream(tar, member).read()
         except (tarfile.TarError, EOFError, OSError, zlib.error) as ex:
             raise UserError(f"archive: corrupt or truncated in member {member.name!r} ({ex})") from None
         return Entry(path, FILE, data=data, **mode)

@@ -24,6 +24,7 @@ import posixpath
 import stat
 import zipfile
 from collections.abc import Iterable
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
@@ -117,17 +118,16 @@ class LayerDestination(WheelDestination):
         """A lazy entry for a wheel member (not read now); None when RECORD gives no sha256 for it."""
         member = getattr(stream, "name", None)
         known = self.record.get(member) if member else None
-        if known is None or self.zipfile is None:
+        if known is None or self.zipfile is None or member is None:
             return None
         info = self.zipfile.getinfo(member)
         digest, size = known
         if info.file_size != size:
             raise UserError(f"{self.current}: {member} is {info.file_size} bytes, RECORD says {size} (refused)")
-        zf = self.zipfile
         entry = Entry(
             image_path,
             FILE,
-            opener=lambda zf=zf, member=member: zf.open(member),
+            opener=partial(self.zipfile.open, member),
             length=size,
             sha256=digest,
             label=self.current,

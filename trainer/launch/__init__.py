@@ -13,8 +13,8 @@ rank under torchrun), ``ray_entry`` (a Ray job's entrypoint), ``preflight`` (com
 A launcher is a module in :data:`LAUNCHERS` with two functions:
 
 ``check(cfg: TrainConfig, par: Parallelism) -> None``
-    launcher-specific pre-launch checks; runs when the job is prepared (:func:`trainer.compose.prepare.prepare`), before anything is written;
-    raises :class:`~trainer.errors.CheckError` (one line).
+    launcher-specific pre-launch checks; runs when the job is prepared (:func:`trainer.compose.prepare.prepare`),
+    before anything is written; raises :class:`~trainer.errors.CheckError` (one line).
 ``execute(prepared: PreparedRun, rundir: RunDir, record: dict) -> dict``
     runs the job of a :class:`~trainer.compose.prepare.PreparedRun` (its typed config, parallelism and rendered
     launch; nothing is composed or rendered again) into the run directory ``rundir``
@@ -28,7 +28,7 @@ A launcher is a module in :data:`LAUNCHERS` with two functions:
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any, Dict
+from typing import TYPE_CHECKING, Any
 
 from trainer.compose.checks import Parallelism
 from trainer.compose.schema import TrainConfig

@@ -3,65 +3,52 @@
 The story of a step (the recipe's optimizer semantics, Megatron's definitions):
 
 1. every DP rank takes its share of the global batch (``optim.global_batch_size`` rows, ``layout.micro_batch_size``
-   rows per microbatch) from the fixed rows, in the loader's deterministic order;
+   rows per microbatch) from the fixed rows, in the loader's deterministic order
+   (:class:`trainer.launch.steps.Schedule`);
 2. loss = sum over supervised tokens of cross-entropy / supervised tokens of the whole global batch, over all
    ranks (``--calculate-per-token-loss``); gradients are summed over ranks (gloo all-reduce), so the update is
    the same for any DP size;
 3. gradient clipping at ``optim.clip_grad`` (Megatron's default 1.0; ``grad_norm`` is the norm before clipping);
 4. Adam with decoupled weight decay on 2-D weights (Megatron leaves biases and norms undecayed), betas from
    the config; the learning rate follows Megatron's ``OptimizerParamScheduler``: linear warm-up from 0 over
-   ``lr_warmup_fraction x steps`` steps (a float, as Megatron), then cosine from ``lr`` to ``min_lr``, evaluated at the number
-   of completed steps;
+   ``lr_warmup_fraction x steps`` steps (a float, as Megatron), then cosine from ``lr`` to ``min_lr``, evaluated at
+   the number of completed steps (:func:`trainer.launch.steps.megatron_lr`);
 5. router gates frozen (``--moe-router-freeze-gate``); the expert bias is never updated
    (``--freeze-e-score-correction-bias``).
 
-Rank 0 appends one line per step to ``metrics.jsonl`` (keys of :mod:`trainer.report.metrics`). Every rank writes its
-probe to ``probe-rank-N.json``. Run as ``python -m trainer.launch.cpu_worker RUN_DIR RANK WORLD ROWS_DIR``.
+Rank 0 appends one line per step to ``metrics.jsonl`` (keys of :mod:`trainer.report.metrics`, through
+:class:`trainer.launch.steps.MetricsWriter`). Every rank writes its probe to ``probe-rank-N.json``. Run as
+``python -m trainer.launch.cpu_worker RUN_DIR RANK WORLD ROWS_DIR``; :func:`main` tells the run's story (parse,
+join the group, build, train, finish) and the functions after it are its steps.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from trainer.publish import atomic_write
-from trainer.record.record import canonical_json
+from trainer.compose.compose import validate
+from trainer.compose.plan import run_steps
+from trainer.compose.schema import OptimConfig, TrainConfig
+from trainer.data import Batch, Rows
+from trainer.launch.steps import MetricsWriter, Schedule, megatron_lr, per_token_loss, step_line
+from trainer.models import deepseek_v4_hf
+from trainer.probe import probe
+from trainer.publish import atomic_write, canonical_json
+from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
+from trainer.report.metrics import Step
 
+if TYPE_CHECKING:
+    import torch
 
-def megatron_lr(
-    step_done: int, steps: int, lr: float, min_lr: float, warmup_fraction: float, style: str = "cosine"
-) -> float:
-    """Learning rate after ``step_done`` completed steps (Megatron-LM 37f91617
-    ``megatron/core/optimizer_param_scheduler.py`` ``OptimizerParamScheduler.get_lr``, for the decay ``style`` of
-    ``--lr-decay-style``: ``constant``, ``linear`` or ``cosine``).
-
-    Warm-up: ``lr x step_done / warmup`` for ``step_done <= warmup`` with ``warmup = fraction x steps`` (a
-    float, as Megatron's ``lr_warmup_steps = lr_warmup_fraction x lr_decay_steps``; the first step runs at 0
-    when there is warm-up); then ``lr`` (constant), or ``min_lr + (lr - min_lr) x c`` with
-    ``r = (step_done - warmup) / (steps - warmup)`` and ``c = 1 - r`` (linear) or ``0.5 x (1 + cos(pi x r))``
-    (cosine). Raises ``ValueError`` for another style (Megatron's inverse-square-root and WSD are not followed).
-    """
-    from trainer.compose.checks import LR_DECAY_STYLES
-
-    if style not in LR_DECAY_STYLES:
-        raise ValueError(f"lr_decay_style {style!r}: expected one of {', '.join(LR_DECAY_STYLES)}")
-    warmup = warmup_fraction * steps
-    if warmup > 0 and step_done <= warmup:
-        return lr * step_done / warmup
-    if style == "constant":
-        return lr
-    if steps <= warmup:
-        return min_lr
-    ratio = min(1.0, (step_done - warmup) / (steps - warmup))
-    coeff = 1.0 - ratio if style == "linear" else 0.5 * (math.cos(math.pi * ratio) + 1.0)
-    return min_lr + (lr - min_lr) * coeff
+__all__ = ["main", "megatron_lr"]  # megatron_lr: the schedule's home is trainer.launch.steps
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Train one rank; ``argv`` (default ``sys.argv[1:]``) is ``RUN_DIR RANK WORLD ROWS_DIR``. Returns 0.
 
     Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``; with ``WORLD > 1`` joins a gloo group
@@ -71,122 +58,182 @@ def main(argv=None) -> int:
     Raises ``IndexError``/``ValueError`` on a short or non-integer ``argv``, :class:`UserError` on a bad
     config or rows.
     """
-    argv = sys.argv[1:] if argv is None else argv
-    run_dir, rank, world, rows_dir = Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
+    run_dir, rank, world, rows_dir = parse_argv(sys.argv[1:] if argv is None else argv)
+    cfg = validate(load_config(run_dir / CONFIG))
+    join_group(run_dir, rank, world)
+    model = build_model(cfg)
+    optimizer = build_optimizer(model, cfg.optim)
+    schedule = Schedule.of(Rows(rows_dir), cfg.optim.global_batch_size, cfg.layout.micro_batch_size, rank, world)
+    with MetricsWriter(run_dir / METRICS if rank == 0 else None) as metrics:
+        train(model, optimizer, schedule, cfg.optim, run_steps(cfg), metrics)
+    finish(world)
+    return 0
 
+
+def parse_argv(argv: list[str]) -> tuple[Path, int, int, Path]:
+    """``RUN_DIR RANK WORLD ROWS_DIR`` as (run directory, rank, world size, rows directory). Raises
+    ``IndexError`` for fewer than four words, ``ValueError`` for a rank or world that is not an integer."""
+    return Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
+
+
+def join_group(run_dir: Path, rank: int, world: int) -> None:
+    """Start this rank: torch gets the machine's CPUs divided by ``world`` as threads (at least 1); with
+    ``world`` > 1 a gloo group through the file ``run_dir/.rendezvous``; the probe in ``probe-rank-RANK.json``."""
     import torch
     import torch.distributed as dist
 
-    from trainer.compose.compose import validate
-    from trainer.compose.plan import run_steps
-    from trainer.data import Rows
-    from trainer.models.deepseek_v4_hf import build_model, freeze_router
-    from trainer.probe import probe
-    from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
-    from trainer.report.metrics import dumps_row
-
-    cfg = validate(load_config(run_dir / CONFIG))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=f"file://{run_dir / '.rendezvous'}", rank=rank, world_size=world)
     atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
-    model = build_model(cfg.model, cfg.launcher.seed)
-    freeze_router(model, cfg.optim.moe_router_freeze_gate, cfg.optim.freeze_e_score_correction_bias)
+
+def build_model(cfg: TrainConfig) -> torch.nn.Module:
+    """transformers' DeepSeek-V4 of ``cfg.model`` in float32, seeded by ``launcher.seed``
+    (:func:`trainer.models.deepseek_v4_hf.build_model`), router gates frozen as ``optim`` says."""
+    model: torch.nn.Module = deepseek_v4_hf.build_model(cfg.model, cfg.launcher.seed)
+    deepseek_v4_hf.freeze_router(model, cfg.optim.moe_router_freeze_gate, cfg.optim.freeze_e_score_correction_bias)
+    return model
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters: ``optim.weight_decay`` on the 2-D weights, none on biases and
+    norms (as Megatron), betas from ``optim``, eps 1e-8; the learning rate starts at 0 (each step sets it)."""
+    import torch
+
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": cfg.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=0.0,
-        betas=(cfg.optim.adam_beta1, cfg.optim.adam_beta2),
+        betas=(optim.adam_beta1, optim.adam_beta2),
         eps=1e-8,
     )
-    steps = run_steps(cfg)
-    rows = Rows(rows_dir)  # verified against its manifest
-    mbs = cfg.layout.micro_batch_size
-    per_step = cfg.optim.global_batch_size // (mbs * world)  # microbatches per rank per step
-    per_epoch = rows.num_batches(mbs, world)
 
-    def step_batches(step_index: int):
-        """This rank's microbatches of step ``step_index`` (0-based); epochs wrap around the rows."""
-        out = []
-        for k in range(per_step):
-            epoch, index = divmod(step_index * per_step + k, per_epoch)
-            out.append(next(rows.batches(mbs, dp_rank=rank, dp_size=world, epoch=epoch, start=index)))
-        return out
 
+def train(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    schedule: Schedule,
+    optim: OptimConfig,
+    steps: int,
+    metrics: MetricsWriter,
+) -> None:
+    """Run ``steps`` optimizer steps (1-based) over ``schedule``'s microbatches, the learning rate of
+    :func:`megatron_lr` set before each, and hand each step's row to :func:`write_metrics`."""
     params = [p for p in model.parameters() if p.requires_grad]
-    metrics = (run_dir / METRICS).open("a") if rank == 0 else None
+    world = schedule.dp_size
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        lr = megatron_lr(
-            step - 1, steps, cfg.optim.lr, cfg.optim.min_lr, cfg.optim.lr_warmup_fraction, cfg.optim.lr_decay_style
-        )
+        lr = megatron_lr(step - 1, steps, optim.lr, optim.min_lr, optim.lr_warmup_fraction, optim.lr_decay_style)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        microbatches = step_batches(step - 1)
-        counts = torch.tensor(
-            [
-                float(sum(int(mb.loss_mask.sum()) for mb in microbatches)),
-                float(sum(mb.tokens.size for mb in microbatches)),
-            ]
+        microbatches = schedule.microbatches(step - 1)
+        lm_loss, grad_norm, tokens, supervised = train_step(
+            model, optimizer, params, microbatches, optim.clip_grad, world
         )
-        if world > 1:
-            dist.all_reduce(counts)
-        supervised, tokens = counts.tolist()
-        loss_sum = torch.zeros(())
-        optimizer.zero_grad(set_to_none=True)
-        for mb in microbatches:
-            input_ids = torch.from_numpy(mb.tokens).long()
-            labels = torch.from_numpy(mb.labels).long()
-            mask = torch.from_numpy(mb.loss_mask).float()
-            labels = labels.clamp(min=0)  # IGNORE_INDEX positions carry mask 0
-            logits = model(input_ids=input_ids, position_ids=torch.from_numpy(mb.position_ids).long()).logits
-            ce = torch.nn.functional.cross_entropy(
-                logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none"
-            )
-            mb_loss = (ce * mask.reshape(-1)).sum()
-            (mb_loss / max(supervised, 1.0)).backward()
-            loss_sum += mb_loss.detach()
-        if world > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-            dist.all_reduce(loss_sum)
-        # Megatron: clip_grad 0 means no clipping (the norm is still reported)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            params, cfg.optim.clip_grad if cfg.optim.clip_grad > 0 else float("inf")
-        )
-        optimizer.step()
-        rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)])
-        if world > 1:
-            dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+        rss = peak_rss_bytes(world)
         elapsed = time.perf_counter() - start
-        if metrics is not None:
-            row = {
-                "step": step,
-                "lm_loss": float(loss_sum) / max(supervised, 1.0),
-                "grad_norm": float(grad_norm),
-                "lr": lr,
-                "tokens": tokens,
-                "supervised_tokens": supervised,
-                "step_time_s": elapsed,
-                "max_memory_bytes": float(rss),
-            }
-            metrics.write(dumps_row(row) + "\n")
-            metrics.flush()
-            print(
-                f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']:.3f} lr {lr:.3g} "
-                f"{elapsed:.2f} s",
-                flush=True,
-            )
-    if metrics is not None:
-        metrics.close()
+        write_metrics(metrics, Step(step, lm_loss, grad_norm, lr, tokens, supervised, elapsed, rss), steps)
+
+
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.nn.Parameter],
+    microbatches: list[Batch],
+    clip_grad: float,
+    world: int,
+) -> tuple[float, float, float, float]:
+    """One optimizer step over this rank's ``microbatches`` (each ``(B, S)``): the per-token loss of the whole
+    global batch backward, gradients summed over the ``world`` ranks, clipped at ``clip_grad`` (0: not clipped,
+    the norm still reported), ``optimizer.step()``. Returns ``(lm_loss, grad_norm, tokens, supervised_tokens)``:
+    the loss per supervised token, the gradient norm before clipping, and the step's tokens and supervised tokens
+    summed over ranks."""
+    import torch
+    import torch.distributed as dist
+
+    supervised, tokens = token_counts(microbatches, world)
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = backward(model, microbatches, supervised)
+    if world > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+        dist.all_reduce(loss_sum)
+    # Megatron: clip_grad 0 means no clipping (the norm is still reported)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
+    optimizer.step()
+    return per_token_loss(float(loss_sum), supervised), float(grad_norm), tokens, supervised
+
+
+def token_counts(microbatches: list[Batch], world: int) -> tuple[float, float]:
+    """``(supervised tokens, tokens)`` of the step's ``microbatches``, summed over the ``world`` ranks (floats)."""
+    import torch
+    import torch.distributed as dist
+
+    counts = torch.tensor(
+        [
+            float(sum(int(mb.loss_mask.sum()) for mb in microbatches)),
+            float(sum(mb.tokens.size for mb in microbatches)),
+        ]
+    )
+    if world > 1:
+        dist.all_reduce(counts)
+    supervised, tokens = counts.tolist()
+    return supervised, tokens
+
+
+def backward(model: torch.nn.Module, microbatches: list[Batch], supervised: float) -> torch.Tensor:
+    """Forward and backward of each microbatch: the summed cross-entropy of its supervised positions (``loss_mask``
+    1) divided by the global batch's ``supervised`` tokens (at least 1) is backpropagated, so the gradients add up
+    to the per-token loss's. Returns this rank's summed cross-entropy (a 0-d tensor, nats)."""
+    import torch
+
+    loss_sum = torch.zeros(())
+    for mb in microbatches:
+        input_ids = torch.from_numpy(mb.tokens).long()
+        labels = torch.from_numpy(mb.labels).long()
+        mask = torch.from_numpy(mb.loss_mask).float()
+        labels = labels.clamp(min=0)  # IGNORE_INDEX positions carry mask 0
+        logits = model(input_ids=input_ids, position_ids=torch.from_numpy(mb.position_ids).long()).logits
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none"
+        )
+        mb_loss = (ce * mask.reshape(-1)).sum()
+        (mb_loss / max(supervised, 1.0)).backward()
+        loss_sum += mb_loss.detach()
+    return loss_sum
+
+
+def peak_rss_bytes(world: int) -> float:
+    """Peak resident memory of this process (``ru_maxrss``, KiB on Linux) in bytes, the maximum over the
+    ``world`` ranks."""
+    import torch
+    import torch.distributed as dist
+
+    rss = torch.tensor([float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)])
+    if world > 1:
+        dist.all_reduce(rss, op=dist.ReduceOp.MAX)
+    return float(rss)
+
+
+def write_metrics(metrics: MetricsWriter, row: Step, steps: int) -> None:
+    """On the writing rank (rank 0): append ``row`` to ``metrics.jsonl`` and print its line (``grad_norm`` to 3
+    decimals, the step time to 2)."""
+    if metrics.writes:
+        metrics.write(row)
+        print(step_line(row, steps, grad_norm_spec=".3f", time_spec=".2f"), flush=True)
+
+
+def finish(world: int) -> None:
+    """Leave the gloo group (after a barrier: no rank exits while another still reduces) when ``world`` > 1."""
+    import torch.distributed as dist
+
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

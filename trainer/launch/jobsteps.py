@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.launch.host.ray import reachable
 from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
 
 
@@ -92,8 +93,6 @@ def mark(
 def wait_dashboard(address: str, timeout_s: float) -> int:
     """Wait until the Ray dashboard at ``address`` answers; 0 when it does, 1 after ``timeout_s`` seconds."""
     import time
-
-    from trainer.launch.host.ray import reachable
 
     deadline = time.monotonic() + timeout_s
     cause = reachable(address, timeout_s=5)

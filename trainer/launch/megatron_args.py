@@ -31,6 +31,8 @@ def megatron_argv(cfg, transformer_impl: str, attention_backend: str, steps: int
     if not isinstance(cfg, DictConfig):
         cfg = OmegaConf.structured(cfg)
     data = OmegaConf.to_container(cfg, resolve=True)
+    if not isinstance(data, dict):  # a DictConfig's container is a dict
+        raise TypeError(f"megatron_argv: expected a mapping config, got {type(data).__name__}")
     data["megatron"] = {
         "train_iters": steps,
         "transformer_impl": transformer_impl,
@@ -44,7 +46,7 @@ def megatron_argv(cfg, transformer_impl: str, attention_backend: str, steps: int
         "transformer_engine": transformer_impl != "local",
         "v4": cfg.model.experimental_attention_variant not in ("none", "", None),
     }
-    return render_megatron(OmegaConf.create(data))
+    return render_megatron(DictConfig(data))
 
 
 def resolve_transformer_impl(choice: str) -> str:

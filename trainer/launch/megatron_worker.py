@@ -19,10 +19,15 @@ checkouts on ``PYTHONPATH`` (:mod:`trainer.launch.host.checkout`). The story of 
 4. router gates frozen; bf16 weights as Megatron's ``get_model`` makes them (``Float16Module``, miles'
    ``enforce_marked_param_dtypes``); megatron-core's DDP and optimizer with every field of their configs from the
    namespace, as Megatron-LM's own training makes them (:func:`ddp_config`, :func:`optimizer_config`); the
-   learning rate of :func:`trainer.launch.cpu_worker.megatron_lr` set before every step;
-5. per step: this DP rank's microbatches from the fixed rows (:class:`trainer.data.Rows`),
-   ``get_forward_backward_func()`` (1F1B when PP > 1), ``optimizer.step()``; one ``metrics.jsonl`` line
-   written by the first rank of the last pipeline stage.
+   learning rate of :func:`trainer.launch.steps.megatron_lr` set before every step;
+5. per step: this DP rank's microbatches from the fixed rows (:class:`trainer.launch.steps.Schedule` over
+   :class:`trainer.data.Rows`), ``get_forward_backward_func()`` (1F1B when PP > 1), ``optimizer.step()``; one
+   ``metrics.jsonl`` line written by the first rank of the last pipeline stage
+   (:class:`trainer.launch.steps.MetricsWriter`).
+
+:func:`main` tells that story; each numbered part is a function after it (:func:`join_group`,
+:func:`configure`, :func:`prepare_model`, :func:`wrap_ddp`, :func:`build_optimizer`, :func:`train`,
+:func:`train_step`, :func:`write_metrics`, :func:`finish`).
 
 Rank 0 writes ``RUN_DIR/megatron.json``: the implementation, attention backend, spec, argv and stand-ins
 (:func:`hadamard_stand_in`) that ran (and,
@@ -32,54 +37,117 @@ under ``torch.profiler`` and rank 0 writes ``RUN_DIR/profile-top-kernels.md`` (:
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import json
 import os
 import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from trainer.compose.compose import validate
+from trainer.compose.plan import run_steps
+from trainer.compose.schema import TrainConfig
+from trainer.data import Batch, Rows
+from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
+from trainer.launch.steps import MetricsWriter, Schedule, megatron_lr, per_token_loss, step_line
+from trainer.models import hadamard
+from trainer.models.deepseek_v4_hf import fill_tid2eid
+from trainer.probe import mapped_libraries, probe
+from trainer.publish import atomic_write, canonical_json
+from trainer.record.rundir import CONFIG, MEGATRON, METRICS, PROFILE, load_config, probe_rank
+from trainer.report.metrics import Step
+
+if TYPE_CHECKING:
+    import torch
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Train one torchrun rank with megatron-core; ``argv`` (default ``sys.argv[1:]``) is ``RUN_DIR ROWS_DIR``,
     and ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` come from the environment (``KeyError`` if unset). Returns 0.
 
     Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``. Writes ``RUN_DIR/probe-rank-RANK.json``
-    (every rank) and ``RUN_DIR/megatron.json`` (rank 0); the first rank of the last pipeline stage (DP rank 0, TP rank 0) appends one line per step
-    to ``RUN_DIR/metrics.jsonl`` (``tokens`` = global batch x seq length, ``step_time_s`` wall seconds,
-    ``max_memory_bytes`` = ``torch.cuda.max_memory_allocated`` in bytes, max over ranks) and prints it.
+    (every rank) and ``RUN_DIR/megatron.json`` (rank 0); the first rank of the last pipeline stage (DP rank 0,
+    TP rank 0) appends one line per step to ``RUN_DIR/metrics.jsonl`` (``tokens`` = global batch x seq length,
+    ``step_time_s`` wall seconds, ``max_memory_bytes`` = ``torch.cuda.max_memory_allocated`` in bytes, max over
+    ranks) and prints it. Raises ``SystemExit`` for a flag no part of the worker reads (:func:`configure`).
     """
     argv = sys.argv[1:] if argv is None else argv
     run_dir, rows_dir = Path(argv[0]), Path(argv[1])
     rank, world, local_rank = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
+    cfg = validate(load_config(run_dir / CONFIG))
+    join_group(run_dir, rank, world, local_rank)
+    import_megatron_core()
+    setup = configure(cfg, world)
+    chosen = record_choices(run_dir / MEGATRON, setup, cfg) if rank == 0 else None
+    init_parallel(setup.args)
+    model, config, frozen, initialized = prepare_model(setup.args, setup.impl, cfg)
+    model = wrap_ddp(model, config, setup.args, cfg)
+    optimizer = build_optimizer(model, config, setup.args, cfg)
+    schedule = data_schedule(Rows(rows_dir), setup.args)
+    with MetricsWriter(run_dir / METRICS if writes_metrics() else None) as metrics:
+        if metrics.writes:
+            print(
+                f"megatron-core: {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
+                f"{frozen:,} frozen router weights, {initialized} checkpoint-only tensors initialised; "
+                f"{schedule.per_step} microbatches per step",
+                flush=True,
+            )
+        train(model, optimizer, schedule, setup.args, cfg.launcher.profile_step, Run(run_dir, rank, chosen), metrics)
+    finish()
+    return 0
 
+
+def join_group(run_dir: Path, rank: int, world: int, local_rank: int) -> None:
+    """This rank on GPU ``local_rank`` in an NCCL group of ``world``; the probe in ``probe-rank-RANK.json`` after
+    one collective (NCCL loads its net plugin with the first communicator, and the probe should see it)."""
     import torch
     import torch.distributed as dist
 
-    from trainer.compose.compose import validate
-    from trainer.compose.plan import run_steps
-    from trainer.data import Rows
-    from trainer.launch.cpu_worker import megatron_lr
-    from trainer.probe import probe
-    from trainer.record.record import atomic_write, canonical_json
-    from trainer.record.rundir import CONFIG, MEGATRON, METRICS, PROFILE, load_config, probe_rank
-    from trainer.report.metrics import dumps_row
-
-    cfg = validate(load_config(run_dir / CONFIG))
-    optim = cfg.optim
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", local_rank))
-    # NCCL loads its net plugin with the first communicator: probe after one collective, so the probe sees it
     dist.all_reduce(torch.zeros(1, device="cuda"))
     atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from trainer.launch.megatron_args import megatron_argv, resolve_transformer_impl
+# megatron-core's modules the worker drives, imported together as soon as the process group is up: before the V4
+# stand-ins are bound (:func:`configure`), so that megatron-core's own optional imports see what they always saw.
+MEGATRON_CORE = (
+    "megatron.core.parallel_state",
+    "megatron.core.distributed",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tensor_parallel.random",
+)
 
+
+def import_megatron_core() -> None:
+    """Import :data:`MEGATRON_CORE` in that order (``ModuleNotFoundError`` without the pinned Megatron-LM)."""
+    for name in MEGATRON_CORE:
+        importlib.import_module(name)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the run's Megatron-LM arguments are: ``impl`` (``--transformer-impl``), the ``stand_ins`` in use
+    (:func:`hadamard_stand_in`), the rendered argv ``flags``, Megatron-LM's parsed namespace ``args`` and where
+    each flag lands (:func:`flag_landing`)."""
+
+    impl: str
+    stand_ins: list[str]
+    flags: list[str]
+    args: Any  # Megatron-LM's argparse.Namespace
+    landing: dict[str, str]
+
+
+def configure(cfg: TrainConfig, world: int) -> Setup:
+    """Megatron-LM's arguments for ``cfg`` on ``world`` ranks: the transformer implementation resolved, the V4
+    stand-ins bound for a ``dsv4`` model (:func:`tilelang_compat`, :func:`hadamard_stand_in`), the argv rendered
+    (:func:`trainer.launch.megatron_args.megatron_argv`, ``--train-iters`` the run's steps) and parsed as miles does
+    (:func:`megatron_args`). Raises ``SystemExit`` naming the flags no part of the worker reads."""
     impl = resolve_transformer_impl(cfg.launcher.transformer_impl)
     stand_ins = []
     if cfg.model.experimental_attention_variant == "dsv4":
@@ -94,23 +162,32 @@ def main(argv=None) -> int:
             f"megatron worker: {', '.join(ignored)}: no part of the worker reads "
             f"{'this flag' if len(ignored) == 1 else 'these flags'} (see flag_landing); refused"
         )
-    steps = args.train_iters
-    if rank == 0:
-        atomic_write(
-            run_dir / MEGATRON,
-            canonical_json(
-                {
-                    "transformer_impl": impl,
-                    "attention_backend": cfg.launcher.attention_backend,
-                    "spec": args.spec,
-                    "argv": flags,
-                    "landing": landing,
-                    "stand_ins": stand_ins,
-                }
-            ),
-        )
+    return Setup(impl, stand_ins, flags, args, landing)
 
-    # parallel sizes, seed and optimizer settings from Megatron-LM's namespace of the rendered argv (WORKER_ARGS)
+
+def record_choices(path: Path, setup: Setup, cfg: TrainConfig) -> dict[str, Any]:
+    """Write ``megatron.json`` at ``path``: the implementation, attention backend, spec, argv, landing and
+    stand-ins; returns it as read back (step 1 adds the cuDNN libraries loaded, :func:`write_metrics`)."""
+    choices = {
+        "transformer_impl": setup.impl,
+        "attention_backend": cfg.launcher.attention_backend,
+        "spec": setup.args.spec,
+        "argv": setup.flags,
+        "landing": setup.landing,
+        "stand_ins": setup.stand_ins,
+    }
+    atomic_write(path, canonical_json(choices))
+    chosen: dict[str, Any] = json.loads(path.read_text())
+    return chosen
+
+
+def init_parallel(args: Any) -> None:
+    """megatron-core's parallel state with the namespace's TP/PP/CP/EP/ETP sizes and timeout (:data:`WORKER_ARGS`),
+    and the seeds (torch's and the model-parallel CUDA RNG's) from ``args.seed``."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
     ps.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -121,142 +198,253 @@ def main(argv=None) -> int:
     )
     torch.manual_seed(args.seed)
     model_parallel_cuda_manual_seed(args.seed)
-    seq = args.seq_length
+
+
+def prepare_model(args: Any, impl: str, cfg: TrainConfig) -> tuple[Any, Any, int, int]:
+    """This rank's pipeline stage of the model (:func:`build_model`), checkpoint-only parameters initialised
+    (:func:`init_checkpoint_only`), router gates frozen (``--moe-router-freeze-gate``: the fork's router does it
+    too), on the GPU, and with ``optim.bf16`` in bf16 as Megatron-LM's ``get_model`` makes it (``Float16Module``,
+    weights marked ``_keep_fp32`` kept, then miles' ``enforce_marked_param_dtypes``). Returns ``(model,
+    TransformerConfig, frozen router scalars, tensors initialised)``."""
+    import torch
+    from megatron.core import parallel_state as ps
+
     model, config = build_model(args, impl, ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage())
-    chosen = json.loads((run_dir / MEGATRON).read_text()) if rank == 0 else None
     initialized = init_checkpoint_only(model, config.init_method_std, args.num_experts, args.seed)
     frozen = 0
     for name, param in model.named_parameters():
         if args.moe_router_freeze_gate and name.endswith("router.weight"):
-            param.requires_grad_(False)  # the fork's router does this too (config.moe_router_freeze_gate)
+            param.requires_grad_(False)
             frozen += param.numel()
     model.cuda(torch.cuda.current_device())
-    if optim.bf16:
-        # as Megatron-LM's get_model (megatron/training/training.py): bf16 weights except those marked
-        # _keep_fp32 (attention sinks, hyper-connection maps), then miles' restoring of marked dtypes
+    if cfg.optim.bf16:
         from megatron.core.transformer.module import Float16Module
         from miles.backends.megatron_utils.fp32_param_utils import enforce_marked_param_dtypes
 
         model = Float16Module(config, model)
         enforce_marked_param_dtypes([model])
-    # every field of Megatron's DDP and optimizer configs from the namespace, as Megatron-LM's training makes them;
-    # the config, not args, for the three CONFIG_NOT_ARGS fields: miles and Megatron-LM overwrite them in args
+    return model, config, frozen, initialized
+
+
+def wrap_ddp(model: Any, config: Any, args: Any, cfg: TrainConfig) -> Any:
+    """megatron-core's ``DistributedDataParallel`` around ``model`` with :func:`ddp_config` of the namespace (the
+    data-parallel size counting context parallelism, the rank's parameters counted before wrapping)."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+
     dp_size = ps.get_data_parallel_world_size(with_context_parallel=True)
-    model = DistributedDataParallel(
+    return DistributedDataParallel(
         config=config,
         ddp_config=ddp_config(args, sum(p.numel() for p in model.parameters()), dp_size, cfg),
         module=model,
     )
+
+
+def build_optimizer(model: Any, config: Any, args: Any, cfg: TrainConfig) -> Any:
+    """megatron-core's optimizer of ``model`` from :func:`optimizer_config`; ``config`` (the TransformerConfig)
+    gets megatron-core's gradient finalisation and the optimizer's loss scaling, as Megatron-LM's training sets."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
     opt_config, overrides = optimizer_config(args, cfg)
     optimizer = get_megatron_optimizer(opt_config, [model], config_overrides=overrides)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+    return optimizer
 
-    rows = Rows(rows_dir)
+
+def data_schedule(rows: Rows, args: Any) -> Schedule:
+    """This data-parallel rank's microbatches (:class:`trainer.launch.steps.Schedule`): ``args.global_batch_size``
+    rows per step, ``args.micro_batch_size`` per microbatch, over megatron-core's data-parallel group."""
+    from megatron.core import parallel_state as ps
+
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    mbs = args.micro_batch_size
-    num_micro = args.global_batch_size // (mbs * dp_size)
-    per_epoch = rows.num_batches(mbs, dp_size)
-    writer = ps.is_pipeline_last_stage() and dp_rank == 0 and ps.get_tensor_model_parallel_rank() == 0
-    metrics = (run_dir / METRICS).open("a") if writer else None
-    if writer:
-        print(
-            f"megatron-core: {sum(p.numel() for p in model.parameters()):,} parameters on this rank, "
-            f"{frozen:,} frozen router weights, {initialized} checkpoint-only tensors initialised; "
-            f"{num_micro} microbatches per step",
-            flush=True,
-        )
+    return Schedule.of(rows, args.global_batch_size, args.micro_batch_size, dp_rank, dp_size)
 
-    def forward_step(data_iterator, model):
-        batch = next(data_iterator)
-        tokens = torch.from_numpy(batch.tokens).cuda(non_blocking=True)
-        labels = torch.from_numpy(batch.labels).clamp(min=0).cuda(non_blocking=True)
-        mask = torch.from_numpy(batch.loss_mask).float().cuda(non_blocking=True)
-        positions = torch.from_numpy(batch.position_ids).cuda(non_blocking=True)
-        output = model(tokens, positions, None, labels=labels, loss_mask=mask)
 
-        def loss_func(output_tensor):
-            losses = output_tensor.float().reshape(-1)
-            flat = mask.reshape(-1)
-            loss = (losses * flat).sum()
-            count = flat.sum().to(torch.int)
-            return loss, count, {"lm loss": torch.stack([loss.detach(), flat.sum().detach()])}
+def writes_metrics() -> bool:
+    """Whether this rank writes ``metrics.jsonl``: the last pipeline stage's DP rank 0, TP rank 0 (the loss lives
+    on the last stage)."""
+    from megatron.core import parallel_state as ps
 
-        return output, loss_func
+    return bool(
+        ps.is_pipeline_last_stage() and ps.get_data_parallel_rank() == 0 and ps.get_tensor_model_parallel_rank() == 0
+    )
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where a step's files go: the run directory, this process's global ``rank`` (rank 0 writes the profile) and
+    rank 0's ``megatron.json`` as written (None elsewhere)."""
+
+    run_dir: Path
+    rank: int
+    chosen: dict[str, Any] | None
+
+
+def train(
+    model: Any,
+    optimizer: Any,
+    schedule: Schedule,
+    args: Any,
+    profile_step: int | None,
+    run: Run,
+    metrics: MetricsWriter,
+) -> None:
+    """Run ``args.train_iters`` optimizer steps (1-based) over ``schedule``'s microbatches, the learning rate of
+    :func:`megatron_lr` set before each; step ``profile_step`` runs under ``torch.profiler``. Each step's wall time
+    runs from a CUDA synchronize to one; its row goes to :func:`write_metrics`."""
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     forward_backward = get_forward_backward_func()
+    steps = args.train_iters
     for step in range(1, steps + 1):
         torch.cuda.synchronize()
         start = time.perf_counter()
         lr = megatron_lr(step - 1, steps, args.lr, args.min_lr, args.lr_warmup_fraction, args.lr_decay_style)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        batches = []
-        for k in range(num_micro):
-            epoch, index = divmod((step - 1) * num_micro + k, per_epoch)
-            batches.append(next(rows.batches(mbs, dp_rank=dp_rank, dp_size=dp_size, epoch=epoch, start=index)))
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        profiler = None
-        if step == cfg.launcher.profile_step:
-            profiler = torch.profiler.profile(
-                activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        batches = schedule.microbatches(step - 1)
+        profile_to = run.run_dir / PROFILE if run.rank == 0 else None
+        totals, grad_norm = train_step(
+            model, optimizer, forward_backward, batches, args, step == profile_step, profile_to
+        )
+        torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        memory = peak_memory()
+        if metrics.writes:
+            loss, supervised = totals.tolist()
+            row = Step(
+                step=step,
+                lm_loss=per_token_loss(loss, supervised),
+                grad_norm=float(grad_norm) if grad_norm is not None else None,
+                lr=lr,
+                tokens=float(args.global_batch_size * args.seq_length),
+                supervised_tokens=supervised,
+                step_time_s=elapsed,
+                max_memory_bytes=float(memory.item()),
             )
-            profiler.__enter__()
+            write_metrics(metrics, row, steps, run)
+
+
+def train_step(
+    model: Any,
+    optimizer: Any,
+    forward_backward: Any,
+    batches: list[Batch],
+    args: Any,
+    profile: bool,
+    profile_to: Path | None,
+) -> tuple[torch.Tensor, Any]:
+    """One optimizer step: gradients zeroed, megatron-core's forward-backward schedule (1F1B when PP > 1) over this
+    rank's ``batches`` (each ``(micro_batch_size, seq_length)``), ``optimizer.step()``; under the profiler when
+    ``profile`` (:func:`profiled`). Returns (:func:`loss_totals`, the gradient norm ``optimizer.step`` reports or
+    None)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    with profiled(profile, profile_to):
         reduced = forward_backward(
             forward_step_func=forward_step,
             data_iterator=iter(batches),
             model=[model],
-            num_microbatches=num_micro,
-            seq_length=seq,
-            micro_batch_size=mbs,
+            num_microbatches=len(batches),
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
             forward_only=False,
         )
         _, grad_norm, _ = optimizer.step()
-        if profiler is not None:
-            torch.cuda.synchronize()
-            profiler.__exit__(None, None, None)
-            if rank == 0:
-                atomic_write(run_dir / PROFILE, top_kernels_table(profiler).encode())
-        totals = torch.zeros(2, device="cuda")
-        if ps.is_pipeline_last_stage():
-            for item in reduced:
-                totals += item["lm loss"].float()
-            dist.all_reduce(totals, group=ps.get_data_parallel_group())
-        torch.cuda.synchronize()
-        elapsed = time.perf_counter() - start
-        memory = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
-        dist.all_reduce(memory, op=dist.ReduceOp.MAX)
-        if metrics is not None:
-            loss, supervised = totals.tolist()
-            row = {
-                "step": step,
-                "lm_loss": loss / max(supervised, 1.0),
-                "grad_norm": float(grad_norm) if grad_norm is not None else None,
-                "lr": lr,
-                "tokens": float(args.global_batch_size * seq),
-                "supervised_tokens": supervised,
-                "step_time_s": elapsed,
-                "max_memory_bytes": float(memory.item()),
-            }
-            metrics.write(dumps_row(row) + "\n")
-            metrics.flush()
-            if step == 1 and chosen is not None:  # the cuDNN that TE and torch loaded, once both ran a step
-                from trainer.probe import mapped_libraries
+    return loss_totals(reduced), grad_norm
 
-                chosen["cudnn_loaded"] = [lib for lib in mapped_libraries() if "libcudnn" in lib]
-                atomic_write(run_dir / MEGATRON, canonical_json(chosen))
-            print(
-                f"step {step}/{steps} loss {row['lm_loss']:.4f} grad_norm {row['grad_norm']} lr {lr:.3g} "
-                f"{elapsed:.3f} s",
-                flush=True,
-            )
-    if metrics is not None:
-        metrics.close()
+
+def forward_step(data_iterator: Iterator[Batch], model: Any) -> tuple[Any, Any]:
+    """megatron-core's ``forward_step_func``: the next microbatch through ``model`` (per-token losses of
+    ``labels``), and the function that reduces them to the microbatch's summed loss over its supervised tokens,
+    their count, and ``{"lm loss": [loss sum, supervised tokens]}`` for the step's totals."""
+    import torch
+
+    batch = next(data_iterator)
+    tokens = torch.from_numpy(batch.tokens).cuda(non_blocking=True)
+    labels = torch.from_numpy(batch.labels).clamp(min=0).cuda(non_blocking=True)
+    mask = torch.from_numpy(batch.loss_mask).float().cuda(non_blocking=True)
+    positions = torch.from_numpy(batch.position_ids).cuda(non_blocking=True)
+    output = model(tokens, positions, None, labels=labels, loss_mask=mask)
+
+    def loss_func(output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        losses = output_tensor.float().reshape(-1)
+        flat = mask.reshape(-1)
+        loss = (losses * flat).sum()
+        count = flat.sum().to(torch.int)
+        return loss, count, {"lm loss": torch.stack([loss.detach(), flat.sum().detach()])}
+
+    return output, loss_func
+
+
+@contextlib.contextmanager
+def profiled(profile: bool, out: Path | None) -> Iterator[None]:
+    """Run the block under ``torch.profiler`` (CPU and CUDA activity) when ``profile``; after it (and a CUDA
+    synchronize) write :func:`top_kernels_table` to ``out`` unless it is None. Without ``profile``: nothing."""
+    if not profile:
+        yield
+        return
+    import torch
+
+    profiler = torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    )
+    profiler.__enter__()
+    yield
+    torch.cuda.synchronize()
+    profiler.__exit__(None, None, None)
+    if out is not None:
+        atomic_write(out, top_kernels_table(profiler).encode())
+
+
+def loss_totals(reduced: list[dict[str, Any]]) -> torch.Tensor:
+    """``[summed loss, supervised tokens]`` of the step (a CUDA float tensor of 2): on the last pipeline stage the
+    microbatches' ``lm loss`` pairs summed and all-reduced over the data-parallel group; zeros on other stages."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    totals = torch.zeros(2, device="cuda")
+    if ps.is_pipeline_last_stage():
+        for item in reduced:
+            totals += item["lm loss"].float()
+        dist.all_reduce(totals, group=ps.get_data_parallel_group())
+    return totals
+
+
+def peak_memory() -> torch.Tensor:
+    """``torch.cuda.max_memory_allocated`` (bytes) as a CUDA tensor of 1, the maximum over all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    memory = torch.tensor([float(torch.cuda.max_memory_allocated())], device="cuda")
+    dist.all_reduce(memory, op=dist.ReduceOp.MAX)
+    return memory
+
+
+def write_metrics(metrics: MetricsWriter, row: Step, steps: int, run: Run) -> None:
+    """Append ``row`` to ``metrics.jsonl``; after step 1 on rank 0 add the cuDNN libraries that TransformerEngine
+    and torch loaded (``cudnn_loaded``, once both ran a step) to ``megatron.json``; print the row's line
+    (``grad_norm`` as ``str`` has it, the step time to 3 decimals)."""
+    metrics.write(row)
+    if row.step == 1 and run.chosen is not None:
+        run.chosen["cudnn_loaded"] = [lib for lib in mapped_libraries() if "libcudnn" in lib]
+        atomic_write(run.run_dir / MEGATRON, canonical_json(run.chosen))
+    print(step_line(row, steps, grad_norm_spec="", time_spec=".3f"), flush=True)
+
+
+def finish() -> None:
+    """Leave after a barrier (no rank exits while another still communicates): megatron-core's parallel state and
+    the process group destroyed."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
     dist.barrier()
     ps.destroy_model_parallel()
     dist.destroy_process_group()
-    return 0
 
 
 def top_kernels_table(profiler, limit: int = 25) -> str:
@@ -308,8 +496,6 @@ def init_checkpoint_only(model, std: float, num_experts: int, seed: int) -> int:
     number of tensors set; a model without such parameters is left as it is (0)."""
     import torch
 
-    from trainer.models.deepseek_v4_hf import fill_tid2eid
-
     done = 0
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -337,7 +523,6 @@ def tilelang_compat() -> None:
     where ``determine_target`` moved from ``tilelang.utils.target`` to ``tilelang.backend.target``. When the
     old module is missing and the new one exists, the old name is made an alias of the new module (the only
     import of TileKernels 1.0.0 that 0.1.15 lacks); otherwise nothing changes."""
-    import importlib
     import importlib.util
 
     if importlib.util.find_spec("tilelang") is None:
@@ -357,8 +542,6 @@ def hadamard_stand_in() -> list:
     :mod:`trainer.models.hadamard` (the same transform in torch operations) before miles' modules are imported.
     Returns the stand-ins in use, one line each for the run's record (empty when the package is installed)."""
     import importlib.util
-
-    from trainer.models import hadamard
 
     if sys.modules.get("fast_hadamard_transform") is not hadamard:
         if importlib.util.find_spec("fast_hadamard_transform") is not None:

@@ -123,7 +123,7 @@ class Report:
                 continue
             rows.append([node, *(summary[f] + (" *" if (node, f) in differing else "") for f in FIELDS)])
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in [header, *rows]]
         lines.insert(1, "  ".join("-" * w for w in widths))
         return "\n".join(lines)
 

@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import os
 import re
 import sys
 
 from trainer.launch import preflight
+from trainer.probe import probe
 
 PROBE_MARK = "RECIPE_BUNDLE_PROBE"
 PREFLIGHT_MARK = "RECIPE_BUNDLE_PREFLIGHT"
@@ -68,14 +70,12 @@ def probe_nodes(timeout_s: float) -> dict[str, dict | None]:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
+    ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
     try:
         nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n.get("NodeManagerAddress", ""))
 
         @ray.remote(num_cpus=0)
         def _probe(name: str) -> dict:
-            from trainer.probe import probe
-
             info = probe()
             info["node"] = name
             return info
@@ -90,7 +90,7 @@ def probe_nodes(timeout_s: float) -> dict[str, dict | None]:
             strategy = NodeAffinitySchedulingStrategy(node_id=node["NodeID"], soft=False)
             refs.append(_probe.options(scheduling_strategy=strategy).remote(name))
         out: dict[str, dict | None] = {}
-        for name, ref in zip(names, refs):
+        for name, ref in zip(names, refs, strict=True):
             try:
                 out[name] = ray.get(ref, timeout=timeout_s)
             except Exception as ex:  # noqa: BLE001 - a node whose probe failed is reported, not raised

@@ -32,17 +32,20 @@ and is saved; then the statement is made from the files as they stay and written
 later change (a Slurm job's late log) fails verification until the run is attested again.
 
 With a signing key (``train ... --sign-key KEY``) the file is the DSSE envelope of that statement; without
-one, the bare statement (``trainer attest RUN_DIR [--sign-key KEY]`` writes it for a run that ended outside
-``train``, a Slurm job). ``trainer verify RUN_DIR --key KEY.pub`` checks the signature with the public key, that
-the directory holds exactly the files named (none added, removed, changed or made a link) and the outside rows,
-and then computes its verdict from what was signed (:func:`check_run`, :mod:`trainer.record.verify`);
-``trainer verify IMAGE --key KEY.pub`` checks an image's signed provenance (subject = the image's manifest
-digest) and that its SBOM referrers are the byproducts it names.
+one, the bare statement (``trainer attest RUN_DIR [--sign-key KEY]``, :mod:`trainer.record.attest_cli`, writes it
+for a run that ended outside ``train``, a Slurm job). ``trainer verify RUN_DIR --key KEY.pub`` checks the signature
+with the public key, that the directory holds exactly the files named (none added, removed, changed or made a link)
+and the outside rows, and then computes its verdict from what was signed (:func:`check_run`,
+:mod:`trainer.record.verify_cli`); ``trainer verify IMAGE --key KEY.pub`` checks an image's signed provenance
+(subject = the image's manifest digest) and that its SBOM referrers are the byproducts it names.
+
+In :mod:`trainer.record`, this module sits above the verdict it signs (:mod:`trainer.record.verify`) and the file
+names (:mod:`trainer.record.names`), and below the run directory that writes it (:mod:`trainer.record.rundir`) and
+the commands (:mod:`trainer.record.attest_cli`, :mod:`trainer.record.verify_cli`).
 """
 
 from __future__ import annotations
 
-import binascii
 import hashlib
 import json
 import os
@@ -53,229 +56,31 @@ from typing import Any
 
 from trainer import PROJECT_URL
 from trainer.errors import UserError
+from trainer.image.recorded import record_image
 from trainer.inputs import (
     MAX_ATTESTATION_BYTES,
-    MAX_KEY_BYTES,
     MAX_TEXT_BYTES,
     line_blocks,
     open_regular,
     read_bytes,
     read_json,
     read_text,
+    reading,
 )
+from trainer.publish import atomic_write
+from trainer.record.names import ATTESTATION, CONFIG, METRICS, RECORD
+from trainer.record.verify import RunVerdict, verdict
+from trainer.redact import Redactor, redactor_for, scrub_data
+from trainer.signing import STATEMENT_TYPE, VerificationFailed, load_signer, open_envelope, sign
 
-PAYLOAD_TYPE = "application/vnd.in-toto+json"
-STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 RUN_PREDICATE = f"{PROJECT_URL}/attestation/run/v2"
-ATTESTATION = "attestation.json"
 UNSIGNED = (ATTESTATION,)  # the files of a run directory its attestation does not name: only itself
 IMAGE_SUBJECT = "oci-image"
-KEY_TYPES = ("ed25519", "ecdsa")
-
-
-class VerificationFailed(UserError):
-    """A signature or subject that does not verify: a negative answer (exit 1), one line."""
-
-    exit_code = 1
-
-
-# ---------------------------------------------------------------------------------------------------------
-# keys
-
-
-def keygen(out: Path, key_type: str = "ed25519") -> tuple[Path, Path, str]:
-    """Write a new key pair: ``out`` (private, PKCS#8 PEM, 0600) and ``out.pub`` (SubjectPublicKeyInfo PEM).
-
-    Returns (private path, public path, key id). Raises :class:`UserError` when either file exists (keys
-    are never overwritten) or ``key_type`` is not ``ed25519`` / ``ecdsa`` (P-256)."""
-    from cryptography.hazmat.primitives import serialization
-    from securesystemslib.signer import CryptoSigner
-
-    if key_type not in KEY_TYPES:
-        raise UserError(f"--type {key_type!r}: expected one of {', '.join(KEY_TYPES)}")
-    out = Path(out)
-    pub = out.with_name(out.name + ".pub")
-    for path in (out, pub):
-        if path.exists() or path.is_symlink():
-            raise UserError(f"{path}: exists (keys are never overwritten; choose another --out)")
-    signer = CryptoSigner.generate_ed25519() if key_type == "ed25519" else CryptoSigner.generate_ecdsa()
-    public_pem = signer._private_key.public_key().public_bytes(
-        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    _write_new(out, signer.private_bytes, 0o600)
-    try:
-        _write_new(pub, public_pem, 0o644)
-    except BaseException:
-        out.unlink(missing_ok=True)
-        raise
-    return out, pub, signer.public_key.keyid
-
-
-def _write_new(path: Path, data: bytes, mode: int) -> None:
-    """Create ``path`` exclusively with ``mode`` via a temporary name, so a reader never sees half a key."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.link(tmp, path)  # fails if path appeared meanwhile
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def read_private_key(path: Path) -> tuple[bytes, int]:
-    """``(bytes, st_mode)`` of the private key file ``path``: a regular file (a FIFO or device is refused without
-    blocking) of at most :data:`~trainer.inputs.MAX_KEY_BYTES`. Raises :class:`UserError`, one line, naming
-    ``--sign-key`` and the file: missing, a directory or special file, too large."""
-    path = Path(path)
-    try:
-        with open_regular(path, "PEM private key", MAX_KEY_BYTES) as handle:
-            mode = os.fstat(handle.fileno()).st_mode
-            data = handle.read(MAX_KEY_BYTES + 1)
-    except FileNotFoundError:
-        raise UserError(
-            f"--sign-key {path}: no such file (make a key pair with `trainer keygen --out {path}`)"
-        ) from None
-    except UserError as err:
-        text = str(err)
-        raise UserError(text if text.startswith("--sign-key") else f"--sign-key {text}") from None
-    except OSError as ex:
-        raise UserError(f"--sign-key {path}: cannot read ({ex.strerror or ex})") from None
-    if len(data) > MAX_KEY_BYTES:
-        raise UserError(f"--sign-key {path}: more than the {MAX_KEY_BYTES:,} bytes a PEM private key may have")
-    return data, mode
-
-
-def load_signer(path: Path):
-    """A securesystemslib ``CryptoSigner`` from the PKCS#8 PEM private key at ``path`` (Ed25519 or ECDSA
-    P-256; read by :func:`read_private_key`: a regular file of at most 16 KiB). Raises :class:`UserError` for a
-    missing, special, oversized, encrypted or unsupported key, and for a key the group or others may read or write
-    (mode 0600 or stricter, as ssh refuses one: "permissions 0644 for KEY are too open")."""
-    from cryptography.hazmat.primitives.asymmetric import ec, ed25519
-    from cryptography.hazmat.primitives.serialization import load_pem_private_key
-    from securesystemslib.signer import CryptoSigner
-
-    path = Path(path)
-    data, mode = read_private_key(path)
-    try:
-        key = load_pem_private_key(data, password=None)
-    except (ValueError, TypeError) as ex:
-        raise UserError(f"--sign-key {path}: not an unencrypted PKCS#8 PEM private key ({ex})") from None
-    if not (
-        isinstance(key, ed25519.Ed25519PrivateKey)
-        or (isinstance(key, ec.EllipticCurvePrivateKey) and key.curve.name == "secp256r1")
-    ):
-        raise UserError(f"--sign-key {path}: a {type(key).__name__}; expected Ed25519 or ECDSA P-256")
-    if mode & 0o077:
-        raise UserError(
-            f"--sign-key {path}: permissions {stat.S_IMODE(mode):04o} for {path} are too open (a private "
-            f"key must be readable by its owner only: chmod 600 {path}); nothing signed"
-        )
-    return CryptoSigner(key)
-
-
-def load_public_key(path: Path):
-    """A securesystemslib ``SSlibKey`` from the SubjectPublicKeyInfo PEM at ``path``. Raises :class:`UserError`."""
-    from cryptography.hazmat.primitives.serialization import load_pem_public_key
-    from securesystemslib.signer import SSlibKey
-
-    path = Path(path)
-    try:
-        data = read_bytes(path, "PEM public key", MAX_KEY_BYTES)  # a FIFO or device refused without blocking
-    except FileNotFoundError:
-        raise UserError(
-            f"--key {path}: no such file (the public key is KEY.pub, written by `trainer keygen`)"
-        ) from None
-    except UserError as err:
-        raise UserError(f"--key {err}") from None
-    except OSError as ex:
-        raise UserError(f"--key {path}: cannot read ({ex.strerror or ex})") from None
-    try:
-        return SSlibKey.from_crypto(load_pem_public_key(data))
-    except (ValueError, TypeError) as ex:
-        raise UserError(f"--key {path}: not a PEM public key ({' '.join(str(ex).split())[:200]})") from None
-
-
-# ---------------------------------------------------------------------------------------------------------
-# envelopes
-
-
-def sign(statement_bytes: bytes, signer) -> bytes:
-    """The DSSE envelope (JSON bytes: sorted keys, two-space indent, final newline) of ``statement_bytes``
-    signed by ``signer``."""
-    from securesystemslib.dsse import Envelope
-
-    envelope = Envelope(statement_bytes, PAYLOAD_TYPE, {})
-    envelope.sign(signer)
-    return (json.dumps(envelope.to_dict(), indent=2, sort_keys=True) + "\n").encode()
-
-
-def _json(data: bytes, where: str) -> Any:
-    try:
-        return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
-        raise VerificationFailed(f"{where}: not valid JSON ({ex}); truncated or altered") from None
-
-
-def parse_statement(payload: bytes, where: str) -> dict[str, Any]:
-    """An in-toto Statement v1 from ``payload``; raises :class:`VerificationFailed` when it is not one."""
-    statement = _json(payload, where)
-    if not isinstance(statement, dict) or statement.get("_type") != STATEMENT_TYPE:
-        raise VerificationFailed(f"{where}: not an in-toto Statement v1 (_type {STATEMENT_TYPE})")
-    subjects = statement.get("subject")
-    if (
-        not isinstance(subjects, list)
-        or not subjects
-        or not all(isinstance(s, dict) and isinstance(s.get("digest"), dict) and s.get("name") for s in subjects)
-    ):
-        raise VerificationFailed(f"{where}: statement subject: expected a non-empty list of {{name, digest}}")
-    if not isinstance(statement.get("predicateType"), str):
-        raise VerificationFailed(f"{where}: statement has no predicateType")
-    return statement
-
-
-def open_envelope(data: bytes, key, where: str) -> dict[str, Any]:
-    """Check the DSSE envelope ``data`` with the public ``key`` (securesystemslib ``Key``) and return its
-    statement. Raises :class:`VerificationFailed` (one line) for an envelope that is malformed or
-    truncated, not signed by ``key``, or whose signature does not verify (payload or signature altered)."""
-    from securesystemslib.dsse import Envelope
-    from securesystemslib.exceptions import VerificationError
-
-    doc = _json(data, where)
-    if not isinstance(doc, dict) or "payload" not in doc or "signatures" not in doc:
-        if isinstance(doc, dict) and doc.get("_type") == STATEMENT_TYPE:
-            raise VerificationFailed(f"{where}: an unsigned statement (no DSSE envelope); sign it with --sign-key")
-        raise VerificationFailed(f"{where}: not a DSSE envelope (payload, payloadType, signatures)")
-    if doc.get("payloadType") != PAYLOAD_TYPE:
-        raise VerificationFailed(f"{where}: payloadType {doc.get('payloadType')!r}, expected {PAYLOAD_TYPE!r}")
-    try:
-        envelope = Envelope.from_dict(doc)
-    except (KeyError, ValueError, TypeError, binascii.Error) as ex:
-        raise VerificationFailed(f"{where}: malformed DSSE envelope ({' '.join(str(ex).split())[:200]})") from None
-    except Exception as ex:  # noqa: BLE001 - securesystemslib's FormatError and kin
-        raise VerificationFailed(f"{where}: malformed DSSE envelope ({type(ex).__name__}: {ex})") from None
-    if key.keyid not in envelope.signatures:
-        ids = ", ".join(sorted(envelope.signatures)) or "none"
-        raise VerificationFailed(f"{where}: signed by key id {ids}, not by the given key ({key.keyid})")
-    try:
-        envelope.verify([key], 1)
-    except VerificationError:
-        raise VerificationFailed(
-            f"{where}: the signature by key {key.keyid} does not verify: the statement or "
-            "its signature was altered after signing"
-        ) from None
-    return parse_statement(envelope.payload, f"{where} (payload)")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the run attestation
 
 
 def _sha256(path: Path) -> str:
-    """sha256 (hex) of the file ``path``, streamed; a FIFO or device is refused without blocking (:class:`UserError`)."""
+    """sha256 (hex) of the file ``path``, streamed; a FIFO or device is refused without blocking
+    (:class:`UserError`)."""
     digest = hashlib.sha256()
     with open_regular(path, "file", None) as handle:
         while chunk := handle.read(1 << 20):
@@ -291,8 +96,6 @@ def data_manifest(run_dir: Path) -> Path | None:
         return local
     try:
         import yaml
-
-        from trainer.record.rundir import CONFIG
 
         cfg = yaml.safe_load(read_text(run_dir / CONFIG, "config.yaml")) or {}
         rows = (cfg.get("paths") or {}).get("prompt_data")
@@ -363,33 +166,6 @@ def external_rows(run_dir: Path) -> list[Path]:
     except OSError as ex:
         raise UserError(f"{ex.filename}: cannot be read ({ex.strerror}); the rows a run read are attested") from None
     return [rows_dir / name for name in files]
-
-
-def lock_subject(lock_path: Path, run_dir: Path) -> dict[str, Any]:
-    """How a statement names the lock a run was verified against: ``{"path", "base", "sha256"}``, ``base``
-    ``run`` (a path inside the run directory: an image's stamped lock), ``bundle`` (inside this bundle's tree,
-    ``lockfiles/launcher.lock``) or ``absolute``. Raises :class:`UserError` when the lock cannot be read."""
-    from trainer import REPO_ROOT
-
-    try:
-        digest = _sha256(lock_path)
-    except OSError as ex:
-        raise UserError(f"{lock_path}: lock not readable ({ex.strerror})") from None
-    resolved = lock_path.resolve()
-    for base, root in (("run", run_dir.resolve()), ("bundle", REPO_ROOT.resolve())):
-        try:
-            return {"path": resolved.relative_to(root).as_posix(), "base": base, "sha256": digest}
-        except ValueError:
-            continue
-    return {"path": str(resolved), "base": "absolute", "sha256": digest}
-
-
-def lock_path_of(lock: dict[str, Any], run_dir: Path) -> Path:
-    """The file a statement's lock (:func:`lock_subject`) names, for the run directory ``run_dir``."""
-    from trainer import REPO_ROOT
-
-    root = {"run": run_dir, "bundle": REPO_ROOT}.get(str(lock.get("base")))
-    return root / str(lock.get("path")) if root is not None else Path(str(lock.get("path")))
 
 
 def run_probes(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
@@ -464,10 +240,6 @@ def run_statement(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     """The run attestation statement of ``run_dir`` (see the module docstring) from its files and ``record``
     (which must be saved as ``record.json`` already: it is one of the subjects). Raises :class:`UserError` when
     the directory holds a link or special file, or its lock cannot be read."""
-    from trainer.image.diff import record_image
-    from trainer.record.rundir import METRICS
-    from trainer.record.verify import verdict
-
     subjects = [{"name": name, "digest": {"sha256": _sha256(run_dir / name)}} for name in run_files(run_dir)]
     subjects += [{"name": str(path), "digest": {"sha256": _sha256(path)}} for path in external_rows(run_dir)]
     image = record_image(record).get("digest")
@@ -476,7 +248,9 @@ def run_statement(run_dir: Path, record: dict[str, Any]) -> dict[str, Any]:
     if not subjects:
         raise UserError(f"{run_dir}: nothing to attest (an empty run directory)")
     try:
-        checked = verdict(record, None, run_dir) if record.get("probe") else {"ok": None, "reason": "no probe"}
+        checked: RunVerdict | dict[str, Any] = (
+            verdict(record, None, run_dir) if record.get("probe") else {"ok": None, "reason": "no probe"}
+        )
     except UserError as err:
         checked = {"ok": None, "reason": str(err)}
     run = {
@@ -520,8 +294,6 @@ def write_run_attestation(run_dir: Path, record: dict[str, Any], signer=None) ->
     redactor before it is signed, every string of it (:func:`trainer.redact.scrub_data`: the predicate's
     ``run.reason`` too; outside ``train``, the rule's patterns), so no secret reaches the signed payload either.
     Returns ``{"path", "sha256", "signed_by"}``."""
-    from trainer.publish import atomic_write
-    from trainer.redact import Redactor, redactor_for, scrub_data
 
     redactor = redactor_for(run_dir) or Redactor().freeze()
     statement = scrub_data(run_statement(run_dir, record), redactor)
@@ -556,7 +328,7 @@ class SignedRun:
         return self.statement.get("predicate") or {}
 
 
-READ_BACK = ("record.json", "metrics.jsonl")  # the subjects check_run keeps the bytes of
+READ_BACK = (RECORD, METRICS)  # the subjects check_run keeps the bytes of
 RECORD_NAME = READ_BACK[0]
 
 
@@ -566,12 +338,10 @@ def check_run(run_dir: Path, key) -> SignedRun:
     ``attestation.json`` itself is unsigned) and that the outside rows it names are intact. Returns the
     :class:`SignedRun`; raises :class:`VerificationFailed` (one line)."""
     path = run_dir / ATTESTATION
-    try:
+    with reading(
+        path, missing=f"{path}: no attestation (runs write one when they end; this run predates it or did not end)"
+    ):
         data = read_bytes(path, "run attestation", MAX_ATTESTATION_BYTES)  # a FIFO refused, 64 MiB at most
-    except FileNotFoundError:
-        raise UserError(
-            f"{path}: no attestation (runs write one when they end; this run predates it or did not end)"
-        ) from None
     statement = open_envelope(data, key, str(path))
     if statement.get("predicateType") != RUN_PREDICATE:
         raise VerificationFailed(
@@ -666,112 +436,3 @@ def check_run(run_dir: Path, key) -> SignedRun:
     ):
         raise VerificationFailed(f"{path}: the signed {RECORD_NAME} and the statement disagree on the run's status")
     return SignedRun(statement, kept, steps)
-
-
-def check_image(image_path: Path, key) -> dict[str, Any]:
-    """Verify an image's signed provenance with the public ``key``: the layout's referrers bind
-    (:func:`trainer.image.referrers.bound`: each reads back, one per artifactType, one provenance), the
-    signature, subject = the image's manifest digest, predicateType SLSA provenance; then every byproduct it
-    names with a document media type (the SBOMs) is the referrer attached with that sha256, every attached
-    referrer is named, and every layer it names (by diff_id) is one of the image's. Returns the statement;
-    raises :class:`VerificationFailed` (exit 1, one line) for a layout that fails any of these and
-    :class:`UserError` for one that cannot be read (a docker-archive, a corrupt image blob)."""
-    from trainer.image import provenance, referrers
-    from trainer.image.oci import digest_of, open_image
-
-    image = open_image(Path(image_path))
-    if image.index is None:
-        raise UserError(f"{image_path}: a docker-archive cannot carry referrers; verify the OCI layout or oci-archive")
-    try:
-        attached = referrers.bound(image)
-    except UserError as err:
-        raise VerificationFailed(str(err)) from None
-    kinds = [kind for kind in referrers.PROVENANCE_TYPES if kind in attached]
-    if not kinds:
-        raise VerificationFailed(
-            f"{image_path}: no provenance referrer ({' or '.join(referrers.PROVENANCE_TYPES)}) is "
-            f"attached to {image.manifest_digest}"
-        )
-    where = f"{image_path} provenance"
-    statement = open_envelope(attached[kinds[0]].data, key, where)
-    digests = [s["digest"].get("sha256") for s in statement["subject"]]
-    if image.manifest_digest[7:] not in digests:
-        raise VerificationFailed(
-            f"{where}: subject sha256 {', '.join(map(str, digests))} is not this image's manifest "
-            f"{image.manifest_digest}"
-        )
-    if statement.get("predicateType") != provenance.SLSA_PROVENANCE:
-        raise VerificationFailed(
-            f"{where}: predicateType {statement.get('predicateType')!r}, not {provenance.SLSA_PROVENANCE}"
-        )
-    byproducts = ((statement.get("predicate") or {}).get("runDetails") or {}).get("byproducts") or []
-    if not isinstance(byproducts, list) or not all(isinstance(b, dict) for b in byproducts):
-        raise VerificationFailed(f"{where}: runDetails.byproducts is not a list of resource descriptors")
-    layers = {layer.diff_id[7:] for layer in image.layers}
-    named = set()
-    for item in byproducts:
-        media, sha = item.get("mediaType"), (item.get("digest") or {}).get("sha256")
-        if str(media).startswith(("application/vnd.oci.image.layer.", "application/vnd.docker.image.rootfs.")):
-            if sha not in layers:  # the layers the build made, by diff_id (= digest: they are uncompressed)
-                raise VerificationFailed(
-                    f"{where}: the signed provenance names {item.get('name', 'a layer')} "
-                    f"sha256 {sha}; the image {image.manifest_digest} has no such layer"
-                )
-            continue
-        named.add(media)
-        if media not in attached:
-            raise VerificationFailed(f"{where}: the signed provenance names {media} sha256 {sha}; none is attached")
-        if digest_of(attached[media].data)[7:] != sha:
-            raise VerificationFailed(
-                f"{where}: the attached {media} has sha256 {digest_of(attached[media].data)[7:]}, "
-                f"the signed provenance names {sha}"
-            )
-    for media, found in attached.items():
-        if media not in named and media not in referrers.PROVENANCE_TYPES:
-            raise VerificationFailed(
-                f"{where}: a {media} referrer {found.descriptor.get('digest')} (document sha256 "
-                f"{digest_of(found.data)[7:]}) is attached; the signed provenance names none"
-            )
-    return statement
-
-
-def main(argv: list[str]) -> int:
-    """``trainer attest RUN_DIR [--sign-key KEY] [--again]``: write the attestation of a run that ended outside
-    ``train`` (a Slurm job: after ``trainer status --wait``); refuses a run that has not ended, or one that has an
-    attestation already unless ``--again`` (a file written after the seal, Slurm's last log lines: the record's
-    hashes and the attestation are made anew from the files as they are now)."""
-    import argparse
-
-    from trainer.record.record import effective_status
-    from trainer.record.rundir import FINAL, RunDir
-
-    parser = argparse.ArgumentParser(prog="trainer attest", description=main.__doc__)
-    parser.add_argument("run_dir", type=Path)
-    parser.add_argument("--sign-key", type=Path, help="private key (`trainer keygen`): write a signed DSSE envelope")
-    parser.add_argument(
-        "--again",
-        action="store_true",
-        help="replace an existing attestation (after a late log: "
-        "what the files are now is what the new one vouches for)",
-    )
-    args = parser.parse_args(argv)
-    signer = load_signer(args.sign_key) if args.sign_key else None
-    rundir = RunDir(args.run_dir)
-    record = rundir.load_record()
-    if record is None:
-        raise UserError(f"{args.run_dir / 'record.json'}: no run record (is {args.run_dir} a run directory?)")
-    status = effective_status(record)
-    if status not in FINAL:
-        raise UserError(
-            f"{args.run_dir}: status {status!r}; a run is attested once it has ended (`trainer status --wait`)"
-        )
-    if (args.run_dir / ATTESTATION).exists() and not args.again:
-        raise UserError(
-            f"{args.run_dir / ATTESTATION}: exists (an attestation is written once; --again replaces it "
-            "with one of the files as they are now)"
-        )
-    record = rundir.seal(record, signer)
-    if "error" in record["attestation"]:
-        raise UserError(f"{args.run_dir}: not attested: {record['attestation']['error']}")
-    print(f"{args.run_dir / ATTESTATION}: " + (f"signed by {signer.public_key.keyid}" if signer else "unsigned"))
-    return 0

@@ -1,11 +1,12 @@
-"""``trainer keygen --out KEY [--type ed25519|ecdsa]``: an offline key pair for signing (see :mod:`trainer.record.attest`)."""
+"""``trainer keygen --out KEY [--type ed25519|ecdsa]``: an offline key pair for signing (see
+:mod:`trainer.record.attest`)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from trainer.record.attest import KEY_TYPES, keygen
+from trainer.signing import KEY_TYPES, keygen
 
 
 def main(argv: list[str]) -> int:

@@ -15,22 +15,106 @@ import platform
 import socket
 import subprocess
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from trainer import REPO_ROOT, __version__
-from trainer.publish import atomic_write
+from trainer.inputs import open_regular
+from trainer.publish import atomic_write, canonical_json
 from trainer.redact import redact_argv
 
 LAUNCHER_PACKAGES = ("hydra-core", "omegaconf", "rich", "pyyaml", "packaging")
 
+# The shape of record.json. ``from`` is a keyword, hence the functional form.
+SourceRevision = TypedDict("SourceRevision", {"revision": str | None, "dirty": bool | None, "from": str})
+SourceRevision.__doc__ = """The bundle's source revision (:func:`git_revision`): the commit (None when unknown or
+dirty under Nix), whether the tree had uncommitted changes (None when unknown) and where that was read from
+(``git``, ``nix flake`` or ``unknown``)."""
 
-def canonical_json(obj: Any) -> bytes:
-    """JSON with sorted keys, two-space indent and a final newline (stable bytes for hashing)."""
-    return (json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+class BundleInfo(SourceRevision):
+    """``record.json``'s ``bundle``: the package version and its :class:`SourceRevision`."""
+
+    version: str
+
+
+class LauncherEnv(TypedDict):
+    """``record.json``'s ``launcher_env``: the launcher's Python version, ``sys.prefix`` and the versions of
+    :data:`LAUNCHER_PACKAGES` (None where absent)."""
+
+    python: str
+    executable_prefix: str
+    packages: dict[str, str | None]
+
+
+class ProcessIdentity(TypedDict):
+    """What names a process across pid reuse (:func:`process_identity`): ``pid``, ``pid_started`` (clock ticks
+    after boot), ``boot_id`` and ``pid_ns``; None where it cannot be read."""
+
+    pid: int
+    pid_started: int | None
+    boot_id: str | None
+    pid_ns: str | None
+
+
+class RunRecordFields(TypedDict, total=False):
+    """The keys of ``record.json`` that a record has once the run reached the point that writes them: the
+    composition (:meth:`trainer.compose.prepare.PreparedRun.record_fields`: ``kind`` ... ``composition_sha256``),
+    the files' sha256 by relative path, the launcher's :class:`ProcessIdentity` while it runs, the state's times
+    (``YYYY-MM-DDTHH:MM:SSZ``), how it ended (``reason``, None for a clean end; ``message`` of a hand-off), the
+    attestation (``{"path", "signed_by"}`` or ``{"error"}``), and what each launcher adds (``probe``: the
+    processes' probes, ``{"ranks", "nodes"}``, None until they ran; ``slurm``, ``ray``, ``image``, ``data``,
+    ``sources``, ``megatron``, ``times``, ``preflight``, ``logs``, ``observed``...)."""
+
+    kind: str
+    launcher: str
+    overrides: list[str]
+    choices: dict[str, str | None]
+    stack: dict[str, Any]
+    lock: dict[str, str]
+    composition_sha256: str
+    files_sha256: dict[str, str]
+    pid: int
+    pid_started: int | None
+    boot_id: str | None
+    pid_ns: str | None
+    started_utc: str
+    finished_utc: str
+    handed_off_utc: str
+    reason: str | None
+    message: str
+    attestation: dict[str, Any]
+    probe: dict[str, Any] | None
+    slurm: dict[str, Any]
+    ray: dict[str, Any]
+    image: dict[str, Any]
+    data: dict[str, Any]
+    sources: dict[str, Any]
+    megatron: dict[str, Any]
+    times: dict[str, Any]
+    preflight: dict[str, Any]
+    logs: dict[str, Any] | list[Any] | str
+    observed_versions: dict[str, Any]
+    observed: dict[str, Any]
+
+
+class RunRecord(RunRecordFields):
+    """``record.json``: the keys every record this bundle writes has (:func:`launcher_record`), and the
+    :class:`RunRecordFields` a run adds as it goes. A record read back (:func:`trainer.record.rundir.load_record`)
+    has its fields' JSON types checked, not their presence, and any field may be null there: readers use
+    ``.get()``."""
+
+    schema_version: int
+    status: str
+    created_utc: str
+    host: str
+    bundle: BundleInfo
+    launcher_env: LauncherEnv
+    locks: dict[str, str | None]
+    command: list[str]
 
 
 def write_json(path: Path, obj: Any) -> str:
@@ -41,8 +125,6 @@ def write_json(path: Path, obj: Any) -> str:
 def sha256_file(path: Path) -> str | None:
     """sha256 of a file's bytes, read as a stream (a FIFO or device is refused without blocking:
     :func:`trainer.inputs.open_regular`), or None if it does not exist."""
-    from trainer.inputs import open_regular
-
     digest = hashlib.sha256()
     try:
         with open_regular(path, "file", None) as handle:
@@ -53,7 +135,7 @@ def sha256_file(path: Path) -> str | None:
     return digest.hexdigest()
 
 
-def git_revision(root: Path = REPO_ROOT) -> dict[str, Any]:
+def git_revision(root: Path = REPO_ROOT) -> SourceRevision:
     """The bundle's source revision: ``{"revision", "dirty"}`` from git, or from ``TRAINER_SOURCE_REVISION``
     (set by the Nix app, whose source has no .git), or unknown."""
     env_rev = os.environ.get("TRAINER_SOURCE_REVISION")
@@ -89,12 +171,12 @@ def package_versions(names: Iterable[str] = LAUNCHER_PACKAGES) -> dict[str, str 
     return out
 
 
-def launcher_record(status: str, **fields: Any) -> dict[str, Any]:
+def launcher_record(status: str, **fields: Unpack[RunRecordFields]) -> RunRecord:
     """The common part of ``record.json``: status, time, host, bundle revision, launcher environment, locks.
 
     ``fields`` are merged in (e.g. hashes of the files of the run directory).
     """
-    record = {
+    record: RunRecord = {
         "schema_version": 1,
         "status": status,
         "created_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -110,8 +192,8 @@ def launcher_record(status: str, **fields: Any) -> dict[str, Any]:
             "lockfiles/stack.json": sha256_file(REPO_ROOT / "lockfiles" / "stack.json"),
         },
         "command": redact_argv(sys.argv),
+        **fields,
     }
-    record.update(fields)
     return record
 
 
@@ -158,7 +240,7 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def process_identity(pid: int | None = None) -> dict[str, Any]:
+def process_identity(pid: int | None = None) -> ProcessIdentity:
     """What names process ``pid`` (default: this one) across pid reuse, as a running record saves it: ``pid``,
     ``pid_started`` (:func:`process_started`, clock ticks after boot), ``boot_id`` (:func:`boot_id`) and
     ``pid_ns`` (:func:`pid_namespace` of this process: the namespace in which the number ``pid`` names it)."""
@@ -166,7 +248,7 @@ def process_identity(pid: int | None = None) -> dict[str, Any]:
     return {"pid": pid, "pid_started": process_started(pid), "boot_id": boot_id(), "pid_ns": pid_namespace()}
 
 
-def unverifiable(record: dict[str, Any]) -> str | None:
+def unverifiable(record: Mapping[str, Any]) -> str | None:
     """Why the process a ``running`` record names cannot be checked from this process (one line), or None when it
     can: the record saved a pid namespace (``pid_ns``, :func:`process_identity`) other than this process's, so
     its pid names another process here or none (a run in a container, a reader in one). Such a run is reported
@@ -190,7 +272,7 @@ def _started_wall(pid: int) -> float | None:
         return None
 
 
-def process_gone(record: dict[str, Any]) -> str | None:
+def process_gone(record: Mapping[str, Any]) -> str | None:
     """Why the process a ``running`` record names on this host is not the run's (one line), or None when it may
     be (another status, another host, no pid, or a live process that is the one the record saved).
 
@@ -242,7 +324,7 @@ def process_gone(record: dict[str, Any]) -> str | None:
     return None
 
 
-def effective_status(record: dict[str, Any]) -> str:
+def effective_status(record: Mapping[str, Any]) -> str:
     """A record's status as a reader should see it: ``running`` whose process is gone on this host
     (:func:`process_gone`: ended, a pid reused by another process, no process id at all) is ``interrupted`` (the
     launcher was killed, or the disk filled, before it could say so)."""

@@ -10,48 +10,58 @@ A run directory is what ``train`` writes (``hydra.run.dir=DIR``) plus, once the 
 :meth:`RunDir.end`), which refuses a move :data:`MOVES` does not list; every write of the record through
 :meth:`RunDir.save_record`. The launchers get the run's one :class:`RunDir` and write every file through it
 (atomic, hashed into ``files_sha256``); only what the workers write is hashed after them
-(:meth:`RunDir.hash_written`).
+(:meth:`RunDir.hash_written`). The file names are :mod:`trainer.record.names`'s, re-exported here (the launchers,
+workers and reports import them from this module); the run's attestation, written when it is sealed
+(:meth:`RunDir.seal`), is :mod:`trainer.record.attest`'s.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping
 from datetime import UTC
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from trainer.compose import schema
+from trainer.compose.checks import check_values
 from trainer.errors import UserError, os_error_line
-from trainer.inputs import read_json, read_yaml
-from trainer.publish import atomic_write
+from trainer.inputs import read_json, read_yaml, reading
+from trainer.publish import atomic_file, atomic_write, canonical_json
+from trainer.record.attest import run_files, write_run_attestation
+from trainer.record.names import (
+    ARGV,
+    ATTESTATION,
+    COMMAND,
+    CONFIG,
+    ENV,
+    JOB,
+    LOGS,
+    MEGATRON,
+    METRICS,
+    PLAN,
+    PREFLIGHT,
+    PROBES,
+    PROFILE,
+    RECORD,
+    RUNTIME_ENV,
+    SANDBOX,
+    SBATCH,
+    SUBMIT,
+)
+from trainer.record.names import probe_rank as probe_rank  # re-exported: the workers name their probe files by it
+from trainer.record.record import RunRecordFields, effective_status, launcher_record, process_identity
+from trainer.redact import OVERLAP, Redactor, _apply, _last_words, redact_env, redact_value, redactor_for
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
-    from trainer.report.metrics import Step
+    from trainer.record.record import RunRecord
 
-# The files of a run directory (the names readers, reports and tests know).
-CONFIG, COMMAND, PLAN, ARGV, ENV, RECORD = (
-    "config.yaml",
-    "command.sh",
-    "plan.json",
-    "argv.json",
-    "env.json",
-    "record.json",
-)
-METRICS, SBATCH = "metrics.jsonl", "sbatch.sh"
-RUNTIME_ENV, SUBMIT = "runtime_env.json", "submit.sh"  # a Ray job's runtime environment and its submit command
-MEGATRON = "megatron.json"  # the megatron-core arguments a local-megatron worker chose
-PROFILE = "profile-top-kernels.md"  # the GPU kernels of launcher.profile_step, by device time
-SANDBOX = "sandbox.json"  # the bubblewrap command a local-image run ran its probe in
-PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/NODE.json, their comparison, job logs
-JOB = (
-    "job.json"  # the job a launcher runs or submits: {"argv", "env"} (a worker, torchrun, launcher.job, a cluster job)
-)
 # argv.json and env.json are the miles launch of every run (as command.sh; executed or not), written once, before
 # any launch; job.json is what a launcher runs or submits (RunDir.write_job). The launchers write through RunDir
 # (hashed as written); the files the workers write are hashed once the launch has handed back.
@@ -59,11 +69,6 @@ WORKER_FILES = (METRICS,)
 # Folders of a run directory that hold verbatim copies of content verified by digest (a local-image run's stamped
 # lock, image/lock.json): the secret sweep never rewrites them, so the hashes that cover them stay true.
 VERBATIM = ("image",)
-
-
-def probe_rank(rank: int) -> str:
-    """The file a local worker of rank ``rank`` writes its probe to (``probe-rank-RANK.json``)."""
-    return f"probe-rank-{rank}.json"
 
 
 # The states of record.json.
@@ -110,8 +115,6 @@ class RunDir:
 
     def write_json(self, name: str, obj: Any) -> str:
         """Write ``obj`` as canonical JSON to ``name`` (:meth:`write`)."""
-        from trainer.record.record import canonical_json
-
         return self.write(name, canonical_json(obj))
 
     def hash_written(self, names=WORKER_FILES) -> dict[str, str]:
@@ -135,9 +138,6 @@ class RunDir:
         (``--resume``) are removed: neither describes this run. The marker :data:`MARKER` is written before any
         of them (not hashed: :meth:`begin` removes it once the record is saved), so that a directory a full disk
         or a kill stopped before its record is known to be this bundle's partial run (:func:`partial_run`)."""
-        from trainer.record.attest import ATTESTATION
-        from trainer.redact import redact_env
-
         for stale in (JOB, ATTESTATION):
             (self.path / stale).unlink(missing_ok=True)
         atomic_write(self.path / MARKER, MARKER_TEXT)
@@ -150,21 +150,21 @@ class RunDir:
     def write_job(self, argv: list[str], env: dict[str, str]) -> str:
         """Write ``job.json``: the job a launcher runs or submits, ``{"argv": [...], "env": {...}}`` (the
         environment it gets, secret values redacted). Returns its sha256."""
-        from trainer.redact import redact_env
-
         return self.write_json(JOB, {"argv": list(argv), "env": redact_env(env)})
 
     def begin(self, status: str, fields: dict[str, Any]) -> dict[str, Any]:
         """The run's first record, saved: ``planned`` (a plan) or ``running`` (this process's pid, its start time
-        ``pid_started``, the ``boot_id`` and ``pid_ns``, :func:`trainer.record.record.process_identity`, so that a reader tells
-        a reused pid from the run's process; the start time in ``started_utc``), with ``fields``
+        ``pid_started``, the ``boot_id`` and ``pid_ns``, :func:`trainer.record.record.process_identity`, so that a
+        reader tells a reused pid from the run's process; the start time in ``started_utc``), with ``fields``
         (:meth:`trainer.compose.prepare.PreparedRun.record_fields`) and the hashes of the files written so far.
-        Once it is saved, the partial-run marker :data:`MARKER` (:meth:`write_plan`) is removed."""
-        from trainer.record.record import launcher_record, process_identity
-
+        Once it is saved, the partial-run marker :data:`MARKER` (:meth:`write_plan`) is removed. The record has
+        the shape :class:`trainer.record.record.RunRecord`; it is returned as the plain dict the launchers
+        (:mod:`trainer.launch`) edit."""
         assert status in (PLANNED, RUNNING), status
-        extra = process_identity() if status == RUNNING else {}
-        record = launcher_record(status, files_sha256=self.hashes, **extra, **fields)
+        extra: RunRecordFields = {"files_sha256": self.hashes}
+        if status == RUNNING:
+            extra.update(process_identity())
+        record: dict[str, Any] = {**launcher_record(status, **extra, **fields)}
         if status == RUNNING:
             record["started_utc"] = record["created_utc"]  # job start (a local run has no scheduler admission)
         self.save_record(record)
@@ -177,8 +177,6 @@ class RunDir:
         (:func:`trainer.record.attest.run_files`)."""
         import hashlib
 
-        from trainer.record.attest import run_files
-
         return {
             name: hashlib.sha256((self.path / name).read_bytes()).hexdigest()
             for name in run_files(self.path)
@@ -187,14 +185,11 @@ class RunDir:
 
     def seal(self, record: dict[str, Any], signer: Any = None) -> dict[str, Any]:
         """Seal the ended run and return its record, saved: the files others wrote scrubbed
-        (:func:`trainer.redact.resweep`; :data:`VERBATIM` aside), ``files_sha256`` re-derived for every file,
+        (:func:`resweep`; :data:`VERBATIM` aside), ``files_sha256`` re-derived for every file,
         the attestation named (path, key id) in the record and the record saved, then ``attestation.json``
         written from the files as they stay (signed by ``signer`` when given:
         :func:`trainer.record.attest.write_run_attestation`). A failure to attest is recorded as
         ``attestation.error``, never fatal, and leaves no attestation."""
-        from trainer.record.attest import ATTESTATION, write_run_attestation
-        from trainer.redact import resweep
-
         resweep(self.path, VERBATIM)
         (self.path / ATTESTATION).unlink(missing_ok=True)
         try:
@@ -227,10 +222,8 @@ class RunDir:
 
     def finish(self, record: dict[str, Any], signer: Any = None) -> dict[str, Any]:
         """The record of a launch that handed back, completed and saved: what others wrote into the directory
-        redacted (:func:`trainer.redact.resweep`) and hashed (:data:`WORKER_FILES`), :meth:`hand_back`, and
+        redacted (:func:`resweep`) and hashed (:data:`WORKER_FILES`), :meth:`hand_back`, and
         :meth:`seal` unless the run was handed off to a scheduler (its job ends it)."""
-        from trainer.redact import resweep
-
         handed_off = record["status"] in HANDED_OFF  # as the launcher says: a submitted job may have moved on since
         resweep(self.path, VERBATIM)
         self.hash_written()
@@ -241,16 +234,13 @@ class RunDir:
         return self.seal(record, signer)
 
     def load_record(self) -> dict[str, Any] | None:
-        """``record.json`` as it is on disk (:func:`load_record`), or None."""
-        return load_record(self.path)
+        """``record.json`` as it is on disk, to edit and save again (:func:`read_record`), or None."""
+        return read_record(self.path)
 
     def save_record(self, record: dict[str, Any]) -> None:
         """Write ``record.json`` (canonical JSON, atomically): the one way the record is written. A ``running``
         record is followed by :data:`RECORD_RESERVE` bytes of spaces (JSON allows them): room kept for writing how
         the run ended over it in place when the disk fills during the run (:meth:`record_out_of_room`)."""
-        from trainer.publish import atomic_write
-        from trainer.record.record import canonical_json
-
         data = canonical_json(record)
         atomic_write(
             self.path / RECORD, data + b" " * RECORD_RESERVE + b"\n" if record.get("status") == RUNNING else data
@@ -261,10 +251,11 @@ class RunDir:
         Raises :class:`UserError` naming ``record.json`` when :data:`MOVES` has no such move from its state (an
         ended run does not start again)."""
         before = record.get("status")
-        if status not in MOVES.get(before, ()):
+        allowed = MOVES.get(before, ()) if isinstance(before, str) else ()
+        if status not in allowed:
             raise UserError(
                 f"{self.path / RECORD}: a run {before} cannot become {status} "
-                f"(expected one of {', '.join(MOVES.get(before, ())) or 'none: it has ended'})"
+                f"(expected one of {', '.join(allowed) or 'none: it has ended'})"
             )
         record.update(status=status, **fields)
         return record
@@ -277,9 +268,7 @@ class RunDir:
 
     def end(self, record: dict[str, Any], status: str, reason: str | None = None) -> dict[str, Any]:
         """``record`` moved to the final state ``status`` (with ``reason``, its secrets redacted: by the directory's
-        redactor, :func:`trainer.redact.guard`, or else by the rule's patterns), unsaved."""
-        from trainer.redact import redact_value, redactor_for
-
+        redactor, :func:`trainer.redact.guarding`, or else by the rule's patterns), unsaved."""
         assert status in FINAL, status
         if reason is not None:
             redactor = redactor_for(self.path)
@@ -318,12 +307,10 @@ class RunDir:
         there is room; where there is none, it is written over the record on disk, as compact JSON padded with
         spaces to the old length, only when it fits in the bytes the old one holds (so that, on file systems that
         write in place, no block is allocated and nothing can be cut short by the full disk; a copy-on-write one,
-        btrfs, ZFS, may need new blocks for it too and refuse it: then this returns False). Returns whether the record on disk now says so; when it does
-        not, the record still says ``running`` and :func:`trainer.record.record.process_gone` makes readers see
-        the run ``interrupted`` once this process has ended."""
-        from trainer.record.attest import ATTESTATION
-        from trainer.redact import redactor_for
-
+        btrfs, ZFS, may need new blocks for it too and refuse it: then this returns False). Returns whether the
+        record on disk now says so; when it does not, the record still says ``running`` and
+        :func:`trainer.record.record.process_gone` makes readers see the run ``interrupted`` once this process has
+        ended."""
         line = os_error_line(err)
         if record.get("status") in FINAL:
             if record.get("reason") and line not in record["reason"]:
@@ -339,10 +326,10 @@ class RunDir:
         except OSError:
             pass
         try:  # the whole record, else the one on disk with only how the run ended changed (no new hashes)
-            on_disk = load_record(self.path) or {}
+            on_disk = read_record(self.path) or {}
         except UserError:
             on_disk = {}
-        ended = {
+        ended: dict[str, Any] = {
             **on_disk,
             **{k: record[k] for k in ("status", "reason", "attestation", "finished_utc") if k in record},
         }
@@ -379,47 +366,14 @@ class RunDir:
         return record
 
 
-@dataclass
-class Run:
-    """A run as the reports see it. ``config``/``cfg`` are None when only a metrics file was given."""
-
-    path: Path  # the directory, or the metrics file
-    steps: list[Step]
-    cfg: DictConfig | None = None  # the resolved composition, typed
-    config: schema.TrainConfig | None = None
-    record: dict[str, Any] | None = None
-
-    @property
-    def cpu_only(self) -> bool:
-        """True when the record has probes and none of its ranks saw a GPU (a ``launcher=local-cpu`` run)."""
-        probes = ((self.record or {}).get("probe") or {}).get("ranks") or []
-        return bool(probes) and not any((p.get("torch") or {}).get("gpus") for p in probes)
-
-    @property
-    def directory(self) -> Path | None:
-        """The run directory, or None when only a ``metrics.jsonl`` file was given."""
-        return self.path if self.path.is_dir() else None
-
-    @property
-    def label(self) -> str:
-        """A short name for tables and plots: the layout label from the config, else the directory's name (for a
-        metrics file, its parent directory's name).
-        """
-        if self.config is not None:
-            return self.config.layout.label
-        return self.path.parent.name if self.path.is_file() else self.path.name
-
-
 def load_config(path: Path) -> DictConfig:
     """``config.yaml`` of a run merged into the schema (:class:`trainer.compose.schema.TrainConfig`).
 
     Raises :class:`UserError` naming the file on unreadable YAML, unknown keys, wrong types, missing values, or
     values no run can have (:func:`trainer.compose.checks.check_values`: NaN, negative, a zero peak, a bad env name).
     """
-    try:
+    with reading(path, unreadable=f"{path}: not readable"):
         raw = read_yaml(path, "run's config.yaml")
-    except OSError as ex:
-        raise UserError(f"{path}: not readable ({ex.strerror})") from None
     if not isinstance(raw, dict):
         raise UserError(f"{path}: expected a mapping (the resolved composition train writes)")
     try:
@@ -430,24 +384,38 @@ def load_config(path: Path) -> DictConfig:
         msg = (getattr(ex, "msg", None) or str(ex)).splitlines()[0]
         raise UserError(f"{path}: {msg}" + (f" (key: {key})" if key else "")) from None
     assert isinstance(cfg, DictConfig)
-    from trainer.compose.checks import check_values
-
     try:
-        check_values(OmegaConf.to_object(cfg))  # a run's figures need finite, non-negative sizes, prices and peaks
+        check_values(train_config_of(cfg))  # a run's figures need finite, non-negative sizes, prices and peaks
     except UserError as ex:
         raise UserError(f"{path}: {ex}") from None
     return cfg
 
 
-def load_record(directory: Path) -> dict[str, Any] | None:
-    """``record.json`` of a run directory, or None if it has none; raises :class:`UserError` if unreadable."""
+def train_config_of(cfg: DictConfig) -> schema.TrainConfig:
+    """``cfg``, merged into :class:`trainer.compose.schema.TrainConfig`, as that dataclass
+    (``OmegaConf.to_object``); raises what OmegaConf raises for a missing or wrongly typed value."""
+    config = OmegaConf.to_object(cfg)
+    if not isinstance(config, schema.TrainConfig):  # a structured config gives its dataclass
+        raise TypeError(f"expected a TrainConfig composition, got {type(config).__name__}")
+    return config
+
+
+def load_record(directory: Path) -> RunRecord | None:
+    """``record.json`` of a run directory to read, or None if it has none; raises :class:`UserError` if unreadable
+    or a field has the wrong JSON type (:func:`read_record`)."""
+    # the fields' JSON types are checked (check_record_types), their presence is not: RunRecord says so
+    return cast("RunRecord | None", read_record(directory))
+
+
+def read_record(directory: Path) -> dict[str, Any] | None:
+    """``record.json`` of a run directory, as a dict to edit and save again (:meth:`RunDir.save_record`), or None
+    if it has none; raises :class:`UserError` if unreadable or a field has the wrong JSON type
+    (:func:`check_record_types`)."""
     path = directory / RECORD
     if not path.exists():
         return None
-    try:
+    with reading(path, unreadable=f"{path}: not readable"):
         record = read_json(path, "run record")
-    except OSError as ex:
-        raise UserError(f"{path}: not readable ({ex.strerror})") from None
     if not isinstance(record, dict):
         raise UserError(f"{path}: expected a JSON object")
     check_record_types(record, str(path))
@@ -499,7 +467,7 @@ NESTED_TYPES: dict[str, dict[str, Any]] = {
 }
 
 
-def check_record_types(record: dict[str, Any], where: str) -> None:
+def check_record_types(record: Mapping[str, Any], where: str) -> None:
     """Refuse a record whose known fields (:data:`RECORD_TYPES`, :data:`NESTED_TYPES`) have the wrong JSON type.
     Raises :class:`UserError` naming the field, the type found and the type expected."""
 
@@ -521,35 +489,6 @@ def check_record_types(record: dict[str, Any], where: str) -> None:
             check(rank.get(sub), dict, f"probe.ranks[{i}].{sub}")
 
 
-def load_run(path: Path, need_config: bool = False, need_metrics: bool = True) -> Run:
-    """Load a run directory (or a ``metrics.jsonl`` file when ``need_config`` is false).
-
-    Raises :class:`UserError` when ``path`` is missing, when a config is needed but absent, or on any
-    bad file inside.
-    """
-    from trainer.report.metrics import read_metrics
-
-    path = Path(path)
-    if not path.exists():
-        raise UserError(f"{path}: no such run directory or file")
-    if path.is_file():
-        if need_config:
-            raise UserError(f"{path}: a run directory is needed here (config.yaml, record.json, metrics.jsonl)")
-        return Run(path=path, steps=read_metrics(path))
-    config_path = path / CONFIG
-    cfg = load_config(config_path) if config_path.exists() else None
-    if need_config and cfg is None:
-        raise UserError(f"{path}: no config.yaml (not a run directory written by `train`)")
-    steps = read_metrics(path) if need_metrics else []
-    return Run(
-        path=path,
-        steps=steps,
-        cfg=cfg,
-        config=OmegaConf.to_object(cfg) if cfg is not None else None,
-        record=load_record(path),
-    )
-
-
 # What `train` itself writes into a run directory before the task runs (Hydra's log and record of the composition).
 HYDRA_FILES = (".hydra", "train.log")
 CLAIM_MODES = ("new", "resume", "overwrite")
@@ -567,7 +506,7 @@ MARKER_TEXT = b"recipe-bundle: a run is being written here; its record.json foll
 # local rank).
 RUN_FILES = (
     RECORD,
-    "attestation.json",
+    ATTESTATION,
     METRICS,
     HYDRA_FILES[1],
     CONFIG,
@@ -641,7 +580,7 @@ def others_in(path: Path) -> list[str]:
     return sorted(p.name for p in Path(path).iterdir() if p.name not in HYDRA_FILES)
 
 
-def run_record(path: Path, where: str) -> dict[str, Any]:
+def run_record(path: Path, where: str) -> RunRecord:
     """The record of the run the directory ``path`` holds: a ``record.json`` that is a JSON object of the record's
     types (:func:`check_record_types`) with a known ``status`` (:data:`RECORD_STATES`) and a ``files_sha256``
     object. Raises :class:`UserError` (one line starting with ``where``) for a missing, unreadable or other
@@ -668,7 +607,7 @@ def _probe_rank_file(name: str) -> bool:
     return rank.isdigit() and rank.isascii()
 
 
-def _listed(record: dict[str, Any]) -> set:
+def _listed(record: Mapping[str, Any]) -> set:
     """The files ``record`` hashes (``files_sha256``'s keys) that name a place inside the directory: relative POSIX
     paths without ``..`` (normalised: ``./a`` is ``a``)."""
     from pathlib import PurePosixPath
@@ -682,7 +621,7 @@ def _listed(record: dict[str, Any]) -> set:
     return names
 
 
-def run_entries(path: Path, record: dict[str, Any]) -> tuple[list[Path], list[Path], list[str]]:
+def run_entries(path: Path, record: Mapping[str, Any]) -> tuple[list[Path], list[Path], list[str]]:
     """What of the directory ``path`` its run ``record`` (:func:`run_record`) accounts for, never following a link:
     (the entries a run wrote: :data:`RUN_FILES`, ``probe-rank-N.json``, :data:`RUN_FOLDERS` whole, and every file
     ``files_sha256`` lists; the folders that hold only listed files, deepest first; everything else, as relative
@@ -721,7 +660,7 @@ def run_entries(path: Path, record: dict[str, Any]) -> tuple[list[Path], list[Pa
     return removable, folders, foreign
 
 
-def _removal(path: Path, record: dict[str, Any], where: str) -> tuple[list[Path], list[Path]]:
+def _removal(path: Path, record: Mapping[str, Any], where: str) -> tuple[list[Path], list[Path]]:
     """What --overwrite removes of the run ``record`` describes in ``path``: (the entries, the emptied folders) of
     :func:`run_entries`. Raises :class:`UserError` (one line starting with ``where``, naming up to 3 of them) when
     the directory holds anything else, so that nothing at all is removed."""
@@ -756,9 +695,7 @@ def _remove(plan: tuple[list[Path], list[Path]], where: str) -> None:
         raise UserError(f"{where}: cannot remove the old run's {ex.filename} ({ex.strerror})") from None
 
 
-def claim_run_dir(
-    value: str, mode: str = "new", field: str = "hydra.run.dir", composition: str | None = None
-) -> Path:
+def claim_run_dir(value: str, mode: str = "new", field: str = "hydra.run.dir", composition: str | None = None) -> Path:
     """The one owner of a run directory's place: refuse ``value`` unless a run may be written there.
 
     ``value`` is the literal directory (interpolations resolved before:
@@ -773,9 +710,10 @@ def claim_run_dir(
     nothing is removed unless every check passed.
 
     A directory holding a partial run (:func:`partial_run`: the marker :data:`MARKER` a run writes first, only the
-    files a run writes before its record, Hydra's three in ``.hydra/``, no ``record.json``) is refused naming it ("holds a partial run (no record.json); pass --overwrite"), and
-    ``overwrite`` removes it. An ``OSError`` of the place (a component longer than the file system takes, no
-    permission) is one line naming ``field`` and the path (:func:`trainer.errors.os_error_line`).
+    files a run writes before its record, Hydra's three in ``.hydra/``, no ``record.json``) is refused naming it
+    ("holds a partial run (no record.json); pass --overwrite"), and ``overwrite`` removes it. An ``OSError`` of
+    the place (a component longer than the file system takes, no permission) is one line naming ``field`` and the
+    path (:func:`trainer.errors.os_error_line`).
     """
     try:
         return _claim_run_dir(value, mode, field, composition)
@@ -806,7 +744,8 @@ def _claim_run_dir(value: str, mode: str, field: str, composition: str | None) -
         raise UserError(f"{where}: the current directory, one above it or the home directory cannot be a run directory")
     if path.exists() and not path.is_dir():
         raise UserError(f"{where}: exists and is not a directory")
-    record, removal = None, None
+    record: RunRecord | None = None
+    removal: tuple[list[Path], list[Path]] | None = None
     if path.is_dir():
         try:
             entries, others = sorted(p.name for p in path.iterdir()), others_in(path)
@@ -826,8 +765,6 @@ def _claim_run_dir(value: str, mode: str, field: str, composition: str | None) -
         if partial is not None:
             removal = (partial, [])
         elif others and mode == "new":
-            from trainer.record.record import effective_status
-
             status = "unreadable"
             try:
                 status = effective_status(load_record(path) or {})
@@ -863,3 +800,131 @@ def _claim_run_dir(value: str, mode: str, field: str, composition: str | None) -
     if removal is not None:
         _remove(removal, where)
     return path
+
+
+# ------------------------------------------------------------------------------------------------ redaction
+# A run directory's files passed through its run's redactor (trainer.redact) after others wrote them.
+
+# Files larger than this are read in chunks of this size: a chunk is scrubbed with the OVERLAP characters after
+# it in view and cut at a line end no secret crosses (see scrub_file).
+CHUNK_BYTES = 16 << 20
+
+
+def sweep(directory: Path, redactor: Redactor, verbatim: Iterable[str] = ()) -> list[str]:
+    """Pass every regular file under ``directory`` through ``redactor`` and rewrite those that changed (atomically,
+    keeping their mode: :func:`scrub_file`); returns their paths relative to ``directory``, sorted.
+
+    Done: every regular file, whatever its size (a file over :data:`CHUNK_BYTES`, 256 MiB and more, is streamed in
+    chunks) and content (NUL bytes, bytes that are not UTF-8: they round-trip unchanged, as does everything but
+    the redacted spans). Not done: a symbolic link and what it points to (neither is followed; ``train --resume``
+    refuses a run directory holding one, and an attestation refuses links), FIFOs and other special files, the
+    folders ``verbatim`` names (paths relative to ``directory``: copies of content verified by digest, which a
+    rewrite would make untrue), files written after the sweep (a Slurm job's own logs)."""
+    directory = Path(directory)
+    skipped = [directory / name for name in verbatim]
+    changed = []
+    for path in sorted(directory.rglob("*")):
+        if any(path == top or top in path.parents for top in skipped):
+            continue
+        if scrub_file(path, redactor):
+            changed.append(path.relative_to(directory).as_posix())
+    return changed
+
+
+def _pieces(handle: Any, redactor: Redactor) -> Iterator[tuple[str, list[tuple[int, int]]]]:
+    """The text of ``handle`` (bytes, surrogateescape) in pieces of about :data:`CHUNK_BYTES`, each with the spans to
+    redact in it. A piece ends at a line end with :data:`OVERLAP` characters or more of the file read past it, and
+    no span found in what was read crosses its end; a line longer than a chunk is cut inside, after the end of
+    the span that crosses the cut (a secret whose serialisation is longer than :data:`OVERLAP` and crosses the
+    cut of such a line is replaced in part)."""
+    carry = b""
+    while True:
+        data = handle.read(CHUNK_BYTES)
+        buffer = carry + data
+        text = buffer.decode("utf-8", "surrogateescape")
+        spans = redactor._spans(text)
+        if not data:
+            yield text, spans
+            return
+        limit = max(len(text) - OVERLAP, 1)
+        cut = text.rfind("\n", 0, limit) + 1
+        for start, end in spans:
+            if start < cut < end:
+                cut = text.rfind("\n", 0, start) + 1
+        if cut <= 0:  # one line longer than a chunk: cut inside it, never inside a span
+            cut = limit
+            for start, end in spans:
+                if start < cut < end:
+                    cut = end
+        head = [(s, e) for s, e in spans if e <= cut]
+        yield text[:cut], head
+        carry = text[cut:].encode("utf-8", "surrogateescape")
+
+
+def scrub_file(path: Path, redactor: Redactor) -> bool:
+    """Pass the regular file ``path`` (not a link; any size, NUL bytes and bytes that are not UTF-8 included)
+    through ``redactor``, rewriting it atomically with its mode when that changed it; returns whether it did. A
+    file of at most :data:`CHUNK_BYTES` is scrubbed whole; a larger one is read once, in pieces (:func:`_pieces`),
+    into a temporary copy that replaces it only when a piece changed. A missing file is left alone."""
+    path = Path(path)
+    if path.is_symlink() or not path.is_file():
+        return False
+    mode = path.stat().st_mode & 0o777
+    if path.stat().st_size <= CHUNK_BYTES:
+        data = path.read_bytes()
+        clean = redactor.scrub_bytes(data)
+        if clean != data:
+            try:
+                atomic_write(path, clean, mode=mode, umask=False)
+            except OSError as err:
+                if not _scrub_in_place(path, clean, err):
+                    raise
+        return clean != data
+    try:
+        with path.open("rb") as handle, atomic_file(path, mode, umask_applies=False) as out:
+            changed = False
+            for text, spans in _pieces(handle, redactor):
+                changed = changed or bool(spans)
+                out.write(_apply(text, spans).encode("utf-8", "surrogateescape"))
+            if not changed:
+                raise _Unchanged()
+    except _Unchanged:
+        return False
+    return True
+
+
+def _scrub_in_place(path: Path, clean: bytes, err: OSError) -> bool:
+    """After ``err``, a full disk or quota (no room for the temporary copy an atomic rewrite needs): rewrite
+    ``path`` in place, which needs no new blocks when ``clean`` is not longer than what the file holds (on file
+    systems that write in place; copy-on-write ones may refuse this too), else empty it, saying so on stderr (a
+    secret left is worse than a log lost). Returns False when ``err`` is another error or this fails too."""
+    if err.errno not in (errno.ENOSPC, errno.EDQUOT):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        if len(clean) <= os.fstat(fd).st_size:
+            os.pwrite(fd, clean, 0)
+            os.ftruncate(fd, len(clean))
+            return True
+        os.ftruncate(fd, 0)
+        _last_words(f"train: warning: {path}: no room to write it redacted; emptied rather than kept with a secret")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+class _Unchanged(Exception):
+    """Nothing to redact in a large file: its temporary copy is dropped (:func:`trainer.publish.atomic_file`)."""
+
+
+def resweep(directory: Path, verbatim: Iterable[str] = ()) -> list[str]:
+    """Pass the files others wrote into the guarded ``directory`` (Hydra's, the workers') through its redactor now
+    (:func:`sweep`, ``verbatim`` folders aside), so that hashes taken next are those of the files as they stay;
+    nothing happens outside a guarded directory. Returns the paths it rewrote."""
+    redactor = redactor_for(directory)
+    return sweep(directory, redactor, verbatim) if redactor is not None else []

@@ -27,7 +27,7 @@ from typing import Any
 
 from trainer.errors import UserError
 from trainer.record.record import effective_status, process_gone, unverifiable
-from trainer.record.rundir import FAILED, INTERRUPTED, LOGS, RunDir, load_record, utc_now
+from trainer.record.rundir import FAILED, INTERRUPTED, LOGS, RunDir, read_record, utc_now
 
 ENDED = (
     "COMPLETED",
@@ -66,7 +66,7 @@ def slurm_state(job_id: str) -> str | None:
 def refresh(run_dir: Path) -> dict[str, Any]:
     """The run's record, reconciled with Slurm (see the module docstring); raises :class:`UserError` when
     ``run_dir`` has no record."""
-    record = load_record(run_dir)
+    record = read_record(run_dir)
     if record is None:
         raise UserError(f"{run_dir}: no record.json (is it a run directory written by `train`?)")
     status = effective_status(record)
@@ -76,7 +76,7 @@ def refresh(run_dir: Path) -> dict[str, Any]:
         record["slurm"]["state"] = state
         if state in ENDED or state is None:
             time.sleep(1.0)  # the script's last step may be writing the record right now
-            record = load_record(run_dir) or record
+            record = read_record(run_dir) or record
             if record.get("status") in ("submitted", "running"):
                 out = run_dir / LOGS / f"slurm-{slurm['job_id']}.out"
                 tail = ""
@@ -142,4 +142,4 @@ def main(argv: list[str]) -> int:
         time.sleep(2.0)
     if args.json:
         print(json.dumps(record, indent=2, sort_keys=True))
-    return {"complete": 0, "failed": 1, "interrupted": 1}.get(status, 3)
+    return {"complete": 0, "failed": 1, "interrupted": 1}.get(str(status), 3)

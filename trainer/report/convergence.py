@@ -33,12 +33,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, TypeGuard
 
 import numpy as np
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from trainer.compose.numerics import VerdictRecord
 from trainer.errors import UserError
 from trainer.report.metrics import Step
 
@@ -105,7 +106,68 @@ def load_thresholds(name_or_path: str = DEFAULT_THRESHOLDS, overrides: Sequence[
     return thresholds
 
 
-def _finite(value: float | None) -> bool:
+class Check(TypedDict):
+    """One check of a verdict: its ``name`` (``aligned``, ``finite_loss``, ``finite_grad_norm``, ``points``,
+    ``correlation``, ``pointwise``, ``final_loss``, ``outliers``), the ``value`` found, the ``threshold`` it is held
+    to, whether it ``passed`` and a line of ``text`` saying so."""
+
+    name: str
+    value: float
+    threshold: float
+    passed: bool
+    text: str
+
+
+class Point(TypedDict):
+    """One step of a verdict: the candidate's and reference's LM loss (None where the run lacks the step), the
+    pointwise ``tolerance`` and ``relative_difference`` (None unless both losses are finite), whether the step
+    was ``skipped`` (the first fraction) and whether it ``failed`` its tolerance."""
+
+    step: int
+    candidate: float | None
+    reference: float | None
+    tolerance: float | None
+    relative_difference: float | None
+    skipped: bool
+    failed: bool
+
+
+class VerdictMetrics(TypedDict):
+    """A verdict's figures: steps in either run, points compared, points skipped at the start, Pearson
+    correlation (NaN below 2 points), pointwise failures, final loss relative difference (NaN without points)
+    and residual outliers."""
+
+    steps: int
+    points_checked: int
+    skipped: int
+    correlation: float
+    pointwise_failures: int
+    final_loss_difference: float
+    outliers: int
+
+
+class Verdict(TypedDict):
+    """What :func:`check` returns (``convergence.json``, NaN written as "NaN"): ``passed`` and ``result``
+    (``pass``/``fail``), the names of the failed checks, every :class:`Check`, the :class:`VerdictMetrics`, the
+    per-step :class:`Point` list (at most :data:`MAX_POINTS`, ``points_omitted`` the rest), the thresholds and the
+    method; ``trainer converge`` adds the two runs' paths (``candidate``, ``reference``) and, when both have a
+    config, the ``prediction`` of their numerics (:func:`trainer.compose.numerics.compare`)."""
+
+    passed: bool
+    result: str
+    failed_checks: list[str]
+    checks: list[Check]
+    metrics: VerdictMetrics
+    points: list[Point]
+    points_omitted: int
+    thresholds: dict[str, Any]
+    method: str
+    candidate: NotRequired[str]
+    reference: NotRequired[str]
+    prediction: NotRequired[VerdictRecord]
+
+
+def _finite(value: float | None) -> TypeGuard[float]:
     return value is not None and math.isfinite(value)
 
 
@@ -118,17 +180,15 @@ def _rel(ok: bool, yes: str = "<=", no: str = ">") -> str:
     return yes if ok else no
 
 
-def _check(name: str, value: Any, threshold: Any, passed: bool, text: str) -> dict[str, Any]:
+def _check(name: str, value: float, threshold: float, passed: bool, text: str) -> Check:
     return {"name": name, "value": value, "threshold": threshold, "passed": bool(passed), "text": text}
 
 
-def check(
-    candidate: Sequence[Step], reference: Sequence[Step], thresholds: Thresholds | None = None
-) -> dict[str, Any]:
+def check(candidate: Sequence[Step], reference: Sequence[Step], thresholds: Thresholds | None = None) -> Verdict:
     """Compare two runs' per-step LM loss (see the module docstring); steps aligned by step number.
 
-    Returns a JSON-ready dict: ``passed``, ``checks`` (name, value, threshold, passed, text for each),
-    ``metrics`` (correlation, pointwise_failures, points_checked, final_loss_difference, outliers, ...),
+    Returns a JSON-ready dict (:class:`Verdict`): ``passed``, ``checks`` (name, value, threshold, passed, text
+    for each), ``metrics`` (correlation, pointwise_failures, points_checked, final_loss_difference, outliers, ...),
     ``points`` (per step: candidate, reference, tolerance, relative_difference, skipped, failed),
     ``thresholds``. Raises :class:`UserError` only when either run has no steps.
     """
@@ -150,7 +210,7 @@ def check(
         (n, who)
         for n in all_steps
         for who, run in (("candidate", cand), ("reference", ref))
-        if n in run and run[n].grad_norm is not None and not math.isfinite(run[n].grad_norm)
+        if n in run and (norm := run[n].grad_norm) is not None and not math.isfinite(norm)
     ]
     usable = [n for n in all_steps if n in cand and n in ref and _finite(cand[n].lm_loss) and _finite(ref[n].lm_loss)]
     skip = max(0, int(len(usable) * th.skip_first_percent_loss))
@@ -159,7 +219,7 @@ def check(
     g = np.array([ref[n].lm_loss for n in kept], dtype=np.float64)
     n = len(kept)
 
-    checks: list[dict[str, Any]] = []
+    checks: list[Check] = []
     missing = [f"step {s} only in candidate" for s in only_cand] + [f"step {s} only in reference" for s in only_ref]
     checks.append(
         _check(
@@ -209,13 +269,14 @@ def check(
                 correlation,
                 th.correlation_threshold,
                 math.isfinite(correlation) and correlation >= th.correlation_threshold,
-                f"Pearson r {correlation:.5f} {_rel(correlation >= th.correlation_threshold, '>=', '<')} {th.correlation_threshold}"
+                f"Pearson r {correlation:.5f} {_rel(correlation >= th.correlation_threshold, '>=', '<')} "
+                f"{th.correlation_threshold}"
                 if math.isfinite(correlation)
                 else "Pearson r undefined (a constant series)",
             )
         )
 
-    points: list[dict[str, Any]] = []
+    points: list[Point] = []
     omitted = 0
     failures = 0
     kept_set = set(kept)
@@ -227,7 +288,7 @@ def check(
         rel = None
         if _finite(cv) and _finite(gv):
             rel = abs(cv - gv) / abs(gv) if gv != 0 else abs(cv)
-        failed = step in kept_set and rel is not None and rel > tol
+        failed = step in kept_set and rel is not None and tol is not None and rel > tol
         failures += failed
         # a long run keeps the points that explain a failure, up to MAX_POINTS: the result stays bounded
         if len(points) >= MAX_POINTS or (len(all_steps) > MAX_POINTS and not failed and rel is not None):
@@ -252,7 +313,8 @@ def check(
                 failures,
                 th.max_outlier_ratio,
                 ratio <= th.max_outlier_ratio,
-                f"{failures}/{n} points outside tolerance ({ratio:.1%} {_rel(ratio <= th.max_outlier_ratio)} {th.max_outlier_ratio:.0%} allowed)",
+                f"{failures}/{n} points outside tolerance "
+                f"({ratio:.1%} {_rel(ratio <= th.max_outlier_ratio)} {th.max_outlier_ratio:.0%} allowed)",
             )
         )
 
@@ -266,7 +328,8 @@ def check(
                 final_diff,
                 th.final_loss_tolerance,
                 final_diff <= th.final_loss_tolerance,
-                f"step {kept[-1]}: |{c[-1]:.6g} - {g[-1]:.6g}| / {g[-1]:.6g} = {final_diff:.4f} {_rel(final_diff <= th.final_loss_tolerance)} {th.final_loss_tolerance}",
+                f"step {kept[-1]}: |{c[-1]:.6g} - {g[-1]:.6g}| / {g[-1]:.6g} = {final_diff:.4f} "
+                f"{_rel(final_diff <= th.final_loss_tolerance)} {th.final_loss_tolerance}",
             )
         )
         residuals = c - g

@@ -27,20 +27,24 @@ from rich.console import Console
 from rich.table import Table
 
 from trainer.compose import numerics
+from trainer.compose.compose import compose_run
 from trainer.console import table_console
 from trainer.errors import UserError
 from trainer.record.record import write_json
-from trainer.record.rundir import CONFIG, load_config, load_run
-from trainer.report.convergence import DEFAULT_THRESHOLDS, check, load_thresholds
+from trainer.record.rundir import CONFIG, load_config
+from trainer.report.convergence import DEFAULT_THRESHOLDS, Verdict, check, load_thresholds
 from trainer.report.metrics import json_number
+from trainer.report.plots import plot_convergence
+from trainer.report.run import load_run
 
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``trainer converge`` (see the module docstring for the two modes)."""
     p = argparse.ArgumentParser(
         prog="trainer converge",
-        description="Convergence check of a candidate run against a reference run (Megatron-Bridge validate_convergence "
-        "with its pipeline thresholds; steps aligned by number; a missing step or a NaN/Inf loss or grad norm fails), "
+        description="Convergence check of a candidate run against a reference run "
+        "(Megatron-Bridge validate_convergence with its pipeline thresholds; steps aligned by number; "
+        "a missing step or a NaN/Inf loss or grad norm fails), "
         "or with --predict, whether two composed runs should pass it.",
         epilog="examples:\n"
         "  trainer converge runs/tp2pp4ep8 runs/tp8pp8ep8\n"
@@ -86,8 +90,6 @@ def compose_side(spec: str) -> DictConfig:
         if not (path / CONFIG).is_file():
             raise UserError(f"{path}: no config.yaml (not a run directory written by `train`)")
         return load_config(path / CONFIG)
-    from trainer.compose.compose import compose_run
-
     return compose_run(shlex.split(spec))
 
 
@@ -120,7 +122,7 @@ def print_prediction(result: dict[str, Any], console: Console) -> None:
     console.print(("[green]" if result["equivalent"] else "[red]") + result["verdict"])
 
 
-def print_check(result: dict[str, Any], cand: str, ref: str, console: Console) -> None:
+def print_check(result: Verdict, cand: str, ref: str, console: Console) -> None:
     """Print a :func:`trainer.report.convergence.check` result to ``console``: one table row per check (value,
     threshold, pass/FAIL), the pointwise failure count, then PASS or FAIL with the failed checks.
 
@@ -166,25 +168,23 @@ def main(argv: list[str]) -> int:
         )
     thresholds = load_thresholds(args.thresholds, args.set)
     cand, ref = load_run(args.runs[0]), load_run(args.runs[1])
-    result = check(cand.steps, ref.steps, thresholds)
-    result["candidate"] = str(cand.path)
-    result["reference"] = str(ref.path)
+    verdict = check(cand.steps, ref.steps, thresholds)
+    verdict["candidate"] = str(cand.path)
+    verdict["reference"] = str(ref.path)
     if cand.cfg is not None and ref.cfg is not None:
-        result["prediction"] = numerics.compare(cand.cfg, ref.cfg).as_dict()
-    out: Path | None = args.out or (cand.path if cand.path.is_dir() else cand.path.parent)
-    write_json(out / "convergence.json", _jsonable(result))
+        verdict["prediction"] = numerics.compare(cand.cfg, ref.cfg).as_dict()
+    out: Path = args.out or (cand.path if cand.path.is_dir() else cand.path.parent)
+    write_json(out / "convergence.json", _jsonable(verdict))
     if not args.no_plot:
-        from trainer.report.plots import plot_convergence
-
-        plot_convergence(result, out / "convergence_loss.png", f"candidate {cand.label}", f"reference {ref.label}")
+        plot_convergence(verdict, out / "convergence_loss.png", f"candidate {cand.label}", f"reference {ref.label}")
     if args.json:
-        print(json.dumps(_jsonable(result), indent=2, sort_keys=True))
+        print(json.dumps(_jsonable(verdict), indent=2, sort_keys=True))
     else:
-        print_check(result, cand.label, ref.label, console)
-        if "prediction" in result:
-            console.print(f"configs: {result['prediction']['verdict']}")
+        print_check(verdict, cand.label, ref.label, console)
+        if "prediction" in verdict:
+            console.print(f"configs: {verdict['prediction']['verdict']}")
         console.print(f"written: {out / 'convergence.json'}")
-    return 0 if result["passed"] else 1
+    return 0 if verdict["passed"] else 1
 
 
 def _jsonable(obj: Any) -> Any:

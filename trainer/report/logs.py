@@ -74,7 +74,7 @@ rows: the global batch size from the log where it prints one (Megatron), else fr
 sequence length from ``--seq-length`` or the run's ``data.seq_length``; else null. A log's global batch
 size that differs from the composition's is refused (the log of another run?). ``supervised_tokens``
 and ``max_memory_bytes`` are null (the logs do not print them per step).
-"""
+"""  # noqa: E501 (the docstring quotes log lines verbatim, each one line as the trainers print it)
 
 from __future__ import annotations
 
@@ -90,14 +90,12 @@ from typing import Any
 
 from trainer.errors import UserError
 from trainer.inputs import MAX_LOG_LINE_BYTES, raw_lines
-from trainer.record.rundir import CONFIG, METRICS, RECORD
+from trainer.record.rundir import CONFIG, METRICS, RECORD, load_config
 from trainer.report.metrics import MAX_STEP, MAX_STEPS, Step, write_metrics
+from trainer.report.steplines import ANSI, MEGATRON_ITERATION, MILES_START, miles_partial
 
-MEGATRON_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 MILES_STEP = re.compile(r"\bstep (\d+): (\{.*\})\s*$")
 MILES_PERF = re.compile(r"\bperf (\d+): (\{.*\})\s*$")
-MILES_START = re.compile(r"\b(step|perf) (\d+): \{(.*)$")  # a miles dict line, closed or not
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")  # Ray colours its dedup marker (colorama)
 RAY_REPEATED = re.compile(r"\[repeated (\d{1,18})x across cluster\]")
 LOSS_KEYS = ("train/loss", "train/lm_loss")
 LISTED = 20  # line numbers listed per kind in the summary and --json (the counts are complete)
@@ -168,8 +166,9 @@ class LogRead:
 
     ``truncated`` and ``deduplicated`` hold the lines counted but never made into steps (module
     docstring), ``long`` the lines longer than :data:`~trainer.inputs.MAX_LOG_LINE_BYTES` (64 KiB), skipped
-    unread (a step line is < 4 KiB; printed arguments or samples are longer); ``tokens_from`` names the source of the rows per step (``"log"``, ``"composition"``, both
-    joined by ``" and "``, or ``""`` when no step has tokens)."""
+    unread (a step line is < 4 KiB; printed arguments or samples are longer); ``tokens_from`` names the source
+    of the rows per step (``"log"``, ``"composition"``, both joined by ``" and "``, or ``""`` when no step has
+    tokens)."""
 
     steps: list[Step]
     truncated: list[SkippedLine] = field(default_factory=list)
@@ -273,8 +272,8 @@ def _value(node: ast.AST, text: str) -> Any:
         name = _dotted(node)
         if name in NAMED_CONSTANTS:
             return NAMED_CONSTANTS[name]
-    elif isinstance(node, ast.Call) and _dotted(node.func) in SCALAR_CALLS and len(node.args) == 1:
-        name = _dotted(node.func)
+    elif isinstance(node, ast.Call) and (call := _dotted(node.func)) in SCALAR_CALLS and len(node.args) == 1:
+        name = call or ""  # a name of SCALAR_CALLS
         if name.startswith(("np.", "numpy.")) and node.keywords:
             return Unreadable(ast.get_source_segment(text, node) or name)
         inner = _value(node.args[0], text)
@@ -297,7 +296,7 @@ def _value(node: ast.AST, text: str) -> Any:
     elif isinstance(node, ast.Dict):
         return {
             _value(k, text): _value(v, text)
-            for k, v in zip(node.keys, node.values)
+            for k, v in zip(node.keys, node.values, strict=True)  # a dict display: one value per key
             if k is not None and isinstance(_value(k, text), str)
         }
     return Unreadable(ast.get_source_segment(text, node) or type(node).__name__)
@@ -345,7 +344,7 @@ def _dedup_kind(text: str) -> tuple[str, int | None]:
             return "miles perf", _shown_step(match.group(2), 1)
         if any(f"'{k}'" in match.group(3) or f'"{k}"' in match.group(3) for k in LOSS_KEYS):
             return "miles step", _shown_step(match.group(2), 1)
-        if _miles_partial(match.group(3)) and not match.group(3).rstrip().endswith("}"):
+        if miles_partial(match.group(3)) and not match.group(3).rstrip().endswith("}"):
             return "miles step", _shown_step(match.group(2), 1)  # cut before its loss key
     return "other", None
 
@@ -353,23 +352,6 @@ def _dedup_kind(text: str) -> tuple[str, int | None]:
 def _shown_step(digits: str, offset: int = 0) -> int | None:
     """The step a line that is not read names (for the summary), None beyond a signed 64-bit integer."""
     return int(digits) + offset if len(digits) <= 18 else None
-
-
-def step_line_kind(line: str) -> str | None:
-    """``"Megatron iteration"`` or ``"miles step"`` when ``line`` is a training step line of a log (complete or
-    not), else None: how a reader of metrics.jsonl tells a raw log it was given by mistake."""
-    line = ANSI.sub("", line)
-    if MEGATRON_ITERATION.search(line):
-        return "Megatron iteration"
-    match = MILES_START.search(line)
-    if match and match.group(1) == "step" and _miles_partial(match.group(3)):
-        return "miles step"
-    return None
-
-
-def _miles_partial(rest: str) -> bool:
-    """True when ``rest`` (after ``step K: {``) can be the start of a miles metrics dict (``'train/...``)."""
-    return any(rest.startswith(p) or p.startswith(rest) for p in ("'train/", '"train/', "'perf/", '"perf/'))
 
 
 class _TextLines:
@@ -487,7 +469,7 @@ def read_log(
             continue
         full = (MILES_STEP if start.group(1) == "step" else MILES_PERF).search(line)
         if full is None:
-            if _miles_partial(start.group(3)):
+            if miles_partial(start.group(3)):
                 read.truncated.append(
                     SkippedLine(
                         number,
@@ -683,8 +665,6 @@ def composition(args: argparse.Namespace) -> tuple[int | None, int | None, str]:
             raise UserError(f"{args.run}: no such run directory (--run RUN_DIR)")
         if not (args.run / CONFIG).is_file():
             raise UserError(f"{args.run}: no config.yaml (not a run directory written by `train`)")
-        from trainer.record.rundir import load_config
-
         cfg = load_config(args.run / CONFIG)
         return (
             int(cfg.optim.global_batch_size),

@@ -46,11 +46,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 import numpy as np
 
@@ -58,7 +58,9 @@ from trainer.compose.params import CSA_RATIO, count_params
 from trainer.compose.schema import ModelConfig
 from trainer.errors import UserError
 from trainer.inputs import kind_of, lines, parse_json
+from trainer.publish import atomic_write
 from trainer.record.rundir import METRICS
+from trainer.report.steplines import step_line_kind
 
 KEYS = (
     "step",
@@ -140,6 +142,10 @@ def metrics_path(path: Path) -> Path:
     return target
 
 
+@overload
+def _number(value: Any, where: str, key: str, allow_null: Literal[False]) -> float: ...
+@overload
+def _number(value: Any, where: str, key: str, allow_null: bool) -> float | None: ...
 def _number(value: Any, where: str, key: str, allow_null: bool) -> float | None:
     if value is None and allow_null:
         return None
@@ -232,8 +238,6 @@ def _step_line(number: int, line: str, rest: Any) -> tuple[tuple[int, str] | Non
     """Search ``line`` (line ``number``) and up to :data:`LOG_SCAN_LINES` lines of the ``rest`` of a
     :func:`trainer.inputs.lines` stream for a training step line: ``((line number, kind) or None, whether
     any non-blank line followed)``."""
-    from trainer.report.logs import step_line_kind
-
     kind = step_line_kind(line)
     if kind:
         return (number, kind), False
@@ -262,8 +266,6 @@ def raw_log_hint(path: Path, number: int, kind: str) -> str:
 
 def write_metrics(path: Path, steps: Sequence[Step]) -> None:
     """Write ``steps`` as ``metrics.jsonl`` atomically (one strict JSON object per line, :func:`dumps_row`)."""
-    from trainer.publish import atomic_write
-
     data = "".join(dumps_row(s.as_dict()) + "\n" for s in steps)
     atomic_write(Path(path), data.encode())
 
@@ -455,19 +457,20 @@ ADMISSION_KEYS = ("admitted_utc", "scheduler_admitted_utc", "started_utc")
 FINISH_KEYS = ("finished_utc", "ended_utc")
 
 
-def job_wall_seconds(record: dict[str, Any]) -> tuple[float, str] | None:
+def job_wall_seconds(record: Mapping[str, Any]) -> tuple[float, str] | None:
     """Scheduler admission to finish from a run record (seconds, and the keys used), or None.
 
     Looks for ``admitted_utc``/``scheduler_admitted_utc``/``started_utc`` and ``finished_utc``/``ended_utc``
     (ISO 8601) at the top level or under ``times``; a record without them gives None.
     """
-    for holder in (record, record.get("times") if isinstance(record.get("times"), dict) else {}):
-        start_key = next((k for k in ADMISSION_KEYS if _utc(holder.get(k))), None)
-        end_key = next((k for k in FINISH_KEYS if _utc(holder.get(k))), None)
-        if start_key and end_key:
-            seconds = (_utc(holder[end_key]) - _utc(holder[start_key])).total_seconds()
+    times = record.get("times")
+    for holder in (record, times if isinstance(times, dict) else {}):
+        start = next(((k, t) for k in ADMISSION_KEYS if (t := _utc(holder.get(k))) is not None), None)
+        end = next(((k, t) for k in FINISH_KEYS if (t := _utc(holder.get(k))) is not None), None)
+        if start and end:
+            seconds = (end[1] - start[1]).total_seconds()
             if seconds > 0:
-                return seconds, f"{start_key} to {end_key}"
+                return seconds, f"{start[0]} to {end[0]}"
     return None
 
 
@@ -499,8 +502,11 @@ def summarize(
         raise UserError("metrics.jsonl: no steps")
     window = window or default_window(steps)
     chosen = select_window(steps, window)
-    tokens = sum(s.tokens for s in chosen)
-    seconds = sum(s.step_time_s for s in chosen)
+    # select_window refused a step without tokens or a step time: these are the window's, one per step
+    step_tokens = [s.tokens for s in chosen if s.tokens is not None]
+    step_times = [s.step_time_s for s in chosen if s.step_time_s is not None]
+    tokens = sum(step_tokens)
+    seconds = sum(step_times)
     tps = tokens_per_s_per_gpu(tokens, seconds, inputs.gpus)
     out: dict[str, Any] = {
         "schema_version": 1,
@@ -522,9 +528,9 @@ def summarize(
         "model_flops_formula": "Megatron-style per-layer count, trainer.report.metrics.model_flops_per_token",
         "usd_per_million_tokens": None,
         "usd_per_node_hour": inputs.usd_per_node_hour,
-        "step_time_cv_percent": cv_percent([s.step_time_s for s in chosen]),
+        "step_time_cv_percent": cv_percent(step_times),
         "step_time_cv_stdev": "population (over the window's step times)",
-        "step_time_mean_s": statistics.fmean(s.step_time_s for s in chosen),
+        "step_time_mean_s": statistics.fmean(step_times),
     }
     if inputs.model is not None and inputs.seq_length:
         flops = model_flops_per_token(inputs.model, inputs.seq_length)

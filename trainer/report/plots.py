@@ -12,7 +12,7 @@ import io
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import matplotlib
 
@@ -22,6 +22,9 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from trainer.publish import atomic_write  # noqa: E402
 from trainer.report.metrics import Step  # noqa: E402
+
+if TYPE_CHECKING:
+    from trainer.report.convergence import Verdict
 
 CANDIDATE = "#1f77b4"
 REFERENCE = "#ff7f0e"
@@ -65,7 +68,7 @@ def plot_step_times(
 
 
 def plot_convergence(
-    result: dict[str, Any], path: Path, candidate_label: str = "candidate", reference_label: str = "reference"
+    result: Verdict, path: Path, candidate_label: str = "candidate", reference_label: str = "reference"
 ) -> None:
     """Loss of candidate and reference per step (from a :func:`trainer.report.convergence.check` result dict).
 
@@ -86,13 +89,13 @@ def plot_convergence(
             ax.axvspan(min(skipped) - 0.5, max(skipped) + 0.5, color="grey", alpha=0.15)
         ax.grid(alpha=0.3)
 
-    def finite(v: float | None) -> bool:
+    def finite(v: float | None) -> TypeGuard[float]:
         return v is not None and math.isfinite(v)
 
     band = [
-        (p["step"], p["reference"], p["tolerance"])
+        (p["step"], reference, tolerance)
         for p in points
-        if finite(p["reference"]) and p["tolerance"] is not None
+        if finite(reference := p["reference"]) and (tolerance := p["tolerance"]) is not None
     ]
     if band:
         bx = [b[0] for b in band]

@@ -21,18 +21,27 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import enum
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from trainer import REPO_ROOT
 from trainer.compose import checks, numerics
+from trainer.compose.render import render
 from trainer.errors import UserError
-from trainer.inputs import read_text, read_yaml
+from trainer.inputs import read_text, read_yaml, reading
 from trainer.publish import atomic_write
-from trainer.record.rundir import COMMAND, METRICS, Run, load_run
+from trainer.record.rundir import COMMAND, METRICS
+from trainer.report.convergence import check, load_thresholds
+from trainer.report.report import build_summary
+from trainer.report.run import Run, load_run
+
+if TYPE_CHECKING:
+    from trainer.report.convergence import Verdict
 
 SCHEMA_PATH = REPO_ROOT / "schema" / "recipe.schema.yaml"
 
@@ -79,10 +88,13 @@ def validate_recipe(recipe: Any, name: str = "recipe") -> None:
 
 def stack_block(run: Run) -> dict[str, Any]:
     """The ``stack:`` block: observed versions and image digest from the record, else the config's pins."""
-    record = run.record or {}
+    record: Mapping[str, Any] = run.record or {}
     observed = record.get("observed") or record.get("observed_versions") or {}
-    pins = run.config.stack
-    image = record.get("image") if isinstance(record.get("image"), dict) else {}
+    cluster = run.train_config.cluster
+    pins = run.train_config.stack
+    image = record.get("image")
+    if not isinstance(image, dict):
+        image = {}
     digest = record.get("image_digest") or image.get("digest")
 
     def pick(*names: str, default: str = "") -> str:
@@ -109,7 +121,7 @@ def stack_block(run: Run) -> dict[str, Any]:
         "nccl": pick("nccl", default=pins.nccl),
         "deepep": pick("deepep", "deep_ep", default=pins.deepep),
         "python": pick("python", default=pins.python),
-        "network": f"{run.config.cluster.gpus_per_node} GPUs per node, {run.config.cluster.interconnect or 'unknown'}",
+        "network": f"{cluster.gpus_per_node} GPUs per node, {cluster.interconnect or 'unknown'}",
         "image_digest": digest if isinstance(digest, str) else None,
         "lock_sha256": record.get("locks") or {},
         "source": source,
@@ -121,13 +133,14 @@ def workload_block(run: Run) -> dict[str, Any]:
     """The ``workload:`` block from the run's config: row length (tokens), rows, global batch (rows), precision
     and the dataset with its build (tokenizer, loss mask, hashes, parquet size in bytes).
     """
-    d = run.config.data
+    d = run.train_config.data
+    optim = run.train_config.optim
     b = d.build
     return {
         "row_tokens": d.seq_length,
-        "rows": "SFT conversations" if run.config.optim.loss_type == "sft_loss" else run.config.optim.loss_type,
-        "global_batch": run.config.optim.global_batch_size,
-        "precision": "bf16" if run.config.optim.bf16 else "fp32",
+        "rows": "SFT conversations" if optim.loss_type == "sft_loss" else optim.loss_type,
+        "global_batch": optim.global_batch_size,
+        "precision": "bf16" if optim.bf16 else "fp32",
         "dataset": {
             "name": d.dataset_name,
             "source": d.source,
@@ -136,7 +149,8 @@ def workload_block(run: Run) -> dict[str, Any]:
             "rows_sha256": d.rows_sha256,
             "build": {
                 "name": b.name,
-                "tokenizer": f"{b.tokenizer} (revision {b.tokenizer_revision}; tokenizer.json sha256 {b.tokenizer_sha256})",
+                "tokenizer": f"{b.tokenizer} (revision {b.tokenizer_revision}; "
+                f"tokenizer.json sha256 {b.tokenizer_sha256})",
                 "loss_mask": b.loss_mask,
                 "rows": b.rows,
                 "row_tokens": b.row_tokens,
@@ -157,8 +171,8 @@ def layout_block(run: Run) -> dict[str, Any]:
     one-line summary. DP and the per-stage layer split come from :func:`trainer.compose.checks.check`, which raises
     :class:`~trainer.errors.CheckError` for a layout that does not fit the model or cluster.
     """
-    lay = run.config.layout
-    par = checks.check(run.config)
+    lay = run.train_config.layout
+    par = checks.check(run.train_config)
     split = "/".join(map(str, par.stage_layers))
     parts = [f"TP {par.tensor_model_parallel_size}"]
     if par.pipeline_model_parallel_size > 1:
@@ -180,7 +194,8 @@ def layout_block(run: Run) -> dict[str, Any]:
         parts.append("sequence parallel")
     rows = "one" if lay.micro_batch_size == 1 else str(lay.micro_batch_size)
     details = [
-        f"{rows} {run.config.data.seq_length:,}-token row{'s' if lay.micro_batch_size > 1 else ''} per microbatch "
+        f"{rows} {run.train_config.data.seq_length:,}-token row{'s' if lay.micro_batch_size > 1 else ''} "
+        "per microbatch "
         f"({lay.qkv_format}, micro-batch size {lay.micro_batch_size})"
     ]
     if lay.recompute_granularity:
@@ -225,8 +240,9 @@ def layout_block(run: Run) -> dict[str, Any]:
 
 def measured_date(run: Run) -> str:
     """YYYY-MM-DD of the run: the record's finish (or creation) time, else metrics.jsonl's modification date."""
-    record = run.record or {}
-    for holder in (record, record.get("times") if isinstance(record.get("times"), dict) else {}):
+    record: Mapping[str, Any] = run.record or {}
+    times = record.get("times")
+    for holder in (record, times if isinstance(times, dict) else {}):
         for key in ("finished_utc", "ended_utc", "created_utc"):
             value = holder.get(key)
             if isinstance(value, str) and len(value) >= 10:
@@ -267,10 +283,11 @@ def result_block(run: Run, summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def correctness_block(run: Run, reference: Run | None, convergence: dict[str, Any] | None) -> dict[str, Any]:
+def correctness_block(run: Run, reference: Run | None, convergence: Verdict | None) -> dict[str, Any]:
     """The ``correctness:`` block. Without ``reference`` or ``convergence``: ``not-checked``. Else ``pass`` only
-    when the convergence check passed and the configs are not numerics-different (:func:`trainer.compose.numerics.compare`;
-    ``configuration`` is ``not-checked`` when the reference has no config), with the check's figures rounded.
+    when the convergence check passed and the configs are not numerics-different
+    (:func:`trainer.compose.numerics.compare`; ``configuration`` is ``not-checked`` when the reference has no
+    config), with the check's figures rounded.
     """
     if reference is None or convergence is None:
         return {
@@ -282,7 +299,7 @@ def correctness_block(run: Run, reference: Run | None, convergence: dict[str, An
             "convergence": None,
             "rules": "trainer recipe --reference RUN_DIR runs the convergence check",
         }
-    verdict = numerics.compare(run.cfg, reference.cfg) if reference.cfg is not None else None
+    verdict = numerics.compare(run.composition, reference.cfg) if reference.cfg is not None else None
     differing = ", ".join(f"{d.flag} {d.reference} -> {d.candidate}" for d in verdict.differences) if verdict else ""
     m = convergence["metrics"]
     configuration = "not-checked" if verdict is None else ("pass" if verdict.equivalent else "fail")
@@ -308,8 +325,9 @@ def correctness_block(run: Run, reference: Run | None, convergence: dict[str, An
             "pointwise_failures": m["pointwise_failures"],
             "note": f"candidate arm: {run.path.name}; reference arm: {reference.path.name}",
         },
-        "rules": f"argument classes of trainer/compose/numerics.py; {m['steps']}-step check by Megatron-Bridge validate_convergence "
-        f"with its {th['name']} thresholds (trainer/report/convergence.py: steps aligned by number, missing steps and NaN/Inf fail)",
+        "rules": f"argument classes of trainer/compose/numerics.py; {m['steps']}-step check by Megatron-Bridge "
+        f"validate_convergence with its {th['name']} thresholds (trainer/report/convergence.py: steps aligned by "
+        "number, missing steps and NaN/Inf fail)",
     }
 
 
@@ -317,12 +335,12 @@ def build_recipe(
     run: Run,
     summary: dict[str, Any],
     reference: Run | None = None,
-    convergence: dict[str, Any] | None = None,
+    convergence: Verdict | None = None,
     author: str = "unknown",
     author_url: str | None = None,
 ) -> dict[str, Any]:
     """The recipe of a run as plain data in the seed's key order (validate with :func:`validate_recipe`)."""
-    cfg = run.config
+    cfg = run.train_config
     correctness = correctness_block(run, reference, convergence)
     status = {"pass": "verified", "fail": "failed"}.get(correctness["result"], "measured")
     if run.cpu_only and status == "verified":
@@ -331,9 +349,7 @@ def build_recipe(
     if command.is_file():
         script = read_text(command, "command.sh")  # 64 MiB at most, a FIFO refused
     else:
-        from trainer.compose.render import render
-
-        script = render(run.cfg).shell_script()
+        script = render(run.composition).shell_script()
     return {
         "schema_version": 1,
         "model": cfg.model.display_name,
@@ -368,6 +384,8 @@ def _str(dumper: yaml.SafeDumper, value: str) -> Any:
 
 
 _Dumper.add_representer(str, _str)
+# a choice field of the config (trainer.compose.schema: a StrEnum) is written as its value, as the str it is
+_Dumper.add_multi_representer(enum.Enum, lambda dumper, value: _str(dumper, str(value.value)))
 
 
 def dump_recipe(recipe: dict[str, Any], name: str) -> str:
@@ -380,9 +398,9 @@ def parser() -> argparse.ArgumentParser:
     """The argument parser of ``trainer recipe`` (write a recipe from RUN_DIR, or ``--validate`` files)."""
     p = argparse.ArgumentParser(
         prog="trainer recipe",
-        description="Write a run as a recipe YAML (the seed's format, schema/recipe.schema.yaml): result from the run's "
-        "metrics, stack from its record, correctness from the convergence check against --reference. "
-        "Or validate recipe YAMLs with --validate.",
+        description="Write a run as a recipe YAML (the seed's format, schema/recipe.schema.yaml): "
+        "result from the run's metrics, stack from its record, correctness from the convergence check against "
+        "--reference. Or validate recipe YAMLs with --validate.",
     )
     p.add_argument("run_dir", nargs="?", type=Path, help="the run directory (config.yaml, record.json, metrics.jsonl)")
     p.add_argument("--reference", type=Path, metavar="RUN_DIR", help="reference run for the correctness block")
@@ -407,16 +425,14 @@ def _validate_files(files: list[Path], as_json: bool) -> int:
     schema = load_schema()
     report = {}
     for path in files:
-        try:
+        with reading(path, unreadable=f"{path}: not readable"):
             data = read_yaml(path, "recipe file")
-        except OSError as ex:
-            raise UserError(f"{path}: not readable ({ex.strerror})") from None
         report[str(path)] = validation_errors(data, schema)
     if as_json:
         print(json.dumps({"valid": not any(report.values()), "errors": report}, indent=2))
     else:
-        for path, errors in report.items():
-            print(f"{path}: " + ("valid" if not errors else f"{len(errors)} error(s)"))
+        for name, errors in report.items():
+            print(f"{name}: " + ("valid" if not errors else f"{len(errors)} error(s)"))
             for e in errors:
                 print(f"  {e}")
     return 1 if any(report.values()) else 0
@@ -429,14 +445,10 @@ def main(argv: list[str]) -> int:
         return _validate_files(args.validate, args.json)
     if args.run_dir is None:
         raise UserError("expected RUN_DIR (or --validate FILE ...)")
-    from trainer.report.report import build_summary
-
     run = load_run(args.run_dir, need_config=True)
     summary = build_summary(run, args.window, args.usd_per_node_hour, cost=not args.no_cost)
     reference = convergence = None
     if args.reference:
-        from trainer.report.convergence import check, load_thresholds
-
         thresholds = load_thresholds(args.thresholds, args.set)
         reference = load_run(args.reference, need_config=True)
         convergence = check(run.steps, reference.steps, thresholds)

@@ -19,9 +19,13 @@ from rich.table import Table
 
 from trainer.compose.params import count_params
 from trainer.console import table_console
+from trainer.errors import UserError
+from trainer.inputs import lines
 from trainer.record.record import write_json
-from trainer.record.rundir import Run, load_run
 from trainer.report import metrics
+from trainer.report.plots import plot_step_times
+from trainer.report.run import Run, load_run
+from trainer.report.steplines import step_line_kind
 
 
 def parser() -> argparse.ArgumentParser:
@@ -64,7 +68,7 @@ def _price(text: str) -> float:
 def report_inputs(run: Run, usd_per_node_hour: float | None = None) -> metrics.ReportInputs:
     """GPUs, N, peak, price and model of a run directory's config (and admission/finish times from its record)."""
     assert run.config is not None
-    cfg = run.config
+    cfg = run.train_config
     n = count_params(cfg.model).active_per_token
     wall = metrics.job_wall_seconds(run.record or {})
     cpu_only = run.cpu_only  # a run whose processes saw no GPU (launcher=local-cpu) has no GPU peak
@@ -89,7 +93,7 @@ def build_summary(
     """The summary of a loaded run (see :func:`trainer.report.metrics.summarize`), with the run's identity added."""
     inputs = report_inputs(run, usd_per_node_hour)
     summary = metrics.summarize(run.steps, inputs, metrics.parse_window(window) if window else None, cost=cost)
-    cfg = run.config
+    cfg = run.train_config
     summary["run"] = {
         "model": cfg.model.display_name,
         "layout": cfg.layout.label,
@@ -128,7 +132,8 @@ def print_summary(summary: dict[str, Any], where: Path, console: Console | None 
         table.add_row(
             "MFU",
             f"{summary['mfu']:.4f}",
-            f"6 x N {summary['active_params']['count']:,} x tokens/s/GPU / peak {summary['peak_flops']['value']:.4g} FLOP/s",
+            f"6 x N {summary['active_params']['count']:,} x tokens/s/GPU / peak "
+            f"{summary['peak_flops']['value']:.4g} FLOP/s",
         )
     if summary["model_tflops_per_gpu"] is not None:
         f = summary["model_flops_per_token"]
@@ -156,9 +161,6 @@ def print_summary(summary: dict[str, Any], where: Path, console: Console | None 
 def refuse_raw_log(path: Path) -> None:
     """Raise :class:`UserError` naming the commands to run when ``path`` (given as RUN_DIR) is a training
     log; return quietly for any other file (the run loader then refuses it)."""
-    from trainer.errors import UserError
-    from trainer.inputs import lines
-    from trainer.report.logs import step_line_kind
 
     found = None
     try:
@@ -186,8 +188,6 @@ def main(argv: list[str]) -> int:
     out = args.out or run.path
     write_json(out / "summary.json", summary)
     if not args.no_plot:
-        from trainer.report.plots import plot_step_times
-
         plot_step_times(
             run.steps,
             tuple(summary["window"]),
@@ -200,11 +200,3 @@ def main(argv: list[str]) -> int:
     else:
         print_summary(summary, out / "summary.json")
     return 0
-
-
-if __name__ == "__main__":
-    import sys
-
-    from trainer.cli import main as cli_main
-
-    raise SystemExit(cli_main(["report", *sys.argv[1:]]))

@@ -18,7 +18,9 @@ import os
 from pathlib import Path
 
 from trainer.errors import CheckError
-from trainer.image.gittree import directory_tree_id
+from trainer.image.cas import Cache
+from trainer.image.gittree import EXEC_MODE, LINK_MODE, directory_tree_id
+from trainer.image.sources import cached_archive, verified_files
 
 # component of lockfiles/stack.json -> (launcher field, environment variable, top-level package it provides)
 CHECKOUTS = {
@@ -36,10 +38,6 @@ def unpack_from_cache(component: str, locked: dict[str, str], cache=None) -> Pat
     cache does not hold the tree."""
     import shutil
     import tempfile
-
-    from trainer.image.cas import Cache
-    from trainer.image.gittree import EXEC_MODE, LINK_MODE
-    from trainer.image.sources import cached_archive, verified_files
 
     cache = cache or Cache()
     dest = cache.root / "checkouts" / locked["tree"]

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 
 from trainer.compose.checks import Parallelism
 from trainer.compose.schema import TrainConfig
+from trainer.data import Rows, synthetic
+from trainer.data.build import BuildConfig, build
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
 from trainer.record.rundir import LOGS, RunDir
@@ -54,8 +56,6 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     """The rows directory the workers read: built here from generated conversations when
     ``data.synthetic_conversations`` is set (checked against ``data.rows_sha256`` when that is given), else
     ``paths.prompt_data`` (a ``trainer data build`` output). Raises :class:`UserError` with one line."""
-    from trainer.data import Rows, synthetic
-    from trainer.data.build import BuildConfig, build
 
     data = cfg.data
     if data.synthetic_conversations:
@@ -83,14 +83,14 @@ def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:
     path = Path(os.path.expandvars(cfg.paths.prompt_data))
     if "$" in str(path) or not (path / "manifest.json").is_file():
         raise UserError(
-            f"paths.prompt_data {redact_field('prompt_data', cfg.paths.prompt_data)}: expected a rows directory from `trainer data build` "
-            "(rows.parquet + manifest.json)"
+            f"paths.prompt_data {redact_field('prompt_data', cfg.paths.prompt_data)}: expected a rows directory from "
+            "`trainer data build` (rows.parquet + manifest.json)"
         )
     rows = Rows(path)  # verified against its own manifest before any process starts
     if data.rows_sha256 and rows.manifest.get("rows_sha256") != data.rows_sha256:
         raise UserError(
-            f"paths.prompt_data {redact_field('prompt_data', path)}: rows_sha256 {rows.manifest.get('rows_sha256')} != data.rows_sha256 "
-            f"{data.rows_sha256} (data={data.name})"
+            f"paths.prompt_data {redact_field('prompt_data', path)}: rows_sha256 {rows.manifest.get('rows_sha256')} "
+            f"!= data.rows_sha256 {data.rows_sha256} (data={data.name})"
         )
     return path
 

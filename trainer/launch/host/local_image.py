@@ -9,8 +9,9 @@
 2. The probe (``python -m trainer.probe --distributions``) runs inside that root file system, read-only, with
    bubblewrap: each entry of the root bound read-only (:func:`trainer.launch.host.rootfs.readonly_view`),
    ``--proc /proc --dev /dev --tmpfs /tmp``, with new PID, IPC, network, UTS
-   and cgroup namespaces (and a user namespace when not root), ``--cap-drop ALL --clearenv``, no network, ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if
-   given, runs the same way (its log is ``logs/job.log``).
+   and cgroup namespaces (and a user namespace when not root), ``--cap-drop ALL --clearenv``, no network,
+   ``RECIPE_BUNDLE_IMAGE_DIGEST`` set to the digest. Then ``launcher.job``, if given, runs the same way (its log
+   is ``logs/job.log``).
 3. The record carries the image (digest, layout, tag, the stamped ``/etc/recipe-bundle/lock.json`` copied to
    ``image/lock.json``) and the probe; its ``lock`` is that stamp, so ``trainer verify RUN_DIR`` compares what
    the probe saw inside the image with the lock the image was built from.
@@ -40,13 +41,14 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
+from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
 from trainer.launch.host import rootfs as rootfs_cache
+from trainer.launch.host.rootfs import readonly_view
 from trainer.record.rundir import COMPLETE, FAILED, LOGS, PROBES, SANDBOX, RunDir
 
 IMAGE_DIR = "image"  # the run directory's copy of the image's stamped lock: image/lock.json
-from trainer.compose.schema import TrainConfig
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
@@ -195,8 +197,6 @@ def sandbox(rootfs: Path, digest: str, site_packages: str | None, host_python: b
     unchanged; see the module docstring.
 
     Raises :class:`UserError` when the image itself uses ``HOST_MOUNT`` (binding there would hide it)."""
-    from trainer.launch.host.rootfs import readonly_view
-
     # every namespace but, for root, the user namespace (--unshare-all tries one): a new procfs may not be mounted
     # in a user namespace where /proc has parts covered (inside another sandbox: bwrap, a container); root's
     # process keeps no capability anyway (--cap-drop ALL)
@@ -260,7 +260,7 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     cfg = prepared.config
     run_dir = rundir.path.absolute()
     digest = _digest(cfg)
-    layout = Path(cfg.launcher.image_layout).absolute()
+    layout = Path(cfg.launcher.image_layout or "").absolute()  # check() refused a missing one
     tag = find_tag(layout, digest)
     logs = run_dir / LOGS
     logs.mkdir(exist_ok=True)

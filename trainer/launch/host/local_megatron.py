@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
+from trainer.compose.plan import megatron_choice
 from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError
 from trainer.launch.host.checkout import verify_checkouts
@@ -47,7 +48,8 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     refusals = [
         (
             local and m.multi_latent_attention,
-            "model.multi_latent_attention true: MLA needs TransformerEngine's attention (launcher.transformer_impl local)",
+            "model.multi_latent_attention true: MLA needs TransformerEngine's attention "
+            "(launcher.transformer_impl local)",
         ),
         (
             local and m.experimental_attention_variant not in ("none", ""),
@@ -56,20 +58,22 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         ),
         (
             local and lay.sequence_parallel,
-            "layout.sequence_parallel true: the local spec's torch norms do not support it (and MoE with TP > 1 needs it)",
+            "layout.sequence_parallel true: the local spec's torch norms do not support it "
+            "(and MoE with TP > 1 needs it)",
         ),
         (
             m.experimental_attention_variant == "dsv4" and m.mtp_num_layers > 0,
-            f"model.mtp_num_layers {m.mtp_num_layers} with the V4 attention: Megatron-LM 37f91617's MTP layer asserts an "
-            "attn_mask_type on its attention spec (multi_token_prediction.py:724), which miles' V4 spec does not set "
-            "(deepseek_v4.py _dsv4_attention_module_spec): use model.mtp_num_layers=0",
+            f"model.mtp_num_layers {m.mtp_num_layers} with the V4 attention: Megatron-LM 37f91617's MTP layer "
+            "asserts an attn_mask_type on its attention spec (multi_token_prediction.py:724), which miles' V4 spec "
+            "does not set (deepseek_v4.py _dsv4_attention_module_spec): use model.mtp_num_layers=0",
         ),
         (
             m.experimental_attention_variant == "dsv4" and lay.micro_batch_size > 1,
             f"layout.micro_batch_size {lay.micro_batch_size} with the V4 model: TileKernels 1.0.0's hyper-connection "
             "backward views a non-contiguous gradient with more than one row per microbatch "
-            "(tile_kernels/modeling/mhc/ops/pre_apply_mix.py:42; seen on an H200, 2026-12-01) and Megatron-LM 37f91617's "
-            "hash routing pairs token ids with router logits only for one row: use layout.micro_batch_size=1",
+            "(tile_kernels/modeling/mhc/ops/pre_apply_mix.py:42; seen on an H200, 2026-12-01) and Megatron-LM "
+            "37f91617's hash routing pairs token ids with router logits only for one row: "
+            "use layout.micro_batch_size=1",
         ),
         (
             lay.context_parallel_size > 1,
@@ -77,7 +81,8 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         ),
         (
             cfg.launcher.attention_backend not in ("unfused", "fused", "flash", "local", "auto"),
-            f"launcher.attention_backend {cfg.launcher.attention_backend!r}: expected unfused, fused, flash, local or auto",
+            f"launcher.attention_backend {cfg.launcher.attention_backend!r}: "
+            "expected unfused, fused, flash, local or auto",
         ),
     ]
     for refused, line in refusals:
@@ -157,30 +162,3 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     if chosen.is_file():
         record["megatron"] = {**json.loads(chosen.read_text()), "why": megatron_choice(cfg)["why"]}
     return record
-
-
-def megatron_choice(cfg: TrainConfig) -> dict[str, Any]:
-    """What the plan says the worker builds: ``{"transformer_impl", "attention_backend", "why"}``."""
-    impl = cfg.launcher.transformer_impl
-    why = [
-        "transformer_impl auto: TransformerEngine's layer spec when transformer_engine is importable in the "
-        "training process (the recipe's path), else megatron-core's local spec"
-        if impl == "auto"
-        else f"transformer_impl {impl}: asked for",
-    ]
-    if cfg.launcher.attention_backend == "unfused":
-        why.append(
-            "attention_backend unfused: TE 2.17.0's cuDNN fused attention failed on the lent H200 (torch "
-            "2.11.0+cu130, the lock's cuDNN 9.19.0): backward CUDNN_STATUS_BAD_PARAM (2026-12-01, first "
-            "try), forward CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED with the machine's apt cuDNN 9.14 mapped "
-            "next to 9.19 (fused_attn_f16_arbitrary_seqlen.cu:419); unfused ran"
-        )
-    else:
-        why.append(f"attention_backend {cfg.launcher.attention_backend}: asked for")
-    if cfg.model.experimental_attention_variant == "dsv4":
-        why.append(
-            "model: miles' DeepSeekV4Attention (--spec miles_plugins.models.deepseek_v4.deepseek_v4 "
-            "get_dsv4_spec) uses its own tilelang sparse-attention kernel; attention_backend applies to "
-            "no V4 layer"
-        )
-    return {"transformer_impl": impl, "attention_backend": cfg.launcher.attention_backend, "why": why}

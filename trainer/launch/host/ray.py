@@ -115,7 +115,7 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     run_dir = rundir.path
     from ray.job_submission import JobSubmissionClient
 
-    address = cfg.launcher.address.rstrip("/")
+    address = (cfg.launcher.address or "").rstrip("/")  # check() refused a missing one
     argv, env = cluster.job(prepared)
     rundir.write_job(argv, env)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None

@@ -19,6 +19,9 @@ environment, for clusters without pyxis and for the tests here):
    with the cause in one line (``python -m trainer.launch.jobsteps mark``). A time limit or ``scancel``
    (SIGTERM to the batch script) is recorded as ``failed`` too.
 
+The script is ``templates/sbatch.sh.tmpl`` next to this module (:data:`SBATCH_TEMPLATE`), filled in by
+:func:`render_sbatch` with the values of :func:`sbatch_values`.
+
 ``launcher.submit=true`` submits with ``sbatch`` and prints the job id; ``trainer status RUN_DIR`` follows it.
 A submission Slurm refuses marks the run ``failed`` with sbatch's error line.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import string
 import subprocess
 import sys
 from pathlib import Path
@@ -34,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
+from trainer.compose.render import argv_words, shell_word
 from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError, UserError
 from trainer.launch.host import cluster
@@ -51,6 +56,8 @@ IMAGE_WORKDIR = "/root/miles"  # where the recipe image has miles (lockfiles: so
 
 
 SBATCH_VALUE_RE = re.compile(r"^[A-Za-z0-9_.,:=@/+-]+$")
+# The batch script with ${name} for the values of sbatch_values and $$ for bash's own $ (string.Template).
+SBATCH_TEMPLATE = Path(__file__).parent / "templates" / "sbatch.sh.tmpl"
 
 
 def check(cfg: TrainConfig, par: Parallelism) -> None:
@@ -64,12 +71,14 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         cluster.parse_image(lau.image or "")
     if not TIME_RE.match(lau.time_limit):
         raise CheckError(
-            f"launcher.time_limit {redact_field('time_limit', lau.time_limit)!r}: expected Slurm's time format, e.g. 04:00:00 or 1-00:00:00"
+            f"launcher.time_limit {redact_field('time_limit', lau.time_limit)!r}: expected Slurm's time format, "
+            "e.g. 04:00:00 or 1-00:00:00"
         )
     for mount in lau.container_mounts:
         if mount.count(":") not in (1, 2) or not mount.startswith("/"):
             raise CheckError(
-                f"launcher.container_mounts {redact_field('container_mounts', mount)!r}: expected /SRC:/DST or /SRC:/DST:ro"
+                f"launcher.container_mounts {redact_field('container_mounts', mount)!r}: "
+                "expected /SRC:/DST or /SRC:/DST:ro"
             )
     for port in ("ray_port", "dashboard_port"):
         if not 0 < getattr(lau, port) < 65536:
@@ -83,12 +92,18 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     ):
         if value is not None and (not SBATCH_VALUE_RE.match(str(value))):
             raise CheckError(
-                f"{key} {redact_field(key, value)!r}: expected one word of letters, digits and _.,:=@/+- (it becomes an #SBATCH line)"
+                f"{key} {redact_field(key, value)!r}: expected one word of letters, digits and _.,:=@/+- "
+                "(it becomes an #SBATCH line)"
             )
 
 
-def _q(word: str) -> str:
+def _q(word: str | Path) -> str:
     return shlex.quote(str(word))
+
+
+def _lines(lines: list[str]) -> str:
+    """``lines`` as a block of the template: each line ending in a newline (nothing for no lines)."""
+    return "".join(line + "\n" for line in lines)
 
 
 def _require_vars(env: dict[str, str], argv: list[str]) -> list[str]:
@@ -107,167 +122,128 @@ def _require_vars(env: dict[str, str], argv: list[str]) -> list[str]:
     return [
         "# variables the recipe's env and argv refer to (paths.*): set them before sbatch",
         f"for v in {' '.join(names)}; do",
-        '  [ -n "${!v+x}" ] || { echo "sbatch.sh: $v is not set: export it before sbatch (paths.* refer to it)" >&2; exit 2; }',
+        '  [ -n "${!v+x}" ] || { echo "sbatch.sh: $v is not set: export it before sbatch (paths.* refer to it)" >&2; '
+        "exit 2; }",
         "done",
     ]
 
 
-def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[str, str]) -> str:
-    """The batch script for ``cfg`` writing into ``run_dir`` (absolute); see the module docstring."""
-    from trainer.compose.render import argv_words, shell_word
-
+def _resources(cfg: TrainConfig) -> list[str]:
+    """The ``#SBATCH`` lines of the allocation after ``--ntasks-per-node``: GPUs (``launcher.gpus_flag``), time
+    limit, partition and account (the last two only when set)."""
     lau, clu = cfg.launcher, cfg.cluster
-    run_dir = run_dir.absolute()
-    if not SBATCH_VALUE_RE.match(str(run_dir)):
-        raise UserError(
-            f"run directory {run_dir}: expected a path without spaces or special characters (Slurm's --output)"
-        )
-    pyxis = lau.container == "pyxis"
-    digest = cluster.parse_image(lau.image)[1] if lau.image else ""
-    python = lau.python or ("python3" if pyxis else sys.executable)
-    nodes, gpus = clu.nodes, clu.gpus_per_node
-    head = [
-        "#!/bin/bash",
-        f"# recipe-bundle: {cfg.layout.label} on {nodes} x {gpus} {clu.gpu_type} ({clu.name}), written by "
-        "`train launcher=slurm`.",
-        f"# Run directory (shared by every node): {run_dir}",
-        f"#SBATCH --job-name=recipe-{cfg.layout.name}",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-    ]
+    lines = []
     if lau.gpus_flag == "gpus-per-node":
-        head.append(f"#SBATCH --gpus-per-node={gpus}")
+        lines.append(f"#SBATCH --gpus-per-node={clu.gpus_per_node}")
     elif lau.gpus_flag == "gres":
-        head.append(f"#SBATCH --gres=gpu:{gpus}")
-    head.append(f"#SBATCH --time={lau.time_limit}")
+        lines.append(f"#SBATCH --gres=gpu:{clu.gpus_per_node}")
+    lines.append(f"#SBATCH --time={lau.time_limit}")
     if clu.partition:
-        head.append(f"#SBATCH --partition={clu.partition}")
+        lines.append(f"#SBATCH --partition={clu.partition}")
     if clu.account:
-        head.append(f"#SBATCH --account={clu.account}")
-    head += [
-        f"#SBATCH --output={run_dir}/logs/slurm-%j.out",
-        "#SBATCH --signal=B:TERM@120",
-        *(f"#SBATCH {arg}" for arg in lau.sbatch_args),
-        "set -uo pipefail",
-        "",
-        f"RUN_DIR={_q(run_dir)}",
-        f"PY={_q(python)}",
-        f"IMAGE={_q(lau.image or '')}",
-        f"export RECIPE_BUNDLE_IMAGE_DIGEST={_q(digest)}",
-    ]
-    if pyxis:
+        lines.append(f"#SBATCH --account={clu.account}")
+    return lines
+
+
+def _container(cfg: TrainConfig, run_dir: Path, python: str) -> list[str]:
+    """The lines that set ``PYTHONPATH`` and the ``CONTAINER`` array every ``srun`` step passes: pyxis flags that run
+    the step in ``launcher.image`` with the run directory and this bundle's ``trainer`` mounted (read-only, at
+    :data:`LAUNCHER_MOUNT`), or none (``launcher.container=none``: the nodes' own environment, ``python``'s
+    directory first on ``PATH``)."""
+    lau = cfg.launcher
+    if lau.container == "pyxis":
         mounts = [f"{run_dir}:{run_dir}", f"{REPO_ROOT / 'trainer'}:{LAUNCHER_MOUNT}/trainer:ro", *lau.container_mounts]
-        head += [
+        return [
             f"export PYTHONPATH={LAUNCHER_MOUNT}${{PYTHONPATH:+:$PYTHONPATH}}",
             "# every step runs in the image by digest; the steps of one node share a named container",
             'CONTAINER=(--container-image="$IMAGE" --container-name="recipe-$SLURM_JOB_ID" '
             f"--container-mounts={_q(','.join(mounts))})",
         ]
-    else:
-        head += [
-            f"export PYTHONPATH={_q(REPO_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
-            f"export PATH={_q(Path(python).parent)}:$PATH",
-            "# launcher.container=none: the steps run in the nodes' own environment",
-            "CONTAINER=()",
-        ]
-    head += [
-        "export RAY_USAGE_STATS_ENABLED=0 RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=0 PYTHONUNBUFFERED=1",
-        "",
-        *_require_vars(env, argv),
-        "# the recipe's environment (env.json; as command.sh has it: a secret from the submitter's environment)",
-        *(
-            f'export {k}="${{{k}:?{k} is a secret: set it in the environment before sbatch}}"'
-            if is_secret_name(k)
-            else f"export {k}={shell_word(v)}"
-            for k, v in env.items()
-        ),
-        "",
-        "# the job (job.json; the same command as command.sh unless launcher.job names another)",
-        "ARGV=(",
-        *("  " + words for words in argv_words(argv)),
-        ")",
-        "",
+    return [
+        f"export PYTHONPATH={_q(REPO_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
+        f"export PATH={_q(Path(python).parent)}:$PATH",
+        "# launcher.container=none: the steps run in the nodes' own environment",
+        "CONTAINER=()",
     ]
-    entry = ["--probe", "--expect-nodes", str(nodes)]
+
+
+def _entry(cfg: TrainConfig, digest: str) -> list[str]:
+    """The arguments of :mod:`trainer.launch.ray_entry` before ``--argv-b64``: the nodes (and GPUs per node, image
+    digest, working directory) the job must find before it runs."""
+    lau, clu = cfg.launcher, cfg.cluster
+    entry = ["--probe", "--expect-nodes", str(clu.nodes)]
     if lau.expect_gpus:
-        entry += ["--expect-gpus", str(gpus)]
+        entry += ["--expect-gpus", str(clu.gpus_per_node)]
     if digest:
         entry += ["--expect-digest", digest]
     workdir = lau.workdir or (IMAGE_WORKDIR if lau.container != "none" else None)
     if workdir:
         entry += ["--workdir", workdir]
-    preflight_args = [f"--expect-gpus {gpus}" if lau.expect_gpus else "", f"--expect-digest {digest}" if digest else ""]
-    head_ip = (
-        _q(lau.head_ip) if lau.head_ip else "$(srun --overlap -N1 -n1 -w \"$HEAD\" hostname -I | awk '{print $1}')"
-    )
-    ray_args = "".join(" " + _q(a) for a in lau.ray_start_args)
-    body = f"""\
-mkdir -p "$RUN_DIR/logs" "$RUN_DIR/probes"
-NODES=($(scontrol show hostnames "$SLURM_JOB_NODELIST"))
-HEAD=${{NODES[0]}}
-NODELIST=$(IFS=,; echo "${{NODES[*]}}")
-on_head() {{ srun --overlap -N1 -n1 -w "$HEAD" "${{CONTAINER[@]}}" "$@"; }}
-mark() {{ on_head "$PY" -m trainer.launch.jobsteps mark "$RUN_DIR" "$@"; }}
-RAY_PIDS=()
-STAGE=start
-stop_ray() {{
-  [ ${{#RAY_PIDS[@]}} -gt 0 ] || return 0
-  srun --overlap --ntasks-per-node=1 "${{CONTAINER[@]}}" bash -c \\
-    'mkdir -p "$0/logs/ray/$SLURMD_NODENAME" && cp -r "$1"/session_latest/logs/. "$0/logs/ray/$SLURMD_NODENAME/"' \\
-    "$RUN_DIR" "$RAY_TMP" >> "$RUN_DIR/logs/gather.log" 2>&1
-  kill -TERM "${{RAY_PIDS[@]}}" 2>/dev/null; wait "${{RAY_PIDS[@]}}" 2>/dev/null; RAY_PIDS=()
-}}
-on_term() {{ stop_ray; mark failed --stage "$STAGE" --reason "Slurm job $SLURM_JOB_ID got SIGTERM during $STAGE (time limit or scancel)"; exit 143; }}
-trap on_term TERM
-mark running --job-id "$SLURM_JOB_ID" --nodes "$NODELIST"
+    return entry
 
-# 1. the version probe on every node, inside the image; then every node must agree (preflight)
-STAGE=preflight
-srun --overlap --ntasks-per-node=1 "${{CONTAINER[@]}}" "$PY" -m trainer.probe --out "$RUN_DIR/probes/{{node}}.json" \\
-  > "$RUN_DIR/logs/probe.log" 2>&1
-on_head "$PY" -m trainer.launch.preflight "$RUN_DIR/probes" --nodes "$NODELIST" {" ".join(a for a in preflight_args if a)} \\
-  --out "$RUN_DIR/preflight.json" > "$RUN_DIR/logs/preflight.log" 2>&1
-rc=$?
-cat "$RUN_DIR/logs/preflight.log"
-if [ $rc -ne 0 ]; then mark failed --stage preflight --exit-code $rc; exit 1; fi
 
-# 2. one Ray head on the first node, a Ray worker on every other node
-STAGE=ray
-HEAD_IP={head_ip}
-RAY_TMP=/tmp/ray-recipe-$SLURM_JOB_ID
-srun --overlap -N1 -n1 -w "$HEAD" "${{CONTAINER[@]}}" ray start --head --block --node-ip-address="$HEAD_IP" \\
-  --port={lau.ray_port} --dashboard-host=127.0.0.1 --dashboard-port={lau.dashboard_port} --num-gpus={gpus} --temp-dir="$RAY_TMP"{ray_args} \\
-  > "$RUN_DIR/logs/ray-head.log" 2>&1 &
-RAY_PIDS+=($!)
-if [ ${{#NODES[@]}} -gt 1 ]; then
-  srun --overlap -N$((${{#NODES[@]}} - 1)) --ntasks-per-node=1 -x "$HEAD" "${{CONTAINER[@]}}" ray start --block \\
-    --address="$HEAD_IP:{lau.ray_port}" --num-gpus={gpus}{ray_args} > "$RUN_DIR/logs/ray-workers.log" 2>&1 &
-  RAY_PIDS+=($!)
-fi
-on_head "$PY" -m trainer.launch.jobsteps wait-dashboard http://127.0.0.1:{lau.dashboard_port} --timeout 300
-rc=$?
-if [ $rc -ne 0 ]; then stop_ray; mark failed --stage ray --exit-code $rc --reason "Ray head did not start: $(tail -n 1 "$RUN_DIR/logs/ray-head.log")"; exit 1; fi
+def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[str, str]) -> dict[str, str]:
+    """The values of :data:`SBATCH_TEMPLATE`'s placeholders for ``cfg`` writing into ``run_dir`` (absolute, one
+    word: checked by :func:`render_sbatch`), the job's ``argv`` and ``env`` (:func:`cluster.job`). A value named
+    in the plural (``resources``, ``container``, ``exports``, ...) is a block of whole lines, each ending in a
+    newline; a ``_word`` is quoted for bash."""
+    lau, clu = cfg.launcher, cfg.cluster
+    digest = cluster.parse_image(lau.image)[1] if lau.image else ""
+    python = lau.python or ("python3" if lau.container == "pyxis" else sys.executable)
+    preflight = [
+        f"--expect-gpus {clu.gpus_per_node}" if lau.expect_gpus else "",
+        f"--expect-digest {digest}" if digest else "",
+    ]
+    return {
+        "label": cfg.layout.label,
+        "nodes": str(clu.nodes),
+        "gpus": str(clu.gpus_per_node),
+        "gpu_type": clu.gpu_type,
+        "cluster_name": clu.name,
+        "run_dir": str(run_dir),
+        "layout_name": cfg.layout.name,
+        "resources": _lines(_resources(cfg)),
+        "sbatch_args": _lines([f"#SBATCH {arg}" for arg in lau.sbatch_args]),
+        "run_dir_word": _q(run_dir),
+        "python_word": _q(python),
+        "image_word": _q(lau.image or ""),
+        "digest_word": _q(digest),
+        "container": _lines(_container(cfg, run_dir, python)),
+        "require_vars": _lines(_require_vars(env, argv)),
+        "exports": _lines(
+            [
+                f'export {k}="${{{k}:?{k} is a secret: set it in the environment before sbatch}}"'
+                if is_secret_name(k)
+                else f"export {k}={shell_word(v)}"
+                for k, v in env.items()
+            ]
+        ),
+        "argv": _lines(["  " + words for words in argv_words(argv)]),
+        "preflight_args": " ".join(a for a in preflight if a),
+        "head_ip": _q(lau.head_ip)
+        if lau.head_ip
+        else "$(srun --overlap -N1 -n1 -w \"$HEAD\" hostname -I | awk '{print $1}')",
+        "ray_port": str(lau.ray_port),
+        "dashboard_port": str(lau.dashboard_port),
+        "ray_args": "".join(" " + _q(a) for a in lau.ray_start_args),
+        "entry": " ".join(_q(e) for e in _entry(cfg, digest)),
+    }
 
-# 3. the job, submitted to that Ray cluster (the entry waits for every node, probes them through Ray, runs ARGV)
-STAGE=job
-# (a fresh head answers before its job agent is up: retry while it says so, up to 60 s)
-for attempt in $(seq 20); do
-  on_head ray job submit --address http://127.0.0.1:{lau.dashboard_port} --submission-id "recipe-$SLURM_JOB_ID" -- \\
-    "$PY" -m trainer.launch.ray_entry {" ".join(_q(e) for e in entry)} \\
-    --argv-b64 "$(printf '%s\\0' "${{ARGV[@]}}" | base64 -w0)" > "$RUN_DIR/logs/job.log" 2>&1 &
-  wait $!
-  JOB_RC=$?
-  grep -q "No available agent to submit job" "$RUN_DIR/logs/job.log" || break
-  sleep 3
-done
 
-# 4. gather the logs, stop Ray, record the result
-STAGE=gather
-stop_ray
-if [ $JOB_RC -eq 0 ]; then mark complete --stage job --exit-code 0; else mark failed --stage job --exit-code $JOB_RC; fi
-exit $JOB_RC
-"""
-    return "\n".join(head) + "\n" + body
+def render_sbatch(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[str, str]) -> str:
+    """The batch script for ``cfg`` writing into ``run_dir`` (made absolute); see the module docstring.
+
+    :data:`SBATCH_TEMPLATE` (a :class:`string.Template`: ``${name}`` a value of :func:`sbatch_values`, ``$$``
+    bash's own ``$``) filled in. Raises :class:`UserError` for a run directory that is not one word of
+    :data:`SBATCH_VALUE_RE` (it becomes Slurm's ``--output``).
+    """
+    run_dir = run_dir.absolute()
+    if not SBATCH_VALUE_RE.match(str(run_dir)):
+        raise UserError(
+            f"run directory {run_dir}: expected a path without spaces or special characters (Slurm's --output)"
+        )
+    template = string.Template(SBATCH_TEMPLATE.read_text(encoding="utf-8"))
+    return template.substitute(sbatch_values(cfg, run_dir, argv, env))
 
 
 def _sbatch_error(text: str) -> str:

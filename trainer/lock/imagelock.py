@@ -49,11 +49,12 @@ import hashlib
 import json
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
-from trainer.inputs import decode, open_regular, parse_json, read_bytes, read_text
+from trainer.inputs import decode, open_regular, parse_json, read_bytes, read_text, reading
 
 SCHEMA_VERSION = 1
 KIND = "recipe-bundle.image-lock"
@@ -75,12 +76,8 @@ def load_lock(path: Path) -> dict[str, Any]:
     Raises :class:`UserError` with the file and field for every defect (see :func:`validate_lock`).
     """
     path = Path(path)
-    try:
+    with reading(path, missing=f"{path}: lock not found"):  # a directory: open_regular names it
         raw = read_bytes(path, "lock")  # a FIFO refused without blocking, 64 MiB at most
-    except FileNotFoundError:
-        raise UserError(f"{path}: lock not found") from None
-    except IsADirectoryError:
-        raise UserError(f"{path}: is a directory, expected a lock file") from None
     lock = parse_json(decode(raw, str(path), "lock"), str(path))
     validate_lock(lock, str(path))
     lock["_sha256"] = hashlib.sha256(raw).hexdigest()
@@ -239,9 +236,7 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
     labels = _need(image, "labels", dict, f"{where}.image")
     if not all(isinstance(v, str) for v in labels.values()):
         raise UserError(f"{where}.image.labels: expected string values")
-    from trainer.image.native import validate_builds
-
-    validate_builds(lock, where)  # build_root and builds (trainer.image.buildroot, trainer.image.native)
+    validate_builds(lock, where)  # build_root and builds (built by trainer.image.buildroot, trainer.image.native)
     if RESOLVED_FROM in lock:
         _validate_resolved_from(lock, where)
 
@@ -435,3 +430,109 @@ def stale_requirements_lock(path: Path, requirements_name: str = "") -> Any:
         f"the lock's {header['sha256'][:12]}): re-resolve with `{header['command']}`, or pass --frozen to use "
         "the lock as it is"
     )
+
+
+PYTHON_KEYS = ("version", "prefix", "site_packages", "interpreter")
+
+INSTALL_TYPES = ("tree", "wheel")
+
+
+def validate_build_root(block: Any, where: str) -> None:
+    """Check a ``build_root`` block (see the module docstring). Raises :class:`UserError` naming the field."""
+    if not isinstance(block, dict):
+        raise UserError(f"{where}: expected an object")
+    _need(block, "suite", str, where)
+    debs = _need(block, "debs", list, where)
+    for i, deb in enumerate(debs):
+        for key in ("name", "version", "architecture", "url"):
+            _need(deb, key, str, f"{where}.debs[{i}]")
+        _sha(deb, "sha256", f"{where}.debs[{i}]")
+    links = block.get("links", {})
+    if not isinstance(links, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and not k.startswith("/") and ".." not in k.split("/")
+        for k, v in links.items()
+    ):
+        raise UserError(
+            f"{where}.links: expected {{relative path: symlink target}} (what update-alternatives would make)"
+        )
+    python = _need(block, "python", dict, where)
+    for key in PYTHON_KEYS:
+        if not _need(python, key, str, f"{where}.python").strip():
+            raise UserError(f"{where}.python.{key}: expected a non-empty string")
+    if not python["site_packages"].startswith(python["prefix"].rstrip("/") + "/"):
+        raise UserError(f"{where}.python.site_packages: expected a directory under python.prefix {python['prefix']!r}")
+    seen = set()
+    for i, wheel in enumerate(block.get("wheels", [])):
+        w = f"{where}.wheels[{i}]"
+        for key in ("name", "version", "filename", "url"):
+            _need(wheel, key, str, w)
+        _sha(wheel, "sha256", w)
+        if not wheel["filename"].endswith(".whl"):
+            raise UserError(f"{w}.filename: {wheel['filename']!r} is not a wheel file name")
+        if wheel["name"] in seen:
+            raise UserError(f"{w}.name: {wheel['name']!r} is listed twice")
+        seen.add(wheel["name"])
+
+
+def wheel_items(lock: dict[str, Any], names: Sequence[str], where: str) -> list[dict[str, Any]]:
+    """The wheel lock items of ``names``, each looked up in ``build_root.wheels`` first, then in the image's
+    ``wheels``; sorted by canonical name. Raises :class:`UserError` for a name in neither."""
+    pool: dict[str, dict[str, Any]] = {}
+    for w in lock.get("wheels", []) + lock.get("build_root", {}).get("wheels", []):
+        pool[canonical_name(w["name"])] = w
+    items = []
+    for name in names:
+        item = pool.get(canonical_name(name))
+        if item is None:
+            raise UserError(f"{where}: wheel {name!r} is neither in build_root.wheels nor in wheels")
+        items.append(item)
+    return sorted(items, key=lambda w: canonical_name(w["name"]))
+
+
+def validate_builds(lock: dict[str, Any], where: str) -> None:
+    """Check ``lock['builds']`` and ``lock['build_root']`` (see the module docstring). Raises :class:`UserError`
+    naming the field: an unknown input, a step without a build root, a bad command, env or install."""
+    builds = lock.get("builds", [])
+    if not isinstance(builds, list):
+        raise UserError(f"{where}.builds: expected a list")
+    if "build_root" in lock:
+        validate_build_root(lock["build_root"], f"{where}.build_root")
+    elif builds:
+        raise UserError(f"{where}.build_root: missing (builds need a build root of pinned .debs)")
+    sources = {s.get("name") for s in lock.get("sources", [])}
+    sdists = {canonical_name(s.get("name", "")) for s in lock.get("sdists", [])}
+    names = set()
+    for i, step in enumerate(builds):
+        w = f"{where}.builds[{i}]"
+        name = _need(step, "name", str, w)
+        if not NAME.match(name) or name in names:
+            raise UserError(f"{w}.name: {name!r} is not a simple name or is used twice")
+        names.add(name)
+        spec = _need(step, "input", dict, w)
+        if set(spec) == {"source"}:
+            if spec["source"] not in sources:
+                raise UserError(f"{w}.input.source: {spec['source']!r} is not a sources[] name")
+        elif set(spec) == {"sdist"}:
+            if canonical_name(str(spec["sdist"])) not in sdists:
+                raise UserError(f"{w}.input.sdist: {spec['sdist']!r} is not an sdists[] name")
+        else:
+            raise UserError(f'{w}.input: expected {{"source": NAME}} or {{"sdist": NAME}}, got {spec!r}')
+        command = _need(step, "command", list, w)
+        if not command or not all(isinstance(x, str) for x in command) or not command[0].startswith("/"):
+            raise UserError(f"{w}.command: expected a list of strings starting with an absolute program path")
+        env = step.get("env", {})
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) and "=" not in k for k, v in env.items()
+        ):
+            raise UserError(f"{w}.env: expected string values and names without '='")
+        wheels = step.get("wheels", [])
+        if not isinstance(wheels, list) or not all(isinstance(x, str) for x in wheels):
+            raise UserError(f"{w}.wheels: expected a list of wheel names")
+        wheel_items(lock, wheels, f"{w}.wheels")
+        install = _need(step, "install", dict, w)
+        if install.get("type") not in INSTALL_TYPES:
+            raise UserError(f"{w}.install.type: {install.get('type')!r} (expected one of {', '.join(INSTALL_TYPES)})")
+        if install["type"] == "tree":
+            dest = _need(install, "dest", str, f"{w}.install")
+            if not dest.startswith("/") or ".." in dest.split("/"):
+                raise UserError(f"{w}.install.dest: expected an absolute path without '..', got {dest!r}")

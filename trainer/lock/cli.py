@@ -1,14 +1,15 @@
 """``trainer lock verify LOCK`` (offline) and ``trainer lock resolve`` (network: uv + PyPI's JSON API).
 
-``verify``: the lock is well-formed (:func:`trainer.image.imagelock.validate_lock`: every artifact hashed, no
+``verify``: the lock is well-formed (:func:`trainer.lock.imagelock.validate_lock`: every artifact hashed, no
 duplicate names or hashes) and consistent with the stack pins in ``lockfiles/stack.json`` (which
 ``conf/stack/`` must agree with, :func:`trainer.compose.stackpins.verify_stack`). Exit 0 ok, 2 with one line otherwise.
 
 ``resolve``: runs ``uv pip compile --generate-hashes --python-version 3.12 --python-platform
-x86_64-manylinux_2_28`` (or the template's Python version and ``--python-platform``) on a requirements file, then asks PyPI's simple JSON API
-(PEP 691, ``https://pypi.org/simple/NAME/``) for the URL of the file with each locked hash (uv prints
-hashes, not URLs), keeping the one wheel that fits the platform, and writes a lock (``--template`` gives
-every field that is not the Python closure). A ``debian-rootfs`` base in the template also gets its
+x86_64-manylinux_2_28`` (or the template's Python version and ``--python-platform``) on a requirements file,
+then asks PyPI's simple JSON API (PEP 691, ``https://pypi.org/simple/NAME/``; :mod:`trainer.lock.pypi`) for the
+URL of the file with each locked hash (uv prints hashes, not URLs), keeping the one wheel that fits the platform,
+and writes a lock (``--template`` gives every field that is not the Python closure). A ``debian-rootfs`` base in
+the template also gets its
 ``debs`` resolved (apt on a private state directory; :func:`trainer.image.debian.resolve_debs`), and a
 ``build_root`` its .debs and build-only wheels (:func:`trainer.image.buildroot.resolve_build_root`);
 ``resolve-build-root LOCK`` does only the latter, in place. Resolution never runs during a build.
@@ -21,14 +22,18 @@ import json
 import re
 import subprocess
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from trainer import REPO_ROOT
+from trainer.compose.stackpins import load_stack_lock
 from trainer.errors import UserError
-from trainer.image import imagelock
+from trainer.image.buildroot import resolve_build_root
+from trainer.image.debian import resolve_debs
 from trainer.inputs import read_json, read_text
+from trainer.lock import imagelock
+from trainer.lock.pypi import pypi_files, wheel_fits
+from trainer.publish import atomic_write
 
 REQ_LINE = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)")
 HASH = re.compile(r"--hash=sha256:([0-9a-f]{64})")
@@ -57,69 +62,6 @@ def parse_uv_output(text: str) -> list[tuple[str, str, list[str]]]:
         if match:
             out.append((match.group(1), match.group(2), HASH.findall(block)))
     return out
-
-
-LEGACY_MANYLINUX = {"manylinux1": (2, 5), "manylinux2010": (2, 12), "manylinux2014": (2, 17)}
-
-
-def _glibc_of(platform_tag: str) -> tuple[int, int]:
-    """(major, minor) glibc a manylinux platform tag needs ((0, 0) for linux_x86_64 and unknown tags)."""
-    match = re.match(r"^manylinux_(\d+)_(\d+)_", platform_tag)
-    if match:
-        return int(match.group(1)), int(match.group(2))
-    return LEGACY_MANYLINUX.get(platform_tag.split("_x86_64")[0], (0, 0))
-
-
-def wheel_fits(
-    filename: str,
-    python: str = "cp312",
-    platform_tags: tuple[str, ...] = ("manylinux", "linux_x86_64"),
-    glibc: tuple[int, int] = (9, 99),
-) -> bool:
-    """Whether a wheel file name fits CPython ``python`` ("cp312", "cp311") on x86_64 manylinux with at most
-    ``glibc`` (e.g. (2, 36) for Debian bookworm): py3-none-any, abi3 wheels of an older or equal minor, and
-    ``python`` wheels (PEP 425 tags; manylinux glibc versions from PEP 600)."""
-    from packaging.utils import parse_wheel_filename
-
-    minor = int(python[3:])
-    try:
-        _, _, _, tags = parse_wheel_filename(filename)
-    except Exception:
-        return False
-    for tag in tags:
-        interp_ok = tag.interpreter in ("py3", f"py3{minor}", python) or (
-            tag.abi == "abi3" and tag.interpreter.startswith("cp3") and int(tag.interpreter[3:] or 0) <= minor
-        )
-        plat_ok = tag.platform == "any" or (
-            tag.platform.endswith("x86_64")
-            and tag.platform.startswith(platform_tags)
-            and _glibc_of(tag.platform) <= glibc
-        )
-        if interp_ok and plat_ok:
-            return True
-    return False
-
-
-def pypi_files(name: str, version: str) -> list[dict[str, Any]]:
-    """The files of project ``name`` from PyPI's simple JSON API (PEP 691, ``https://pypi.org/simple/NAME/``),
-    as [{"filename", "url", "sha256", "packagetype"}]; callers keep those whose sha256 uv locked for ``version``.
-    (The per-version JSON API ``/pypi/NAME/VERSION/json`` is not served by every PyPI mirror.)"""
-    url = f"https://pypi.org/simple/{imagelock.canonical_name(name)}/"
-    request = urllib.request.Request(url, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            files = json.load(response)["files"]
-    except Exception as ex:
-        raise UserError(f"{name}=={version}: PyPI simple API {url} failed ({ex})") from None
-    return [
-        {
-            "filename": f["filename"],
-            "url": f["url"].split("#")[0],
-            "sha256": f.get("hashes", {}).get("sha256", ""),
-            "packagetype": "bdist_wheel" if f["filename"].endswith(".whl") else "sdist",
-        }
-        for f in files
-    ]
 
 
 def resolve(
@@ -167,22 +109,16 @@ def resolve(
     lock = {k: v for k, v in template.items() if not k.startswith("_")}
     lock["wheels"], lock["sdists"] = wheels, sdists
     if lock.get("base", {}).get("type") == "debian-rootfs":
-        from trainer.image.debian import resolve_debs
-
         lock["base"] = {**lock["base"], "debs": resolve_debs(lock["base"])}
     if "build_root" in lock:
-        from trainer.image.buildroot import resolve_build_root
-
         lock["build_root"] = resolve_build_root(lock["build_root"])
     return lock
 
 
 def verify(path: Path, stack_path: Path, frozen: bool = False) -> dict[str, Any]:
     """Load and check the lock at ``path`` against ``stack_path`` and, unless ``frozen``, against the
-    requirements file it was resolved from (:func:`trainer.image.imagelock.stale_inputs`); return the lock.
+    requirements file it was resolved from (:func:`trainer.lock.imagelock.stale_inputs`); return the lock.
     Raises :class:`UserError`."""
-    from trainer.compose.stackpins import load_stack_lock
-
     lock = imagelock.load_lock(path)
     stale = None if frozen else imagelock.stale_inputs(lock)
     if stale:
@@ -235,9 +171,6 @@ def main(argv: list[str]) -> int:
     b.add_argument("lock")
     args = p.parse_args(argv)
     if args.command == "resolve-build-root":
-        from trainer.image.buildroot import resolve_build_root
-        from trainer.publish import atomic_write
-
         try:
             lock = read_json(Path(args.lock), "lock")  # not validated yet: its build_root is unresolved
         except (OSError, json.JSONDecodeError) as ex:
@@ -248,7 +181,8 @@ def main(argv: list[str]) -> int:
         imagelock.validate_lock(lock, args.lock)
         atomic_write(Path(args.lock), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
         print(
-            f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, {len(lock['build_root']['wheels'])} wheels"
+            f"{args.lock}: build_root {len(lock['build_root']['debs'])} .debs, "
+            f"{len(lock['build_root']['wheels'])} wheels"
         )
         return 0
     if args.command == "verify" and not args.lock.endswith(".json"):  # a requirements-format lock (launcher.lock)
@@ -282,7 +216,8 @@ def main(argv: list[str]) -> int:
         print(
             json.dumps(summary, indent=2)
             if args.json
-            else f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, {summary['sources']} sources, "
+            else f"ok: {args.lock} ({summary['wheels']} wheels, {summary['sdists']} sdists, "
+            f"{summary['sources']} sources, "
             f"base {summary['base']}; inputs: {resolved}) sha256:{lock['_sha256']}"
         )
         return 0
@@ -294,8 +229,6 @@ def main(argv: list[str]) -> int:
         Path(args.requirements), Path(args.out), python_version, args.python_platform, INDEX_URL
     )
     imagelock.validate_lock(lock, args.out)
-    from trainer.publish import atomic_write
-
     atomic_write(Path(args.out), (json.dumps(lock, indent=1, sort_keys=True) + "\n").encode(), 0o644)
     print(f"{args.out}: {len(lock['wheels'])} wheels, {len(lock['sdists'])} sdists")
     return 0

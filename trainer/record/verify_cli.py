@@ -1,0 +1,269 @@
+"""``trainer verify RUN_DIR``: did the run use what the lock pins? Observed (the probe) against locked and recipe.
+
+For each component the table gives the version the lock pins, the recipe's pin (the composed ``stack``), what
+the probe saw inside the training process, and a verdict:
+
+``ok``          observed == locked
+``drift``       observed != locked
+``absent``      locked, but not present in the running environment (not a pass)
+``not locked``  observed, but the lock does not pin it (informational)
+
+Exit code 0 only when no locked component drifted or is absent; 1 otherwise; 2 on bad input.
+The lock is the run's own (``record.json`` names it) unless ``--lock`` gives another: a requirements-style
+lock with ``name==version`` lines (``lockfiles/launcher.lock``) or a JSON stack lock (``lockfiles/stack.json``).
+``--recipe`` compares against a recipe YAML's ``stack`` block instead of the composed one.
+
+``--key KEY.pub`` first checks the run's signed ``attestation.json`` (:mod:`trainer.record.attest`: the signature, then
+that the run directory holds exactly the files it names, each with its sha256) and then takes every answer from
+what was signed: the record's bytes as hashed, the probes, the lock by its signed sha256 (``--lock`` must be that
+same file), the status and the steps. Given an image instead of a run directory, it checks the image's signed
+provenance. A failed check is one line on stderr and exit 1. Without ``--key`` the answer is computed from the
+files as they are, and the output says that nothing was checked against a signature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from trainer.console import table_console
+from trainer.errors import UserError
+from trainer.image import provenance, referrers
+from trainer.image.oci import digest_of, open_image
+from trainer.inputs import read_bytes, read_yaml, reading
+from trainer.record import attest
+from trainer.record.attest import count_steps_in
+from trainer.record.names import ATTESTATION, METRICS, RECORD
+from trainer.record.rundir import check_record_types, load_record
+from trainer.record.verify import bad_rows, lock_of, lock_path_of, parse_lock, read_lock, verify
+from trainer.signing import VerificationFailed, load_public_key, open_envelope
+
+
+def signed_lock(signed, run_dir: Path, given: Path | None) -> tuple[Path, str]:
+    """(the lock's path, its text) for a verdict from the signed run ``signed``: the lock whose sha256 the
+    attestation signed, read from where it named it, or ``given`` (``--lock``) when that file has the same
+    sha256. Raises :class:`trainer.signing.VerificationFailed` (one line) otherwise."""
+    import hashlib
+
+    where = run_dir / ATTESTATION
+    lock = (signed.predicate.get("verify") or {}).get("lock")
+    if not isinstance(lock, dict) or not isinstance(lock.get("sha256"), str):
+        raise VerificationFailed(
+            f"{where}: the attestation signed no lock (the run had no probe to verify: "
+            f"{(signed.predicate.get('verify') or {}).get('reason', 'unknown')})"
+        )
+    path = given or lock_path_of(lock, run_dir)
+    try:
+        data = read_bytes(path, "lock")  # a FIFO refused without blocking, 64 MiB at most
+    except OSError as ex:
+        raise VerificationFailed(f"{where}: the signed lock {path} is not readable ({ex.strerror})") from None
+    have = hashlib.sha256(data).hexdigest()
+    if have != lock["sha256"]:
+        what = f"--lock {path}" if given else f"the lock {path}"
+        raise VerificationFailed(
+            f"{where}: {what} has sha256 {have}; the attestation signed the lock "
+            f"{lock.get('path')} with sha256 {lock['sha256']}"
+        )
+    return path, data.decode("utf-8", "replace")
+
+
+def check_signed(path: Path, key: Path):
+    """``--key``: verify the signed attestation of a run directory, or the signed provenance of an image
+    (an OCI layout or oci-archive), with the public key. Returns (the one-line verdict, the
+    :class:`trainer.record.attest.SignedRun` of a run or None for an image). Raises
+    :class:`trainer.signing.VerificationFailed` (exit 1) or :class:`UserError` on failure."""
+
+    public = load_public_key(key)
+    if (path / RECORD).is_file() or (path / attest.ATTESTATION).is_file():
+        signed = attest.check_run(path, public)
+        subjects = signed.statement["subject"]
+        files = sum(1 for s in subjects if not Path(s["name"]).is_absolute() and s["name"] != attest.IMAGE_SUBJECT)
+        rows = sum(1 for s in subjects if Path(s["name"]).is_absolute())
+        image = [s for s in subjects if s["name"] == attest.IMAGE_SUBJECT]
+        return (
+            f"attestation ok: {path / attest.ATTESTATION} signed by {public.keyid}; {files} files of the run "
+            f"directory match, none added or removed"
+            + (f", {rows} files of its rows" if rows else "")
+            + (f", image sha256:{image[0]['digest']['sha256']}" if image else "")
+        ), signed
+    statement = check_image(path, public)
+    return (
+        f"provenance ok: {path} signed by {public.keyid}; subject sha256:{statement['subject'][0]['digest']['sha256']}",
+        None,
+    )
+
+
+UNSIGNED_NOTE = (
+    "unsigned: nothing above was checked against a signature; record.json and the lock were read as "
+    "they are (--key KEY.pub verifies the run's attestation and takes every answer from it)"
+)
+
+
+def main(argv: list[str]) -> int:
+    """``trainer verify RUN_DIR [--lock L] [--recipe R] [--json] [--key PUB]``; exit 0 when nothing locked
+    drifted (and, with ``--key``, the attestation verifies); ``trainer verify IMAGE --key PUB`` checks an
+    image's signed provenance only."""
+    parser = argparse.ArgumentParser(
+        prog="trainer verify", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "run_dir", type=Path, help="run directory (or, with --key, an image: OCI layout or oci-archive)"
+    )
+    parser.add_argument(
+        "--lock",
+        type=Path,
+        help="lock to verify against (default: the run's own; with --key it must be the lock the attestation signed)",
+    )
+    parser.add_argument("--recipe", type=Path, help="recipe YAML whose stack block gives the recipe column")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+    parser.add_argument(
+        "--key",
+        type=Path,
+        help="public key (KEY.pub from `trainer keygen`): verify the run's signed "
+        "attestation.json (the signature, every file of the run directory, the lock by digest) and "
+        "take the verdict from it; or an image's signed provenance",
+    )
+    args = parser.parse_args(argv)
+
+    signed, run = check_signed(args.run_dir, args.key) if args.key is not None else (None, None)
+    if signed and not args.json:
+        print(signed)
+    if signed and run is None:
+        if args.json:
+            print(json.dumps({"signature": signed}, indent=2))
+        return 0
+
+    record_path = args.run_dir / RECORD
+    if run is not None:  # every answer from what was signed: the record's bytes as hashed, the lock by digest
+        record = run.record
+        check_record_types(record, f"{record_path} (signed)")
+        lock_path, lock_text = signed_lock(run, args.run_dir, args.lock)
+        lock = parse_lock(lock_text, lock_path)
+        status = run.predicate.get("run", {}).get("status")
+        steps = run.steps  # counted from the bytes as hashed
+    else:
+        record = load_record(args.run_dir)
+        if record is None:
+            raise UserError(f"{record_path}: no run record (is {args.run_dir} a run directory?)")
+        lock_path = lock_of(record, args.lock)
+        lock = read_lock(lock_path)
+        status = record.get("status")
+        metrics = args.run_dir / METRICS
+        steps = count_steps_in(metrics) if metrics.is_file() else 0  # streamed; a FIFO refused
+    if not record.get("probe"):
+        raise UserError(f"{record_path}: no probe (a plan, or a run that stopped before its processes started)")
+    if args.recipe:
+        with reading(args.recipe, unreadable=f"{args.recipe}: cannot read the recipe"):
+            data = read_yaml(args.recipe, "recipe file") or {}
+        stack = data.get("stack") if isinstance(data, dict) else None
+        if not isinstance(stack, dict):
+            raise UserError(f"{args.recipe}: expected a mapping with a 'stack' mapping (a recipe file)")
+        recipe = {k: str(v) for k, v in stack.items()}
+    else:
+        recipe = {k: str(v) for k, v in (record.get("stack") or {}).items()}
+    rows = verify(record, lock, recipe)
+    bad = bad_rows(rows)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "lock": str(lock_path),
+                    "rows": rows,
+                    "ok": not bad,
+                    "signed": run is not None,
+                    "status": status,
+                    "steps": steps,
+                    **({"signature": signed} if signed else {}),
+                },
+                indent=2,
+            )
+        )
+    else:
+        from rich.table import Table
+
+        table = Table(title=f"verify {args.run_dir} against {lock_path.name}")
+        for col in ("component", "locked", "recipe", "observed", "verdict"):
+            table.add_column(col)
+        colours = {"ok": "green", "drift": "red", "absent": "red", "not locked": "yellow", "-": "dim"}
+        for r in rows:
+            table.add_row(
+                *(str(r[c] or "") for c in ("component", "locked", "recipe", "observed")),
+                f"[{colours[r['verdict']]}]{r['verdict']}",
+            )
+        table_console().print(table)
+        print(f"run {status}, {steps} steps in {METRICS}" + (" (as signed)" if run is not None else ""))
+        print(
+            "ok: nothing the lock pins drifted"
+            if not bad
+            else f"{len(bad)} locked component(s) drifted or absent: " + ", ".join(r["component"] for r in bad)
+        )
+        if run is None:
+            print(UNSIGNED_NOTE)
+    return 0 if not bad else 1
+
+
+def check_image(image_path: Path, key) -> dict[str, Any]:
+    """Verify an image's signed provenance with the public ``key``: the layout's referrers bind
+    (:func:`trainer.image.referrers.bound`: each reads back, one per artifactType, one provenance), the
+    signature, subject = the image's manifest digest, predicateType SLSA provenance; then every byproduct it
+    names with a document media type (the SBOMs) is the referrer attached with that sha256, every attached
+    referrer is named, and every layer it names (by diff_id) is one of the image's. Returns the statement;
+    raises :class:`VerificationFailed` (exit 1, one line) for a layout that fails any of these and
+    :class:`UserError` for one that cannot be read (a docker-archive, a corrupt image blob)."""
+
+    image = open_image(Path(image_path))
+    if image.index is None:
+        raise UserError(f"{image_path}: a docker-archive cannot carry referrers; verify the OCI layout or oci-archive")
+    try:
+        attached = referrers.bound(image)
+    except UserError as err:
+        raise VerificationFailed(str(err)) from None
+    kinds = [kind for kind in referrers.PROVENANCE_TYPES if kind in attached]
+    if not kinds:
+        raise VerificationFailed(
+            f"{image_path}: no provenance referrer ({' or '.join(referrers.PROVENANCE_TYPES)}) is "
+            f"attached to {image.manifest_digest}"
+        )
+    where = f"{image_path} provenance"
+    statement = open_envelope(attached[kinds[0]].data, key, where)
+    digests = [s["digest"].get("sha256") for s in statement["subject"]]
+    if (image.manifest_digest or "")[7:] not in digests:  # an image without a manifest digest matches none
+        raise VerificationFailed(
+            f"{where}: subject sha256 {', '.join(map(str, digests))} is not this image's manifest "
+            f"{image.manifest_digest}"
+        )
+    if statement.get("predicateType") != provenance.SLSA_PROVENANCE:
+        raise VerificationFailed(
+            f"{where}: predicateType {statement.get('predicateType')!r}, not {provenance.SLSA_PROVENANCE}"
+        )
+    byproducts = ((statement.get("predicate") or {}).get("runDetails") or {}).get("byproducts") or []
+    if not isinstance(byproducts, list) or not all(isinstance(b, dict) for b in byproducts):
+        raise VerificationFailed(f"{where}: runDetails.byproducts is not a list of resource descriptors")
+    layers = {layer.diff_id[7:] for layer in image.layers}
+    named = set()
+    for item in byproducts:
+        media, sha = item.get("mediaType"), (item.get("digest") or {}).get("sha256")
+        if str(media).startswith(("application/vnd.oci.image.layer.", "application/vnd.docker.image.rootfs.")):
+            if sha not in layers:  # the layers the build made, by diff_id (= digest: they are uncompressed)
+                raise VerificationFailed(
+                    f"{where}: the signed provenance names {item.get('name', 'a layer')} "
+                    f"sha256 {sha}; the image {image.manifest_digest} has no such layer"
+                )
+            continue
+        named.add(media)
+        if media not in attached:
+            raise VerificationFailed(f"{where}: the signed provenance names {media} sha256 {sha}; none is attached")
+        if digest_of(attached[media].data)[7:] != sha:
+            raise VerificationFailed(
+                f"{where}: the attached {media} has sha256 {digest_of(attached[media].data)[7:]}, "
+                f"the signed provenance names {sha}"
+            )
+    for media, found in attached.items():
+        if media not in named and media not in referrers.PROVENANCE_TYPES:
+            raise VerificationFailed(
+                f"{where}: a {media} referrer {found.descriptor.get('digest')} (document sha256 "
+                f"{digest_of(found.data)[7:]}) is attached; the signed provenance names none"
+            )
+    return statement
