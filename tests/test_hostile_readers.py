@@ -76,6 +76,16 @@ CASES = {
         tuple(READERS),
         "record.json: probe.ranks[0] is int 5, expected object",
     ),
+    "record probe rank null": (
+        _record(lambda x: x.update(probe={"ranks": [None]})),
+        tuple(READERS),
+        "record.json: probe.ranks[0] is null, expected object",
+    ),
+    "record lock path a number": (
+        _record(lambda x: x.update(lock={"path": 7})),
+        tuple(READERS),
+        "record.json: lock.path is int 7, expected string",
+    ),
     "record pid a string": (
         _record(lambda x: x.update(pid="abc")),
         tuple(READERS),

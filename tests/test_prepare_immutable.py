@@ -148,6 +148,29 @@ def test_a_choice_outside_its_set_is_refused_on_one_line(override, line):
     assert info.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    "text,line",
+    [
+        ("layout:\n  qkv_format: THD\n", "layout.qkv_format must be bshd or thd (got THD)"),
+        ("model:\n  normalization: rmsnorm\n", "model.normalization must be LayerNorm or RMSNorm (got rmsnorm)"),
+        ("layout: [\n", "a config file is not YAML: while parsing a flow node"),
+    ],
+    ids=["choice", "choice-model", "not-yaml"],
+)
+def test_a_bad_experiment_file_is_refused_on_one_line(tmp_path, text, line):
+    """The same line as on the command line for a choice outside its set written in a config file (Hydra wraps
+    OmegaConf's error without `from`), and one line, exit 2, for a file that is not YAML (was an internal error)."""
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "bad.yaml").write_text("# @package _global_\n" + text)
+    result = helpers.run_train(
+        ["launcher=plan", "experiment=bad", f"hydra.searchpath=[file://{tmp_path}]", f"hydra.run.dir={tmp_path}/run"],
+        cwd=tmp_path,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith(f"train: error: {line}") and result.stderr.count("\n") == 1, result.stderr
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_choice_is_typed_and_written_as_before(prepared):
     lay = prepared.config.layout
     assert lay.moe_token_dispatcher_type is schema.MoeTokenDispatcherType.alltoall

@@ -19,6 +19,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -52,8 +53,13 @@ def describe_error(ex: BaseException) -> str:
             head += f" (available: {', '.join(sorted(options))})"
         return head
     cause: BaseException | None = ex
-    while cause is not None and not isinstance(cause, OmegaConfBaseException) and cause.__cause__ is not None:
-        cause = cause.__cause__
+    while cause is not None and not isinstance(cause, OmegaConfBaseException):
+        # the explicit cause, else the exception being handled when this one was raised (Hydra raises its
+        # ConfigCompositionException inside the handler of OmegaConf's error, without `from`)
+        after = cause.__cause__ or (None if cause.__suppress_context__ else cause.__context__)
+        if after is None:
+            break
+        cause = after
     if isinstance(cause, OmegaConfBaseException):
         choice = choice_error(cause)
         if choice is not None:
@@ -230,6 +236,10 @@ class Composer:
                 cfg = compose(CONFIG_NAME, overrides=wanted, return_hydra_config=True)
             except (HydraException, OmegaConfBaseException) as ex:
                 raise UserError(redact_error(describe_error(ex), wanted)) from None
+            except yaml.YAMLError as ex:  # a config file (conf/, an experiment on hydra.searchpath) Hydra cannot parse
+                raise UserError(
+                    redact_error(f"a config file is not YAML: {' '.join(str(ex).split())}", wanted)
+                ) from None
             except AssertionError as ex:  # Hydra's own asserts on an override it cannot apply (hydra.* nodes)
                 raise UserError(
                     redact_error(f"{' '.join(wanted)}: Hydra cannot apply these overrides ({ex})", wanted)

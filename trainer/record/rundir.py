@@ -462,6 +462,7 @@ RECORD_TYPES: dict[str, Any] = {
 }
 NESTED_TYPES: dict[str, dict[str, Any]] = {
     "probe": {"ranks": list, "nodes": list},
+    "lock": {"path": str},
     "slurm": {"job_id": (str, int), "state": str, "submitted_utc": str, "started_utc": str, "finished_utc": str},
     "times": {"admitted_utc": str, "started_utc": str, "finished_utc": str},
 }
@@ -485,6 +486,8 @@ def check_record_types(record: Mapping[str, Any], where: str) -> None:
             check((record.get(key) or {}).get(sub), kind, f"{key}.{sub}")
     for i, rank in enumerate(((record.get("probe") or {}).get("ranks")) or []):
         check(rank, dict, f"probe.ranks[{i}]")
+        if rank is None:
+            raise UserError(f"{where}: probe.ranks[{i}] is null, expected object (a rank's probe)")
         for sub in ("torch", "packages", "env", "image", "nccl", "cuda"):
             check(rank.get(sub), dict, f"probe.ranks[{i}].{sub}")
 

@@ -180,7 +180,7 @@ def verify(record: Mapping[str, Any], lock: dict[str, str], recipe: dict[str, st
 
 def lock_of(record: Mapping[str, Any], lock: Path | None = None) -> Path:
     """The lock a run is verified against: ``lock`` when given, else the one its record names."""
-    return lock or (REPO_ROOT / record.get("lock", {}).get("path", "lockfiles/launcher.lock"))
+    return lock or (REPO_ROOT / ((record.get("lock") or {}).get("path") or "lockfiles/launcher.lock"))
 
 
 class LockSubject(TypedDict):
