@@ -74,7 +74,7 @@ def normalise_text(text: str, run_dir: Path) -> str:
 
 
 def normalise_record(record: dict, run_dir: Path) -> dict:
-    """The rules for record.json: the bundle's revision and dirtiness, the creation time, the launcher
+    """The rules for record.json: the host's name, the bundle's revision and dirtiness, the creation time, the launcher
     environment (interpreter path and package versions follow the lock) and the launcher lock's digest. The
     digests of the run's files follow the paths and times inside them: each is checked against the file as written,
     then stands as CHECKED (the file itself is compared, normalised)."""
@@ -83,7 +83,7 @@ def normalise_record(record: dict, run_dir: Path) -> dict:
         assert hashlib.sha256((run_dir / name).read_bytes()).hexdigest() == digest, name
         record["files_sha256"][name] = "CHECKED"
     record.get("bundle", {}).update(revision="REVISION", dirty="DIRTY")
-    for key in ("created_utc", "launcher_env", "ended_utc", "started_utc"):
+    for key in ("host", "created_utc", "launcher_env", "ended_utc", "started_utc"):
         if key in record:
             record[key] = key.upper()
     if "lockfiles/launcher.lock" in record.get("locks", {}):
