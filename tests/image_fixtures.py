@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import json
 import os
 import shutil
 import subprocess
@@ -272,3 +273,42 @@ def make_base_image(
         )
     )
     return directory, digest
+
+
+DEMO_EPOCH = 1767225600
+
+
+def make_demo_inputs(root: Path, beta: str = "2.0") -> tuple[Path, list[Path], Path]:
+    """A small scratch-based lock and its inputs, made offline: wheels alpha 1.0 (rest, with a console script),
+    beta (torch group), a git source, a bundle conf/.
+    Returns (lock path, [the input files], the bundle root)."""
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    alpha = make_wheel(
+        wheels,
+        "alpha",
+        "1.0",
+        {"alpha/__init__.py": b"def main():\n    return 0\n"},
+        entry_points="[console_scripts]\nalpha = alpha:main\n",
+    )
+    beta_w = make_wheel(wheels, "beta", beta, {"beta/__init__.py": f"VERSION = {beta!r}\n".encode()})
+    archive, commit, tree = make_git_source(
+        root / "git", "demo", {"README.md": b"demo\n", "demo/run.py": b"print(1)\n"}, DEMO_EPOCH
+    )
+    source = {
+        "name": "demo",
+        "url": "https://example.invalid/demo.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/demo",
+        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
+    }
+    lock = small_lock(
+        "smoke-test", DEMO_EPOCH, [(alpha, "alpha", "1.0", "rest"), (beta_w, "beta", beta, "torch")], [source]
+    )
+    lock_path = root / f"lock-{beta}.json"
+    lock_path.write_text(json.dumps(lock, indent=2))
+    bundle = root / "bundle"
+    (bundle / "conf" / "env").mkdir(parents=True, exist_ok=True)
+    (bundle / "conf" / "env" / "recipe.yaml").write_text("CUDA_DEVICE_MAX_CONNECTIONS: '1'\n")
+    return lock_path, [alpha, beta_w, archive], bundle

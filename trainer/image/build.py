@@ -39,6 +39,7 @@ from trainer.image.debian import deb_inputs, rootfs_entries
 from trainer.image.layer import FILE, Entry, entries_from_tree, write_layer
 from trainer.image.layerplan import LayerPlan, layer_key
 from trainer.image.oci import Layer, based_config, compact_json, digest_of, image_manifest, write_archive, write_layout
+from trainer.image.remote import Remote
 from trainer.image.sources import cached_archive, pth_entry, source_entries
 from trainer.image.wheels import install_wheels
 from trainer.lock import imagelock
@@ -378,15 +379,32 @@ def predicted_record(lock_path: Path, recorded: dict[str, Any], bundle_root: Pat
 
 
 def realize_layer(
-    lock: dict[str, Any], plan: LayerPlan, cache: Cache, spool: Path, console=None, verify_cache: bool = False
+    lock: dict[str, Any],
+    plan: LayerPlan,
+    cache: Cache,
+    spool: Path,
+    console=None,
+    verify_cache: bool = False,
+    substituters: tuple[Remote, ...] = (),
 ) -> tuple[str, int, str]:
-    """The layer of ``plan``: the cached one under its key (:func:`layer_key`) when intact, else made, written
-    into the cache and recorded. Returns (diff_id, size in bytes, "cached" or "built"); ``spool`` is emptied
-    after a build. Raises :class:`UserError` from ``plan.make`` (nothing is recorded then)."""
+    """The layer of ``plan``: the cached one under its key (:func:`layer_key`) when intact, else the first
+    ``substituters`` entry for that key that verifies (:meth:`trainer.image.remote.Remote.fetch`; a refused one is
+    said in one line and skipped), else made, written into the cache and recorded. Returns (diff_id, size in
+    bytes, "cached", "substituted" or "built"); ``spool`` is emptied after a build. Raises :class:`UserError`
+    from ``plan.make`` (nothing is recorded then)."""
     key = layer_key(lock, plan)
     record = cache.layer_record(key) if plan.cacheable else None
     if record is not None and _cached_layer_ok(cache, record, plan.name, verify_cache, console):
         return record["diff_id"], int(record["size"]), "cached"
+    from rich.markup import escape
+
+    for remote in substituters if plan.cacheable else ():
+        try:
+            got = remote.fetch(cache, key, plan.name)
+            return got["diff_id"], int(got["size"]), "substituted"
+        except UserError as err:
+            if console is not None:
+                console.print(f"[yellow]{escape(str(err))}; not used[/yellow]", soft_wrap=True, highlight=False)
     if plan.make is None:
         raise ValueError(f"layer {plan.name}: a plan made only for its key cannot be built")
     handles: list[Any] = []
@@ -416,6 +434,7 @@ def build_image(
     verify_cache: bool = False,
     sign_key: Path | None = None,
     jobs: int = 1,
+    substituters: tuple[Remote, ...] = (),
 ) -> BuildResult:
     """Build the image of the lock at ``lock_path`` into the OCI layout ``out`` (and ``archive``).
 
@@ -424,7 +443,8 @@ def build_image(
     ``verify_cache``: re-hash cached layers in full even when their stamp matches (see :mod:`trainer.image.cas`);
     ``sign_key``: a private key (``trainer keygen``) that signs the provenance (a DSSE envelope). The SBOMs and
     the provenance are attached as OCI 1.1 referrers (:mod:`trainer.image.referrers`).
-    ``jobs``: parallel jobs of build steps (``BUILD_JOBS``; not part of any key).
+    ``jobs``: parallel jobs of build steps (``BUILD_JOBS``; not part of any key); ``substituters``: binary caches
+    a layer missing from ``cache`` is taken from when a trusted, intact entry is there (:mod:`trainer.image.remote`).
     Raises :class:`UserError` for a bad lock, a missing or tampered input, a refused wheel or archive, or a
     failing build step; nothing is written to ``out`` then.
     """
@@ -458,7 +478,7 @@ def build_image(
                 diff_id, size = _write_cached_layer(cache, entries, lock["epoch"], plan.name, console)
                 status = "built"
             else:
-                diff_id, size, status = realize_layer(lock, plan, cache, spool, console, verify_cache)
+                diff_id, size, status = realize_layer(lock, plan, cache, spool, console, verify_cache, substituters)
                 built.append((plan.name, diff_id))
             if console is not None:
                 console.print(f"layer {plan.name:<12} {diff_id}  {size:>12,} bytes  {status}", soft_wrap=True)

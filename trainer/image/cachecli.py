@@ -17,9 +17,14 @@ checked against its locked sha256 before it enters the cache; git sources from G
 commit, checked by tree) and names those a user must add. An input counts as cached only when its blob is
 intact (re-hashed unless its stamp vouches for it): a corrupt one is removed and fetched again, or named among
 the missing.
+``push REMOTE --lock L --sign-key KEY`` uploads every built layer of the lock(s) (build steps' outputs among
+them) to a binary cache, a registry (``docker://HOST/REPO``) or a shared directory, each entry signed;
+``pull REMOTE --lock L --trusted-key KEY.pub`` downloads those missing here, each verified against the trusted
+keys and its digest before it enters the cache (see :mod:`trainer.image.remote`); a refused entry is one line.
 ``verify`` re-hashes every blob and removes those whose bytes do not match their name, and lists the debris of
 killed builds (exit 1 if either); ``gc`` removes that debris (what no live build can still use).
-Exit codes: 0 ok, 1 ``verify`` found corrupt entries or ``fetch`` left inputs missing, 2 refused input.
+Exit codes: 0 ok, 1 ``verify`` found corrupt entries, ``fetch`` left inputs missing, or ``push``/``pull`` left
+layers out, 2 refused input.
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from pathlib import Path
 from trainer import REPO_ROOT
 from trainer.errors import UserError
 from trainer.image.base import add_image, load_base
+from trainer.image.build import layer_keys
 from trainer.image.cas import Cache, parse_sha256
+from trainer.image.remote import add_remote_options, remotes_from
 from trainer.image.sources import FETCH_HOSTS, add_archive, add_git, fetch_source, pins_for
 from trainer.lock.imagelock import inputs_of, load_lock
 
@@ -97,8 +104,28 @@ def main(argv: list[str]) -> int:
     v = sub.add_parser("verify", help="re-hash every blob; remove and list corrupt ones; list debris")
     v.add_argument("--json", action="store_true")
     v.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+    for name, helptext in (
+        ("push", "upload the lock's built layers to a binary cache (registry or directory), each entry signed"),
+        ("pull", "download the lock's layers missing here from a binary cache, each verified before use"),
+    ):
+        r = sub.add_parser(
+            name,
+            help=helptext,
+            epilog="e.g. trainer cache push docker://registry.example:5000/recipe-cache --lock "
+            "lockfiles/debian-full.lock.json --sign-key team-cache.key",
+        )
+        r.add_argument("remote", help="docker://HOST[:PORT]/REPOSITORY, or a directory (a shared file system)")
+        r.add_argument("--lock", action="append", required=True, help="the lock(s) whose layers (repeatable)")
+        r.add_argument("--bundle-root", default=str(REPO_ROOT), help=argparse.SUPPRESS)
+        r.add_argument("--json", action="store_true")
+        r.add_argument("--cache", dest="cache_sub", help=argparse.SUPPRESS)
+        if name == "push":
+            r.add_argument("--sign-key", required=True, help="private key (`trainer keygen`) that signs each entry")
+        add_remote_options(r)
     args = p.parse_args(argv)
     cache = Cache(getattr(args, "cache_sub", None) or args.cache)
+    if args.command in ("push", "pull"):
+        return _push_pull(cache, args)
     if args.command == "add":
         print(f"sha256:{cache.add_file(Path(args.file), args.sha256)}")
         return 0
@@ -283,3 +310,41 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
             print(line)
         print(f"{fetched} fetched, {present} already cached, {len(missing)} missing")
     return 1 if missing else 0
+
+
+def _push_pull(cache: Cache, args: argparse.Namespace) -> int:
+    """``cache push`` / ``cache pull``: one line per layer of the locks (JSON with ``--json``); exit 1 when a
+    layer was left out (not built here, refused by the remote, or untrusted)."""
+    from trainer.signing import load_signer
+
+    (remote,) = remotes_from(args, [args.remote])
+    signer = load_signer(Path(args.sign_key)) if args.command == "push" else None
+    wanted: dict[str, str] = {}
+    for lock_path in args.lock:
+        lock = load_lock(Path(lock_path))
+        for layer, key in layer_keys(lock, Path(args.bundle_root)).items():
+            if layer != "bundle":  # made from conf/ at every build, never cached
+                wanted.setdefault(key, layer)
+    rows, failed = [], 0
+    for key, layer in wanted.items():
+        row = {"layer": layer, "key": key}
+        try:
+            if args.command == "push":
+                row.update(status="pushed", entry=remote.push(cache, key, layer, signer))
+            elif cache.layer_record(key) is not None:
+                row.update(status="present")
+            else:
+                row.update(status="pulled", diff_id=remote.fetch(cache, key, layer)["diff_id"])
+        except UserError as err:
+            failed += 1
+            row.update(status="refused" if args.command == "pull" else "not pushed", reason=str(err))
+        rows.append(row)
+        if not args.json:
+            shown = row.get("entry") or row.get("diff_id") or key
+            print(row.get("reason") or f"{row['status']:<8} layer {layer:<32} {shown}")
+    if args.json:
+        print(json.dumps({"remote": args.remote, "layers": rows, "failed": failed}, indent=2))
+    else:
+        counts = {s: sum(r["status"] == s for r in rows) for s in dict.fromkeys(r["status"] for r in rows)}
+        print(", ".join(f"{n} {s}" for s, n in counts.items()) or "no layers")
+    return 1 if failed else 0

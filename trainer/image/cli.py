@@ -23,6 +23,7 @@ from trainer.image.cas import Cache
 from trainer.image.diff import diff_main
 from trainer.image.native import check_builds
 from trainer.image.oci import open_image
+from trainer.image.remote import add_remote_options, remotes_from
 from trainer.image.smoke import smoke_source
 from trainer.inputs import read_json
 from trainer.lock.imagelock import load_lock, stale_inputs
@@ -80,6 +81,7 @@ def cmd_build(args: argparse.Namespace) -> int:
         args.verify_cache,
         Path(args.sign_key) if args.sign_key else None,
         args.jobs,
+        remotes_from(args, args.substituter),
     )
     if args.json:
         print(
@@ -99,6 +101,18 @@ def cmd_build(args: argparse.Namespace) -> int:
         if args.archive:
             print(f"archive {args.archive} {result.archive_digest}")
         print(result.manifest_digest)
+    return 0
+
+
+def cmd_push(args: argparse.Namespace) -> int:
+    """``trainer image push``: :func:`trainer.image.push.push_image`; prints the pinned reference. Returns 0;
+    raises :class:`UserError` (exit 2) for a bad layout or target, :class:`trainer.image.remote.Refused` (exit 1)
+    when the registry refuses or is down."""
+    from trainer.image.push import print_result, push_image
+
+    if not args.remote_timeout > 0:
+        raise UserError(f"--remote-timeout {args.remote_timeout}: expected a positive number of seconds")
+    print_result(push_image(Path(args.image), args.target, args.tls_verify, args.remote_timeout), args.json)
     return 0
 
 
@@ -365,7 +379,29 @@ def parser() -> argparse.ArgumentParser:
         help="build the lock as it is even when its requirements file changed since it was resolved",
     )
     b.add_argument("-q", "--quiet", action="store_true", help="no per-layer lines or progress bars")
+    b.add_argument(
+        "--substituter",
+        action="append",
+        default=[],
+        metavar="REMOTE",
+        help="a binary cache (docker://HOST/REPO or a directory) a missing layer is taken from when a trusted, "
+        "intact entry is there (repeatable, tried in order; see `trainer cache pull`)",
+    )
+    add_remote_options(b)
     b.set_defaults(func=cmd_build)
+    pu = sub.add_parser(
+        "push",
+        help="push an image layout and its SBOM/provenance referrers to a registry by digest; prints the reference",
+        epilog="e.g. trainer image push build/debian-full.oci registry.example:5000/recipe-bundle",
+    )
+    pu.add_argument("image", help="OCI layout directory (`trainer image build --out`)")
+    pu.add_argument("target", help="REGISTRY/NAME (no tag: the image goes by digest)")
+    pu.add_argument("--json", action="store_true", help="the reference, digest and referrers as JSON")
+    pu.add_argument(
+        "--no-tls-verify", dest="tls_verify", action="store_false", help="plain HTTP / unverified TLS (a test registry)"
+    )
+    pu.add_argument("--remote-timeout", type=float, default=900.0, metavar="SECONDS", help="give up after this")
+    pu.set_defaults(func=cmd_push)
     d = sub.add_parser("digest", help="print an image's manifest digest (last line: sha256:<hex>)")
     d.add_argument("image", help="OCI layout directory or oci-archive (docker-archive with --json)")
     d.add_argument("--json", action="store_true", help="also the config digest and every layer's diff_id and size")
