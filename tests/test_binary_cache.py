@@ -7,9 +7,12 @@ never answers; each is refused in one line and the layer is built locally, to th
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shutil
 import socket
+import stat
 import subprocess
 import threading
 import time
@@ -237,6 +240,66 @@ def test_hostile_registry_entries_are_refused_and_the_layer_built_locally(regist
         "another-key": "the signed entry is for key",
     }[case]
     assert want in line and line.endswith("not used"), err
+
+
+def _rewrite_manifest(entry: Path, change) -> None:
+    """Apply ``change`` to the manifest of the directory-remote entry ``entry`` and re-point its index at it."""
+    index = json.loads((entry / "index.json").read_text())
+    old = entry / "blobs/sha256" / index["manifests"][0]["digest"][7:]
+    data = change(json.loads(old.read_bytes()))
+    digest = hashlib.sha256(data).hexdigest()
+    (entry / "blobs/sha256" / digest).write_bytes(data)
+    index["manifests"][0].update(digest=f"sha256:{digest}", size=len(data))
+    (entry / "index.json").write_text(json.dumps(index))
+
+
+def test_a_hostile_shared_directory_never_aborts_a_build_nor_fills_the_disk(world, tmp_path):
+    remote = tmp_path / "shared"
+    old = os.umask(0o022)
+    try:
+        rows = json.loads(push(world, remote).stdout)["layers"]
+    finally:
+        os.umask(old)
+    entries = {r["layer"]: remote / r["key"] for r in rows}
+    # readable by every user of the shared file system
+    assert {stat.S_IMODE(e.stat().st_mode) for e in entries.values()} == {0o755}
+    # torch: a manifest nested 5,000 deep; rest: its layer blob a link to an endless device; sources: an envelope
+    # declared 400 MB large
+    _rewrite_manifest(
+        entries["torch"],
+        lambda m: json.dumps({**m, "x": 0}).encode()[:-1] + b',"y":' + b"[" * 5000 + b"]" * 5000 + b"}",
+    )
+    index = json.loads((entries["rest"] / "index.json").read_text())
+    manifest = json.loads((entries["rest"] / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_bytes())
+    blob = entries["rest"] / "blobs/sha256" / manifest["layers"][0]["digest"][7:]
+    blob.unlink()
+    blob.symlink_to("/dev/zero")
+    _rewrite_manifest(
+        entries["sources"],
+        lambda m: json.dumps({**m, "layers": [m["layers"][0], {**m["layers"][1], "size": 400 << 20}]}).encode(),
+    )
+    started = time.monotonic()
+    result, err = substituted_build(world, tmp_path, remote)
+    assert time.monotonic() - started < 60
+    assert result["manifest_digest"] == world["digest"]
+    assert set(statuses(result).values()) == {"built"}, err
+    assert "nested too deeply" in err and "not a regular file" in err and "a signature envelope of 419,430,400" in err
+    assert not list((tmp_path / "empty" / "tmp").glob("spool-pull-*"))
+
+
+def test_pull_repairs_a_corrupt_local_layer(registry, world, tmp_path):
+    remote = f"docker://{registry['host']}/cache-repair"
+    assert push(world, remote).returncode == 0
+    cache = tmp_path / "c"
+    args = ["--lock", world["lock"], "--trusted-key", world["root"] / "team.pub", "--no-tls-verify", "--json"]
+    assert trainer("cache", "--cache", cache, "pull", remote, *args).returncode == 0
+    blob = next((cache / "sha256").iterdir())
+    data = bytearray(blob.read_bytes())
+    data[0] ^= 1
+    blob.chmod(0o644)
+    blob.write_bytes(bytes(data))
+    again = json.loads(trainer("cache", "--cache", cache, "pull", remote, *args).stdout)["layers"]
+    assert sorted(r["status"] for r in again) == ["present", "present", "pulled"]
 
 
 def test_a_registry_that_is_down_or_hangs_is_refused_in_bounded_time(world, tmp_path):

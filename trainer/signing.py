@@ -149,7 +149,7 @@ def sign(statement_bytes: bytes, signer) -> bytes:
 def _json(data: bytes, where: str) -> Any:
     try:
         return json.loads(data)
-    except (json.JSONDecodeError, UnicodeDecodeError) as ex:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as ex:
         raise VerificationFailed(f"{where}: not valid JSON ({ex}); truncated or altered") from None
 
 

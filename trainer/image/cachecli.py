@@ -331,7 +331,7 @@ def _push_pull(cache: Cache, args: argparse.Namespace) -> int:
         try:
             if args.command == "push":
                 row.update(status="pushed", entry=remote.push(cache, key, layer, signer))
-            elif cache.layer_record(key) is not None:
+            elif _intact(cache, key, layer):
                 row.update(status="present")
             else:
                 row.update(status="pulled", diff_id=remote.fetch(cache, key, layer)["diff_id"])
@@ -348,3 +348,15 @@ def _push_pull(cache: Cache, args: argparse.Namespace) -> int:
         counts = {s: sum(r["status"] == s for r in rows) for s in dict.fromkeys(r["status"] for r in rows)}
         print(", ".join(f"{n} {s}" for s, n in counts.items()) or "no layers")
     return 1 if failed else 0
+
+
+def _intact(cache: Cache, key: str, layer: str) -> bool:
+    """Whether the cache holds the layer of ``key`` with its blob intact (re-hashed unless its stamp vouches for
+    it; a corrupt blob is removed, so that a pull fetches it again)."""
+    record = cache.layer_record(key)
+    if record is None:
+        return False
+    try:
+        return cache.get(record["diff_id"][7:], f"layer {layer}", trust_stamp=True) is not None
+    except UserError:
+        return False

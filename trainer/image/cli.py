@@ -358,7 +358,11 @@ def parser() -> argparse.ArgumentParser:
         default="auto",
         help="org.opencontainers.image.revision label (default: git HEAD, '-dirty' when modified)",
     )
-    b.add_argument("--offline", action="store_true", help="never download; missing inputs are an error")
+    b.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download inputs (PyPI, Debian); missing inputs are an error (a --substituter given is still asked)",
+    )
     b.add_argument(
         "--verify-cache",
         action="store_true",

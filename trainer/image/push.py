@@ -52,22 +52,38 @@ def put_manifest(name: str, tag: str, data: bytes, media_type: str, tls_verify: 
     from trainer.image.remote import Refused
 
     host, _, repository = name.partition("/")
-    scheme = "https" if tls_verify else "http"
-    request = urllib.request.Request(
-        f"{scheme}://{host}/v2/{repository}/manifests/{tag}",
-        data=data,
-        method="PUT",
-        headers={"Content-Type": media_type},
-    )
-    try:
-        with urllib.request.urlopen(
-            request, timeout=timeout, context=ssl.create_default_context() if tls_verify else None
-        ):
-            pass
-    except urllib.error.HTTPError as ex:
-        raise Refused(f"push of the referrers tag {tag}: the registry answered {ex.code} {ex.reason}") from None
-    except (urllib.error.URLError, OSError) as ex:
-        raise Refused(f"push of the referrers tag {tag}: {getattr(ex, 'reason', ex)}") from None
+    context = ssl.create_default_context()
+    if not tls_verify:  # unverified TLS first, then plain HTTP (skopeo's --tls-verify=false does the same)
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    schemes = ["https"] if tls_verify else ["https", "http"]
+    for scheme in schemes:
+        request = urllib.request.Request(
+            f"{scheme}://{host}/v2/{repository}/manifests/{tag}",
+            data=data,
+            method="PUT",
+            headers={"Content-Type": media_type},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout, context=context if scheme == "https" else None):
+                return
+        except urllib.error.HTTPError as ex:
+            raise Refused(f"push of the referrers tag {tag}: the registry answered {ex.code} {ex.reason}") from None
+        except (urllib.error.URLError, OSError) as ex:
+            if scheme == schemes[-1]:
+                raise Refused(f"push of the referrers tag {tag}: {getattr(ex, 'reason', ex)}") from None
+
+
+def _referrer_blobs(layout: Path, referrers: list[dict[str, Any]]) -> list[Path]:
+    """The blob files of the ``referrers`` manifests (each manifest, its config and its layers) in ``layout``
+    (already read back and checked by :func:`trainer.image.referrers.bound`)."""
+    blobs = layout / "blobs" / "sha256"
+    paths = []
+    for desc in referrers:
+        manifest = json.loads((blobs / desc["digest"][7:]).read_bytes())
+        paths.append(blobs / desc["digest"][7:])
+        paths += [blobs / d["digest"][7:] for d in [manifest["config"], *manifest["layers"]]]
+    return sorted(set(paths))
 
 
 def push_image(layout: Path, target: str, tls_verify: bool = True, timeout: float = DEFAULT_TIMEOUT) -> dict[str, Any]:
@@ -101,10 +117,10 @@ def push_image(layout: Path, target: str, tls_verify: bool = True, timeout: floa
     )
     tag = fallback_tag(digest)
     if referrers:
-        work = Path(tempfile.mkdtemp(prefix="push-referrers-"))
+        work = Path(tempfile.mkdtemp(prefix=".push-referrers-", dir=Path(layout).resolve().parent))
         try:
             (work / "blobs" / "sha256").mkdir(parents=True)
-            for blob in (Path(layout) / "blobs" / "sha256").iterdir():
+            for blob in _referrer_blobs(Path(layout), referrers):  # only theirs: small documents
                 try:
                     os.link(blob, work / "blobs" / "sha256" / blob.name)
                 except OSError:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -82,17 +83,52 @@ class Remote:
             return f"{self.location.rstrip('/')}:{key}"
         return f"oci:{Path(self.location) / key}:{ENTRY_TAG}"
 
-    def _skopeo(self, args: list[str], what: str) -> None:
+    def _skopeo(self, args: list[str], what: str) -> bytes:
+        """skopeo ``args`` (:func:`run_skopeo`) unless this remote was found down or hanging earlier; a failure
+        that says so marks it (:attr:`unreachable`). Returns skopeo's stdout; raises :class:`Refused`."""
         if self.unreachable:
             raise Refused(f"{what}: skipped ({self.location} {self.unreachable} earlier in this command)")
         try:
-            skopeo_copy(args, what, self.tls_verify, self.timeout)
+            return run_skopeo(args, what, self.timeout)
         except Refused as err:
             if "no answer from" in str(err):
                 self.unreachable = "did not answer"
             elif "pinging container registry" in str(err) or "connection refused" in str(err):
                 self.unreachable = "was unreachable"
             raise
+
+    def _copy(self, args: list[str], what: str) -> None:
+        tls = [] if self.tls_verify else ["--src-tls-verify=false", "--dest-tls-verify=false"]
+        self._skopeo(["copy", "-q", "--preserve-digests", *tls, *args], what)
+
+    def _manifest(self, key: str, what: str) -> bytes:
+        """The entry's manifest bytes, read before anything else (``skopeo inspect --raw`` from a registry; the
+        file from a directory, whose every file must be a regular one of the size its descriptor says), after
+        :func:`check_manifest`. Raises :class:`Refused`."""
+        if self.is_registry:
+            tls = [] if self.tls_verify else ["--tls-verify=false"]
+            data = self._skopeo(["inspect", "--raw", *tls, self.ref(key)], what)
+            check_manifest(data, what)
+            return data
+        entry = Path(self.location) / key
+        try:
+            index = json.loads(read_bytes(entry / "index.json", "entry index", MAX_MANIFEST_BYTES))
+            digest = str(index["manifests"][0]["digest"])
+            data = read_bytes(entry / "blobs" / "sha256" / digest[7:], "entry manifest", MAX_MANIFEST_BYTES)
+            manifest = check_manifest(data, what)
+            sizes = {d["digest"][7:]: d["size"] for d in [manifest["config"], *manifest["layers"]]}
+            sizes[digest[7:]] = len(data)
+            for path in (entry / "blobs" / "sha256").iterdir():
+                info = path.lstat()
+                if not stat.S_ISREG(info.st_mode) or sizes.get(path.name, info.st_size) != info.st_size:
+                    raise Refused(f"{what}: blob {path.name[:16]} is not a regular file of its descriptor's size")
+        except FileNotFoundError:
+            raise Refused(f"{what}: no entry {entry}") from None
+        except (OSError, UserError, ValueError, RecursionError, KeyError, IndexError, TypeError) as ex:
+            if isinstance(ex, Refused):
+                raise
+            raise Refused(f"{what}: no readable entry ({type(ex).__name__}: {str(ex)[:100]})") from None
+        return data
 
     # pushing
     def push(self, cache: Cache, key: str, layer: str, signer: Any) -> str:
@@ -106,22 +142,38 @@ class Remote:
         try:
             digest = write_entry(work, cache, key, layer, record["diff_id"], int(record["size"]), signer)
             if self.is_registry:
-                self._skopeo([f"oci:{work}:{ENTRY_TAG}", self.ref(key)], f"push of layer {layer}")
+                self._copy([f"oci:{work}:{ENTRY_TAG}", self.ref(key)], f"push of layer {layer}")
             else:
-                root = Path(self.location)
-                root.mkdir(parents=True, exist_ok=True)
-                part = Path(tempfile.mkdtemp(prefix=f".part-{key[:16]}-", dir=root))
                 try:
-                    self._skopeo([f"oci:{work}:{ENTRY_TAG}", f"oci:{part}:{ENTRY_TAG}"], f"push of layer {layer}")
-                    final = root / key
-                    if final.exists():
-                        shutil.rmtree(final)
-                    os.replace(part, final)
-                finally:
-                    shutil.rmtree(part, ignore_errors=True)
+                    self._push_to_directory(work, key, layer)
+                except OSError as ex:
+                    raise Refused(f"push of layer {layer} to {self.location}: {ex}") from None
             return digest
         finally:
             shutil.rmtree(work, ignore_errors=True)
+
+    def _push_to_directory(self, work: Path, key: str, layer: str) -> None:
+        """Copy the entry layout ``work`` to ``DIR/<key>``: written as ``DIR/.part-*``, made readable by all (a
+        shared file system; the umask applies), renamed into place; an entry already there is moved aside first
+        and removed after, so a reader sees the old entry or the new one."""
+        root = Path(self.location)
+        root.mkdir(parents=True, exist_ok=True)
+        part = Path(tempfile.mkdtemp(prefix=f".part-{key[:16]}-", dir=root))
+        umask = os.umask(0)
+        os.umask(umask)
+        try:
+            os.chmod(part, 0o777 & ~umask)
+            self._copy([f"oci:{work}:{ENTRY_TAG}", f"oci:{part}:{ENTRY_TAG}"], f"push of layer {layer}")
+            final = root / key
+            old = None
+            if final.is_symlink() or final.exists():
+                old = root / f".old-{key[:16]}-{os.getpid()}"
+                os.replace(final, old)
+            os.replace(part, final)
+            if old is not None:
+                shutil.rmtree(old) if old.is_dir() and not old.is_symlink() else old.unlink()
+        finally:
+            shutil.rmtree(part, ignore_errors=True)
 
     # pulling
     def fetch(self, cache: Cache, key: str, layer: str) -> dict[str, Any]:
@@ -131,10 +183,16 @@ class Remote:
         what = f"layer {layer} (key {key[:16]}) from {self.location}"
         if not self.trusted:
             raise Refused(f"{what}: no trusted key configured (--trusted-key KEY.pub); not used")
+        announced = self._manifest(key, what)  # its shape and sizes checked before any blob is fetched
         work = Path(tempfile.mkdtemp(prefix="spool-pull-", dir=cache.tmp_dir()))
         try:
-            self._skopeo([self.ref(key), f"oci:{work}:{ENTRY_TAG}"], what)
-            diff_id, size, blob = verify_entry(work, key, self.trusted, what)
+            self._copy([self.ref(key), f"oci:{work}:{ENTRY_TAG}"], what)
+            try:
+                diff_id, size, blob = verify_entry(work, key, self.trusted, what)
+            except (ValueError, RecursionError, OSError, KeyError, TypeError, AttributeError) as ex:
+                raise Refused(f"{what}: a malformed entry ({type(ex).__name__}: {str(ex)[:100]})") from None
+            if digest_of(announced) != _entry_manifest_digest(work):
+                raise Refused(f"{what}: the manifest copied differs from the one first served")
             os.chmod(blob, 0o444)
             dest = cache.blob_path(diff_id[7:])
             dest.parent.mkdir(parents=True, exist_ok=True)
@@ -147,28 +205,73 @@ class Remote:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def skopeo_copy(args: list[str], what: str, tls_verify: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
-    """``skopeo copy -q --preserve-digests ARGS`` (manifests and blobs byte for byte; skopeo checks each blob's
-    digest as it copies), cut off after ``timeout`` seconds. Raises :class:`Refused` naming ``what`` with skopeo's
-    last line when it fails or hangs."""
+def run_skopeo(args: list[str], what: str, timeout: float = DEFAULT_TIMEOUT) -> bytes:
+    """``skopeo --command-timeout T ARGS``, cut off after ``timeout`` seconds; returns its stdout (at most
+    :data:`MAX_MANIFEST_BYTES` are kept). Raises :class:`Refused` naming ``what`` with skopeo's last line when it
+    fails or hangs."""
     if shutil.which("skopeo") is None:
         raise Refused(f"{what}: needs skopeo (Debian package skopeo)")
-    tls = [] if tls_verify else ["--src-tls-verify=false", "--dest-tls-verify=false"]
-    argv = ["skopeo", "--command-timeout", f"{max(1, int(timeout))}s", "copy", "-q", "--preserve-digests", *tls]
+    argv = ["skopeo", "--command-timeout", f"{max(1, int(timeout))}s", *args]
     try:
-        proc = subprocess.run(
-            argv + args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout + 10
-        )
+        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout + 10)
     except subprocess.TimeoutExpired:
         raise Refused(f"{what}: no answer from the remote within {timeout:.0f} s") from None
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()] or [f"exit {proc.returncode}"]
+        text = proc.stderr.decode(errors="replace")
+        lines = [line for line in text.splitlines() if line.strip()] or [f"exit {proc.returncode}"]
         message = lines[-1].strip()
         if 'msg="' in message:
             message = message.split('msg="', 1)[1].rstrip('"').replace('\\"', '"')
         if "context deadline exceeded" in message or "timeout" in message.lower():
             message = f"no answer from the remote within {timeout:.0f} s ({message[-120:]})"
         raise Refused(f"{what}: {message[:300]}")
+    return proc.stdout[:MAX_MANIFEST_BYTES]
+
+
+def skopeo_copy(args: list[str], what: str, tls_verify: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
+    """``skopeo copy -q --preserve-digests ARGS`` (manifests and blobs byte for byte; skopeo checks each blob's
+    digest as it copies): :func:`run_skopeo`."""
+    tls = [] if tls_verify else ["--src-tls-verify=false", "--dest-tls-verify=false"]
+    run_skopeo(["copy", "-q", "--preserve-digests", *tls, *args], what, timeout)
+
+
+def check_manifest(data: bytes, what: str) -> dict[str, Any]:
+    """The entry manifest ``data`` parsed, when it has an entry's shape: :data:`ARTIFACT_TYPE`, the 2-byte empty
+    config, a layer tar and a DSSE envelope of at most :data:`MAX_ENVELOPE_BYTES`. Checked before any blob is
+    fetched, so that a remote cannot make a pull download more than the entry declares. Raises :class:`Refused`."""
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError):
+        raise Refused(f"{what}: the manifest is not JSON (or nested too deeply)") from None
+    layers = manifest.get("layers") if isinstance(manifest, dict) else None
+    if not isinstance(manifest, dict) or manifest.get("artifactType") != ARTIFACT_TYPE:
+        raise Refused(f"{what}: not a layer cache entry (artifactType {ARTIFACT_TYPE})")
+    config = manifest.get("config")
+    if not isinstance(config, dict) or config.get("mediaType") != MT_EMPTY or config.get("size") != len(EMPTY):
+        raise Refused(f"{what}: the config is not the empty descriptor")
+    if not isinstance(layers, list) or [d.get("mediaType") if isinstance(d, dict) else None for d in layers] != [
+        MT_LAYER,
+        MT_DSSE,
+    ]:
+        raise Refused(f"{what}: expected a layer tar and a DSSE envelope")
+    sizes = [d.get("size") for d in layers]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sizes):
+        raise Refused(f"{what}: a layer size that is not a byte count")
+    if sizes[1] > MAX_ENVELOPE_BYTES:
+        raise Refused(f"{what}: a signature envelope of {sizes[1]:,} bytes (at most {MAX_ENVELOPE_BYTES:,})")
+    if not all(isinstance(d.get("digest"), str) for d in [config, *layers]):
+        raise Refused(f"{what}: a descriptor without a digest")
+    return manifest
+
+
+def _entry_manifest_digest(layout: Path) -> str:
+    """The manifest digest the index of the pulled entry ``layout`` names ("" when unreadable)."""
+    try:
+        return str(
+            json.loads(read_bytes(layout / "index.json", "entry index", MAX_MANIFEST_BYTES))["manifests"][0]["digest"]
+        )
+    except (OSError, UserError, ValueError, RecursionError, KeyError, IndexError, TypeError):
+        return ""
 
 
 def statement(key: str, layer: str, diff_id: str, size: int) -> bytes:
@@ -234,9 +337,9 @@ def _blob(layout: Path, desc: Any, what: str, limit: int) -> bytes:
     if len(hexdigest) != 64 or any(c not in "0123456789abcdef" for c in hexdigest):
         raise Refused(f"{what}: descriptor digest {desc['digest']!r} is not a sha256")
     try:
-        data = read_bytes(layout / "blobs" / "sha256" / hexdigest, what, limit)
-    except (OSError, UserError) as ex:
-        raise Refused(f"{what}: {ex}") from None
+        data = read_bytes(layout / "blobs" / "sha256" / hexdigest, "entry blob", limit)
+    except (OSError, UserError):
+        raise Refused(f"{what}: blob {desc['digest'][:19]} unreadable or larger than {limit:,} bytes") from None
     if hashlib.sha256(data).hexdigest() != hexdigest or len(data) != desc.get("size"):
         raise Refused(f"{what}: blob {desc['digest'][:19]} does not match its descriptor (altered or truncated)")
     return data
@@ -250,19 +353,8 @@ def verify_entry(layout: Path, key: str, trusted: list[Any], what: str) -> tuple
         desc = index["manifests"][0]
     except (OSError, UserError, ValueError, KeyError, IndexError, TypeError) as ex:
         raise Refused(f"{what}: no readable entry ({ex})") from None
-    try:
-        manifest = json.loads(_blob(layout, desc, f"{what}: manifest", MAX_MANIFEST_BYTES))
-    except ValueError:
-        raise Refused(f"{what}: the manifest is not JSON") from None
-    if not isinstance(manifest, dict) or manifest.get("artifactType") != ARTIFACT_TYPE:
-        raise Refused(f"{what}: not a layer cache entry (artifactType {ARTIFACT_TYPE})")
-    layers = manifest.get("layers")
-    if not isinstance(layers, list) or [d.get("mediaType") if isinstance(d, dict) else None for d in layers] != [
-        MT_LAYER,
-        MT_DSSE,
-    ]:
-        raise Refused(f"{what}: expected a layer tar and a DSSE envelope")
-    tar, env_desc = layers
+    manifest = check_manifest(_blob(layout, desc, f"{what}: manifest", MAX_MANIFEST_BYTES), what)
+    tar, env_desc = manifest["layers"]
     envelope = _blob(layout, env_desc, f"{what}: signature envelope", MAX_ENVELOPE_BYTES)
     stmt, errors = None, []
     for public in trusted:
