@@ -278,6 +278,22 @@ def make_base_image(
 DEMO_EPOCH = 1767225600
 
 
+def demo_source(directory: Path, files: dict[str, bytes], epoch: int) -> tuple[dict[str, Any], Path]:
+    """A git source "demo" of ``files`` (path -> bytes) committed at ``epoch`` (:func:`make_git_source` under
+    ``directory``): its lock ``sources[]`` item (commit, tree, archive sha256; dest /opt/src/demo; a URL that is never
+    fetched) and the archive's path."""
+    archive, commit, tree = make_git_source(directory, "demo", files, epoch)
+    source = {
+        "name": "demo",
+        "url": "https://example.invalid/demo.git",
+        "commit": commit,
+        "tree": tree,
+        "dest": "/opt/src/demo",
+        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
+    }
+    return source, archive
+
+
 def make_demo_inputs(root: Path, beta: str = "2.0") -> tuple[Path, list[Path], Path]:
     """A small scratch-based lock and its inputs, made offline: wheels alpha 1.0 (rest, with a console script),
     beta (torch group), a git source, a bundle conf/.
@@ -292,17 +308,7 @@ def make_demo_inputs(root: Path, beta: str = "2.0") -> tuple[Path, list[Path], P
         entry_points="[console_scripts]\nalpha = alpha:main\n",
     )
     beta_w = make_wheel(wheels, "beta", beta, {"beta/__init__.py": f"VERSION = {beta!r}\n".encode()})
-    archive, commit, tree = make_git_source(
-        root / "git", "demo", {"README.md": b"demo\n", "demo/run.py": b"print(1)\n"}, DEMO_EPOCH
-    )
-    source = {
-        "name": "demo",
-        "url": "https://example.invalid/demo.git",
-        "commit": commit,
-        "tree": tree,
-        "dest": "/opt/src/demo",
-        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
-    }
+    source, archive = demo_source(root / "git", {"README.md": b"demo\n", "demo/run.py": b"print(1)\n"}, DEMO_EPOCH)
     lock = small_lock(
         "smoke-test", DEMO_EPOCH, [(alpha, "alpha", "1.0", "rest"), (beta_w, "beta", beta, "torch")], [source]
     )

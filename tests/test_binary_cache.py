@@ -287,6 +287,22 @@ def test_a_hostile_shared_directory_never_aborts_a_build_nor_fills_the_disk(worl
     assert not list((tmp_path / "empty" / "tmp").glob("spool-pull-*"))
 
 
+def test_an_entry_whose_manifest_names_another_layer_than_the_one_signed_is_refused(world, tmp_path):
+    """The rest layer's entry, its manifest re-pointed at the torch layer's blob (copied in) while keeping the rest
+    layer's signed envelope: every digest matches its descriptor, only the signature binds the layer."""
+    remote = tmp_path / "shared"
+    rows = {r["layer"]: r for r in json.loads(push(world, remote).stdout)["layers"]}
+    rest, torch = remote / rows["rest"]["key"], remote / rows["torch"]["key"]
+    index = json.loads((torch / "index.json").read_text())
+    torch_layer = json.loads((torch / "blobs/sha256" / index["manifests"][0]["digest"][7:]).read_bytes())["layers"][0]
+    shutil.copy(torch / "blobs/sha256" / torch_layer["digest"][7:], rest / "blobs/sha256")
+    _rewrite_manifest(rest, lambda m: json.dumps({**m, "layers": [torch_layer, m["layers"][1]]}).encode())
+    result, err = substituted_build(world, tmp_path, remote)
+    assert result["manifest_digest"] == world["digest"]
+    assert statuses(result)["rest"] == "built" and statuses(result)["torch"] == "substituted"
+    assert "is not the one signed" in next(line for line in err.splitlines() if "layer rest" in line), err
+
+
 def test_pull_repairs_a_corrupt_local_layer(registry, world, tmp_path):
     remote = f"docker://{registry['host']}/cache-repair"
     assert push(world, remote).returncode == 0

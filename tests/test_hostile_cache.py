@@ -20,7 +20,7 @@ import pytest
 import helpers
 from helpers import REPO_ROOT, tree_hash
 from helpers import run_trainer as trainer
-from image_fixtures import make_git_source, make_wheel, small_lock
+from image_fixtures import demo_source, make_wheel, small_lock
 from trainer import cli
 
 EPOCH = 1767225600
@@ -31,17 +31,7 @@ def clean(tmp_path_factory):
     """A lock, its seeded cache and the clean build's JSON result."""
     root = tmp_path_factory.mktemp("hostile-cache")
     wheel = make_wheel(root, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
-    archive, commit, tree = make_git_source(
-        root / "git", "demo", {"README.md": b"demo\n", "demo/a.py": b"A = 1\n"}, EPOCH
-    )
-    source = {
-        "name": "demo",
-        "url": "https://example.invalid/demo.git",
-        "commit": commit,
-        "tree": tree,
-        "dest": "/opt/src/demo",
-        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
-    }
+    source, archive = demo_source(root / "git", {"README.md": b"demo\n", "demo/a.py": b"A = 1\n"}, EPOCH)
     lock = root / "lock.json"
     lock.write_text(json.dumps(small_lock("hostile", EPOCH, [(wheel, "alpha", "1.0", "rest")], [source])))
     bundle = root / "bundle"

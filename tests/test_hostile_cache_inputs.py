@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from image_fixtures import make_git_source, make_wheel, small_lock
+from image_fixtures import demo_source, make_git_source, make_wheel, small_lock
 from trainer import cli
 from trainer.image import sources, tarread
 
@@ -130,15 +130,7 @@ def test_git_cat_file_is_killed_on_a_refusal(big_source, monkeypatch):
 def seeded(tmp_path):
     """A lock of one wheel and one git source (by archive), both in a fresh cache."""
     wheel = make_wheel(tmp_path, "alpha", "1.0", {"alpha/__init__.py": b"X = 1\n"})
-    archive, commit, tree = make_git_source(tmp_path / "git", "demo", {"README.md": b"demo\n"}, EPOCH)
-    source = {
-        "name": "demo",
-        "url": "https://example.invalid/demo.git",
-        "commit": commit,
-        "tree": tree,
-        "dest": "/opt/src/demo",
-        "archive": {"filename": archive.name, "sha256": hashlib.sha256(archive.read_bytes()).hexdigest()},
-    }
+    source, archive = demo_source(tmp_path / "git", {"README.md": b"demo\n"}, EPOCH)
     lock = tmp_path / "lock.json"
     lock.write_text(json.dumps(small_lock("fetch", EPOCH, [(wheel, "alpha", "1.0", "rest")], [source])))
     cache = tmp_path / "cas"
