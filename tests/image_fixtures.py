@@ -13,8 +13,12 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
+import time
 import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +322,67 @@ def make_demo_inputs(root: Path, beta: str = "2.0") -> tuple[Path, list[Path], P
     (bundle / "conf" / "env").mkdir(parents=True, exist_ok=True)
     (bundle / "conf" / "env" / "recipe.yaml").write_text("CUDA_DEVICE_MAX_CONNECTIONS: '1'\n")
     return lock_path, [alpha, beta_w, archive], bundle
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listened on a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def local_registry(root: Path, delete: bool = False) -> Iterator[dict[str, Any]]:
+    """Debian's ``docker-registry`` (distribution 2.8) serving plain HTTP on 127.0.0.1 at a free port, its
+    storage under ``root/data`` (``root`` made if missing); yields {"host": "127.0.0.1:PORT", "storage": Path}.
+    Stopped on exit. Raises RuntimeError when it does not listen within 20 s (its log's tail in the message)."""
+    root.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = root / "config.yml"
+    config.write_text(
+        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {root / 'data'}\n"
+        + ("  delete:\n    enabled: true\n" if delete else "")
+        + f"http:\n  addr: 127.0.0.1:{port}\n"
+    )
+    log = open(root / "registry.log", "wb")  # a pipe nobody reads would stall the registry once full
+    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    tail = (root / "registry.log").read_text(errors="replace")[-300:]
+                    raise RuntimeError(f"docker-registry did not listen on 127.0.0.1:{port}: {tail}") from None
+                time.sleep(0.1)
+        yield {"host": f"127.0.0.1:{port}", "storage": root / "data"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+def push_then_pull(cache: Path, remote: str, lock: Path, key: Path, empty: Path) -> tuple[list[dict], list[dict]]:
+    """``trainer cache push`` of ``lock``'s layers from ``cache`` to ``remote`` signed with a new key pair made at
+    ``key``, then ``trainer cache pull`` into the cache ``empty`` trusting ``key.pub`` (plain HTTP); asserts both
+    succeed and returns their JSON rows (push's, pull's)."""
+    from helpers import run_trainer
+
+    assert run_trainer("keygen", "--out", key).returncode == 0
+    pushed = run_trainer(
+        "cache", "--cache", cache, "push", remote, "--lock", lock, "--sign-key", key, "--no-tls-verify", "--json"
+    )  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    pulled = run_trainer(
+        "cache", "--cache", empty, "pull", remote, "--lock", lock, "--trusted-key", f"{key}.pub",
+        "--no-tls-verify", "--json",
+    )  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    return json.loads(pushed.stdout)["layers"], json.loads(pulled.stdout)["layers"]

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 import helpers
-from image_fixtures import make_demo_inputs
+from image_fixtures import free_port, local_registry, make_demo_inputs, push_then_pull
 
 trainer = helpers.run_trainer
 pytestmark = pytest.mark.skipif(
@@ -30,42 +30,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory):
     """A distribution 2.8 registry on 127.0.0.1 (plain HTTP), its storage in a fresh directory; stopped after."""
-    root = tmp_path_factory.mktemp("registry")
-    port = free_port()
-    config = root / "config.yml"
-    config.write_text(
-        "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {root / 'data'}\n  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n"
-    )
-    log = open(root / "registry.log", "wb")  # a pipe nobody reads would stall the registry once full
-    proc = subprocess.Popen(["docker-registry", "serve", str(config)], stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
-                break
-        except OSError:
-            time.sleep(0.1)
-    else:
-        proc.kill()
-        pytest.fail(f"docker-registry did not listen on 127.0.0.1:{port}: {(root / 'registry.log').read_text()[-300:]}")
-    yield {"host": f"127.0.0.1:{port}", "storage": root / "data"}
-    proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-    log.close()
+    with local_registry(tmp_path_factory.mktemp("registry"), delete=True) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
@@ -411,6 +380,39 @@ def test_bad_targets_and_options_are_one_line(world, tmp_path):
     r = trainer("cache", "--cache", tmp_path / "c", "push", str(tmp_path / "d"), "--lock", world["lock"],
                 "--sign-key", world["root"] / "team")  # fmt: skip
     assert r.returncode == 1 and r.stdout.count("not in the local cache") == 3, r.stdout
+
+
+def test_the_readme_smoke_lock_round_trips_through_the_registry(registry, tmp_path):
+    """lockfiles/smoke.lock.json as the README builds it (two wheels from PyPI, its generated git source): built
+    in one cache, pushed, pulled into an empty cache, rebuilt offline from the pulled layers alone (no wheel, no
+    source there) to the same manifest digest."""
+    lock = helpers.REPO_ROOT / "lockfiles" / "smoke.lock.json"
+    one = tmp_path / "one"
+    made = trainer("image", "smoke-source", tmp_path / "src")
+    assert made.returncode == 0, made.stderr
+    src = json.loads(made.stdout.splitlines()[0])
+    assert trainer("cache", "--cache", one, "add", src["archive"], "--sha256", src["sha256"]).returncode == 0
+    fetched = trainer("cache", "--cache", one, "fetch", "--lock", lock)
+    if fetched.returncode != 0:
+        pytest.skip(f"PyPI not reachable for the smoke lock's wheels: {fetched.stderr.strip()[-200:]}")
+
+    def smoke_build(cache: Path, out: str) -> dict:
+        r = trainer(
+            "image", "build", "--lock", lock, "--out", tmp_path / out, "--cache", cache, "--offline",
+            "--revision", "0.1.0", "--json", "-q",
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)
+
+    first = smoke_build(one, "one.oci")
+    two = tmp_path / "two"
+    pushed, pulled = push_then_pull(one, f"docker://{registry['host']}/smoke-cache", lock, tmp_path / "team", two)
+    layers = sorted(r["layer"] for r in pushed)
+    assert layers == sorted(name for name in statuses(first) if name != "bundle") and layers
+    assert {r["status"] for r in pulled} == {"pulled"}
+    again = smoke_build(two, "two.oci")
+    assert again["manifest_digest"] == first["manifest_digest"]
+    assert statuses(again) == {name: "built" if name == "bundle" else "cached" for name in statuses(first)}
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import pytest
 
 import helpers
 from helpers import REPO_ROOT
-from image_fixtures import make_git_source, sha256, small_lock
+from image_fixtures import local_registry, make_git_source, push_then_pull, sha256, small_lock
 from trainer.errors import UserError
 from trainer.image.build import build_image
 from trainer.image.cas import Cache
@@ -268,14 +268,20 @@ def _torch_cpu_wheel(lock, cache: Cache, tmp: Path) -> None:
     cache.add_file(tmp / item["filename"], item["sha256"])
 
 
-def test_debian_smoke_image_imports_hydra_torch_and_trainer(world, tmp_path):
-    """The sdist (antlr4-python3-runtime, hydra's parser) is built in the build root into a wheel and installed,
-    so `import hydra` works in the image, and the bundle's own trainer package imports there too."""
+@pytest.fixture(scope="module")
+def debian_smoke(world):
+    """lockfiles/debian-smoke.lock.json built once into the module's cache: (build result, OCI layout)."""
     cache = world["cache"]
     lock = json.loads(SMOKE.read_text())
-    _torch_cpu_wheel(lock, cache, tmp_path)
-    out = tmp_path / "smoke.oci"
-    result = build_image(SMOKE, out, cache, REPO_ROOT, offline=False, jobs=2)
+    _torch_cpu_wheel(lock, cache, world["tmp"])
+    out = world["tmp"] / "debian-smoke.oci"
+    return build_image(SMOKE, out, cache, REPO_ROOT, offline=False, jobs=2), out
+
+
+def test_debian_smoke_image_imports_hydra_torch_and_trainer(debian_smoke, tmp_path):
+    """The sdist (antlr4-python3-runtime, hydra's parser) is built in the build root into a wheel and installed,
+    so `import hydra` works in the image, and the bundle's own trainer package imports there too."""
+    result, out = debian_smoke
     assert layer(result, "build-antlr4-python3-runtime")[2] > 100_000
     ref = json.loads((out / "index.json").read_text())["manifests"][0]["annotations"][
         "org.opencontainers.image.ref.name"
@@ -323,6 +329,26 @@ def test_debian_smoke_image_imports_hydra_torch_and_trainer(world, tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["1.3.8", "2.3.0", "2.13.0+cpu", "6", "/opt/recipe-bundle/trainer/__init__.py"]
+
+
+@pytest.mark.skipif(shutil.which("docker-registry") is None, reason="needs docker-registry (bin/setup installs it)")
+def test_debian_smoke_round_trips_through_a_registry_without_running_a_build_step(world, debian_smoke, tmp_path):
+    """debian-smoke's layers, its build step's output among them, pushed to a registry on 127.0.0.1 and pulled
+    into an empty cache: the rebuild there is offline, has no .deb, wheel or source to build from, runs no build
+    step, and gives the same manifest digest."""
+    result, _ = debian_smoke
+    empty = tmp_path / "empty"
+    with local_registry(tmp_path / "registry") as served:
+        remote = f"docker://{served['host']}/debian-smoke-cache"
+        pushed, pulled = push_then_pull(world["cache"].root, remote, SMOKE, tmp_path / "team", empty)
+    assert "build-antlr4-python3-runtime" in {r["layer"] for r in pushed}
+    assert {r["status"] for r in pulled} == {"pulled"}
+    again = build_image(SMOKE, tmp_path / "again.oci", Cache(empty), REPO_ROOT, offline=True, jobs=2)
+    assert again.manifest_digest == result.manifest_digest
+    assert {name: status for name, _, _, status in again.layers} == {
+        name: "built" if name == "bundle" else "cached" for name, _, _, _ in result.layers
+    }
+    assert not (empty / "roots").exists() and not (empty / "logs").exists()  # no build root made, no step run
 
 
 if __name__ == "__main__":

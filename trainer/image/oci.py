@@ -43,6 +43,7 @@ MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MT_INDEX = "application/vnd.oci.image.index.v1+json"
 MT_CONFIG = "application/vnd.oci.image.config.v1+json"
 MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
+OCI_LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'  # the oci-layout file (image-spec image-layout.md)
 REF_NAME = "org.opencontainers.image.ref.name"
 
 
@@ -216,7 +217,7 @@ def write_layout(
             dest = blobs / layer.digest[7:]
             if not dest.exists():
                 place_blob(layer, dest)
-        (tmp / "oci-layout").write_bytes(compact_json({"imageLayoutVersion": "1.0.0"}))
+        (tmp / "oci-layout").write_bytes(OCI_LAYOUT)
         (tmp / "index.json").write_bytes(compact_json(index))
         for path in (tmp, tmp / "blobs", blobs):
             os.chmod(path, 0o755)

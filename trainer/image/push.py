@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
-from trainer.image.oci import MT_INDEX, compact_json, open_image, verify_layers
+from trainer.image.oci import MT_INDEX, OCI_LAYOUT, compact_json, open_image, verify_layers
 from trainer.image.referrers import bound, listed
 from trainer.image.remote import DEFAULT_TIMEOUT, skopeo_copy
 
@@ -125,7 +125,7 @@ def push_image(layout: Path, target: str, tls_verify: bool = True, timeout: floa
                     os.link(blob, work / "blobs" / "sha256" / blob.name)
                 except OSError:
                     shutil.copyfile(blob, work / "blobs" / "sha256" / blob.name)
-            (work / "oci-layout").write_bytes(b'{"imageLayoutVersion":"1.0.0"}')
+            (work / "oci-layout").write_bytes(OCI_LAYOUT)
             entries = [{**d, "annotations": {REF_NAME: f"r{i}"}} for i, d in enumerate(referrers)]
             (work / "index.json").write_bytes(
                 compact_json({"schemaVersion": 2, "mediaType": MT_INDEX, "manifests": entries})

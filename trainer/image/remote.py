@@ -34,15 +34,13 @@ from typing import Any
 
 from trainer.errors import UserError
 from trainer.image.cas import Cache, hash_file
-from trainer.image.oci import MT_LAYER, MT_MANIFEST, compact_json, digest_of
+from trainer.image.oci import MT_LAYER, MT_MANIFEST, OCI_LAYOUT, compact_json, digest_of
+from trainer.image.referrers import EMPTY, MT_DSSE, MT_EMPTY
 from trainer.inputs import read_bytes
 from trainer.signing import STATEMENT_TYPE, VerificationFailed, load_public_key, open_envelope, sign
 
 ARTIFACT_TYPE = "application/vnd.recipe-bundle.layer-cache-entry.v1"
 PREDICATE_TYPE = "https://recipe-bundle.dev/layer-cache-entry/v1"
-MT_EMPTY = "application/vnd.oci.empty.v1+json"
-MT_DSSE = "application/vnd.dsse.envelope.v1+json"
-EMPTY = b"{}"
 KEY_ANNOTATION = "dev.recipe-bundle.cache.key"
 LAYER_ANNOTATION = "dev.recipe-bundle.cache.layer"
 ENTRY_TAG = "entry"
@@ -98,8 +96,7 @@ class Remote:
             raise
 
     def _copy(self, args: list[str], what: str) -> None:
-        tls = [] if self.tls_verify else ["--src-tls-verify=false", "--dest-tls-verify=false"]
-        self._skopeo(["copy", "-q", "--preserve-digests", *tls, *args], what)
+        self._skopeo([*copy_argv(self.tls_verify), *args], what)
 
     def _manifest(self, key: str, what: str) -> bytes:
         """The entry's manifest bytes, read before anything else (``skopeo inspect --raw`` from a registry; the
@@ -231,8 +228,14 @@ def run_skopeo(args: list[str], what: str, timeout: float = DEFAULT_TIMEOUT) -> 
 def skopeo_copy(args: list[str], what: str, tls_verify: bool = True, timeout: float = DEFAULT_TIMEOUT) -> None:
     """``skopeo copy -q --preserve-digests ARGS`` (manifests and blobs byte for byte; skopeo checks each blob's
     digest as it copies): :func:`run_skopeo`."""
+    run_skopeo([*copy_argv(tls_verify), *args], what, timeout)
+
+
+def copy_argv(tls_verify: bool) -> list[str]:
+    """skopeo's ``copy -q --preserve-digests`` arguments, with ``--src/--dest-tls-verify=false`` when
+    ``tls_verify`` is off."""
     tls = [] if tls_verify else ["--src-tls-verify=false", "--dest-tls-verify=false"]
-    run_skopeo(["copy", "-q", "--preserve-digests", *tls, *args], what, timeout)
+    return ["copy", "-q", "--preserve-digests", *tls]
 
 
 def check_manifest(data: bytes, what: str) -> dict[str, Any]:
@@ -298,7 +301,7 @@ def write_entry(layout: Path, cache: Cache, key: str, layer: str, diff_id: str, 
     """Write the entry of ``key`` as an OCI layout at ``layout`` (an empty directory; the layer blob hard-linked
     from ``cache``), tagged :data:`ENTRY_TAG`; return the manifest digest."""
     (layout / "blobs" / "sha256").mkdir(parents=True)
-    (layout / "oci-layout").write_bytes(b'{"imageLayoutVersion":"1.0.0"}')
+    (layout / "oci-layout").write_bytes(OCI_LAYOUT)
     cache.link_or_copy(diff_id[7:], layout / "blobs" / "sha256" / diff_id[7:])
     envelope = _put_blob(layout, sign(statement(key, layer, diff_id, size), signer))
     config = _put_blob(layout, EMPTY)
