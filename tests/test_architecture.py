@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+import helpers
 from helpers import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "trainer"
@@ -354,3 +355,7 @@ def test_relative_and_nested_imports_are_resolved():
     assert layer_findings(found) == [
         "trainer.image -> trainer.record imports up the layers: build.py:3, build.py:5",
     ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

@@ -457,10 +457,6 @@ def test_full_lock_verifies_but_needs_the_seeded_base(tmp_path):
     assert not (tmp_path / "full.oci").exists()
 
 
-if __name__ == "__main__":
-    raise SystemExit(helpers.main(__file__))
-
-
 def test_an_index_manifest_without_a_digest_is_refused_on_one_line(tmp_path):
     # it used to end in a KeyError traceback: the manifest was looked up by the digest it does not have
     seed = tmp_path / "seed"
@@ -473,3 +469,7 @@ def test_an_index_manifest_without_a_digest_is_refused_on_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.splitlines()[-1] == f"trainer cache: error: {seed}: index.json lists a manifest without a digest"
     assert not (tmp_path / "cas" / "sha256").exists() or not list((tmp_path / "cas" / "sha256").glob("*"))
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

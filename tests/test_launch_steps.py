@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import helpers
 from trainer.compose.compose import compose_run, validate
 from trainer.data import Rows
 from trainer.launch.host import slurm
@@ -115,3 +116,7 @@ def test_the_sbatch_template_has_a_value_for_every_placeholder():
     assert script.startswith("#!/bin/bash\n# recipe-bundle: TP2 PP4 EP8 DP8 on 8 x 8 H200 (p5en-8x8)")
     assert "HEAD=${NODES[0]}\n" in script and "\nexport A=1\n\n# the job" in script
     assert "\nARGV=(\n  python3 train.py\n)\n\nmkdir -p" in script
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

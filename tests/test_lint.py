@@ -88,5 +88,21 @@ def test_mypy_reports_a_planted_finding(tmp_path):
     assert 'planted.py:2: error: Incompatible return value type (got "int", expected "str")' in result.stdout
 
 
+ENTRY = 'if __name__ == "__main__":\n    raise SystemExit(helpers.main(__file__))\n'
+
+
+def missing_entry_points(test_dir: Path) -> list[str]:
+    """The ``test_*.py`` modules of ``test_dir`` that do not end with the py_test entry point (:data:`ENTRY`):
+    Bazel runs each module as a script, so one without it passes having run no test."""
+    return sorted(p.name for p in test_dir.glob("test_*.py") if not p.read_text().endswith(ENTRY))
+
+
+def test_every_test_module_runs_its_tests_under_bazel(tmp_path):
+    assert missing_entry_points(REPO_ROOT / "tests") == []
+    (tmp_path / "test_a.py").write_text("def test_x():\n    assert False\n")
+    (tmp_path / "test_b.py").write_text("import helpers\n\n\n" + ENTRY)
+    assert missing_entry_points(tmp_path) == ["test_a.py"]
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

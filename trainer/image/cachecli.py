@@ -43,6 +43,7 @@ from trainer.image.cas import Cache, parse_sha256
 from trainer.image.remote import add_remote_options, remotes_from
 from trainer.image.sources import FETCH_HOSTS, add_archive, add_git, fetch_source, pins_for
 from trainer.lock.imagelock import inputs_of, load_lock
+from trainer.signing import load_signer
 
 
 def main(argv: list[str]) -> int:
@@ -315,8 +316,6 @@ def _fetch(cache: Cache, lock_path: Path, as_json: bool, extra_hosts: tuple = ()
 def _push_pull(cache: Cache, args: argparse.Namespace) -> int:
     """``cache push`` / ``cache pull``: one line per layer of the locks (JSON with ``--json``); exit 1 when a
     layer was left out (not built here, refused by the remote, or untrusted)."""
-    from trainer.signing import load_signer
-
     (remote,) = remotes_from(args, [args.remote])
     signer = load_signer(Path(args.sign_key)) if args.command == "push" else None
     wanted: dict[str, str] = {}

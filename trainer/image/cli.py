@@ -23,6 +23,7 @@ from trainer.image.cas import Cache
 from trainer.image.diff import diff_main
 from trainer.image.native import check_builds
 from trainer.image.oci import open_image
+from trainer.image.push import print_result, push_image
 from trainer.image.remote import add_remote_options, remotes_from
 from trainer.image.smoke import smoke_source
 from trainer.inputs import read_json
@@ -108,8 +109,6 @@ def cmd_push(args: argparse.Namespace) -> int:
     """``trainer image push``: :func:`trainer.image.push.push_image`; prints the pinned reference. Returns 0;
     raises :class:`UserError` (exit 2) for a bad layout or target, :class:`trainer.image.remote.Refused` (exit 1)
     when the registry refuses or is down."""
-    from trainer.image.push import print_result, push_image
-
     if not args.remote_timeout > 0:
         raise UserError(f"--remote-timeout {args.remote_timeout}: expected a positive number of seconds")
     print_result(push_image(Path(args.image), args.target, args.tls_verify, args.remote_timeout), args.json)

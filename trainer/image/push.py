@@ -21,7 +21,7 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.image.oci import MT_INDEX, OCI_LAYOUT, compact_json, open_image, verify_layers
 from trainer.image.referrers import bound, listed
-from trainer.image.remote import DEFAULT_TIMEOUT, skopeo_copy
+from trainer.image.remote import DEFAULT_TIMEOUT, Refused, skopeo_copy
 
 REF_NAME = "org.opencontainers.image.ref.name"
 
@@ -48,8 +48,6 @@ def put_manifest(name: str, tag: str, data: bytes, media_type: str, tls_verify: 
     import ssl
     import urllib.error
     import urllib.request
-
-    from trainer.image.remote import Refused
 
     host, _, repository = name.partition("/")
     context = ssl.create_default_context()
