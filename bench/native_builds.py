@@ -40,7 +40,8 @@ UMASKS = [0o022, 0o077, 0o002]
 
 
 def fresh_cache(main: Cache, path: Path) -> Cache:
-    """A cache at ``path`` holding hard links to ``main``'s blobs (inputs) and nothing built."""
+    """A cache at ``path`` holding hard links to ``main``'s blobs (inputs) and its git-tree records (sources
+    seeded with ``trainer cache add-git``), nothing built."""
     (path / "sha256").mkdir(parents=True)
     for blob in (main.root / "sha256").iterdir():
         trusted = main._stamp_of(blob.stat()) == main._read_stamp(blob.name)
@@ -50,6 +51,8 @@ def fresh_cache(main: Cache, path: Path) -> Cache:
             shutil.copyfile(blob, path / "sha256" / blob.name)
         if trusted:  # linking moved the inode's ctime, not its bytes: keep the main cache's stamp valid
             main.stamp(blob.name)
+    if (main.root / "trees").is_dir():
+        shutil.copytree(main.root / "trees", path / "trees")
     return Cache(path)
 
 
