@@ -6,8 +6,10 @@ The story of a step (the recipe's optimizer semantics, Megatron's definitions):
    rows per microbatch) from the fixed rows, in the loader's deterministic order
    (:class:`trainer.launch.steps.Schedule`);
 2. loss = sum over supervised tokens of cross-entropy / supervised tokens of the whole global batch, over all
-   ranks (``--calculate-per-token-loss``); gradients are summed over ranks (gloo all-reduce), so the update is
-   the same for any DP size;
+   ranks (``--calculate-per-token-loss``); with DP > 1 the model is wrapped in PyTorch's
+   ``DistributedDataParallel`` (gloo), which all-reduces the gradients once per step (the microbatches before
+   the last accumulate under ``no_sync``) and averages them, so each rank backpropagates ``world`` times its
+   loss: the update is the sum over ranks, the same for any DP size;
 3. gradient clipping at ``optim.clip_grad`` (Megatron's default 1.0; ``grad_norm`` is the norm before clipping);
 4. Adam with decoupled weight decay on 2-D weights (Megatron leaves biases and norms undecayed), betas from
    the config; the learning rate follows Megatron's ``OptimizerParamScheduler``: linear warm-up from 0 over
@@ -24,6 +26,7 @@ join the group, build, train, finish) and the functions after it are its steps.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import sys
@@ -61,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir, rank, world, rows_dir = parse_argv(sys.argv[1:] if argv is None else argv)
     cfg = validate(load_config(run_dir / CONFIG))
     join_group(run_dir, rank, world)
-    model = build_model(cfg)
+    model = data_parallel(build_model(cfg), world)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = Schedule.of(Rows(rows_dir), cfg.optim.global_batch_size, cfg.layout.micro_batch_size, rank, world)
     with MetricsWriter(run_dir / METRICS if rank == 0 else None) as metrics:
@@ -94,6 +97,17 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
     model: torch.nn.Module = deepseek_v4_hf.build_model(cfg.model, cfg.launcher.seed)
     deepseek_v4_hf.freeze_router(model, cfg.optim.moe_router_freeze_gate, cfg.optim.freeze_e_score_correction_bias)
     return model
+
+
+def data_parallel(model: torch.nn.Module, world: int) -> torch.nn.Module:
+    """``model`` itself for ``world`` 1, else ``torch.nn.parallel.DistributedDataParallel`` over the default (gloo)
+    group, one bucket pass per step. ``find_unused_parameters``: a microbatch routes its tokens to some of the
+    experts only, and an expert no rank used keeps no gradient, as with one process."""
+    if world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model, find_unused_parameters=True)
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
@@ -146,8 +160,9 @@ def train_step(
     world: int,
 ) -> tuple[float, float, float, float]:
     """One optimizer step over this rank's ``microbatches`` (each ``(B, S)``): the per-token loss of the whole
-    global batch backward, gradients summed over the ``world`` ranks, clipped at ``clip_grad`` (0: not clipped,
-    the norm still reported), ``optimizer.step()``. Returns ``(lm_loss, grad_norm, tokens, supervised_tokens)``:
+    global batch backward, gradients summed over the ``world`` ranks (by :func:`data_parallel`'s DDP during the
+    last microbatch's backward), clipped at ``clip_grad`` (0: not clipped, the norm still reported),
+    ``optimizer.step()``. Returns ``(lm_loss, grad_norm, tokens, supervised_tokens)``:
     the loss per supervised token, the gradient norm before clipping, and the step's tokens and supervised tokens
     summed over ranks."""
     import torch
@@ -155,12 +170,8 @@ def train_step(
 
     supervised, tokens = token_counts(microbatches, world)
     optimizer.zero_grad(set_to_none=True)
-    loss_sum = backward(model, microbatches, supervised)
+    loss_sum = backward(model, microbatches, supervised, world)
     if world > 1:
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
         dist.all_reduce(loss_sum)
     # Megatron: clip_grad 0 means no clipping (the norm is still reported)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, clip_grad if clip_grad > 0 else float("inf"))
@@ -185,26 +196,39 @@ def token_counts(microbatches: list[Batch], world: int) -> tuple[float, float]:
     return supervised, tokens
 
 
-def backward(model: torch.nn.Module, microbatches: list[Batch], supervised: float) -> torch.Tensor:
+def backward(model: torch.nn.Module, microbatches: list[Batch], supervised: float, world: int = 1) -> torch.Tensor:
     """Forward and backward of each microbatch: the summed cross-entropy of its supervised positions (``loss_mask``
-    1) divided by the global batch's ``supervised`` tokens (at least 1) is backpropagated, so the gradients add up
-    to the per-token loss's. Returns this rank's summed cross-entropy (a 0-d tensor, nats)."""
+    1) divided by the global batch's ``supervised`` tokens (at least 1) and multiplied by ``world`` (DDP averages
+    over the ranks) is backpropagated, so the gradients add up to the per-token loss's. Under DDP the gradients are
+    synchronised in the last microbatch's backward only (the others run under ``model.no_sync()``). Returns this
+    rank's summed cross-entropy (a 0-d tensor, nats)."""
     import torch
 
     loss_sum = torch.zeros(())
-    for mb in microbatches:
-        input_ids = torch.from_numpy(mb.tokens).long()
-        labels = torch.from_numpy(mb.labels).long()
-        mask = torch.from_numpy(mb.loss_mask).float()
-        labels = labels.clamp(min=0)  # IGNORE_INDEX positions carry mask 0
-        logits = model(input_ids=input_ids, position_ids=torch.from_numpy(mb.position_ids).long()).logits
-        ce = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none"
-        )
-        mb_loss = (ce * mask.reshape(-1)).sum()
-        (mb_loss / max(supervised, 1.0)).backward()
-        loss_sum += mb_loss.detach()
+    no_sync = getattr(model, "no_sync", None)  # DistributedDataParallel's
+    for index, mb in enumerate(microbatches):
+        last = index == len(microbatches) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync():
+            loss_sum += _microbatch_backward(model, mb, world / max(supervised, 1.0))
     return loss_sum
+
+
+def _microbatch_backward(model: torch.nn.Module, mb: Batch, scale: float) -> torch.Tensor:
+    """Forward of one microbatch, backward of its summed supervised cross-entropy times ``scale``; returns the
+    summed cross-entropy (0-d, detached, nats)."""
+    import torch
+
+    input_ids = torch.from_numpy(mb.tokens).long()
+    labels = torch.from_numpy(mb.labels).long()
+    mask = torch.from_numpy(mb.loss_mask).float()
+    labels = labels.clamp(min=0)  # IGNORE_INDEX positions carry mask 0
+    logits = model(input_ids=input_ids, position_ids=torch.from_numpy(mb.position_ids).long()).logits
+    ce = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), reduction="none"
+    )
+    mb_loss = (ce * mask.reshape(-1)).sum()
+    (mb_loss * scale).backward()
+    return mb_loss.detach()
 
 
 def peak_rss_bytes(world: int) -> float:
