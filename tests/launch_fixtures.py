@@ -127,15 +127,28 @@ def _loopback_hostname() -> None:
 
 
 class LocalSlurm:
-    """munged + slurmctld + slurmd on localhost under ``root`` (a fresh directory). Use as a context manager.
+    """munged + slurmctld + one slurmd per node on this machine under ``root`` (a fresh directory). Use as a
+    context manager.
 
-    ``gpus``: GPUs the node offers to the scheduler (simulated devices, gres ``gpu``); ``lifetime_s``: upper
-    bound of every daemon's life (``timeout``), in case the caller never stops them.
+    ``nodes``: 1 gives the node ``localhost``; more give ``n1`` ... ``nN``, each its own slurmd (``-N nI``) with
+    its own port, spool, pid and log file, all on 127.0.0.1 (Slurm 22.05's slurmd binds 127.0.0.1 whatever
+    ``NodeAddr`` says); ``gpus`` and ``cpus``: what each node offers to the scheduler (simulated devices, gres
+    ``gpu``); ``lifetime_s``: upper bound of every daemon's life (``timeout``), in case the caller never stops
+    them.
     """
 
-    def __init__(self, root: Path, gpus: int = 2, cpus: int = 2, memory_mb: int = 4000, lifetime_s: int = 600):
+    def __init__(
+        self,
+        root: Path,
+        gpus: int = 2,
+        cpus: int = 2,
+        memory_mb: int = 4000,
+        lifetime_s: int = 600,
+        nodes: int = 1,
+    ):
         self.root = Path(root)
         self.gpus, self.cpus, self.memory_mb, self.lifetime_s = gpus, cpus, memory_mb, lifetime_s
+        self.names = ["localhost"] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
         self.procs: list[subprocess.Popen] = []
         self.conf = self.root / "slurm.conf"
         # munged's socket and slurmd's spool (slurmstepd sockets) need paths under the 108-byte limit of a unix
@@ -165,6 +178,13 @@ class LocalSlurm:
                 os.mknod(dev, 0o600 | 0o020000, os.makedev(195, i))
         ctld_port, slurmd_port = free_port(), free_port()
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
+        nodes = "\n".join(
+            f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name}"
+            + ("" if len(self.names) == 1 else f" Port={free_port()}")
+            + f" CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN"
+            for name in self.names
+        )
+        each = "" if len(self.names) == 1 else "-%n"  # per-node files when several slurmd share this machine
         self.conf.write_text(f"""\
 ClusterName=recipebundle
 SlurmctldHost=localhost(127.0.0.1)
@@ -176,11 +196,11 @@ SlurmdUser=root
 AuthType=auth/munge
 AuthInfo=socket={self.sockets}/munge/munge.sock
 StateSaveLocation={r}/state
-SlurmdSpoolDir={self.sockets}/spool
+SlurmdSpoolDir={self.sockets}/spool{each}
 SlurmctldPidFile={r}/slurmctld.pid
-SlurmdPidFile={r}/slurmd.pid
+SlurmdPidFile={r}/slurmd{each}.pid
 SlurmctldLogFile={r}/slurmctld.log
-SlurmdLogFile={r}/slurmd.log
+SlurmdLogFile={r}/slurmd{each}.log
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -192,12 +212,13 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=600
 GresTypes=gpu
-NodeName=localhost NodeAddr=127.0.0.1 NodeHostname=localhost CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
-""")  # noqa: E501 - slurm.conf takes a node's definition on one line
+{nodes}
+PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE State=UP
+""")
         if self.gpus:
             (r / "gres.conf").write_text(
-                f"AutoDetect=off\nNodeName=localhost Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n"
+                "AutoDetect=off\n"
+                + "".join(f"NodeName={name} Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n" for name in self.names)
             )
 
     def _spawn(self, argv: list[str], log: str) -> subprocess.Popen:
@@ -241,11 +262,13 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
         )
         _wait_for(lambda: (m / "munge.sock").exists(), 10, "munged", self.root / "munged.out")
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
-        self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", "localhost"], "slurmd.out")
+        for name in self.names:
+            (self.sockets / f"spool-{name}").mkdir(exist_ok=True)
+            self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out")
 
         def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True, env=self.env())
-            return out.returncode == 0 and out.stdout.strip() == "idle"
+            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=self.env())
+            return out.returncode == 0 and out.stdout.split() == ["idle"] * len(self.names)
 
         _wait_for(idle, 30, "the Slurm node", self.root / "slurmctld.log")
         return self
