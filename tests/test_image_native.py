@@ -331,7 +331,10 @@ def test_debian_smoke_image_imports_hydra_torch_and_trainer(debian_smoke, tmp_pa
     assert proc.stdout.split() == ["1.3.8", "2.3.0", "2.13.0+cpu", "6", "/opt/recipe-bundle/trainer/__init__.py"]
 
 
-@pytest.mark.skipif(shutil.which("docker-registry") is None, reason="needs docker-registry (bin/setup installs it)")
+@pytest.mark.skipif(
+    shutil.which("docker-registry") is None or shutil.which("skopeo") is None,
+    reason="needs docker-registry and skopeo (bin/setup installs them)",
+)
 def test_debian_smoke_round_trips_through_a_registry_without_running_a_build_step(world, debian_smoke, tmp_path):
     """debian-smoke's layers, its build step's output among them, pushed to a registry on 127.0.0.1 and pulled
     into an empty cache: the rebuild there is offline, has no .deb, wheel or source to build from, runs no build

@@ -118,5 +118,16 @@ def test_the_sbatch_template_has_a_value_for_every_placeholder():
     assert "\nARGV=(\n  python3 train.py\n)\n\nmkdir -p" in script
 
 
+def test_the_rendezvous_is_tcp_when_the_launcher_names_rank_zero_else_the_run_directory_file(tmp_path):
+    from trainer.launch.cpu_worker import rendezvous
+
+    assert rendezvous(tmp_path, {}) == f"file://{tmp_path}/.rendezvous"
+    assert rendezvous(tmp_path, {"MASTER_ADDR": "127.0.0.1"}) == f"file://{tmp_path}/.rendezvous"
+    assert rendezvous(tmp_path, {"MASTER_ADDR": "n1", "MASTER_PORT": "29500"}) == "tcp://n1:29500"
+    for bad in ("0", "65536", "29500x", "-1"):
+        with pytest.raises(ValueError, match="MASTER_PORT"):
+            rendezvous(tmp_path, {"MASTER_ADDR": "n1", "MASTER_PORT": bad})
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

@@ -3,6 +3,7 @@ import contract between the phases). Their configuration is pyproject.toml's ``[
 ``[tool.importlinter]``; the tools are pinned by lockfiles/launcher.lock and run from this interpreter's
 environment. Each check is also run on a file with one planted finding, which it must report (the check is live)."""
 
+import ast
 import os
 import subprocess
 import sys
@@ -91,17 +92,32 @@ def test_mypy_reports_a_planted_finding(tmp_path):
 ENTRY = 'if __name__ == "__main__":\n    raise SystemExit(helpers.main(__file__))\n'
 
 
+def has_entry_point(source: str) -> bool:
+    """Whether the module ``source`` imports ``helpers`` at top level and its last top-level statement is
+    :data:`ENTRY` (compared as syntax trees, so a commented-out copy does not count)."""
+    body = ast.parse(source).body
+    imports = any(isinstance(s, ast.Import) and any(a.name == "helpers" for a in s.names) for s in body)
+    return bool(body) and imports and ast.dump(body[-1]) == ast.dump(ast.parse(ENTRY).body[0])
+
+
 def missing_entry_points(test_dir: Path) -> list[str]:
     """The ``test_*.py`` modules of ``test_dir`` that do not end with the py_test entry point (:data:`ENTRY`):
     Bazel runs each module as a script, so one without it passes having run no test."""
-    return sorted(p.name for p in test_dir.glob("test_*.py") if not p.read_text().endswith(ENTRY))
+    return sorted(p.name for p in test_dir.glob("test_*.py") if not has_entry_point(p.read_text()))
 
 
 def test_every_test_module_runs_its_tests_under_bazel(tmp_path):
     assert missing_entry_points(REPO_ROOT / "tests") == []
-    (tmp_path / "test_a.py").write_text("def test_x():\n    assert False\n")
-    (tmp_path / "test_b.py").write_text("import helpers\n\n\n" + ENTRY)
-    assert missing_entry_points(tmp_path) == ["test_a.py"]
+    cases = {
+        "test_none.py": "def test_x():\n    assert False\n",
+        "test_commented.py": "import helpers\n\n\ndef _f():\n    pass\n#" + ENTRY,
+        "test_mid_file.py": "import helpers\n\n" + ENTRY + "\n\ndef test_x():\n    assert False\n",
+        "test_no_import.py": "from helpers import REPO_ROOT\n\n\n" + ENTRY,
+        "test_ok.py": "import helpers\n\n\n" + ENTRY,
+    }
+    for name, source in cases.items():
+        (tmp_path / name).write_text(source)
+    assert missing_entry_points(tmp_path) == sorted(set(cases) - {"test_ok.py"})
 
 
 if __name__ == "__main__":

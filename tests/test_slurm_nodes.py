@@ -14,7 +14,7 @@ import pytest
 
 import helpers
 from helpers import REPO_ROOT, run_train
-from launch_fixtures import LocalSlurm, missing_slurm
+from launch_fixtures import LocalSlurm, free_port, missing_slurm
 
 pytestmark = [
     pytest.mark.skipif(
@@ -63,8 +63,11 @@ def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, tmp_p
     nodes.mkdir()
     shutil.copy(one / "config.yaml", nodes / "config.yaml")
     worker = f"exec {sys.executable} -m trainer.launch.cpu_worker {nodes} $SLURM_PROCID $SLURM_NTASKS {one}/data/rows"
-    ran = srun(cluster, "--export=ALL,PYTHONPATH=" + str(REPO_ROOT), "bash", "-c", worker, timeout=600)
+    # rank 0's address and a port, as a launcher across hosts gives them (TCP rendezvous, no shared file)
+    export = f"--export=ALL,PYTHONPATH={REPO_ROOT},MASTER_ADDR=127.0.0.1,MASTER_PORT={free_port()}"
+    ran = srun(cluster, export, "bash", "-c", worker, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
+    assert not (nodes / ".rendezvous").exists()
     a = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
     b = [json.loads(line) for line in (nodes / "metrics.jsonl").read_text().splitlines()]
     assert len(a) == len(b) == STEPS

@@ -7,8 +7,8 @@ The story of a step (the recipe's optimizer semantics, Megatron's definitions):
    (:class:`trainer.launch.steps.Schedule`);
 2. loss = sum over supervised tokens of cross-entropy / supervised tokens of the whole global batch, over all
    ranks (``--calculate-per-token-loss``); with DP > 1 the model is wrapped in PyTorch's
-   ``DistributedDataParallel`` (gloo), which all-reduces the gradients once per step (the microbatches before
-   the last accumulate under ``no_sync``) and averages them, so each rank backpropagates ``world`` times its
+   ``DistributedDataParallel`` (gloo), which all-reduces the gradients in one pass per step (the microbatches
+   before the last accumulate under ``no_sync``) and averages them, so each rank backpropagates ``world`` times its
    loss: the update is the sum over ranks, the same for any DP size;
 3. gradient clipping at ``optim.clip_grad`` (Megatron's default 1.0; ``grad_norm`` is the norm before clipping);
 4. Adam with decoupled weight decay on 2-D weights (Megatron leaves biases and norms undecayed), betas from
@@ -55,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     """Train one rank; ``argv`` (default ``sys.argv[1:]``) is ``RUN_DIR RANK WORLD ROWS_DIR``. Returns 0.
 
     Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``; with ``WORLD > 1`` joins a gloo group
-    through the file ``RUN_DIR/.rendezvous``. Writes ``RUN_DIR/probe-rank-RANK.json`` (every rank); rank 0
-    appends one line per step to ``RUN_DIR/metrics.jsonl`` (``tokens``/``supervised_tokens`` summed over
-    ranks, ``step_time_s`` wall seconds, ``max_memory_bytes`` peak RSS in bytes, max over ranks) and prints it.
+    (:func:`rendezvous`: TCP at ``MASTER_ADDR:MASTER_PORT`` when set, else the file ``RUN_DIR/.rendezvous``).
+    Writes ``RUN_DIR/probe-rank-RANK.json`` (every rank); rank 0 appends one line per step to
+    ``RUN_DIR/metrics.jsonl`` (``tokens``/``supervised_tokens`` summed over ranks, ``step_time_s`` wall seconds,
+    ``max_memory_bytes`` peak RSS in bytes, max over ranks) and prints it.
     Raises ``IndexError``/``ValueError`` on a short or non-integer ``argv``, :class:`UserError` on a bad
     config or rows.
     """
@@ -79,15 +80,29 @@ def parse_argv(argv: list[str]) -> tuple[Path, int, int, Path]:
     return Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
 
 
+def rendezvous(run_dir: Path, environ: dict[str, str] | None = None) -> str:
+    """torch.distributed's ``init_method``: ``tcp://MASTER_ADDR:MASTER_PORT`` when both are set (torchrun's and
+    Megatron's names; a launcher across nodes sets them to rank 0's host), else the file ``run_dir/.rendezvous``
+    (one machine, or a file system every node shares). Raises ``ValueError`` for a MASTER_PORT that is not a
+    port number."""
+    env = os.environ if environ is None else environ
+    addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    if addr and port:
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"MASTER_PORT {port!r}: expected a TCP port number (1-65535)")
+        return f"tcp://{addr}:{int(port)}"
+    return f"file://{run_dir / '.rendezvous'}"
+
+
 def join_group(run_dir: Path, rank: int, world: int) -> None:
     """Start this rank: torch gets the machine's CPUs divided by ``world`` as threads (at least 1); with
-    ``world`` > 1 a gloo group through the file ``run_dir/.rendezvous``; the probe in ``probe-rank-RANK.json``."""
+    ``world`` > 1 a gloo group through :func:`rendezvous`; the probe in ``probe-rank-RANK.json``."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{run_dir / '.rendezvous'}", rank=rank, world_size=world)
+        dist.init_process_group("gloo", init_method=rendezvous(run_dir), rank=rank, world_size=world)
     atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
 
 
@@ -101,13 +116,16 @@ def build_model(cfg: TrainConfig) -> torch.nn.Module:
 
 def data_parallel(model: torch.nn.Module, world: int) -> torch.nn.Module:
     """``model`` itself for ``world`` 1, else ``torch.nn.parallel.DistributedDataParallel`` over the default (gloo)
-    group, one bucket pass per step. ``find_unused_parameters``: a microbatch routes its tokens to some of the
-    experts only, and an expert no rank used keeps no gradient, as with one process."""
+    group, one reduction pass per step (its buckets, about 33 MB each for the tiny model). ``find_unused_parameters``:
+    some parameters take no part in a forward (the sparse-attention indexer's, idle at short sequences);
+    :func:`train_step` gives them zero gradients as Megatron's contiguous gradient buffer does.
+    ``broadcast_buffers`` off: the buffers (e.g. the hash router's token-to-expert table) are made from the same
+    seed on every rank and never change."""
     if world == 1:
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    return DistributedDataParallel(model, find_unused_parameters=True)
+    return DistributedDataParallel(model, find_unused_parameters=True, broadcast_buffers=False)
 
 
 def build_optimizer(model: torch.nn.Module, optim: OptimConfig) -> torch.optim.AdamW:
@@ -171,6 +189,9 @@ def train_step(
     supervised, tokens = token_counts(microbatches, world)
     optimizer.zero_grad(set_to_none=True)
     loss_sum = backward(model, microbatches, supervised, world)
+    for p in params:  # Megatron's gradient buffer is zeroed, not absent: an unused parameter still steps (decay)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
     if world > 1:
         dist.all_reduce(loss_sum)
     # Megatron: clip_grad 0 means no clipping (the norm is still reported)
