@@ -379,10 +379,10 @@ def push_then_pull(cache: Path, remote: str, lock: Path, key: Path, empty: Path)
     pushed = run_trainer(
         "cache", "--cache", cache, "push", remote, "--lock", lock, "--sign-key", key, "--no-tls-verify", "--json"
     )  # fmt: skip
-    assert pushed.returncode == 0, pushed.stderr
+    assert pushed.returncode == 0, pushed.stdout[-2000:] + pushed.stderr[-2000:]
     pulled = run_trainer(
         "cache", "--cache", empty, "pull", remote, "--lock", lock, "--trusted-key", f"{key}.pub",
         "--no-tls-verify", "--json",
     )  # fmt: skip
-    assert pulled.returncode == 0, pulled.stderr
+    assert pulled.returncode == 0, pulled.stdout[-2000:] + pulled.stderr[-2000:]
     return json.loads(pushed.stdout)["layers"], json.loads(pulled.stdout)["layers"]
