@@ -285,6 +285,14 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         if self.short is not None:
             shutil.rmtree(self.short, ignore_errors=True)
 
+    def client(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+        """Run a Slurm client command (``srun``, ``sinfo``) against this cluster, in a UTS namespace whose host
+        name is ``127.0.0.1`` as the daemons' (``srun`` listens for its tasks at its own host name's address,
+        which need not resolve: a fresh root's does not); captures its output (text)."""
+        return subprocess.run(
+            argv, capture_output=True, text=True, env=self.env(), timeout=timeout, preexec_fn=_loopback_hostname
+        )
+
     def __enter__(self) -> LocalSlurm:
         return self.start()
 

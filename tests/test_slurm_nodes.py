@@ -6,7 +6,6 @@ global batch (``trainer converge`` passes)."""
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections import Counter
 
@@ -33,17 +32,13 @@ def cluster(tmp_path_factory):
 
 
 def srun(slurm, *argv, timeout=300):
-    return subprocess.run(
-        ["srun", f"-N{NODES}", f"--ntasks-per-node={TASKS_PER_NODE}", "--time=00:08:00", *map(str, argv)],
-        capture_output=True,
-        text=True,
-        env=slurm.env(),
-        timeout=timeout,
+    return slurm.client(
+        ["srun", f"-N{NODES}", f"--ntasks-per-node={TASKS_PER_NODE}", "--time=00:08:00", *map(str, argv)], timeout
     )
 
 
 def test_four_nodes_come_up_and_take_two_tasks_each(cluster):
-    nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=cluster.env())
+    nodes = cluster.client(["sinfo", "-h", "-N", "-o", "%N %t"], timeout=30)
     assert sorted(nodes.stdout.split("\n")[:-1]) == [f"n{i} idle" for i in range(1, NODES + 1)]
     placed = srun(cluster, "bash", "-c", 'echo "$SLURMD_NODENAME $SLURM_PROCID $SLURM_LOCALID $SLURM_NTASKS"')
     assert placed.returncode == 0, placed.stderr
