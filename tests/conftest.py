@@ -109,3 +109,13 @@ def refused_train(monkeypatch, capsys):
         return Result(exit_info.value.code, out.out, out.err)
 
     return call
+
+
+@pytest.fixture(scope="module")
+def eight_ranks_one_module_at_a_time():
+    """For a module that trains eight ranks at once (``pytestmark`` ``usefixtures``): the module runs while it
+    holds :func:`helpers.one_heavy_at_a_time`'s lock."""
+    import helpers
+
+    with helpers.one_heavy_at_a_time():
+        yield

@@ -10,7 +10,7 @@ import shlex
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from trainer.compose.compose import compose_run
@@ -72,10 +72,15 @@ def pids_running(*argv: str) -> list[int]:
 
 
 def run_train(
-    args: Sequence[str], cwd: Path, timeout: float = 120, env: dict[str, str] | None = None
+    args: Sequence[str],
+    cwd: Path,
+    timeout: float = 120,
+    env: dict[str, str] | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> subprocess.CompletedProcess:
     """Run ``python -m trainer.train ARGS`` in ``cwd`` with the current interpreter (``env``: variables set on top
-    of this process's environment); capture output."""
+    of this process's environment; ``preexec_fn``: run in the child before exec, e.g. to join a network
+    namespace); capture output."""
     env = {**os.environ, **(env or {})}
     env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["COLUMNS"] = "160"
@@ -86,7 +91,26 @@ def run_train(
         capture_output=True,
         text=True,
         timeout=timeout,
+        preexec_fn=preexec_fn,
     )
+
+
+HEAVY_LOCK = Path("/tmp/recipe-bundle-eight-ranks.lock")  # fixed: Bazel gives each test its own TMPDIR
+
+
+@contextlib.contextmanager
+def one_heavy_at_a_time():
+    """Hold an exclusive lock (``flock`` on :data:`HEAVY_LOCK`) while a test module trains eight ranks at once
+    (about 12 GB of memory): two such modules that Bazel runs side by side take turns instead of exhausting the
+    machine's memory together; the other tests run on beside them."""
+    import fcntl
+
+    with open(HEAVY_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 @contextlib.contextmanager

@@ -398,3 +398,200 @@ class LocalRay:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+CLONE_NEWNET = 0x40000000  # <sched.h>
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1  # <linux/sockios.h>, <net/if.h>
+
+
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6", use_errno=True)
+
+
+def _loopback_up() -> None:
+    """Bring ``lo`` up in this process's network namespace (a new one has it down): SIOCSIFFLAGS with IFF_UP."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        request = struct.pack("16sH14x", b"lo", 0)
+        flags = struct.unpack("16sH14x", fcntl.ioctl(sock, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
+
+
+class NetNamespace:
+    """A network namespace of its own with only its loopback interface, held by a ``sleep`` bounded by
+    ``lifetime_s``: what runs in it (:meth:`enter` before exec, :meth:`argv` for a command) can bind any address of
+    127.0.0.0/8, or all interfaces, and still be reachable from nothing outside it. Needs root (CAP_SYS_ADMIN)."""
+
+    def __init__(self, lifetime_s: int = 600):
+        self.lifetime_s = lifetime_s
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> NetNamespace:
+        """Start the holder (unshare(CLONE_NEWNET), ``lo`` up, then ``sleep``)."""
+
+        def new_namespace() -> None:
+            if _libc().unshare(CLONE_NEWNET) != 0:
+                import ctypes
+
+                raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
+            _loopback_up()
+
+        self.proc = subprocess.Popen(["sleep", str(self.lifetime_s)], preexec_fn=new_namespace, start_new_session=True)
+        return self
+
+    @property
+    def path(self) -> str:
+        """``/proc/PID/net/ns`` of the holder."""
+        assert self.proc is not None, "start() first"
+        return f"/proc/{self.proc.pid}/ns/net"
+
+    def enter(self) -> None:
+        """In a child before exec: join this namespace (setns)."""
+        import ctypes
+
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if _libc().setns(fd, CLONE_NEWNET) != 0:
+                raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET) failed")
+        finally:
+            os.close(fd)
+
+    def argv(self, command: list[str]) -> list[str]:
+        """``command`` run in this namespace (``nsenter``), for use from a shell or another process."""
+        assert self.proc is not None, "start() first"
+        return ["nsenter", f"--net={self.path}", "--", *command]
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            _stop(self.proc)
+            self.proc = None
+
+    def __enter__(self) -> NetNamespace:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class LocalRayCluster:
+    """A Ray cluster of ``nodes`` nodes on this machine: a head (``n1``) and ``nodes - 1`` workers (``ray start
+    --block``), each its own node name, address (``127.0.0.2`` .. ``127.0.0.N+1``), temp dir and ports, offering
+    ``gpus_per_node`` ``GPU`` slots (declared: the CPU worker takes one each) and ``cpus_per_node`` CPUs.
+
+    Everything runs in ``netns`` (a :class:`NetNamespace`): Ray binds some ports on all interfaces once it runs as a
+    multi-node cluster (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1``, which ``ray start --address`` requires), and in
+    a namespace with only loopback that reaches nothing else. The job submission address (the dashboard on the
+    head's 127.0.0.1:8265) and ``ray job`` clients must run in the same namespace (``netns.enter``).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        netns: NetNamespace,
+        nodes: int = 4,
+        gpus_per_node: int = 2,
+        cpus_per_node: int = 2,
+        lifetime_s: int = 600,
+    ):
+        self.root, self.netns = Path(root), netns
+        self.nodes, self.gpus, self.cpus, self.lifetime_s = nodes, gpus_per_node, cpus_per_node, lifetime_s
+        self.names = [f"n{i}" for i in range(1, nodes + 1)]
+        self.ips = [f"127.0.0.{i + 1}" for i in range(1, nodes + 1)]
+        self.port, self.dashboard_port = 6379, 8265  # the namespace is the cluster's own: Ray's default ports
+        self.address = f"http://127.0.0.1:{self.dashboard_port}"
+        self.procs: list[subprocess.Popen] = []
+        self.temp = Path(tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp"))  # unix sockets: short paths
+
+    def env(self) -> dict[str, str]:
+        """Ray as a multi-node cluster (the worker nodes need it), no usage stats, immediate teardown."""
+        return {**LocalRay.env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+
+    def _spawn(self, i: int, argv: list[str]) -> None:
+        from trainer.launch.host.ray import ray_cli
+
+        log = open(self.root / f"ray-{self.names[i]}.log", "wb")
+        common = [
+            f"--node-name={self.names[i]}",
+            f"--node-ip-address={self.ips[i]}",
+            f"--num-cpus={self.cpus}",
+            f"--num-gpus={self.gpus}",
+            f"--temp-dir={self.temp / self.names[i]}",
+            "--object-store-memory=200000000",  # bytes; Ray's default (30% of memory per node) is far more
+        ]
+        ports = [a for a in ray_port_args() if i == 0 or not a.startswith("--ray-client-server-port")]
+        self.procs.append(
+            subprocess.Popen(
+                ["timeout", str(self.lifetime_s), ray_cli(), "start", "--block", *argv, *common, *ports],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env(),
+                start_new_session=True,
+                preexec_fn=self.netns.enter,
+            )
+        )
+
+    def alive_nodes(self) -> int:
+        """Alive nodes as the head's dashboard lists them (0 while it does not answer); asked from a child in the
+        namespace, where the dashboard is."""
+        ask = subprocess.run(
+            [sys.executable, "-c", _ALIVE_SCRIPT, self.address],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            preexec_fn=self.netns.enter,
+        )
+        return int(ask.stdout.strip() or 0) if ask.returncode == 0 else 0
+
+    def start(self) -> LocalRayCluster:
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> LocalRayCluster:
+        """Start the head, wait for its dashboard, start the workers, wait until every node is alive (~15 s)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._spawn(
+            0,
+            [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={self.dashboard_port}",
+            ],
+        )
+        _wait_for(lambda: self.alive_nodes() >= 1, 60, "the Ray head", self.root / "ray-n1.log")
+        for i in range(1, self.nodes):
+            self._spawn(i, [f"--address={self.ips[0]}:{self.port}"])
+        _wait_for(lambda: self.alive_nodes() == self.nodes, 90, "the Ray worker nodes", self.root / "ray-n2.log")
+        return self
+
+    def stop(self) -> None:
+        """SIGTERM every node (workers first), SIGKILL what they left; remove the temp dirs."""
+        for proc in reversed(self.procs):
+            _stop(proc, grace_s=20)
+        self.procs = []
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+    def __enter__(self) -> LocalRayCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+_ALIVE_SCRIPT = """\
+import json, sys, urllib.request
+try:
+    with urllib.request.urlopen(sys.argv[1] + "/nodes?view=summary", timeout=2) as r:
+        summary = json.loads(r.read())["data"]["summary"]
+    print(sum(1 for n in summary if n.get("raylet", {}).get("state") == "ALIVE"))
+except Exception:
+    print(0)
+"""

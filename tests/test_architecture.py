@@ -66,6 +66,7 @@ LAZY_IMPORTS: Mapping[str, str] = {
     "tokenizers": "the data build's tokenizer: heavy, and absent where only `train` runs",
     "pyarrow": "the data rows' Parquet: heavy, needed only by the data build and the workers",
     "ray": "the Ray launcher's job side and its tests' head: optional",
+    "psutil": "Ray's dependency, on the cluster side of launcher.payload=cpu (trainer.launch.ray_workers)",
     "spdx_tools": "SBOMs only (`trainer image build`): heavy",
     "cyclonedx": "SBOMs only (`trainer image build`): heavy",
     "packageurl": "SBOMs only",

@@ -15,6 +15,7 @@ import pytest
 import helpers
 from helpers import REPO_ROOT
 
+pytestmark = pytest.mark.usefixtures("eight_ranks_one_module_at_a_time")
 STEPS = 5
 BATCH = ("optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1")
 # name -> overrides; started in waves so that at most 8 ranks (about 1.4 GB each) are alive at once

@@ -21,6 +21,7 @@ pytestmark = [
         reason=f"Slurm is not installed (missing: {' '.join(missing_slurm())}; Debian slurm-wlm munge)",
     ),
     pytest.mark.skipif(os.geteuid() != 0, reason="the private Slurm cluster runs its daemons as root"),
+    pytest.mark.usefixtures("eight_ranks_one_module_at_a_time"),
 ]
 NODES, TASKS_PER_NODE, STEPS = 4, 2, 4
 

@@ -328,6 +328,9 @@ class LauncherConfig(Record):
     job: list[str] = field(
         default_factory=list
     )  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
+    # ray, slurm: what the job trains: miles (the plan's miles launch, or launcher.job) | cpu (the tiny model's CPU
+    # worker, one Ray actor per slot: trainer.launch.ray_workers; for clusters without GPUs, e.g. bin/test-cluster)
+    payload: str = "miles"
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
     wait_s: int | None = None  # ray: seconds to wait for the job; null = until it ends
     master_port: int | None = None  # torchrun rendezvous port on 127.0.0.1 (local-megatron); null = a free one

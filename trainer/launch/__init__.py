@@ -3,7 +3,8 @@
 The launchers themselves (the host side, run where ``train`` runs) are in :mod:`trainer.launch.host`; the
 modules of this package next to it run inside the job, and their module paths are part of the commands and
 scripts the launchers write: ``cpu_worker`` (a CPU data-parallel rank), ``megatron_worker`` (a megatron-core
-rank under torchrun), ``ray_entry`` (a Ray job's entrypoint), ``preflight`` (compares the nodes' probes) and
+rank under torchrun), ``ray_entry`` (a Ray job's entrypoint), ``ray_workers`` (places
+one CPU worker per slot of a Ray cluster, ``launcher.payload=cpu``), ``preflight`` (compares the nodes' probes) and
 ``jobsteps`` (what ``sbatch.sh`` runs on the head node); ``megatron_args`` is shared by both sides.
 
 ``plan``       write the plan and launch nothing (no module: ``train`` does it);

@@ -45,6 +45,8 @@ from trainer.publish import atomic_write, canonical_json
 from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
 from trainer.report.metrics import Step
 
+NODE_ENV = "RECIPE_BUNDLE_NODE"  # set by trainer.launch.ray_workers: the Ray node of this rank
+
 if TYPE_CHECKING:
     import torch
 
@@ -96,14 +98,18 @@ def rendezvous(run_dir: Path, environ: dict[str, str] | None = None) -> str:
 
 def join_group(run_dir: Path, rank: int, world: int) -> None:
     """Start this rank: torch gets the machine's CPUs divided by ``world`` as threads (at least 1); with
-    ``world`` > 1 a gloo group through :func:`rendezvous`; the probe in ``probe-rank-RANK.json``."""
+    ``world`` > 1 a gloo group through :func:`rendezvous`; the probe in ``probe-rank-RANK.json`` (with ``node``
+    when the launcher names the rank's node in ``RECIPE_BUNDLE_NODE``)."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if world > 1:
         dist.init_process_group("gloo", init_method=rendezvous(run_dir), rank=rank, world_size=world)
-    atomic_write(run_dir / probe_rank(rank), canonical_json(probe()))
+    info = probe()
+    if os.environ.get(NODE_ENV):  # the cluster node this rank runs on, as its launcher names it
+        info["node"] = os.environ[NODE_ENV]
+    atomic_write(run_dir / probe_rank(rank), canonical_json(info))
 
 
 def build_model(cfg: TrainConfig) -> torch.nn.Module:

@@ -10,13 +10,16 @@ job). ``$VAR`` references in argv and env stay symbolic here and are expanded on
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.errors import CheckError
+from trainer.launch.host.local_cpu import data_parallel_only, prepare_rows
 from trainer.redact import redact_field
 
 if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
+    from trainer.compose.schema import TrainConfig
 
 DIGEST_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
 REFERENCE_RE = re.compile(r"^(?P<name>[^@\s]+)@(?P<digest>sha256:[0-9a-f]{64})$")
@@ -35,6 +38,30 @@ def parse_image(reference: str, field: str = "launcher.image") -> tuple[str, str
     return match.group("name"), match.group("digest")
 
 
+PAYLOADS = ("miles", "cpu")
+
+
+def check_payload(cfg: TrainConfig) -> None:
+    """``launcher.payload`` must be one of :data:`PAYLOADS`; ``cpu`` trains data parallel only (TP, PP, CP, EP,
+    ETP 1) and without ``launcher.job``. Raises :class:`CheckError` naming the field."""
+    payload = cfg.launcher.payload
+    if payload not in PAYLOADS:
+        raise CheckError(f"launcher.payload {payload!r}: expected one of {', '.join(PAYLOADS)}")
+    if payload == "cpu":
+        data_parallel_only(cfg, "launcher.payload cpu")
+        if cfg.launcher.job:
+            raise CheckError("launcher.job: give either launcher.job or launcher.payload=cpu, not both")
+
+
+def cpu_job(prepared: PreparedRun, run_dir: Path, python: str) -> tuple[list[str], Path]:
+    """The job of ``launcher.payload=cpu`` and its rows: the rows are prepared here, in ``run_dir`` (absolute, on a
+    file system the nodes share; :func:`trainer.launch.host.local_cpu.prepare_rows`), and the job is
+    :mod:`trainer.launch.ray_workers` over them with one process per slot of the layout (its world size)."""
+    rows = prepare_rows(prepared.config, run_dir).absolute()
+    world = prepared.par.world_size
+    return [python, "-m", "trainer.launch.ray_workers", str(run_dir), str(rows), "--world", str(world)], rows
+
+
 def job(prepared: PreparedRun) -> tuple[list[str], dict[str, str]]:
     """The job's (argv, env): ``launcher.job`` or the prepared run's miles launch, and the recipe's environment.
 
@@ -46,7 +73,14 @@ def job(prepared: PreparedRun) -> tuple[list[str], dict[str, str]]:
     return argv, dict(launch.env)
 
 
+ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
+ERROR_LINE_RE = re.compile(r"^[\w.-]+: error: ")  # a program's own one-line error (``ray_workers: error: ...``)
+
+
 def last_line(text: str) -> str:
-    """The last non-empty line of ``text`` (stripped), or ``""``."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    return lines[-1] if lines else ""
+    """The cause a log ends with: its last ``PROGRAM: error: ...`` line if it has one (Ray interleaves the actors'
+    output after the driver's), else its last non-empty line; stripped of colour codes, or ``""``."""
+    lines = [ANSI_RE.sub("", line).strip() for line in text.splitlines()]
+    lines = [line for line in lines if line]
+    errors = [line for line in lines if ERROR_LINE_RE.match(line)]
+    return errors[-1] if errors else (lines[-1] if lines else "")

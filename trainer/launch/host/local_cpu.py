@@ -34,6 +34,14 @@ if TYPE_CHECKING:
 
 def check(cfg: TrainConfig, par: Parallelism) -> None:
     """Refuse what a CPU run cannot do: TP/PP/CP/EP/ETP > 1 or more than one node (one line, the field)."""
+    data_parallel_only(cfg, "launcher local-cpu")
+    if cfg.cluster.nodes != 1:
+        raise CheckError(f"cluster.nodes {cfg.cluster.nodes}: launcher local-cpu runs on this machine only (1 node)")
+
+
+def data_parallel_only(cfg: TrainConfig, who: str) -> None:
+    """Refuse a layout with TP, PP, CP, EP or ETP > 1 (the CPU worker is data parallel only): :class:`CheckError`
+    naming the field and ``who`` (e.g. ``launcher local-cpu``)."""
     lay = cfg.layout
     needs = {
         "tensor_model_parallel_size": lay.tensor_model_parallel_size,
@@ -45,11 +53,9 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     for key, value in needs.items():
         if value > 1:
             raise CheckError(
-                f"layout.{key} {value}: launcher local-cpu runs data parallel only (TP, PP, CP, EP, ETP must be 1); "
+                f"layout.{key} {value}: {who} runs data parallel only (TP, PP, CP, EP, ETP must be 1); "
                 "use a GPU launcher for this layout"
             )
-    if cfg.cluster.nodes != 1:
-        raise CheckError(f"cluster.nodes {cfg.cluster.nodes}: launcher local-cpu runs on this machine only (1 node)")
 
 
 def prepare_rows(cfg: TrainConfig, run_dir: Path) -> Path:

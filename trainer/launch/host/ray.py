@@ -10,6 +10,11 @@ runtime env (``runtime_env.json`` in the run directory) carries
 * ``py_modules``: this bundle's ``trainer`` package, for the entrypoint (:mod:`trainer.launch.ray_entry`),
   which probes every node, compares them (the preflight) and then runs the job.
 
+``launcher.payload=cpu`` makes the job the tiny model's CPU training instead (for clusters without GPUs, such as
+``bin/test-cluster``'s): the rows are built here into the run directory (which the nodes must share), the job is
+:mod:`trainer.launch.ray_workers` (one CPU worker per slot, placed as miles places its actors), and the record's
+probe is every rank's (``probe-rank-N.json``, each naming its node).
+
 The launcher waits for the job (``launcher.wait_s`` at most), then writes ``logs/job.log`` (the driver's
 log), ``probes/<node>.json``, ``preflight.json`` and the record: ``complete``, or ``failed`` with the cause
 in one line (cluster unreachable, submission refused, a node that failed the preflight, the job's exit code
@@ -36,6 +41,7 @@ from trainer.compose.checks import Parallelism
 from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError
 from trainer.launch.host import cluster
+from trainer.launch.host.processes import collect_probes, default_kernel_cache
 from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
 from trainer.record.rundir import COMPLETE, FAILED, INTERRUPTED, LOGS, PREFLIGHT, PROBES, RUNTIME_ENV, SUBMIT, RunDir
 from trainer.redact import redact_field
@@ -55,6 +61,7 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         )
     if cfg.launcher.image:
         cluster.parse_image(cfg.launcher.image)
+    cluster.check_payload(cfg)
 
 
 def ray_cli() -> str:
@@ -117,6 +124,10 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
 
     address = (cfg.launcher.address or "").rstrip("/")  # check() refused a missing one
     argv, env = cluster.job(prepared)
+    rows = None
+    if cfg.launcher.payload == "cpu":
+        argv, rows = cluster.cpu_job(prepared, run_dir.absolute(), cfg.launcher.python or "python3")
+        record["data"] = {"rows": str(rows), "manifest": json.loads((rows / "manifest.json").read_text())}
     rundir.write_job(argv, env)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     env_vars = dict(env)
@@ -124,6 +135,8 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     env_vars["PYTHONUNBUFFERED"] = "1"
     if digest:
         env_vars[cluster.DIGEST_ENV] = digest
+    if rows is not None:  # payload cpu: the kernel caches' root as for a local run, unless the submitter sets one
+        env_vars["KERNEL_CACHE"] = os.environ.get("KERNEL_CACHE") or default_kernel_cache(run_dir.absolute())
     runtime_env = {"env_vars": env_vars, "py_modules": [str(REPO_ROOT / "trainer")]}
     rundir.write_json(RUNTIME_ENV, runtime_env)
     submission_id = f"recipe-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -192,6 +205,8 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
         driver_exit_code=getattr(info, "driver_exit_code", None),
     )
     collected = collect(rundir, log)
+    if rows is not None and collected["probe"] is not None:  # payload cpu: the probe of every rank, with its node
+        collected["probe"]["ranks"] = (collect_probes(run_dir, prepared.par.world_size) or {}).get("ranks", [])
     record.update(collected)
     if stopped:
         rundir.end(record, INTERRUPTED, stopped)

@@ -1,0 +1,180 @@
+"""Four Ray nodes on this machine (a head and three workers, ``n1``..``n4`` at 127.0.0.2-5, each its own temp dir
+and two declared slots, in a network namespace of their own; started and stopped here): ``train
+experiment=smoke-cluster`` (``launcher=ray``, ``launcher.payload=cpu``) places one CPU worker per slot as miles
+places its actors, two per node, and the eight ranks train under DDP to one process's per-step losses on the same
+global batch; every rank's probe names its node and ``trainer verify`` passes. A rank killed mid-run ends the run
+``failed`` within a bounded time, naming the rank and its node, with the steps already written kept."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import helpers
+from helpers import REPO_ROOT, run_train
+from launch_fixtures import LocalRayCluster, NetNamespace, missing_ray
+
+pytestmark = [
+    pytest.mark.skipif(missing_ray() is not None, reason=str(missing_ray())),
+    pytest.mark.skipif(os.geteuid() != 0, reason="the cluster's network namespace needs root"),
+    pytest.mark.usefixtures("eight_ranks_one_module_at_a_time"),
+]
+NODES, SLOTS, STEPS = 4, 2, 4
+
+
+def listening() -> set[str]:
+    """The TCP sockets listening in this (the host's) network namespace: ``/proc/net/tcp`` and ``tcp6``."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # TCP_LISTEN
+                out.add(fields[1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    before = listening()
+    with NetNamespace() as netns, LocalRayCluster(tmp_path_factory.mktemp("ray4"), netns) as ray:
+        ray.listening_before = before
+        yield ray
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The same training as one local process (DP1, the global batch of 8 rows in 8 microbatches)."""
+    tmp = tmp_path_factory.mktemp("dp1")
+    batch = ["optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1"]
+    result = run_train(["experiment=smoke", f"launcher.steps={STEPS}", *batch, f"hydra.run.dir={tmp}/run"], cwd=tmp)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return tmp / "run"
+
+
+def cluster_env(ray) -> dict[str, str]:
+    return {k: v for k, v in ray.env().items() if k.startswith("RAY_") or k == "PATH"}
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_four_nodes_on_their_own_addresses_and_nothing_listens_outside(cluster):
+    assert cluster.alive_nodes() == NODES
+    ask = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import json,sys,urllib.request;print(urllib.request.urlopen(sys.argv[1]).read().decode())",
+            cluster.address + "/nodes?view=summary",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=cluster.netns.enter,
+    )
+    summary = json.loads(ask.stdout)["data"]["summary"]
+    assert sorted(n["raylet"]["nodeName"] for n in summary) == ["n1", "n2", "n3", "n4"]
+    assert sorted(n["ip"] for n in summary) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
+    assert {n["raylet"]["resourcesTotal"]["GPU"] for n in summary} == {float(SLOTS)}
+    # every Ray port is in the cluster's namespace: the host's listening sockets are those it had before
+    assert listening() - cluster.listening_before == set()
+
+
+def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_train(
+        ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        timeout=480,
+        env=cluster_env(cluster),
+        preexec_fn=cluster.netns.enter,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == "complete" and record["ray"]["status"] == "SUCCEEDED"
+    assert record["preflight"]["ok"] is True and record["preflight"]["nodes"] == ["n1", "n2", "n3", "n4"]
+    # placement: ranks in node order, two slots per node (the job's own account of it)
+    log = (run_dir / "logs" / "job.log").read_text()
+    placed = re.findall(r"^rank (\d+): node (n\d) \(([\d.]+)\), slot (\d)", log, re.M)
+    assert [(int(r), n, int(s)) for r, n, _, s in placed] == [(r, f"n{r // 2 + 1}", r % 2) for r in range(8)]
+    assert "rendezvous: tcp://127.0.0.2:" in log
+    # every rank's probe, written by the rank itself, names the node it ran on
+    probes = [json.loads((run_dir / f"probe-rank-{r}.json").read_text()) for r in range(NODES * SLOTS)]
+    assert Counter(p["node"] for p in probes) == {f"n{i}": SLOTS for i in range(1, NODES + 1)}
+    assert record["probe"]["ranks"] == probes and record["probe"]["nodes"] == ["n1", "n2", "n3", "n4"]
+    # the same per-step losses as one process
+    a, b = rows(one_process / "metrics.jsonl"), rows(run_dir / "metrics.jsonl")
+    assert len(a) == len(b) == STEPS
+    for x, y in zip(a, b, strict=True):
+        assert (y["tokens"], y["supervised_tokens"]) == (x["tokens"], x["supervised_tokens"])
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-4)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3)
+    verdict = helpers.run_trainer("converge", run_dir / "metrics.jsonl", one_process / "metrics.jsonl", "--json")
+    assert verdict.returncode == 0 and json.loads(verdict.stdout)["passed"] is True, verdict.stdout[-2000:]
+    verified = helpers.run_trainer("verify", run_dir)
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
+    assert "ok: nothing the lock pins drifted" in verified.stdout
+
+
+def test_a_rank_killed_mid_run_fails_the_run_naming_rank_and_node(cluster, tmp_path):
+    run_dir = tmp_path / "run"
+    env = {**os.environ, **cluster_env(cluster), "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160"}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "experiment=smoke-cluster",
+            "launcher.steps=40",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=cluster.netns.enter,
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not any(
+            line.lstrip().startswith("step 2/") or "step 2/" in line for line in lines
+        ):
+            assert proc.poll() is None, "".join(lines)[-3000:]
+            time.sleep(0.5)
+        victim = next(re.search(r"rank 5: node (n\d) .*pid (\d+)", line) for line in lines if "rank 5: node" in line)
+        node, pid = victim.group(1), int(victim.group(2))
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        proc.wait(timeout=120)
+        ended_after = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    assert proc.returncode != 0, "".join(lines)[-3000:]
+    print(f"the run ended {ended_after:.1f} s after the kill")
+    assert ended_after < 60, f"the run took {ended_after:.0f} s to end after the kill"
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == "failed"
+    assert f"rank 5 on node {node} failed" in record["reason"], record["reason"]
+    assert node == "n3"
+    kept = rows(run_dir / "metrics.jsonl")
+    assert len(kept) >= 2 and [r["step"] for r in kept] == list(range(1, len(kept) + 1)) and len(kept) < 40
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))

@@ -1,0 +1,212 @@
+"""The driver of ``launcher.payload=cpu`` on a Ray cluster: one CPU-worker actor per slot, placed as miles places its
+training actors, training data parallel under torch.distributed (gloo).
+
+``python -m trainer.launch.ray_workers RUN_DIR ROWS_DIR --world N`` runs as the Ray job (after
+:mod:`trainer.launch.ray_entry`'s preflight), on a cluster whose nodes offer ``GPU`` slots (``ray start
+--num-gpus=G``; on CPU nodes the slots are declared, not detected). It
+
+1. reserves ``N`` bundles of one ``GPU`` each in a placement group with strategy ``PACK`` (miles'
+   ``create_placement_groups``: one bundle per training process, packed onto as few nodes as hold them) and waits
+   for them (``--placement-timeout``, seconds; on expiry: exit 4 with the slots free and wanted);
+2. orders the bundles by node address, then by the GPU id Ray gave each (miles sorts its bundles the same way),
+   so that consecutive ranks share a node, and makes rank ``r`` the actor of the ``r``-th bundle;
+3. rank 0's actor names its node's address and a free TCP port there: ``MASTER_ADDR``/``MASTER_PORT`` of every rank
+   (torch.distributed's TCP rendezvous, no shared file); ``GLOO_SOCKET_IFNAME`` on each node is the interface that
+   holds the node's Ray address (``lo`` on a loopback test cluster, the cluster network's interface on hosts);
+4. runs :func:`trainer.launch.cpu_worker.main` in every actor (``RUN_DIR RANK WORLD ROWS_DIR``: rank 0 appends
+   ``metrics.jsonl``, every rank writes ``probe-rank-RANK.json`` with its Ray node's name in ``node``) and waits.
+
+Exit 0 when every rank returned; 1 when one failed: the first failure printed as one line naming the rank, its
+Ray node and the cause (a rank that raised, an actor whose process or node died), after the other ranks are
+killed. ``RUN_DIR`` must be on a file system every node sees (one machine, or a shared mount).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from trainer.launch import cpu_worker
+
+EXIT_FAILED, EXIT_PLACEMENT = 1, 4
+
+
+def interface_of(address: str) -> str | None:
+    """The name of the network interface whose IPv4 network holds ``address`` (``psutil.net_if_addrs``, which
+    Ray depends on), or None: ``lo`` for any 127.0.0.0/8 address."""
+    import psutil
+
+    ip = ipaddress.ip_address(address)
+    for name, addrs in psutil.net_if_addrs().items():
+        for addr in addrs:
+            if addr.family == socket.AF_INET and addr.netmask:
+                if ip in ipaddress.ip_network(f"{addr.address}/{addr.netmask}", strict=False):
+                    return name
+    return None
+
+
+def free_port(address: str) -> int:
+    """A TCP port the kernel gives free on ``address`` (bound, then released)."""
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
+
+
+class Rank:
+    """A Ray actor holding one training process (``num_gpus=1``, one slot of its bundle)."""
+
+    def node(self) -> dict[str, Any]:
+        """Where this actor runs: ``{"address": node IP, "name": Ray node name, "gpu": first GPU id, "pid": its
+        process}``."""
+        import ray
+
+        context = ray.get_runtime_context()
+        name = (
+            next((n.get("NodeName") for n in ray.nodes() if n.get("NodeID") == context.get_node_id()), None)
+            or ray.util.get_node_ip_address()
+        )
+        gpus = ray.get_gpu_ids()
+        return {
+            "address": ray.util.get_node_ip_address(),
+            "name": name,
+            "gpu": int(gpus[0]) if gpus else 0,
+            "pid": os.getpid(),
+        }
+
+    def rendezvous_port(self) -> int:
+        """A free port on this actor's node address (rank 0's: ``MASTER_PORT``)."""
+        import ray
+
+        return free_port(ray.util.get_node_ip_address())
+
+    def train(self, argv: list[str], env: dict[str, str]) -> int:
+        """:func:`trainer.launch.cpu_worker.main` with ``argv`` after ``env`` is set in this process; returns its
+        exit code (exceptions propagate to the driver as Ray task errors)."""
+        os.environ.update(env)
+        return cpu_worker.main(argv)
+
+
+def place(world: int, timeout_s: float) -> tuple[Any, list[int]]:
+    """A ``PACK`` placement group of ``world`` one-GPU bundles, ready, and its bundle indices in rank order (node
+    address, then GPU id). Raises ``TimeoutError`` (with the slots the cluster has) when not ready in
+    ``timeout_s``."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"GPU": 1}] * world, strategy="PACK")
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        total = ray.cluster_resources().get("GPU", 0)
+        ray.util.remove_placement_group(group)
+        raise TimeoutError(f"{world} slots (GPU) wanted, the cluster has {total:g}; not placed in {timeout_s:g} s")
+    where = ray.remote(num_gpus=1, num_cpus=0)(lambda: (ray.util.get_node_ip_address(), ray.get_gpu_ids()))
+    found = ray.get(
+        [
+            where.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
+            ).remote()
+            for i in range(world)
+        ]
+    )
+    key = [(tuple(int(p) for p in address.split(".")), int(gpus[0]) if gpus else 0) for address, gpus in found]
+    return group, sorted(range(world), key=lambda i: key[i])
+
+
+def run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> int:
+    """Place, rendezvous and train (module docstring); returns the exit code. A failure's one line is printed
+    after Ray is shut down, so that it is the job log's last line (the actors' output arrives asynchronously)."""
+    code, error = _run(run_dir, rows_dir, world, timeout_s)
+    if error:
+        sys.stdout.flush()
+        print(f"ray_workers: error: {error}", file=sys.stderr, flush=True)
+    return code
+
+
+def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int, str | None]:
+    """:func:`run` until Ray is shut down: (exit code, the failure's line or None)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    ray.init(address="auto", logging_level=logging.ERROR)
+    try:
+        try:
+            group, order = place(world, timeout_s)
+        except TimeoutError as ex:
+            return EXIT_PLACEMENT, f"placement: {ex}"
+        actor: Any = ray.remote(num_gpus=1, num_cpus=0, max_restarts=0)(Rank)
+        ranks: list[Any] = [
+            actor.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
+            ).remote()
+            for bundle in order
+        ]
+        nodes = ray.get([r.node.remote() for r in ranks])
+        master, port = nodes[0]["address"], ray.get(ranks[0].rendezvous_port.remote())
+        for rank, node in enumerate(nodes):
+            print(f"rank {rank}: node {node['name']} ({node['address']}), slot {node['gpu']}, pid {node['pid']}")
+        print(f"rendezvous: tcp://{master}:{port}", flush=True)
+        started = time.monotonic()
+        refs = {
+            ranks[rank].train.remote(
+                [run_dir, str(rank), str(world), rows_dir],
+                {
+                    "MASTER_ADDR": master,
+                    "MASTER_PORT": str(port),
+                    cpu_worker.NODE_ENV: node["name"],
+                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(node["address"]) or "",
+                },
+            ): rank
+            for rank, node in enumerate(nodes)
+        }
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            rank = refs[done[0]]
+            try:
+                code = ray.get(done[0])
+            except Exception as ex:  # noqa: BLE001 - any rank's failure ends the run, named in one line
+                cause = str(ex).strip().splitlines()
+                last = next((line for line in reversed(cause) if line.strip()), type(ex).__name__)
+                last = last.split(" Some common causes")[0]  # Ray's advice after the cause of a dead actor
+                for other in ranks:
+                    ray.kill(other)
+                return EXIT_FAILED, (
+                    f"rank {rank} on node {nodes[rank]['name']} failed after {time.monotonic() - started:.0f} s: "
+                    f"{type(ex).__name__}: {last.strip()}"
+                )
+            if code != 0:
+                for other in ranks:
+                    ray.kill(other)
+                return EXIT_FAILED, f"rank {rank} on node {nodes[rank]['name']} exited {code}"
+        print(f"ray_workers: {world} ranks on {len({n['name'] for n in nodes})} node(s) done", flush=True)
+        return 0, None
+    finally:
+        ray.shutdown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command line; see the module docstring. Exit 0, 1 (a rank failed), 2 (bad arguments), 4 (placement)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.launch.ray_workers",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("run_dir", help="the run directory (shared by every node)")
+    parser.add_argument("rows_dir", help="the fixed rows (trainer data build output)")
+    parser.add_argument("--world", type=int, required=True, help="training processes (one per slot)")
+    parser.add_argument("--placement-timeout", type=float, default=120.0, help="seconds to wait for the slots")
+    args = parser.parse_args(argv)
+    if args.world < 1:
+        parser.error(f"--world {args.world}: expected at least 1")
+    return run(args.run_dir, args.rows_dir, args.world, args.placement_timeout)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
