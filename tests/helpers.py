@@ -249,6 +249,15 @@ def run_trainer(
     )
 
 
+def one_process_run(tmp: Path, steps: int) -> Path:
+    """``train experiment=smoke`` for ``steps`` steps as one local process on a global batch of 8 rows (8
+    microbatches of one): the reference the multi-node runs of the same batch must match. Returns ``tmp/run``."""
+    batch = ["optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1"]
+    result = run_train(["experiment=smoke", f"launcher.steps={steps}", *batch, f"hydra.run.dir={tmp}/run"], cwd=tmp)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    return tmp / "run"
+
+
 def planned_run(tmp: Path) -> Path:
     """A plan run written by `train` under ``tmp``, with the recipe's 20 steps of metrics beside it (as a run that
     executed would have): ``tmp/run``."""

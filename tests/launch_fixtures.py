@@ -112,8 +112,8 @@ def _wait_for(predicate, timeout_s: float, what: str, log: Path | None = None) -
     raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s\n{tail}")
 
 
-def _loopback_hostname() -> None:
-    """In a child before exec: a UTS namespace of its own whose host name is ``127.0.0.1``.
+def _loopback_hostname(name: str = "127.0.0.1") -> None:
+    """In a child before exec: a UTS namespace of its own whose host name is ``name`` (an address, ``127.0.0.1``).
 
     With ``NoInAddrAny``/``NoCtldInAddrAny`` the Slurm daemons bind to the address of ``gethostname()`` (Slurm
     22.05 ``slurm_setup_addr``), which would need the machine's name to resolve (``/etc/hosts``) and could be a
@@ -123,7 +123,7 @@ def _loopback_hostname() -> None:
 
     if ctypes.CDLL("libc.so.6", use_errno=True).unshare(0x04000000) != 0:  # CLONE_NEWUTS, <sched.h>
         raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWUTS) failed")
-    socket.sethostname("127.0.0.1")
+    socket.sethostname(name)
 
 
 class LocalSlurm:
@@ -145,10 +145,16 @@ class LocalSlurm:
         memory_mb: int = 4000,
         lifetime_s: int = 600,
         nodes: int = 1,
+        netns: NetNamespace | None = None,
     ):
         self.root = Path(root)
+        self.netns = netns
         self.gpus, self.cpus, self.memory_mb, self.lifetime_s = gpus, cpus, memory_mb, lifetime_s
         self.names = ["localhost"] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
+        # in a namespace of its own each node has its own address (n1 127.0.0.2, ...) and host name (that address)
+        self.addresses = {
+            name: f"127.0.0.{i + 2}" if netns is not None else "127.0.0.1" for i, name in enumerate(self.names)
+        }
         self.procs: list[subprocess.Popen] = []
         self.conf = self.root / "slurm.conf"
         # munged's socket and slurmd's spool (slurmstepd sockets) need paths under the 108-byte limit of a unix
@@ -161,6 +167,17 @@ class LocalSlurm:
     def env(self) -> dict[str, str]:
         """The environment for Slurm commands against this cluster."""
         return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": _search_path()}
+
+    def _communication(self) -> str:
+        """slurm.conf's ``CommunicationParameters``: bind only the host name's address (loopback) on this machine's
+        network; in the cluster's own namespace the wildcard address, which reaches nothing outside it (a step's
+        ``srun`` on node ``n2``, host name 127.0.0.3, is called back at the source address of its request,
+        127.0.0.1)."""
+        return (
+            "#CommunicationParameters="
+            if self.netns is not None
+            else "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny"
+        )
 
     def _write_config(self) -> None:
         r = self.root
@@ -179,7 +196,7 @@ class LocalSlurm:
         ctld_port, slurmd_port = free_port(), free_port()
         gres = f" Gres=gpu:{self.gpus}" if self.gpus else ""
         nodes = "\n".join(
-            f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={name}"
+            f"NodeName={name} NodeAddr={self.addresses[name]} NodeHostname={name}"
             + ("" if len(self.names) == 1 else f" Port={free_port()}")
             + f" CPUs={self.cpus} RealMemory={self.memory_mb}{gres} State=UNKNOWN"
             for name in self.names
@@ -190,7 +207,7 @@ ClusterName=recipebundle
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ctld_port}
 SlurmdPort={slurmd_port}
-CommunicationParameters=NoInAddrAny,NoCtldInAddrAny
+{self._communication()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
@@ -221,7 +238,18 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
                 + "".join(f"NodeName={name} Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n" for name in self.names)
             )
 
-    def _spawn(self, argv: list[str], log: str) -> subprocess.Popen:
+    def _preexec(self, hostname: str = "127.0.0.1"):
+        """What a child runs before exec: join the cluster's network namespace (if any), then a UTS namespace
+        whose host name is ``hostname``."""
+
+        def enter() -> None:
+            if self.netns is not None:
+                self.netns.enter()
+            _loopback_hostname(hostname)
+
+        return enter
+
+    def _spawn(self, argv: list[str], log: str, hostname: str = "127.0.0.1") -> subprocess.Popen:
         out = open(self.root / log, "wb")
         program = shutil.which(argv[0], path=_search_path()) or argv[0]
         proc = subprocess.Popen(
@@ -230,7 +258,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
             stderr=subprocess.STDOUT,
             env=self.env(),
             start_new_session=True,
-            preexec_fn=_loopback_hostname,
+            preexec_fn=self._preexec(hostname),
         )
         self.procs.append(proc)
         return proc
@@ -264,10 +292,10 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
         for name in self.names:
             (self.sockets / f"spool-{name}").mkdir(exist_ok=True)
-            self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out")
+            self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out", self.addresses[name])
 
         def idle() -> bool:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%t"], capture_output=True, text=True, env=self.env())
+            out = self.client(["sinfo", "-h", "-N", "-o", "%t"], timeout=30)
             return out.returncode == 0 and out.stdout.split() == ["idle"] * len(self.names)
 
         _wait_for(idle, 30, "the Slurm node", self.root / "slurmctld.log")
@@ -276,7 +304,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
     def stop(self) -> None:
         """Cancel every job, then stop the daemons by PID (slurmd, slurmctld, munged)."""
         try:
-            subprocess.run(["scancel", "--user=root", "--full"], capture_output=True, env=self.env(), timeout=30)
+            self.client(["scancel", "--user=root", "--full"], timeout=30)
         except (OSError, subprocess.SubprocessError):
             pass  # not installed, or slurmctld never came up: nothing to cancel
         for proc in reversed(self.procs):
@@ -290,7 +318,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         name is ``127.0.0.1`` as the daemons' (``srun`` listens for its tasks at its own host name's address,
         which need not resolve: a fresh root's does not); captures its output (text)."""
         return subprocess.run(
-            argv, capture_output=True, text=True, env=self.env(), timeout=timeout, preexec_fn=_loopback_hostname
+            argv, capture_output=True, text=True, env=self.env(), timeout=timeout, preexec_fn=self._preexec()
         )
 
     def __enter__(self) -> LocalSlurm:
@@ -401,7 +429,8 @@ class LocalRay:
 
 
 CLONE_NEWNET = 0x40000000  # <sched.h>
-SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1  # <linux/sockios.h>, <net/if.h>
+SIOCGIFFLAGS, SIOCSIFFLAGS, SIOCSIFADDR, IFF_UP = 0x8913, 0x8914, 0x8916, 0x1  # <linux/sockios.h>, <net/if.h>
+NODE_ADDRESSES = tuple(f"127.0.0.{i}" for i in range(2, 10))  # the test clusters' node addresses (n1 127.0.0.2, ...)
 
 
 def _libc():
@@ -421,8 +450,23 @@ def _loopback_up() -> None:
         fcntl.ioctl(sock, SIOCSIFFLAGS, struct.pack("16sH14x", b"lo", flags | IFF_UP))
 
 
+def _add_loopback_addresses(addresses: tuple[str, ...]) -> None:
+    """Give ``lo`` the ``addresses`` (aliases ``lo:1``, ``lo:2``, ...; SIOCSIFADDR). Any address of 127.0.0.0/8
+    answers on ``lo`` without this, but glibc's ``getaddrinfo`` with ``AI_ADDRCONFIG`` (Slurm resolves its node
+    addresses so) returns no IPv4 address unless an interface has one other than 127.0.0.1."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for i, address in enumerate(addresses, start=1):
+            name = f"lo:{i}".encode()
+            request = struct.pack("16sHH4s8x", name, socket.AF_INET, 0, socket.inet_aton(address))
+            fcntl.ioctl(sock, SIOCSIFADDR, request)
+
+
 class NetNamespace:
-    """A network namespace of its own with only its loopback interface, held by a ``sleep`` bounded by
+    """A network namespace of its own with only its loopback interface (and the addresses
+    :data:`NODE_ADDRESSES` on it), held by a ``sleep`` bounded by
     ``lifetime_s``: what runs in it (:meth:`enter` before exec, :meth:`argv` for a command) can bind any address of
     127.0.0.0/8, or all interfaces, and still be reachable from nothing outside it. Needs root (CAP_SYS_ADMIN)."""
 
@@ -439,6 +483,7 @@ class NetNamespace:
 
                 raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed")
             _loopback_up()
+            _add_loopback_addresses(NODE_ADDRESSES)
 
         self.proc = subprocess.Popen(["sleep", str(self.lifetime_s)], preexec_fn=new_namespace, start_new_session=True)
         return self

@@ -63,7 +63,12 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
     assert '--container-image="$IMAGE"' in script
     sruns = [line for line in script.splitlines() if line.lstrip().startswith("srun ")]
     assert sruns and all('"${CONTAINER[@]}"' in line or "hostname" in line for line in sruns)
-    assert "ray start --head --block" in script and 'ray start --block \\\n    --address="$HEAD_IP:6379"' in script
+    assert "ray start --head --block" in script
+    worker = (
+        """exec ray start --block --address="$0" --node-name="$SLURMD_NODENAME" """
+        """--temp-dir="$RAY_TMP-$SLURMD_NODENAME" "$@"' \\\n    "$HEAD_IP:6379" --num-gpus=8"""
+    )
+    assert worker in script
     assert script.index("trainer.probe") < script.index("trainer.launch.preflight") < script.index("ray start --head")
     assert "--expect-gpus 8 --expect-digest " + IMAGE.split("@")[1] in script
     # the environment: the seed's export lines, in its order and quoting

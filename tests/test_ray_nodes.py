@@ -52,11 +52,7 @@ def cluster(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     """The same training as one local process (DP1, the global batch of 8 rows in 8 microbatches)."""
-    tmp = tmp_path_factory.mktemp("dp1")
-    batch = ["optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1"]
-    result = run_train(["experiment=smoke", f"launcher.steps={STEPS}", *batch, f"hydra.run.dir={tmp}/run"], cwd=tmp)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    return tmp / "run"
+    return helpers.one_process_run(tmp_path_factory.mktemp("dp1"), STEPS)
 
 
 def cluster_env(ray) -> dict[str, str]:

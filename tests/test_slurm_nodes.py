@@ -5,15 +5,18 @@ global batch (``trainer converge`` passes)."""
 
 import json
 import os
+import re
 import shutil
 import sys
+import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
 import helpers
 from helpers import REPO_ROOT, run_train
-from launch_fixtures import LocalSlurm, free_port, missing_slurm
+from launch_fixtures import LocalSlurm, NetNamespace, free_port, missing_slurm
 
 pytestmark = [
     pytest.mark.skipif(
@@ -28,8 +31,27 @@ NODES, TASKS_PER_NODE, STEPS = 4, 2, 4
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with LocalSlurm(tmp_path_factory.mktemp("slurm4"), gpus=0, cpus=TASKS_PER_NODE, nodes=NODES) as slurm:
+    root = tmp_path_factory.mktemp("slurm4")
+    with NetNamespace() as netns, LocalSlurm(root, gpus=0, cpus=TASKS_PER_NODE, nodes=NODES, netns=netns) as slurm:
         yield slurm
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The same training as one local process (DP1, the global batch of 8 rows in 8 microbatches)."""
+    return helpers.one_process_run(tmp_path_factory.mktemp("dp1"), STEPS)
+
+
+def same_training(one: Path, run: Path) -> None:
+    """``run``'s per-step metrics are ``one``'s (tokens exactly, loss to 1e-4) and ``converge`` passes."""
+    a = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
+    b = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(a) == len(b) == STEPS
+    for x, y in zip(a, b, strict=True):
+        assert (y["tokens"], y["supervised_tokens"]) == (x["tokens"], x["supervised_tokens"])
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-4)
+    verdict = helpers.run_trainer("converge", run / "metrics.jsonl", one / "metrics.jsonl", "--json")
+    assert verdict.returncode == 0 and json.loads(verdict.stdout)["passed"] is True, verdict.stdout[-2000:]
 
 
 def srun(slurm, *argv, timeout=300):
@@ -50,11 +72,8 @@ def test_four_nodes_come_up_and_take_two_tasks_each(cluster):
     assert {r[2] for r in rows} == {"0", "1"}
 
 
-def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, tmp_path):
-    one = tmp_path / "dp1"
-    batch = ["optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1"]
-    result = run_train(["experiment=smoke", f"launcher.steps={STEPS}", *batch, f"hydra.run.dir={one}"], cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, one_process, tmp_path):
+    one = one_process
     nodes = tmp_path / "slurm"  # the same composition, its eight ranks placed by Slurm on the four nodes
     nodes.mkdir()
     shutil.copy(one / "config.yaml", nodes / "config.yaml")
@@ -64,16 +83,56 @@ def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, tmp_p
     ran = srun(cluster, export, "bash", "-c", worker, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert not (nodes / ".rendezvous").exists()
-    a = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(line) for line in (nodes / "metrics.jsonl").read_text().splitlines()]
-    assert len(a) == len(b) == STEPS
-    for x, y in zip(a, b, strict=True):
-        assert (y["tokens"], y["supervised_tokens"]) == (x["tokens"], x["supervised_tokens"])
-        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-4)
+    same_training(one, nodes)
     probes = [json.loads((nodes / f"probe-rank-{r}.json").read_text()) for r in range(NODES * TASKS_PER_NODE)]
     assert len(probes) == NODES * TASKS_PER_NODE
-    verdict = helpers.run_trainer("converge", nodes / "metrics.jsonl", one / "metrics.jsonl", "--json")
-    assert verdict.returncode == 0 and json.loads(verdict.stdout)["passed"] is True, verdict.stdout[-2000:]
+
+
+def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluster, one_process, tmp_path):
+    """`train launcher=slurm launcher.submit=true` writes sbatch.sh and submits it: the probe on every node, the
+    preflight, a Ray head on n1 and a Ray worker on n2..n4 (each at its node's address, `hostname -i`), and the job:
+    eight CPU workers, two per node, that train as one process does."""
+    run_dir = tmp_path / "run"
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "SLURM_CONF": str(cluster.conf)}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + cluster.env()["PATH"]
+    submitted = run_train(
+        [
+            "experiment=smoke-cluster",
+            "launcher=slurm",
+            "launcher.container=none",
+            "launcher.node_address=hostname",
+            "launcher.gpus_flag=none",
+            "launcher.submit=true",
+            f"launcher.python={sys.executable}",
+            "launcher.time_limit=00:10:00",
+            'launcher.ray_start_args=["--object-store-memory=200000000"]',
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        preexec_fn=cluster._preexec(),
+    )
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    record = json.loads((run_dir / "record.json").read_text())
+    assert record["status"] == "submitted" and record["slurm"]["job_id"]
+    deadline = time.monotonic() + 420
+    while record["status"] not in ("complete", "failed") and time.monotonic() < deadline:
+        time.sleep(2)
+        record = json.loads((run_dir / "record.json").read_text())
+    logs = "".join((run_dir / "logs" / n).read_text()[-1500:] for n in ("job.log", "ray-workers.log"))
+    assert record["status"] == "complete", f"{record['status']}: {record.get('reason')}\n{logs}"
+    assert record["slurm"]["nodes"] == ["n1", "n2", "n3", "n4"]
+    assert record["preflight"]["ok"] is True
+    job = (run_dir / "logs" / "job.log").read_text()
+    placed = re.findall(r"rank (\d+): node (n\d) \(([\d.]+)\)", job)
+    addresses = {f"n{i}": f"127.0.0.{i + 1}" for i in range(1, NODES + 1)}
+    assert [(int(r), n, a) for r, n, a in placed] == [
+        (r, f"n{r // 2 + 1}", addresses[f"n{r // 2 + 1}"]) for r in range(NODES * TASKS_PER_NODE)
+    ]
+    assert Counter(p["node"] for p in record["probe"]["ranks"]) == {f"n{i}": TASKS_PER_NODE for i in range(1, 5)}
+    same_training(one_process, run_dir)
+    verified = helpers.run_trainer("verify", run_dir)
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
 
 
 if __name__ == "__main__":

@@ -320,7 +320,10 @@ class LauncherConfig(Record):
     ray_port: int = 6379  # Ray GCS port on the head node
     dashboard_port: int = 8265  # Ray dashboard (job submission) port on the head node
     ray_start_args: list[str] = field(default_factory=list)  # slurm: extra `ray start` arguments (head and workers)
-    head_ip: str | None = None  # slurm: address Ray binds on the head node; null = the head's `hostname -i`
+    head_ip: str | None = None  # slurm: address Ray binds on the head node; null = as launcher.node_address says
+    # slurm: each node's Ray address: interface (the head's first `hostname -I` address; Ray's own choice on the
+    # others) | hostname (`hostname -i` on every node: what its host name resolves to; bin/test-cluster's nodes)
+    node_address: str = "interface"
     address: str | None = None  # ray: job submission address of an existing cluster, http://HOST:8265
     python: str | None = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
     # directory the job starts in on the cluster (the image's miles checkout, /root/miles, in conf/launcher/)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
 from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
 
@@ -28,8 +29,12 @@ def _job_failure(run_dir: Path, exit_code: int | None) -> str:
         message = status[-1].split("Status message:", 1)[1].strip().split(", last available logs")[0]
     else:
         message = f"ray job submit exited with code {exit_code}"
-    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("srun:")]
-    errors = [line for line in lines if ("error:" in line.lower() or "Error" in line) and "ERR cli.py" not in line]
+    lines = [ANSI_RE.sub("", line).strip() for line in text.splitlines() if not line.startswith("srun:")]
+    lines = [line for line in lines if line]
+    own = [line for line in lines if ERROR_LINE_RE.match(line)]  # a program's own `NAME: error: ...` line
+    errors = own or [
+        line for line in lines if ("error:" in line.lower() or "Error" in line) and "ERR cli.py" not in line
+    ]
     tail = errors[-1] if errors else (lines[-1] if lines and not status else "")
     return message + (f"; {tail}" if tail else "")
 
@@ -68,8 +73,11 @@ def mark(
             probe_path = run_dir / PROBES / f"{node}.json"
             if probe_path.is_file():
                 probes[node] = json.loads(probe_path.read_text())
+        ranks = sorted(run_dir.glob("probe-rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
         if probes:
             record["probe"] = {"ranks": list(probes.values()), "nodes": list(probes)}
+        if probes and ranks:  # launcher.payload=cpu: every rank wrote its own probe (naming its node)
+            record["probe"]["ranks"] = [json.loads(p.read_text()) for p in ranks]
         if (run_dir / PREFLIGHT).is_file():
             record["preflight"] = json.loads((run_dir / PREFLIGHT).read_text())
         if status in FINAL:

@@ -7,7 +7,8 @@ as the job's driver. It
    environment variables (the runtime env names them in ``RECIPE_BUNDLE_ENV_NAMES``) from the cluster's
    environment, as the recipe's ``command.sh`` has bash do it; a reference to an unset variable stops the job
    (exit 2, one line naming it), as ``set -u`` would;
-2. with ``--probe``, runs the version probe on every alive Ray node (one task per node, pinned with
+2. with ``--probe``, waits for ``--expect-nodes`` nodes to be alive (``--probe-timeout``), runs the version probe
+   on every alive Ray node (one task per node, pinned with
    ``NodeAffinitySchedulingStrategy``), prints each as a ``RECIPE_BUNDLE_PROBE <node> <json>`` line (the
    launcher collects them from the job's logs) and compares them (:mod:`trainer.launch.preflight`); any
    difference, or fewer nodes than ``--expect-nodes``, prints the table and exits 3 before training;
@@ -27,6 +28,7 @@ import logging
 import os
 import re
 import sys
+import time
 
 from trainer.launch import preflight
 from trainer.probe import probe
@@ -64,14 +66,20 @@ def encode_argv(argv: list[str]) -> str:
     return base64.b64encode(b"".join(a.encode() + b"\0" for a in argv)).decode()
 
 
-def probe_nodes(timeout_s: float) -> dict[str, dict | None]:
+def probe_nodes(timeout_s: float, expect_nodes: int | None = None) -> dict[str, dict | None]:
     """Run the probe on every alive node of the Ray cluster this driver belongs to; node name -> probe (None
-    where the task failed)."""
+    where the task failed). With ``expect_nodes``, first wait up to ``timeout_s`` seconds until that many nodes are
+    alive (workers started beside the head join seconds after it answers)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     ray.init(address="auto", logging_level=logging.ERROR, log_to_driver=False)
     try:
+        deadline = time.monotonic() + timeout_s
+        while expect_nodes and time.monotonic() < deadline:
+            if sum(1 for n in ray.nodes() if n.get("Alive")) >= expect_nodes:
+                break
+            time.sleep(0.5)
         nodes = sorted((n for n in ray.nodes() if n.get("Alive")), key=lambda n: n.get("NodeManagerAddress", ""))
 
         @ray.remote(num_cpus=0)
@@ -138,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
     if args.probe:
-        probes = probe_nodes(args.probe_timeout)
+        probes = probe_nodes(args.probe_timeout, args.expect_nodes)
         for name, info in probes.items():
             if info is not None:
                 print(f"{PROBE_MARK} {name} {json.dumps(info, sort_keys=True)}")

@@ -9,12 +9,14 @@ job). ``$VAR`` references in argv and env stay symbolic here and are expanded on
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from trainer.errors import CheckError
 from trainer.launch.host.local_cpu import data_parallel_only, prepare_rows
+from trainer.launch.host.processes import default_kernel_cache
 from trainer.redact import redact_field
 
 if TYPE_CHECKING:
@@ -53,13 +55,17 @@ def check_payload(cfg: TrainConfig) -> None:
             raise CheckError("launcher.job: give either launcher.job or launcher.payload=cpu, not both")
 
 
-def cpu_job(prepared: PreparedRun, run_dir: Path, python: str) -> tuple[list[str], Path]:
-    """The job of ``launcher.payload=cpu`` and its rows: the rows are prepared here, in ``run_dir`` (absolute, on a
-    file system the nodes share; :func:`trainer.launch.host.local_cpu.prepare_rows`), and the job is
-    :mod:`trainer.launch.ray_workers` over them with one process per slot of the layout (its world size)."""
+def cpu_job(
+    prepared: PreparedRun, run_dir: Path, python: str, env: dict[str, str]
+) -> tuple[list[str], dict[str, str], Path]:
+    """The job of ``launcher.payload=cpu`` (argv, env) and its rows: the rows are prepared here, in ``run_dir``
+    (absolute, on a file system the nodes share; :func:`trainer.launch.host.local_cpu.prepare_rows`); the job is
+    :mod:`trainer.launch.ray_workers` over them with one process per slot of the layout (its world size), in the
+    recipe's ``env`` with ``KERNEL_CACHE`` first (the submitter's, else the run's default as for a local run)."""
     rows = prepare_rows(prepared.config, run_dir).absolute()
     world = prepared.par.world_size
-    return [python, "-m", "trainer.launch.ray_workers", str(run_dir), str(rows), "--world", str(world)], rows
+    argv = [python, "-m", "trainer.launch.ray_workers", str(run_dir), str(rows), "--world", str(world)]
+    return argv, {"KERNEL_CACHE": os.environ.get("KERNEL_CACHE") or default_kernel_cache(run_dir), **env}, rows
 
 
 def job(prepared: PreparedRun) -> tuple[list[str], dict[str, str]]:

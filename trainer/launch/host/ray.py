@@ -41,7 +41,7 @@ from trainer.compose.checks import Parallelism
 from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError
 from trainer.launch.host import cluster
-from trainer.launch.host.processes import collect_probes, default_kernel_cache
+from trainer.launch.host.processes import collect_probes
 from trainer.launch.ray_entry import PREFLIGHT_MARK, PROBE_MARK, encode_argv
 from trainer.record.rundir import COMPLETE, FAILED, INTERRUPTED, LOGS, PREFLIGHT, PROBES, RUNTIME_ENV, SUBMIT, RunDir
 from trainer.redact import redact_field
@@ -126,7 +126,7 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     argv, env = cluster.job(prepared)
     rows = None
     if cfg.launcher.payload == "cpu":
-        argv, rows = cluster.cpu_job(prepared, run_dir.absolute(), cfg.launcher.python or "python3")
+        argv, env, rows = cluster.cpu_job(prepared, run_dir.absolute(), cfg.launcher.python or "python3", env)
         record["data"] = {"rows": str(rows), "manifest": json.loads((rows / "manifest.json").read_text())}
     rundir.write_job(argv, env)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
@@ -135,8 +135,6 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     env_vars["PYTHONUNBUFFERED"] = "1"
     if digest:
         env_vars[cluster.DIGEST_ENV] = digest
-    if rows is not None:  # payload cpu: the kernel caches' root as for a local run, unless the submitter sets one
-        env_vars["KERNEL_CACHE"] = os.environ.get("KERNEL_CACHE") or default_kernel_cache(run_dir.absolute())
     runtime_env = {"env_vars": env_vars, "py_modules": [str(REPO_ROOT / "trainer")]}
     rundir.write_json(RUNTIME_ENV, runtime_env)
     submission_id = f"recipe-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

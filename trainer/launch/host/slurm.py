@@ -28,6 +28,7 @@ A submission Slurm refuses marks the run ``failed`` with sbatch's error line.
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import string
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from trainer.compose.prepare import PreparedRun
 
 CONTAINERS = ("pyxis", "none")
+NODE_ADDRESSES = ("interface", "hostname")
 GPUS_FLAGS = ("gpus-per-node", "gres", "none")
 TIME_RE = re.compile(r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$")
 LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"  # where pyxis mounts this bundle's trainer package
@@ -65,6 +67,9 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     lau = cfg.launcher
     if lau.container not in CONTAINERS:
         raise CheckError(f"launcher.container {lau.container!r}: expected one of {', '.join(CONTAINERS)}")
+    if lau.node_address not in NODE_ADDRESSES:
+        raise CheckError(f"launcher.node_address {lau.node_address!r}: expected one of {', '.join(NODE_ADDRESSES)}")
+    cluster.check_payload(cfg)
     if lau.gpus_flag not in GPUS_FLAGS:
         raise CheckError(f"launcher.gpus_flag {lau.gpus_flag!r}: expected one of {', '.join(GPUS_FLAGS)}")
     if lau.container == "pyxis" or lau.image:
@@ -182,6 +187,11 @@ def _entry(cfg: TrainConfig, digest: str) -> list[str]:
     return entry
 
 
+def python_of(cfg: TrainConfig) -> str:
+    """The interpreter on the nodes: ``launcher.python``, else ``python3`` in the image (pyxis), else this one."""
+    return cfg.launcher.python or ("python3" if cfg.launcher.container == "pyxis" else sys.executable)
+
+
 def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[str, str]) -> dict[str, str]:
     """The values of :data:`SBATCH_TEMPLATE`'s placeholders for ``cfg`` writing into ``run_dir`` (absolute, one
     word: checked by :func:`render_sbatch`), the job's ``argv`` and ``env`` (:func:`cluster.job`). A value named
@@ -189,7 +199,7 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
     newline; a ``_word`` is quoted for bash."""
     lau, clu = cfg.launcher, cfg.cluster
     digest = cluster.parse_image(lau.image)[1] if lau.image else ""
-    python = lau.python or ("python3" if lau.container == "pyxis" else sys.executable)
+    python = python_of(cfg)
     preflight = [
         f"--expect-gpus {clu.gpus_per_node}" if lau.expect_gpus else "",
         f"--expect-digest {digest}" if digest else "",
@@ -222,7 +232,10 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
         "preflight_args": " ".join(a for a in preflight if a),
         "head_ip": _q(lau.head_ip)
         if lau.head_ip
+        else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname -i)'
+        if lau.node_address == "hostname"
         else "$(srun --overlap -N1 -n1 -w \"$HEAD\" hostname -I | awk '{print $1}')",
+        "worker_ip": ' --node-ip-address="$(hostname -i)"' if lau.node_address == "hostname" else "",
         "ray_port": str(lau.ray_port),
         "dashboard_port": str(lau.dashboard_port),
         "ray_args": "".join(" " + _q(a) for a in lau.ray_start_args),
@@ -262,6 +275,9 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     cfg = prepared.config
     run_dir = rundir.path.absolute()
     argv, env = cluster.job(prepared)
+    if cfg.launcher.payload == "cpu":
+        argv, env, rows = cluster.cpu_job(prepared, run_dir, python_of(cfg), env)
+        record["data"] = {"rows": str(rows), "manifest": json.loads((rows / "manifest.json").read_text())}
     rundir.write_job(argv, env)
     (run_dir / LOGS).mkdir(exist_ok=True)
     script = render_sbatch(cfg, run_dir, argv, env)

@@ -150,7 +150,7 @@ STAGE=start
 stop_ray() {
   [ ${#RAY_PIDS[@]} -gt 0 ] || return 0
   srun --overlap --ntasks-per-node=1 "${CONTAINER[@]}" bash -c \
-    'mkdir -p "$0/logs/ray/$SLURMD_NODENAME" && cp -r "$1"/session_latest/logs/. "$0/logs/ray/$SLURMD_NODENAME/"' \
+    'mkdir -p "$0/logs/ray/$SLURMD_NODENAME" && cp -r "$1-$SLURMD_NODENAME"/session_latest/logs/. "$0/logs/ray/$SLURMD_NODENAME/"' \
     "$RUN_DIR" "$RAY_TMP" >> "$RUN_DIR/logs/gather.log" 2>&1
   kill -TERM "${RAY_PIDS[@]}" 2>/dev/null; wait "${RAY_PIDS[@]}" 2>/dev/null; RAY_PIDS=()
 }
@@ -168,17 +168,20 @@ rc=$?
 cat "$RUN_DIR/logs/preflight.log"
 if [ $rc -ne 0 ]; then mark failed --stage preflight --exit-code $rc; exit 1; fi
 
-# 2. one Ray head on the first node, a Ray worker on every other node
+# 2. one Ray head on the first node, a Ray worker on every other node, each Ray node named as its Slurm node
 STAGE=ray
 HEAD_IP=$(srun --overlap -N1 -n1 -w "$HEAD" hostname -I | awk '{print $1}')
-RAY_TMP=/tmp/ray-recipe-$SLURM_JOB_ID
+RAY_TMP=/tmp/ray-recipe-$SLURM_JOB_ID  # each node's Ray temp dir is $RAY_TMP-NODE (nodes may share a /tmp)
+export RAY_TMP
 srun --overlap -N1 -n1 -w "$HEAD" "${CONTAINER[@]}" ray start --head --block --node-ip-address="$HEAD_IP" \
-  --port=6379 --dashboard-host=127.0.0.1 --dashboard-port=8265 --num-gpus=8 --temp-dir="$RAY_TMP" \
+  --node-name="$HEAD" --port=6379 --dashboard-host=127.0.0.1 --dashboard-port=8265 --num-gpus=8 --temp-dir="$RAY_TMP-$HEAD" \
   > "$RUN_DIR/logs/ray-head.log" 2>&1 &
 RAY_PIDS+=($!)
 if [ ${#NODES[@]} -gt 1 ]; then
-  srun --overlap -N$((${#NODES[@]} - 1)) --ntasks-per-node=1 -x "$HEAD" "${CONTAINER[@]}" ray start --block \
-    --address="$HEAD_IP:6379" --num-gpus=8 > "$RUN_DIR/logs/ray-workers.log" 2>&1 &
+  # -n as well as -N: the step otherwise inherits the job's task count (SLURM_NTASKS), one more than its nodes
+  srun --overlap -N$((${#NODES[@]} - 1)) -n$((${#NODES[@]} - 1)) -x "$HEAD" "${CONTAINER[@]}" bash -c \
+    'exec ray start --block --address="$0" --node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "$@"' \
+    "$HEAD_IP:6379" --num-gpus=8 > "$RUN_DIR/logs/ray-workers.log" 2>&1 &
   RAY_PIDS+=($!)
 fi
 on_head "$PY" -m trainer.launch.jobsteps wait-dashboard http://127.0.0.1:8265 --timeout 300
