@@ -466,16 +466,19 @@ def _add_loopback_addresses(addresses: tuple[str, ...]) -> None:
 
 class NetNamespace:
     """A network namespace of its own with only its loopback interface (and the addresses
-    :data:`NODE_ADDRESSES` on it), held by a ``sleep`` bounded by
-    ``lifetime_s``: what runs in it (:meth:`enter` before exec, :meth:`argv` for a command) can bind any address of
-    127.0.0.0/8, or all interfaces, and still be reachable from nothing outside it. Needs root (CAP_SYS_ADMIN)."""
+    :data:`NODE_ADDRESSES` on it), held by a ``sleep`` bounded by ``lifetime_s`` and by a file descriptor of this
+    process: what runs in it (:meth:`enter` before exec, :meth:`argv` for a command) can bind any address of
+    127.0.0.0/8, or all interfaces, and still be reachable from nothing outside it. :meth:`stop` kills every
+    process in it. Needs root (CAP_SYS_ADMIN)."""
 
-    def __init__(self, lifetime_s: int = 600):
+    def __init__(self, lifetime_s: int = 3600):
         self.lifetime_s = lifetime_s
         self.proc: subprocess.Popen | None = None
+        self.fd: int | None = None
 
     def start(self) -> NetNamespace:
-        """Start the holder (unshare(CLONE_NEWNET), ``lo`` up, then ``sleep``)."""
+        """Start the holder (unshare(CLONE_NEWNET), ``lo`` up with the node addresses, then ``sleep``) and open
+        its namespace: :meth:`enter` joins that file, whatever becomes of the holder's PID."""
 
         def new_namespace() -> None:
             if _libc().unshare(CLONE_NEWNET) != 0:
@@ -486,34 +489,53 @@ class NetNamespace:
             _add_loopback_addresses(NODE_ADDRESSES)
 
         self.proc = subprocess.Popen(["sleep", str(self.lifetime_s)], preexec_fn=new_namespace, start_new_session=True)
+        self.fd = os.open(f"/proc/{self.proc.pid}/ns/net", os.O_RDONLY)
+        self.inode = os.fstat(self.fd).st_ino
         return self
 
     @property
     def path(self) -> str:
-        """``/proc/PID/net/ns`` of the holder."""
-        assert self.proc is not None, "start() first"
-        return f"/proc/{self.proc.pid}/ns/net"
+        """The namespace as a path of this process (``/proc/PID/fd/FD``), for ``nsenter --net``."""
+        assert self.fd is not None, "start() first"
+        return f"/proc/{os.getpid()}/fd/{self.fd}"
 
     def enter(self) -> None:
-        """In a child before exec: join this namespace (setns)."""
+        """In a child before exec: join this namespace (setns on the descriptor :meth:`start` opened)."""
         import ctypes
 
-        fd = os.open(self.path, os.O_RDONLY)
-        try:
-            if _libc().setns(fd, CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET) failed")
-        finally:
-            os.close(fd)
+        assert self.fd is not None, "start() first"
+        if _libc().setns(self.fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns(CLONE_NEWNET) failed")
 
     def argv(self, command: list[str]) -> list[str]:
         """``command`` run in this namespace (``nsenter``), for use from a shell or another process."""
-        assert self.proc is not None, "start() first"
         return ["nsenter", f"--net={self.path}", "--", *command]
 
+    def members(self) -> list[int]:
+        """PIDs of the processes in this namespace (by the inode of ``/proc/PID/ns/net``)."""
+        out = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    if os.stat(entry / "ns" / "net").st_ino == self.inode:
+                        out.append(int(entry.name))
+                except OSError:
+                    continue
+        return out
+
     def stop(self) -> None:
+        """SIGKILL every process left in the namespace (the holder among them) and close it."""
         if self.proc is not None:
-            _stop(self.proc)
+            for pid in self.members():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            self.proc.wait()
             self.proc = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
     def __enter__(self) -> NetNamespace:
         return self.start()

@@ -119,7 +119,7 @@ def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluste
     while record["status"] not in ("complete", "failed") and time.monotonic() < deadline:
         time.sleep(2)
         record = json.loads((run_dir / "record.json").read_text())
-    logs = "".join((run_dir / "logs" / n).read_text()[-1500:] for n in ("job.log", "ray-workers.log"))
+    logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert record["status"] == "complete", f"{record['status']}: {record.get('reason')}\n{logs}"
     assert record["slurm"]["nodes"] == ["n1", "n2", "n3", "n4"]
     assert record["preflight"]["ok"] is True

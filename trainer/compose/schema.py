@@ -322,7 +322,7 @@ class LauncherConfig(Record):
     ray_start_args: list[str] = field(default_factory=list)  # slurm: extra `ray start` arguments (head and workers)
     head_ip: str | None = None  # slurm: address Ray binds on the head node; null = as launcher.node_address says
     # slurm: each node's Ray address: interface (the head's first `hostname -I` address; Ray's own choice on the
-    # others) | hostname (`hostname -i` on every node: what its host name resolves to; bin/test-cluster's nodes)
+    # others) | hostname (`hostname -i` on every node: what its host name resolves to; the test clusters' nodes)
     node_address: str = "interface"
     address: str | None = None  # ray: job submission address of an existing cluster, http://HOST:8265
     python: str | None = None  # interpreter on the nodes; null = python3 (in an image), this Python (container none)
@@ -332,7 +332,7 @@ class LauncherConfig(Record):
         default_factory=list
     )  # argv to run instead of the plan's miles launch (probe-only/smoke jobs)
     # ray, slurm: what the job trains: miles (the plan's miles launch, or launcher.job) | cpu (the tiny model's CPU
-    # worker, one Ray actor per slot: trainer.launch.ray_workers; for clusters without GPUs, e.g. bin/test-cluster)
+    # worker, one Ray actor per slot: trainer.launch.ray_workers; for clusters without GPUs, e.g. the test clusters)
     payload: str = "miles"
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
     wait_s: int | None = None  # ray: seconds to wait for the job; null = until it ends

@@ -12,7 +12,8 @@ training actors, training data parallel under torch.distributed (gloo).
    so that consecutive ranks share a node, and makes rank ``r`` the actor of the ``r``-th bundle;
 3. rank 0's actor names its node's address and a free TCP port there: ``MASTER_ADDR``/``MASTER_PORT`` of every rank
    (torch.distributed's TCP rendezvous, no shared file); ``GLOO_SOCKET_IFNAME`` on each node is the interface that
-   holds the node's Ray address (``lo`` on a loopback test cluster, the cluster network's interface on hosts);
+   holds the node's Ray address, found on that node (``lo`` on a loopback test cluster, the cluster network's
+   interface on hosts);
 4. runs :func:`trainer.launch.cpu_worker.main` in every actor (``RUN_DIR RANK WORLD ROWS_DIR``: rank 0 appends
    ``metrics.jsonl``, every rank writes ``probe-rank-RANK.json`` with its Ray node's name in ``node``) and waits.
 
@@ -63,7 +64,8 @@ class Rank:
 
     def node(self) -> dict[str, Any]:
         """Where this actor runs: ``{"address": node IP, "name": Ray node name, "gpu": first GPU id, "pid": its
-        process}``."""
+        process, "interface": its node's interface for gloo}`` (``GLOO_SOCKET_IFNAME`` where set, else the
+        interface holding the node's address, found on that node)."""
         import ray
 
         context = ray.get_runtime_context()
@@ -72,11 +74,13 @@ class Rank:
             or ray.util.get_node_ip_address()
         )
         gpus = ray.get_gpu_ids()
+        address = ray.util.get_node_ip_address()
         return {
-            "address": ray.util.get_node_ip_address(),
+            "address": address,
             "name": name,
             "gpu": int(gpus[0]) if gpus else 0,
             "pid": os.getpid(),
+            "interface": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(address) or "",
         }
 
     def rendezvous_port(self) -> int:
@@ -90,6 +94,19 @@ class Rank:
         exit code (exceptions propagate to the driver as Ray task errors)."""
         os.environ.update(env)
         return cpu_worker.main(argv)
+
+
+def _failed(ref: Any, kind: type[BaseException] = Exception) -> bool:
+    """Whether the finished task ``ref`` raised (an exception of ``kind``)."""
+    import ray
+
+    try:
+        ray.get(ref, timeout=0)
+    except kind:
+        return True
+    except Exception:  # noqa: BLE001 - raised, but not of ``kind``
+        return False
+    return False
 
 
 def place(world: int, timeout_s: float) -> tuple[Any, list[int]]:
@@ -122,7 +139,11 @@ def place(world: int, timeout_s: float) -> tuple[Any, list[int]]:
 def run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> int:
     """Place, rendezvous and train (module docstring); returns the exit code. A failure's one line is printed
     after Ray is shut down, so that it is the job log's last line (the actors' output arrives asynchronously)."""
-    code, error = _run(run_dir, rows_dir, world, timeout_s)
+    try:
+        code, error = _run(run_dir, rows_dir, world, timeout_s)
+    except Exception as ex:  # noqa: BLE001 - Ray's own failures (init, placement, a probe task) as one line
+        lines = [line for line in str(ex).strip().splitlines() if line.strip()]
+        code, error = EXIT_FAILED, f"{type(ex).__name__}: {lines[-1].strip() if lines else ''}"
     if error:
         sys.stdout.flush()
         print(f"ray_workers: error: {error}", file=sys.stderr, flush=True)
@@ -160,7 +181,7 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
                     "MASTER_ADDR": master,
                     "MASTER_PORT": str(port),
                     cpu_worker.NODE_ENV: node["name"],
-                    "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(node["address"]) or "",
+                    "GLOO_SOCKET_IFNAME": node["interface"],
                 },
             ): rank
             for rank, node in enumerate(nodes)
@@ -168,6 +189,10 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
+            if _failed(done[0]):  # the others' failures follow within moments: blame a dead actor before them
+                more, _ = ray.wait(pending, num_returns=len(pending), timeout=3.0)
+                dead = [r for r in [done[0], *more] if _failed(r, ray.exceptions.RayActorError)]
+                done = dead[:1] or done
             rank = refs[done[0]]
             try:
                 code = ray.get(done[0])

@@ -11,9 +11,9 @@ runtime env (``runtime_env.json`` in the run directory) carries
   which probes every node, compares them (the preflight) and then runs the job.
 
 ``launcher.payload=cpu`` makes the job the tiny model's CPU training instead (for clusters without GPUs, such as
-``bin/test-cluster``'s): the rows are built here into the run directory (which the nodes must share), the job is
-:mod:`trainer.launch.ray_workers` (one CPU worker per slot, placed as miles places its actors), and the record's
-probe is every rank's (``probe-rank-N.json``, each naming its node).
+the four-node test clusters of ``tests/launch_fixtures.py``): the rows are built here into the run directory
+(which the nodes must share), the job is :mod:`trainer.launch.ray_workers` (one CPU worker per slot, placed as
+miles places its actors), and the record's probe is every rank's (``probe-rank-N.json``, each naming its node).
 
 The launcher waits for the job (``launcher.wait_s`` at most), then writes ``logs/job.log`` (the driver's
 log), ``probes/<node>.json``, ``preflight.json`` and the record: ``complete``, or ``failed`` with the cause

@@ -166,7 +166,7 @@ def _container(cfg: TrainConfig, run_dir: Path, python: str) -> list[str]:
         ]
     return [
         f"export PYTHONPATH={_q(REPO_ROOT)}${{PYTHONPATH:+:$PYTHONPATH}}",
-        f"export PATH={_q(Path(python).parent)}:$PATH",
+        *([f"export PATH={_q(Path(python).parent)}:$PATH"] if Path(python).parent != Path(".") else []),
         "# launcher.container=none: the steps run in the nodes' own environment",
         "CONTAINER=()",
     ]
@@ -232,10 +232,10 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
         "preflight_args": " ".join(a for a in preflight if a),
         "head_ip": _q(lau.head_ip)
         if lau.head_ip
-        else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname -i)'
+        else '$(srun --overlap -N1 -n1 -w "$HEAD" hostname -i | cut -d" " -f1)'
         if lau.node_address == "hostname"
         else "$(srun --overlap -N1 -n1 -w \"$HEAD\" hostname -I | awk '{print $1}')",
-        "worker_ip": ' --node-ip-address="$(hostname -i)"' if lau.node_address == "hostname" else "",
+        "worker_ip": ' --node-ip-address="$(hostname -i | cut -d" " -f1)"' if lau.node_address == "hostname" else "",
         "ray_port": str(lau.ray_port),
         "dashboard_port": str(lau.dashboard_port),
         "ray_args": "".join(" " + _q(a) for a in lau.ray_start_args),

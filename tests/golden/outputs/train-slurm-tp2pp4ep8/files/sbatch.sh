@@ -153,6 +153,7 @@ stop_ray() {
     'mkdir -p "$0/logs/ray/$SLURMD_NODENAME" && cp -r "$1-$SLURMD_NODENAME"/session_latest/logs/. "$0/logs/ray/$SLURMD_NODENAME/"' \
     "$RUN_DIR" "$RAY_TMP" >> "$RUN_DIR/logs/gather.log" 2>&1
   kill -TERM "${RAY_PIDS[@]}" 2>/dev/null; wait "${RAY_PIDS[@]}" 2>/dev/null; RAY_PIDS=()
+  srun --overlap --ntasks-per-node=1 "${CONTAINER[@]}" bash -c 'rm -rf "$0-$SLURMD_NODENAME"' "$RAY_TMP" >> "$RUN_DIR/logs/gather.log" 2>&1
 }
 on_term() { stop_ray; mark failed --stage "$STAGE" --reason "Slurm job $SLURM_JOB_ID got SIGTERM during $STAGE (time limit or scancel)"; exit 143; }
 trap on_term TERM
