@@ -30,22 +30,34 @@ pytestmark = [
 NODES, SLOTS, STEPS = 4, 2, 4
 
 
-def listening() -> set[str]:
-    """The TCP sockets listening in this (the host's) network namespace: ``/proc/net/tcp`` and ``tcp6``."""
+def host_listening_inodes() -> set[str]:
+    """Socket inodes listening in this (the host's) network namespace: ``/proc/net/tcp`` and ``tcp6``."""
     out = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         for line in Path(table).read_text().splitlines()[1:]:
             fields = line.split()
             if fields[3] == "0A":  # TCP_LISTEN
-                out.add(fields[1])
+                out.add(fields[9])
+    return out
+
+
+def socket_inodes(pids: list[int]) -> set[str]:
+    """The socket inodes the processes ``pids`` hold open (``/proc/PID/fd`` links ``socket:[INODE]``)."""
+    out = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    out.add(target[len("socket:[") : -1])
+        except OSError:
+            continue
     return out
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    before = listening()
     with NetNamespace() as netns, LocalRayCluster(tmp_path_factory.mktemp("ray4"), netns) as ray:
-        ray.listening_before = before
         yield ray
 
 
@@ -81,8 +93,10 @@ def test_four_nodes_on_their_own_addresses_and_nothing_listens_outside(cluster):
     assert sorted(n["raylet"]["nodeName"] for n in summary) == ["n1", "n2", "n3", "n4"]
     assert sorted(n["ip"] for n in summary) == ["127.0.0.2", "127.0.0.3", "127.0.0.4", "127.0.0.5"]
     assert {n["raylet"]["resourcesTotal"]["GPU"] for n in summary} == {float(SLOTS)}
-    # every Ray port is in the cluster's namespace: the host's listening sockets are those it had before
-    assert listening() - cluster.listening_before == set()
+    # every socket the cluster's processes hold is in its namespace: none listens in the host's
+    held = socket_inodes(cluster.netns.members())
+    assert len(held) > 20  # the nodes' raylets, GCS, dashboard, agents
+    assert held & host_listening_inodes() == set()
 
 
 def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, tmp_path):
