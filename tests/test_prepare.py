@@ -112,6 +112,21 @@ def test_run_dir_states(tmp_path):
     assert json.loads((tmp_path / RECORD).read_text())["status"] == COMPLETE == updated["status"]
 
 
+def test_mark_takes_every_ranks_probe_in_rank_order_and_ignores_a_stray_file(tmp_path):
+    """launcher.payload=cpu on Slurm: the record's probe ranks are the ranks' own files, by rank number."""
+    from trainer.launch.jobsteps import mark
+
+    RunDir(tmp_path).save_record({"status": RUNNING, "slurm": {"nodes": ["n1"]}})
+    (tmp_path / "probes").mkdir()
+    (tmp_path / "probes" / "n1.json").write_text(json.dumps({"host": "n1"}))
+    for rank in (10, 2, 0, 1):
+        (tmp_path / f"probe-rank-{rank}.json").write_text(json.dumps({"rank": rank}))
+    (tmp_path / "probe-rank-x.json").write_text("not a rank's")
+    record = mark(tmp_path, COMPLETE, stage="job", exit_code=0)
+    assert [p["rank"] for p in record["probe"]["ranks"]] == [0, 1, 2, 10]
+    assert record["probe"]["nodes"] == ["n1"]
+
+
 def test_run_dir_moves(tmp_path):
     """The record's states move planned -> running -> handed off -> final only; an ended run does not start again."""
     from trainer.launch.jobsteps import mark

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from trainer.errors import UserError
 from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
 from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
+
+RANK_PROBE_RE = re.compile(r"^probe-rank-(\d+)\.json$")  # the files of trainer.record.names.probe_rank
 
 
 def _job_failure(run_dir: Path, exit_code: int | None) -> str:
@@ -73,7 +76,10 @@ def mark(
             probe_path = run_dir / PROBES / f"{node}.json"
             if probe_path.is_file():
                 probes[node] = json.loads(probe_path.read_text())
-        ranks = sorted(run_dir.glob("probe-rank-*.json"), key=lambda p: int(p.stem.rsplit("-", 1)[1]))
+        ranks = sorted(
+            (p for p in run_dir.glob("probe-rank-*.json") if RANK_PROBE_RE.match(p.name)),
+            key=lambda p: int(p.stem.rsplit("-", 1)[1]),
+        )  # a stray probe-rank-x.json is not a rank's
         if probes:
             record["probe"] = {"ranks": list(probes.values()), "nodes": list(probes)}
         if probes and ranks:  # launcher.payload=cpu: every rank wrote its own probe (naming its node)

@@ -40,7 +40,8 @@ EXIT_FAILED, EXIT_PLACEMENT = 1, 4
 
 def interface_of(address: str) -> str | None:
     """The name of the network interface whose IPv4 network holds ``address`` (``psutil.net_if_addrs``, which
-    Ray depends on), or None: ``lo`` for any 127.0.0.0/8 address."""
+    Ray depends on), or None: ``lo`` for any 127.0.0.0/8 address. Raises ``ValueError`` for a string that is not
+    an IP address."""
     import psutil
 
     ip = ipaddress.ip_address(address)
@@ -94,6 +95,14 @@ class Rank:
         exit code (exceptions propagate to the driver as Ray task errors)."""
         os.environ.update(env)
         return cpu_worker.main(argv)
+
+
+def _kill(actors: list[Any]) -> None:
+    """Stop every rank's actor (the others of a failed rank would wait in gloo until its timeout)."""
+    import ray
+
+    for actor in actors:
+        ray.kill(actor)
 
 
 def _failed(ref: Any, kind: type[BaseException] = Exception) -> bool:
@@ -200,15 +209,13 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
                 cause = str(ex).strip().splitlines()
                 last = next((line for line in reversed(cause) if line.strip()), type(ex).__name__)
                 last = last.split(" Some common causes")[0]  # Ray's advice after the cause of a dead actor
-                for other in ranks:
-                    ray.kill(other)
+                _kill(ranks)
                 return EXIT_FAILED, (
                     f"rank {rank} on node {nodes[rank]['name']} failed after {time.monotonic() - started:.0f} s: "
                     f"{type(ex).__name__}: {last.strip()}"
                 )
             if code != 0:
-                for other in ranks:
-                    ray.kill(other)
+                _kill(ranks)
                 return EXIT_FAILED, f"rank {rank} on node {nodes[rank]['name']} exited {code}"
         print(f"ray_workers: {world} ranks on {len({n['name'] for n in nodes})} node(s) done", flush=True)
         return 0, None
