@@ -592,5 +592,96 @@ def test_add_archive_takes_an_archive_of_a_pinned_tree_and_refuses_any_other(tmp
     assert not (tmp_path / "cache2" / "trees").exists() or not list((tmp_path / "cache2" / "trees").iterdir())
 
 
+@pytest.fixture(scope="module")
+def with_submodule(tmp_path_factory):
+    """A commit whose tree holds files and one submodule (a gitlink at deps/sub to another repository's commit),
+    the way enroot's tree pins makeself, musl and the Linux headers."""
+    sub = tmp_path_factory.mktemp("sub") / "sub"
+    sub.mkdir()
+    git(sub, "init", "-q")
+    write(sub, {"inside.txt": b"a file of the submodule\n"})
+    sub_commit = commit(sub, "sub")[0]
+    root = tmp_path_factory.mktemp("super") / "super"
+    root.mkdir()
+    git(root, "init", "-q")
+    write(root, {"Makefile": b"all:\n", "deps/readme": b"deps\n"})
+    git(root, "add", "-A")
+    git(root, "update-index", "--add", "--cacheinfo", f"160000,{sub_commit},deps/sub")
+    git(root, "-c", "commit.gpgsign=false", "commit", "-q", "-m", "with a submodule")  # no add -A: it drops the link
+    c, t = git(root, "rev-parse", "HEAD"), git(root, "rev-parse", "HEAD^{tree}")
+    assert git(root, "ls-tree", "HEAD", "deps/sub").startswith("160000 commit ")
+    return {"path": root, "v1": (c, t), "sub": sub_commit}
+
+
+def test_submodules_are_part_of_the_tree_and_each_is_checked(with_submodule, tmp_path):
+    """Promise: a source whose commit pins submodules hashes to git's own tree only with the gitlinks its lock
+    states (``submodules``: path -> commit); add-git, add-archive and the build refuse a lock that leaves one out
+    or changes one, and a file where a submodule is stated; the image gets the tree's files and nothing at the
+    submodule's path."""
+    from trainer.image.cas import Cache
+    from trainer.image.sources import add_archive, export_commit
+
+    repo = with_submodule
+    sub = repo["sub"]
+    c, t = repo["v1"]
+    full, git_tree, files, gitlinks = export_commit(repo["path"], c)
+    assert (full, git_tree, gitlinks) == (c, t, {"deps/sub": sub})
+    assert sorted(files) == ["Makefile", "deps/readme"]
+    assert git_tree_id(files, gitlinks) == t
+    assert git_tree_id(files) != t  # without the gitlink: another tree
+    other = "f" * 40
+    assert git_tree_id(files, {"deps/sub": other}) != t
+    assert git_tree_id(files, {"deps/other": sub}) != t
+    for bad in ({"Makefile": sub}, {"deps": sub}):  # a submodule where the tree has a file / a directory
+        with pytest.raises(UserError):
+            git_tree_id(files, bad)
+    with pytest.raises(UserError):
+        git_tree_id({**files, "deps/sub/inside.txt": ("100644", b"x")}, gitlinks)
+
+    def lock_with(submodules, name):
+        path = lock_file(tmp_path, repo)
+        data = json.loads(path.read_text())
+        if submodules is not None:
+            data["sources"][0]["submodules"] = submodules
+        out = tmp_path / name
+        out.write_text(json.dumps(data))
+        return out
+
+    good = lock_with({"deps/sub": sub}, "good.json")
+    cache = tmp_path / "cas"
+    cache.mkdir()
+    add = ["cache", "--cache", cache, "add-git", repo["path"], "--commit", c, "--lock"]
+    line = refused([*add, lock_with(None, "none.json")], cache)
+    assert f'the commit\'s submodules are {{"deps/sub": "{sub}"}}' in line and "states {}" in line
+    line = refused([*add, lock_with({"deps/sub": other}, "changed.json")], cache)
+    assert "submodules are" in line and other in line
+    for bad in ({"/abs": sub}, {"../up": sub}, {"deps/sub": "xyz"}, ["deps/sub"]):
+        line = refused(["lock", "verify", lock_with(bad, "bad.json")], cache)
+        assert "sources[0].submodules: expected {relative path: the submodule's 40-hex commit}" in line, line
+    r = trainer(*add, good, "--json")
+    assert r.returncode == 0, r.stderr
+    assert (json.loads(r.stdout)["tree"], json.loads(r.stdout)["files"]) == (t, 2)
+    r = build(tmp_path, good, cache, "img")
+    assert r.returncode == 0, r.stderr
+    layers = {layer["name"]: layer["diff_id"] for layer in json.loads(r.stdout)["layers"]}
+    with tarfile.open(tmp_path / "img" / "blobs" / "sha256" / layers["sources"][7:]) as tar:
+        names = {m.name.rstrip("/") for m in tar.getmembers()}
+    assert {"opt/src/demo/Makefile", "opt/src/demo/deps/readme"} <= names
+    assert not any(n.startswith("opt/src/demo/deps/sub") for n in names), names
+    # the same cache, a lock that changes the gitlink but keeps the tree: the build recomputes and refuses
+    r = build(tmp_path, lock_with({"deps/sub": other}, "changed.json"), cache, "img2")
+    assert r.returncode == 2 and f"lock says {t} (refused)" in r.stderr, r.stderr
+    assert not (tmp_path / "img2").exists()
+    # git's own archive of the commit has no submodule entries: matched with the pin's gitlinks, or refused
+    archive = tmp_path / "super.tar"
+    subprocess.run(["git", "-C", str(repo["path"]), "archive", "--prefix=super/", "-o", str(archive), c], check=True)
+    pin = {"name": "demo", "url": "u", "commit": c, "tree": t, "where": "good.json"}
+    assert add_archive(Cache(tmp_path / "c2"), archive, [{**pin, "submodules": {"deps/sub": sub}}])["tree"] == t
+    with pytest.raises(UserError, match="which no lock given pins"):
+        add_archive(Cache(tmp_path / "c3"), archive, [pin])
+    with pytest.raises(UserError, match="which no lock given pins"):
+        add_archive(Cache(tmp_path / "c4"), archive, [{**pin, "submodules": {"deps/sub": other}}])
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

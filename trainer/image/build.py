@@ -126,9 +126,15 @@ def plan_layers(
                 entries.append(pth)
             return entries
 
-        # a source's layer bytes follow from its tree (verified on unpacking), not from the archive it came in
+        # a source's layer bytes follow from its tree (verified on unpacking), not from the archive it came in;
+        # stated submodules join the key (only where there are some: other keys stay as recorded), so a lock
+        # that changes one misses the cache and meets the tree check
         source_inputs: dict[str, Any] = {
-            "sources": [[s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))] for s in sources],
+            "sources": [
+                [s["name"], s["commit"], s["tree"], s["dest"], bool(s.get("python_path"))]
+                + ([s["submodules"]] if s.get("submodules") else [])
+                for s in sources
+            ],
             "sdists": [],
         }
         if any(s.get("python_path") for s in sources):

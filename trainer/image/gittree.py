@@ -5,8 +5,9 @@ A git tree id is what ``git rev-parse COMMIT^{tree}`` prints. It is computed her
 
 - a blob's id is ``sha1(b"blob <size>\\0" + content)``; a symlink is a blob of its target's bytes;
 - a tree is ``sha1(b"tree <size>\\0" + entries)``, each entry ``b"<mode> <name>\\0" + <20-byte id>``, modes
-  ``100644`` (file), ``100755`` (executable file), ``120000`` (symlink), ``40000`` (tree), entries sorted by
-  name bytes with a directory compared as ``name + "/"``;
+  ``100644`` (file), ``100755`` (executable file), ``120000`` (symlink), ``40000`` (tree), ``160000`` (a
+  submodule: a gitlink, whose 20-byte id is the submodule's commit, not a blob), entries sorted by name bytes
+  with a directory compared as ``name + "/"``;
 - empty directories are not part of a tree.
 
 Two archives of any format that unpack to files with the same tree id hold exactly the same commit's files:
@@ -27,7 +28,7 @@ from typing import Any
 
 from trainer.errors import UserError
 
-FILE_MODE, EXEC_MODE, LINK_MODE = "100644", "100755", "120000"
+FILE_MODE, EXEC_MODE, LINK_MODE, GITLINK_MODE = "100644", "100755", "120000", "160000"
 MAX_LINK_HOPS = 40  # Linux's MAXSYMLINKS: a longer chain is a loop
 
 
@@ -36,12 +37,20 @@ def blob_id(data: bytes) -> bytes:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).digest()
 
 
-def git_tree_id(files: dict[str, tuple[str, bytes]]) -> str:
+def git_tree_id(files: dict[str, tuple[str, bytes]], gitlinks: dict[str, str] | None = None) -> str:
     """The git tree id (40 hex) of ``files``: relative POSIX path -> (mode "100644"/"100755"/"120000",
-    content bytes, or a symlink's target bytes). Raises :class:`UserError` for an empty ``files``."""
+    content bytes, or a symlink's target bytes), plus ``gitlinks``: submodule path -> its commit (40 hex), the
+    entries a tree holds for its submodules (an archive of the tree has none of their files, so a lock states
+    them). Raises :class:`UserError` for an empty ``files`` or a path that is both a file and a submodule (or
+    under one)."""
     if not files:
         raise UserError("a git tree needs at least one file (empty directories are not part of a tree)")
-    return tree_id_of_blobs({path: (mode, blob_id(data)) for path, (mode, data) in files.items()})
+    blobs = {path: (mode, blob_id(data)) for path, (mode, data) in files.items()}
+    for path, commit in (gitlinks or {}).items():
+        if path in blobs:
+            raise UserError(f"{path} is both a file and a submodule (refused)")
+        blobs[path] = (GITLINK_MODE, bytes.fromhex(commit))
+    return tree_id_of_blobs(blobs)
 
 
 def tree_id_of_blobs(blobs: dict[str, tuple[str, bytes]]) -> str:

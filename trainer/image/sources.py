@@ -18,6 +18,12 @@ Ways into the cache (:mod:`trainer.image.cas`):
   the same way after the same check;
 - ``trainer cache add FILE --sha256 HEX`` for a source whose lock pins ``archive.sha256``.
 
+Submodules: a tree whose commit pins submodules (enroot pins makeself, musl and Linux headers) holds a gitlink
+for each, the submodule's commit, and no files there. An archive of such a tree has none of them either, so
+the lock states them (``submodules``: path -> commit) and the tree id is recomputed with those entries: a
+changed or missing one gives another tree and is refused. The submodules' files are not part of the source;
+a build step takes what they provide elsewhere (a Debian package of the build root, another source).
+
 What the layer gets: every file and symlink of the tree under ``dest`` (empty directories are not part of a
 tree), and, for a source with ``python_path: true``, its ``dest`` in ``<site_packages>/recipe-bundle-sources.pth``
 so the image's Python imports it (the way ``pip install -e`` makes a checkout importable).
@@ -25,6 +31,7 @@ so the image's Python imports it (the way ``pip install -e`` makes a checkout im
 
 from __future__ import annotations
 
+import json
 import stat
 import subprocess
 import tarfile
@@ -148,16 +155,17 @@ def verified_files(archive: Path, source: dict[str, Any]) -> dict[str, tuple[str
     label = source_label(source)
     files = tree_files(archive_entries(archive, label), label)
     _check_paths(files, label)
-    tree = labelled_tree_id(files, label)
+    tree = labelled_tree_id(files, label, source.get("submodules"))
     if tree != source["tree"]:
         raise UserError(f"{label}: archive files hash to git tree {tree}, lock says {source['tree']} (refused)")
     return files
 
 
-def labelled_tree_id(files: dict[str, tuple[str, bytes]], label: str) -> str:
-    """:func:`git_tree_id` with ``label`` in front of its error (a path both a file and a directory)."""
+def labelled_tree_id(files: dict[str, tuple[str, bytes]], label: str, gitlinks: dict[str, str] | None = None) -> str:
+    """:func:`git_tree_id` (``gitlinks``: a source's ``submodules``) with ``label`` in front of its error (a path
+    both a file and a directory, or a file where the lock states a submodule)."""
     try:
-        return git_tree_id(files)
+        return git_tree_id(files, gitlinks)
     except UserError as err:
         raise UserError(f"{label}: {err}") from None
 
@@ -267,13 +275,13 @@ def git_dir_of(path: Path) -> Path:
     raise UserError(f"{path}: not a git repository (no objects/ and HEAD in it or in its .git)")
 
 
-def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[str, bytes]]]:
+def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[str, bytes]], dict[str, str]]:
     """Read ``commit``'s tree from the git repository at ``path`` without a checkout.
 
-    Returns (full commit id, tree id as git states it, files as for :func:`git_tree_id`). Raises
-    :class:`UserError` for a commit the repository does not have, a submodule entry (not part of the
-    recipe's sources; its files would be missing), a tree over :data:`MAX_SOURCE_BYTES`, or a file over the
-    build's per-file limit (:data:`trainer.image.tarread.MAX_MEMBER_BYTES`, 1 GiB, the limit a build reads the
+    Returns (full commit id, tree id as git states it, files as for :func:`git_tree_id`, gitlinks: submodule
+    path -> commit, the entries of the tree's submodules, whose files are not read). Raises
+    :class:`UserError` for a commit the repository does not have, a tree over :data:`MAX_SOURCE_BYTES`, or a file
+    over the build's per-file limit (:data:`trainer.image.tarread.MAX_MEMBER_BYTES`, 1 GiB, the limit a build reads the
     cached archive with), both checked from the sizes ``git ls-tree -l`` lists before any blob is read. Blobs are
     read one at a time from one ``git cat-file --batch`` (:func:`_read_blobs`), so memory holds the tree's
     files once, never git's whole output besides them.
@@ -286,6 +294,7 @@ def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[st
     tree = _git(gitdir, "rev-parse", f"{full}^{{tree}}").decode().strip()
     listing = _git(gitdir, "ls-tree", "-r", "-z", "--full-tree", "-l", full)
     items = []
+    gitlinks: dict[str, str] = {}
     total = 0
     for record in listing.split(b"\0"):
         if not record:
@@ -293,8 +302,11 @@ def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[st
         meta, _, name = record.partition(b"\t")
         mode, kind, oid, size = meta.split()
         rel = name.decode("utf-8", "surrogateescape")
+        if kind == b"commit" and mode == b"160000":  # a submodule: its commit is the entry; its files are not here
+            gitlinks[rel] = oid.decode()
+            continue
         if kind != b"blob":
-            raise UserError(f"{path}: {commit[:12]} has a {kind.decode()} at {rel} (submodules are not supported)")
+            raise UserError(f"{path}: {commit[:12]} has a {kind.decode()} at {rel} (expected files and submodules)")
         if int(size) > tarread.MAX_MEMBER_BYTES:  # read at call time: the build's limit, whatever it is now
             raise UserError(
                 f"{path}: {commit[:12]}'s file {rel} is {int(size):,} bytes, more than the build's "
@@ -307,7 +319,7 @@ def export_commit(path: Path, commit: str) -> tuple[str, str, dict[str, tuple[st
     files = _read_blobs(gitdir, path, items, tarread.MAX_MEMBER_BYTES)
     if not files:
         raise UserError(f"{path}: commit {full[:12]} has no files (an empty tree is not a source)")
-    return full, tree, files
+    return full, tree, files, gitlinks
 
 
 def _read_blobs(
@@ -378,8 +390,6 @@ def pins_for(locks: list[Path]) -> list[dict[str, Any]]:
     """Every git source pinned by the image locks and stack files in ``locks``: [{"name", "url", "commit",
     "tree", "where"}]. Image locks give ``sources[]``; a ``stack.json`` gives its components with a commit and
     tree. Raises :class:`UserError` for an unreadable file."""
-    import json
-
     out: list[dict[str, Any]] = []
     for path in locks:
         try:
@@ -388,7 +398,13 @@ def pins_for(locks: list[Path]) -> list[dict[str, Any]]:
             raise UserError(f"{path}: cannot read the pins ({ex})") from None
         if isinstance(data, dict) and data.get("kind") == KIND:
             for src in load_lock(path).get("sources", []):
-                out.append({**{k: src[k] for k in ("name", "url", "commit", "tree")}, "where": path.name})
+                out.append(
+                    {
+                        **{k: src[k] for k in ("name", "url", "commit", "tree")},
+                        "submodules": src.get("submodules", {}),
+                        "where": path.name,
+                    }
+                )
             continue
         components = data.get("components", {}) if isinstance(data, dict) else {}
         for name, comp in components.items() if isinstance(components, dict) else []:
@@ -409,12 +425,13 @@ def add_git(cache: Any, repo: Path, commit: str, pins: list[dict[str, Any]], tre
     """Seed the cache with ``commit``'s tree from the local git repository ``repo`` (clone or bare).
 
     The commit must be one that ``pins`` (see :func:`pins_for`) name, or ``tree`` must be given; its files
-    are read from git's objects, their tree id recomputed here (:func:`git_tree_id`) and compared with both
-    git's own and the pinned tree. Returns {"name", "commit", "tree", "sha256", "files", "bytes"}. Raises
+    are read from git's objects, their tree id recomputed here (:func:`git_tree_id`, with the commit's
+    submodule entries, which must be the ones the pin states) and compared with both git's own and the pinned
+    tree. Returns {"name", "commit", "tree", "sha256", "files", "bytes"}. Raises
     :class:`UserError` (nothing stored) for an unknown commit, a mismatch, a path outside the tree or a
     symlink leaving it.
     """
-    full, git_tree, files = export_commit(repo, commit)
+    full, git_tree, files, gitlinks = export_commit(repo, commit)
     pinned = [p for p in pins if p["commit"] == full]
     if tree is not None:
         pinned = [{"name": "(--tree)", "url": str(repo), "commit": full, "tree": tree, "where": "--tree"}]
@@ -424,7 +441,7 @@ def add_git(cache: Any, repo: Path, commit: str, pins: list[dict[str, Any]], tre
     label = f"source {pin['name']}@{full[:12]}"
     _check_paths(files, label)
     _check_tree(files, label)
-    computed = labelled_tree_id(files, label)
+    computed = labelled_tree_id(files, label, gitlinks)
     if computed != git_tree:
         raise UserError(
             f"{label}: files of {repo} hash to git tree {computed}, but git says {git_tree} "
@@ -433,6 +450,11 @@ def add_git(cache: Any, repo: Path, commit: str, pins: list[dict[str, Any]], tre
     if computed != pin["tree"]:
         raise UserError(
             f"{label}: {repo} has tree {computed} for this commit, {pin['where']} pins {pin['tree']} (refused)"
+        )
+    if gitlinks != pin.get("submodules", {}) and pin["where"] != "--tree":
+        raise UserError(
+            f"{label}: the commit's submodules are {json.dumps(gitlinks, sort_keys=True)}, {pin['where']} states "
+            f"{json.dumps(pin.get('submodules', {}), sort_keys=True)} (refused)"
         )
     sha = cache.put_tree(computed, canonical_entries(files, computed), {"commit": full, "source": pin["url"]})
     return {
@@ -460,7 +482,10 @@ def add_archive(cache: Any, archive: Path, pins: list[dict[str, Any]], tree: str
     if tree is not None:
         pinned = [{"name": "(--tree)", "url": str(archive), "commit": None, "tree": tree, "where": "--tree"}]
     else:
-        pinned = [p for p in pins if p["tree"] == computed]
+        # an archive has no submodule entries: a pin that states some is matched with them added
+        pinned = [p for p in pins if p["tree"] == labelled_tree_id(files, label, p.get("submodules"))]
+        if pinned:
+            computed = str(pinned[0]["tree"])
     if not pinned:
         raise UserError(
             f"{label}: its files hash to git tree {computed}, which no lock given pins "

@@ -199,6 +199,20 @@ def validate_lock(lock: Any, where: str = "lock") -> None:
             hashes[sha] = w
             if "url" in archive and not isinstance(archive["url"], str):
                 raise UserError(f"{w}.archive.url: expected a string")
+        submodules = src.get("submodules", {})  # the tree's gitlinks: path -> the submodule's commit
+        if not isinstance(submodules, dict) or not all(
+            isinstance(k, str)
+            and k
+            and not k.startswith("/")
+            and ".." not in k.split("/")
+            and isinstance(v, str)
+            and HEX40.match(v)
+            for k, v in submodules.items()
+        ):
+            raise UserError(
+                f"{w}.submodules: expected {{relative path: the submodule's 40-hex commit}}, got "
+                f"{json.dumps(submodules)}"
+            )
         if not isinstance(src.get("python_path", False), bool):
             raise UserError(f"{w}.python_path: expected true or false, got {json.dumps(src.get('python_path'))}")
         if src["tree"] in trees:
