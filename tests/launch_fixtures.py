@@ -126,6 +126,29 @@ def _loopback_hostname(name: str = "127.0.0.1") -> None:
     socket.sethostname(name)
 
 
+ENROOT_PREFIX, PYXIS_PREFIX = "/opt/enroot", "/opt/pyxis"  # where lockfiles/slurm-node.lock.json installs them
+LOGIN = "login"  # the view of /opt that Slurm's clients (sbatch, srun outside a job) get
+MS_RDONLY, MS_REC, MS_PRIVATE = 1, 16384, 1 << 18  # <sys/mount.h>
+CLONE_NEWNS = 0x00020000  # <sched.h>
+
+
+def _overlay_opt(lowers: list[Path]) -> None:
+    """In a child before exec: a mount namespace of its own (mounts private, so nothing reaches this machine's)
+    whose ``/opt`` is a read-only overlay of ``lowers``, the first on top. enroot and pyxis find their
+    configuration under the prefix they were built with (``/opt/enroot/etc``, ``/opt/pyxis``), so each node's
+    own files sit in a layer over the built tree, which sits over this machine's ``/opt``. Needs root."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.unshare(CLONE_NEWNS) != 0:
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed")
+    if libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None) != 0:
+        raise OSError(ctypes.get_errno(), "mount --make-rprivate / failed")
+    options = ("lowerdir=" + ":".join(str(p) for p in lowers)).encode()
+    if libc.mount(b"overlay", b"/opt", b"overlay", MS_RDONLY, options) != 0:
+        raise OSError(ctypes.get_errno(), f"overlay on /opt ({options.decode()}) failed")
+
+
 class LocalSlurm:
     """munged + slurmctld + one slurmd per node on this machine under ``root`` (a fresh directory). Use as a
     context manager.
@@ -134,7 +157,9 @@ class LocalSlurm:
     its own port, spool, pid and log file, all on 127.0.0.1 (Slurm 22.05's slurmd binds 127.0.0.1 whatever
     ``NodeAddr`` says); ``gpus`` and ``cpus``: what each node offers to the scheduler (simulated devices, gres
     ``gpu``); ``lifetime_s``: upper bound of every daemon's life (``timeout``), in case the caller never stops
-    them.
+    them; ``tools``: a root file system holding enroot and pyxis under ``/opt`` (lockfiles/slurm-node.lock.json,
+    unpacked), which every node and client then sees at ``/opt`` in a mount namespace of its own, pyxis loaded
+    through ``PlugStackConfig`` (each node's ``runtime_path`` and enroot paths its own: :meth:`_write_node_layers`).
     """
 
     def __init__(
@@ -146,9 +171,11 @@ class LocalSlurm:
         lifetime_s: int = 600,
         nodes: int = 1,
         netns: NetNamespace | None = None,
+        tools: Path | None = None,
     ):
         self.root = Path(root)
         self.netns = netns
+        self.tools = Path(tools).absolute() if tools is not None else None
         self.gpus, self.cpus, self.memory_mb, self.lifetime_s = gpus, cpus, memory_mb, lifetime_s
         self.names = ["localhost"] if nodes == 1 else [f"n{i}" for i in range(1, nodes + 1)]
         # in a namespace of its own each node has its own address (n1 127.0.0.2, ...) and host name (that address)
@@ -165,8 +192,30 @@ class LocalSlurm:
             self.short = self.sockets = Path(tempfile.mkdtemp(prefix="rb-slurm-", dir="/tmp"))
 
     def env(self) -> dict[str, str]:
-        """The environment for Slurm commands against this cluster."""
-        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": _search_path()}
+        """The environment for Slurm commands against this cluster (with ``tools``: enroot's ``bin`` on ``PATH``,
+        where pyxis looks for ``enroot``)."""
+        path = _search_path() if self.tools is None else f"{ENROOT_PREFIX}/bin{os.pathsep}{_search_path()}"
+        return {**os.environ, "SLURM_CONF": str(self.conf), "PATH": path}
+
+    def _write_node_layers(self) -> None:
+        """With ``tools``: each node's own files over ``/opt`` (and the client's, ``login``): pyxis's
+        ``plugstack.conf`` with the node's ``runtime_path``, and an ``enroot.conf.d`` file with the node's runtime,
+        cache, data and temp paths, so that four nodes on one machine keep their containers apart."""
+        for name in [*self.names, LOGIN]:
+            state = self.root / "nodes" / name
+            layer = self.root / "layers" / name / "opt"
+            (layer / "pyxis" / "etc").mkdir(parents=True, exist_ok=True)
+            (layer / "pyxis" / "etc" / "plugstack.conf").write_text(
+                f"required {PYXIS_PREFIX}/lib/slurm/spank_pyxis.so runtime_path={state}/pyxis\n"
+            )
+            conf_d = layer / "enroot" / "etc" / "enroot" / "enroot.conf.d"
+            conf_d.mkdir(parents=True, exist_ok=True)
+            paths = {"RUNTIME": "run", "CACHE": "cache", "DATA": "data", "TEMP": "tmp"}
+            for sub in paths.values():
+                (state / "enroot" / sub).mkdir(parents=True, exist_ok=True)
+            (conf_d / "node.conf").write_text(
+                "".join(f"ENROOT_{key}_PATH {state}/enroot/{sub}\n" for key, sub in paths.items())
+            )
 
     def _communication(self) -> str:
         """slurm.conf's ``CommunicationParameters``: bind only the host name's address (loopback) on this machine's
@@ -229,27 +278,34 @@ MpiDefault=none
 ReturnToService=2
 MinJobAge=600
 GresTypes=gpu
+{f"PlugStackConfig={PYXIS_PREFIX}/etc/plugstack.conf" if self.tools is not None else ""}
 {nodes}
 PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE State=UP
 """)
+        if self.tools is not None:
+            self._write_node_layers()
         if self.gpus:
             (r / "gres.conf").write_text(
                 "AutoDetect=off\n"
                 + "".join(f"NodeName={name} Name=gpu File={r}/dev/nvidia[0-{self.gpus - 1}]\n" for name in self.names)
             )
 
-    def _preexec(self, hostname: str = "127.0.0.1"):
-        """What a child runs before exec: join the cluster's network namespace (if any), then a UTS namespace
-        whose host name is ``hostname``."""
+    def _preexec(self, hostname: str = "127.0.0.1", node: str = LOGIN):
+        """What a child runs before exec: join the cluster's network namespace (if any), then (with ``tools``) a
+        mount namespace whose ``/opt`` is ``node``'s view (:func:`_overlay_opt`), then a UTS namespace whose host
+        name is ``hostname``."""
+        layer = self.root / "layers" / node / "opt"
 
         def enter() -> None:
             if self.netns is not None:
                 self.netns.enter()
+            if self.tools is not None:
+                _overlay_opt([layer, self.tools / "opt", Path("/opt")])
             _loopback_hostname(hostname)
 
         return enter
 
-    def _spawn(self, argv: list[str], log: str, hostname: str = "127.0.0.1") -> subprocess.Popen:
+    def _spawn(self, argv: list[str], log: str, hostname: str = "127.0.0.1", node: str = LOGIN) -> subprocess.Popen:
         out = open(self.root / log, "wb")
         program = shutil.which(argv[0], path=_search_path()) or argv[0]
         proc = subprocess.Popen(
@@ -258,7 +314,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
             stderr=subprocess.STDOUT,
             env=self.env(),
             start_new_session=True,
-            preexec_fn=self._preexec(hostname),
+            preexec_fn=self._preexec(hostname, node),
         )
         self.procs.append(proc)
         return proc
@@ -292,7 +348,9 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
         for name in self.names:
             (self.sockets / f"spool-{name}").mkdir(exist_ok=True)
-            self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out", self.addresses[name])
+            self._spawn(
+                ["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out", self.addresses[name], name
+            )
 
         def idle() -> bool:
             out = self.client(["sinfo", "-h", "-N", "-o", "%t"], timeout=30)

@@ -64,11 +64,15 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
     sruns = [line for line in script.splitlines() if line.lstrip().startswith("srun ")]
     assert sruns and all('"${CONTAINER[@]}"' in line or "hostname" in line for line in sruns)
     assert "ray start --head --block" in script
+    # each Ray node takes free ports of its own (jobsteps ray-ports); the workers start once the head answers
     worker = (
-        """exec ray start --block --address="$0" --node-name="$SLURMD_NODENAME" """
-        """--temp-dir="$RAY_TMP-$SLURMD_NODENAME" "$@"' \\\n    "$HEAD_IP:6379" --num-gpus=8"""
+        """exec ray start --block --address="$1" $("$0" -m trainer.launch.jobsteps ray-ports) """
+        """--node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "${@:2}"' \\\n"""
+        """    "$PY" "$HEAD_IP:6379" --num-gpus=8"""
     )
     assert worker in script
+    assert "jobsteps ray-ports --head" in script
+    assert script.index("wait-dashboard") < script.index("exec ray start --block --address")
     assert script.index("trainer.probe") < script.index("trainer.launch.preflight") < script.index("ray start --head")
     assert "--expect-gpus 8 --expect-digest " + IMAGE.split("@")[1] in script
     # the environment: the seed's export lines, in its order and quoting

@@ -1,4 +1,4 @@
-"""``trainer image build|digest|diff|check|sbom|provenance``: build an OCI image from a lock, print its digest,
+"""``trainer image build|digest|diff|check|sbom|provenance|squashfs``: build an OCI image from a lock, print its digest,
 compare two images, check an image against the expected digest recorded for its lock, print the SBOM or
 provenance attached to it.
 
@@ -26,6 +26,7 @@ from trainer.image.oci import open_image
 from trainer.image.push import print_result, push_image
 from trainer.image.remote import add_remote_options, remotes_from
 from trainer.image.smoke import smoke_source
+from trainer.image.squashfs import make_squashfs
 from trainer.inputs import read_json
 from trainer.lock.imagelock import load_lock, stale_inputs
 from trainer.publish import atomic_write
@@ -38,6 +39,7 @@ EPILOG = """examples:
   trainer image digest --json build/smoke.oci.tar
   trainer image diff build/a.oci build/b.oci      # "identical" (exit 0) or the differences (exit 1)
   trainer image diff build/smoke.oci lockfiles/smoke.lock.json
+  trainer image squashfs build/debian-cluster.oci --out build/debian-cluster.sqsh   # for pyxis/enroot
   trainer image diff build/smoke.oci runs/RUN/record.json   # the image a run record names
   trainer image check --lock lockfiles/debian-full.lock.json build/debian-full.oci
   trainer image check --lock lockfiles/debian-full.lock.json --predict --record   # after a conf/ change
@@ -112,6 +114,22 @@ def cmd_push(args: argparse.Namespace) -> int:
     if not args.remote_timeout > 0:
         raise UserError(f"--remote-timeout {args.remote_timeout}: expected a positive number of seconds")
     print_result(push_image(Path(args.image), args.target, args.tls_verify, args.remote_timeout), args.json)
+    return 0
+
+
+def cmd_squashfs(args: argparse.Namespace) -> int:
+    """``trainer image squashfs LAYOUT --out FILE``: the image (``--digest``, default the layout's only one) as a
+    squashfs file for ``srun --container-image`` (:mod:`trainer.image.squashfs`); prints the record (JSON with
+    ``--json``, else the file's sha256 and the digest it was made from). Returns 0; raises :class:`UserError`."""
+    layout = Path(args.image)
+    digest = args.digest or open_image(layout).manifest_digest
+    if not digest:
+        raise UserError(f"{layout}: no image manifest digest (give --digest sha256:...)")
+    record = make_squashfs(layout, digest, Path(args.out), args.processors)
+    if args.json:
+        print(json.dumps(record, indent=2, sort_keys=True))
+    else:
+        print(f"{args.out}: sha256:{record['sha256']} ({record['bytes']:,} bytes), made from {digest}")
     return 0
 
 
@@ -405,6 +423,18 @@ def parser() -> argparse.ArgumentParser:
     )
     pu.add_argument("--remote-timeout", type=float, default=900.0, metavar="SECONDS", help="give up after this")
     pu.set_defaults(func=cmd_push)
+    q = sub.add_parser(
+        "squashfs",
+        help="write an image of an OCI layout as a squashfs file for pyxis/enroot (srun --container-image=FILE)",
+        epilog="e.g. trainer image squashfs build/debian-cluster.oci --out build/debian-cluster.sqsh; then "
+        "train launcher=slurm launcher.image=$PWD/build/debian-cluster.sqsh@sha256:<manifest digest>",
+    )
+    q.add_argument("image", help="OCI layout directory (`trainer image build --out`)")
+    q.add_argument("--out", required=True, help="the squashfs file to write (its record goes to FILE.json)")
+    q.add_argument("--digest", help="the manifest digest (default: the layout's image, as `image digest` prints)")
+    q.add_argument("--processors", type=int, help="mksquashfs -processors (default: every CPU)")
+    q.add_argument("--json", action="store_true", help="print the record as JSON")
+    q.set_defaults(func=cmd_squashfs)
     d = sub.add_parser("digest", help="print an image's manifest digest (last line: sha256:<hex>)")
     d.add_argument("image", help="OCI layout directory or oci-archive (docker-archive with --json)")
     d.add_argument("--json", action="store_true", help="also the config digest and every layer's diff_id and size")

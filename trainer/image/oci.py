@@ -47,6 +47,32 @@ OCI_LAYOUT = b'{"imageLayoutVersion":"1.0.0"}'  # the oci-layout file (image-spe
 REF_NAME = "org.opencontainers.image.ref.name"
 
 
+def find_tag(layout: Path, digest: str, what: str = "launcher.image") -> str:
+    """The tag naming manifest ``digest`` in ``layout``'s index, after checking the manifest blob's sha256.
+
+    Raises :class:`UserError` (one line, naming ``what``) when the blob is missing, does not hash to ``digest``,
+    or is untagged.
+    """
+    hex_ = digest.split(":", 1)[1]
+    blob = layout / "blobs" / "sha256" / hex_
+    try:
+        data = blob.read_bytes()
+    except OSError:
+        raise UserError(f"{what} {digest}: no such manifest blob in {layout}") from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != hex_:
+        raise UserError(f"{blob}: sha256 {actual} != {hex_} (the layout is corrupt)")
+    try:
+        index = json.loads((layout / "index.json").read_text())
+    except (OSError, json.JSONDecodeError) as ex:
+        raise UserError(f"{layout / 'index.json'}: not readable JSON ({ex})") from None
+    for manifest in index.get("manifests", []):
+        name = (manifest.get("annotations") or {}).get(REF_NAME)
+        if manifest.get("digest") == digest and name:
+            return name
+    raise UserError(f"{what} {digest}: not named in {layout / 'index.json'} (no {REF_NAME} for it)")
+
+
 def compact_json(obj: Any) -> bytes:
     """Compact JSON with sorted keys: the bytes of every JSON blob this module writes."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()

@@ -1,14 +1,17 @@
 """The steps ``sbatch.sh`` runs inside the Slurm job (on the head node): ``python -m trainer.launch.jobsteps
 mark RUN_DIR STATUS ...`` updates the run record as the job moves on (running, then complete or failed with
-the cause in one line); ``wait-dashboard ADDRESS`` waits for the Ray head to answer. The batch script itself is
-rendered by :mod:`trainer.launch.host.slurm`.
+the cause in one line); ``wait-dashboard ADDRESS`` waits for the Ray head to answer; ``ray-ports [--head]``
+prints ``ray start`` flags that give a Ray node free ports of its own (:func:`ray_port_flags`). The batch script
+itself is rendered by :mod:`trainer.launch.host.slurm`.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import re
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +21,8 @@ from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
 from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
 
+IMAGE_STAMP = Path("/etc/recipe-bundle/lock.json")  # the lock a bundle image was built from, as stamped into it
+IMAGE_DIR = "image"  # the run directory's copy of it (as trainer.launch.host.local_image.IMAGE_DIR)
 RANK_PROBE_RE = re.compile(r"^probe-rank-(\d+)\.json$")  # the files of trainer.record.names.probe_rank
 
 
@@ -71,6 +76,13 @@ def mark(
         rundir.move(record, status)
         if status == RUNNING:
             record["started_utc"] = utc_now()  # the job left the queue
+            if slurm.get("container") == "pyxis" and IMAGE_STAMP.is_file():
+                # this step runs in the image: its stamped lock is what the run is verified against, as for
+                # launcher=local-image (image/lock.json)
+                stamp = IMAGE_STAMP.read_bytes()
+                rundir.write(f"{IMAGE_DIR}/lock.json", stamp, mode=0o644, verbatim=True)
+                record.setdefault("image", {})["stamp_sha256"] = hashlib.sha256(stamp).hexdigest()
+                record["lock"] = {"path": str(run_dir.absolute() / IMAGE_DIR / "lock.json"), "kind": "image stamp"}
         probes = {}
         for node in slurm.get("nodes") or sorted(p.stem for p in (run_dir / PROBES).glob("*.json")):
             probe_path = run_dir / PROBES / f"{node}.json"
@@ -119,8 +131,42 @@ def wait_dashboard(address: str, timeout_s: float) -> int:
     return 0
 
 
+# ray start flags whose components otherwise take a fixed default port (the dashboard agent's HTTP server 52365,
+# Ray Client 10001, ...) or one chosen when Ray starts: two Ray nodes on one host (two jobs sharing a node, or the
+# test cluster's nodes in one network namespace) then collide, and the node whose agent lost dies (ray 2.60:
+# dashboard/http_server_agent.py retries six times, then the raylet, fate-shared with it, exits)
+RAY_NODE_PORT_FLAGS = (
+    "--dashboard-agent-listen-port",
+    "--dashboard-agent-grpc-port",
+    "--metrics-export-port",
+    "--runtime-env-agent-port",
+)
+RAY_HEAD_PORT_FLAGS = ("--ray-client-server-port",)  # ray start takes it on the head only
+# each worker process's port from the kernel, not from Ray's default range 10002-19999, which every node on one
+# host would otherwise draw from alike
+RAY_WORKER_PORT_FLAGS = ("--min-worker-port=0", "--max-worker-port=0")
+
+
+def ray_port_flags(head: bool = False) -> list[str]:
+    """``--FLAG=PORT`` for each of :data:`RAY_NODE_PORT_FLAGS` (and :data:`RAY_HEAD_PORT_FLAGS` with ``head``):
+    ports the kernel gives as free on every address of this host, all held at once (so distinct) and then
+    released for Ray to bind; then :data:`RAY_WORKER_PORT_FLAGS`. Raises OSError when no port can be had."""
+    flags = [*RAY_NODE_PORT_FLAGS, *(RAY_HEAD_PORT_FLAGS if head else ())]
+    held: list[socket.socket] = []
+    try:
+        for _ in flags:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("", 0))
+            held.append(sock)
+        ports = [f"{flag}={sock.getsockname()[1]}" for flag, sock in zip(flags, held, strict=True)]
+        return [*ports, *RAY_WORKER_PORT_FLAGS]
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m trainer.launch.jobsteps mark|wait-dashboard ...``: the steps ``sbatch.sh`` runs."""
+    """``python -m trainer.launch.jobsteps mark|wait-dashboard|ray-ports ...``: the steps ``sbatch.sh`` runs."""
     parser = argparse.ArgumentParser(prog="python -m trainer.launch.jobsteps", description="steps of sbatch.sh")
     sub = parser.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("mark", help="update the run record from inside the job")
@@ -134,7 +180,12 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("wait-dashboard", help="wait for the Ray dashboard to answer")
     w.add_argument("address")
     w.add_argument("--timeout", type=float, default=300.0)
+    r = sub.add_parser("ray-ports", help="print ray start flags giving this node free ports of its own")
+    r.add_argument("--head", action="store_true", help="the head node's as well (Ray Client)")
     args = parser.parse_args(argv)
+    if args.cmd == "ray-ports":
+        print(" ".join(ray_port_flags(args.head)))
+        return 0
     if args.cmd == "wait-dashboard":
         return wait_dashboard(args.address, args.timeout)
     try:

@@ -144,7 +144,9 @@ class VerifyRow(TypedDict):
 
 
 def verify(record: Mapping[str, Any], lock: dict[str, str], recipe: dict[str, str]) -> list[VerifyRow]:
-    """Rows of the verify table for a run ``record`` (with ``probe``), lock pins and recipe pins."""
+    """Rows of the verify table for a run ``record`` (with ``probe``: one, or ``ranks``, every rank's), lock pins
+    and recipe pins; a component any two ranks report differently is ``drift``. When the record names the image
+    it ran in (``image.digest``), a row ``image digest``: every rank's probe must report that digest."""
     probes = record.get("probe") or {}
     observed_all = probes.get("ranks", [probes]) if isinstance(probes, dict) else probes
     first = observed_all[0] if observed_all else {}
@@ -175,6 +177,14 @@ def verify(record: Mapping[str, Any], lock: dict[str, str], recipe: dict[str, st
             else ("absent" if observed is None else ("ok" if _same(observed, lock[key]) else "drift"))
         )
         rows.append({"component": name, "locked": lock[key], "recipe": None, "observed": observed, "verdict": verdict})
+    digest = (record.get("image") or {}).get("digest")
+    if digest:  # the image the run asked for, by digest: every rank's probe must report that one
+        seen = {_dig(p, ("image", "digest")) for p in observed_all} if observed_all else {None}
+        observed = " / ".join(sorted(str(s) for s in seen)) if len(seen) > 1 else next(iter(seen))
+        verdict = "absent" if observed is None else ("ok" if observed == digest else "drift")
+        rows.append(
+            {"component": "image digest", "locked": digest, "recipe": None, "observed": observed, "verdict": verdict}
+        )
     return rows
 
 

@@ -43,6 +43,7 @@ from trainer import REPO_ROOT
 from trainer.compose.checks import Parallelism
 from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError, UserError
+from trainer.image.oci import find_tag
 from trainer.launch.host import cluster
 from trainer.launch.host import rootfs as rootfs_cache
 from trainer.launch.host.rootfs import readonly_view
@@ -56,7 +57,6 @@ if TYPE_CHECKING:
 LAUNCHER_MOUNT = "/opt/recipe-bundle-launcher"
 HOST_MOUNT = "/opt/recipe-bundle-host"
 STAMP = "etc/recipe-bundle/lock.json"
-REF_NAME = "org.opencontainers.image.ref.name"
 
 
 def _digest(cfg: TrainConfig) -> str:
@@ -78,31 +78,6 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
     for tool, package in (("umoci", "umoci"), ("bwrap", "bubblewrap")):
         if shutil.which(tool) is None:
             raise CheckError(f"launcher=local-image needs `{tool}` (Debian package {package}); bin/setup installs it")
-
-
-def find_tag(layout: Path, digest: str) -> str:
-    """The tag naming manifest ``digest`` in ``layout``'s index, after checking the manifest blob's sha256.
-
-    Raises :class:`UserError` (one line) when the blob is missing, does not hash to ``digest``, or is untagged.
-    """
-    hex_ = digest.split(":", 1)[1]
-    blob = layout / "blobs" / "sha256" / hex_
-    try:
-        data = blob.read_bytes()
-    except OSError:
-        raise UserError(f"launcher.image {digest}: no such manifest blob in {layout}") from None
-    actual = hashlib.sha256(data).hexdigest()
-    if actual != hex_:
-        raise UserError(f"{blob}: sha256 {actual} != {hex_} (the layout is corrupt)")
-    try:
-        index = json.loads((layout / "index.json").read_text())
-    except (OSError, json.JSONDecodeError) as ex:
-        raise UserError(f"{layout / 'index.json'}: not readable JSON ({ex})") from None
-    for manifest in index.get("manifests", []):
-        name = (manifest.get("annotations") or {}).get(REF_NAME)
-        if manifest.get("digest") == digest and name:
-            return name
-    raise UserError(f"launcher.image {digest}: not named in {layout / 'index.json'} (no {REF_NAME} for it)")
 
 
 def _image_interpreter(bundle: Path) -> str | None:

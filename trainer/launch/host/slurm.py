@@ -5,7 +5,10 @@ The script (one per run directory, which must be on a file system every node see
 ``launcher.time_limit``, ``cluster.partition`` and ``cluster.account``, and then, every step started with
 ``srun`` inside ``launcher.image`` pinned by digest (pyxis: ``--container-image=NAME@sha256:...``, one named
 container per node shared by the steps; ``launcher.container=none`` runs the steps in the nodes' own
-environment, for clusters without pyxis and for the tests here):
+environment, for clusters without pyxis). ``launcher.image=/PATH.sqsh@sha256:...`` names a squashfs file that
+``trainer image squashfs`` made from that digest (:mod:`trainer.image.squashfs`; for a cluster without a
+registry): it must hash to its record at check time and again on the batch host before the first step, and
+``--container-image`` is the file. The steps:
 
 1. records the run as ``running`` (job id, nodes);
 2. runs the version probe on every node (``probes/<node>.json``) and compares them
@@ -42,6 +45,7 @@ from trainer.compose.checks import Parallelism
 from trainer.compose.render import argv_words, shell_word
 from trainer.compose.schema import TrainConfig
 from trainer.errors import CheckError, UserError
+from trainer.image.squashfs import checked_squashfs
 from trainer.launch.host import cluster
 from trainer.record.rundir import FAILED, LOGS, RENDERED, SBATCH, SUBMITTED, RunDir
 from trainer.redact import is_secret_name, redact_field
@@ -74,6 +78,11 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         raise CheckError(f"launcher.gpus_flag {lau.gpus_flag!r}: expected one of {', '.join(GPUS_FLAGS)}")
     if lau.container == "pyxis" or lau.image:
         cluster.parse_image(lau.image or "")
+    if squashfs_of(cfg) is not None and lau.container != "pyxis":
+        raise CheckError(
+            f"launcher.image {lau.image!r}: a squashfs file is an image for pyxis; set launcher.container=pyxis"
+        )
+    checked_image(cfg)  # a squashfs file must be the bytes recorded when it was made, from the digest asked for
     if not TIME_RE.match(lau.time_limit):
         raise CheckError(
             f"launcher.time_limit {redact_field('time_limit', lau.time_limit)!r}: expected Slurm's time format, "
@@ -100,6 +109,44 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
                 f"{key} {redact_field(key, value)!r}: expected one word of letters, digits and _.,:=@/+- "
                 "(it becomes an #SBATCH line)"
             )
+
+
+def squashfs_of(cfg: TrainConfig) -> Path | None:
+    """The squashfs file ``launcher.image`` names (``/PATH@sha256:...``: an absolute path, which pyxis takes as a
+    file to unpack rather than a registry reference), else None."""
+    name = cluster.parse_image(cfg.launcher.image)[0] if cfg.launcher.image else ""
+    return Path(name) if name.startswith("/") else None
+
+
+def checked_image(cfg: TrainConfig) -> dict[str, Any] | None:
+    """For a squashfs ``launcher.image``: its record after :func:`trainer.image.squashfs.checked_squashfs` (the
+    file hashes to what ``trainer image squashfs`` recorded, made from the digest asked for), with ``path``;
+    else None. Raises :class:`CheckError` (one line naming ``launcher.image``) otherwise."""
+    path = squashfs_of(cfg)
+    if path is None:
+        return None
+    try:
+        record = checked_squashfs(path, cluster.parse_image(cfg.launcher.image or "")[1])
+    except UserError as err:
+        raise CheckError(str(err)) from None
+    return {"path": str(path), "sha256": record["sha256"], "bytes": record["bytes"]}
+
+
+def _image_check(cfg: TrainConfig, squashfs: dict[str, Any] | None) -> list[str]:
+    """The lines that check a squashfs image on the batch host before any node unpacks it: its sha256 must be the
+    one checked at submission; a changed file ends the job (``trainer status`` then records it failed)."""
+    if squashfs is None:
+        return []
+    check = f"{squashfs['sha256']}  {squashfs['path']}"
+    return [
+        "# the squashfs image: the bytes checked at submission (trainer image squashfs recorded them), before use",
+        f"if ! echo {_q(check)} | sha256sum --check --status; then",
+        '  echo "launcher.image $IMAGE: its sha256 is no longer '
+        + squashfs["sha256"]
+        + ' (changed after submission; refused)" | tee "$RUN_DIR/logs/image-check.log" >&2',
+        "  exit 1",
+        "fi",
+    ]
 
 
 def _q(word: str | Path) -> str:
@@ -199,6 +246,7 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
     newline; a ``_word`` is quoted for bash."""
     lau, clu = cfg.launcher, cfg.cluster
     digest = cluster.parse_image(lau.image)[1] if lau.image else ""
+    squashfs = checked_image(cfg)
     python = python_of(cfg)
     preflight = [
         f"--expect-gpus {clu.gpus_per_node}" if lau.expect_gpus else "",
@@ -216,7 +264,8 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
         "sbatch_args": _lines([f"#SBATCH {arg}" for arg in lau.sbatch_args]),
         "run_dir_word": _q(run_dir),
         "python_word": _q(python),
-        "image_word": _q(lau.image or ""),
+        "image_word": _q(squashfs["path"] if squashfs else lau.image or ""),
+        "image_check": _lines(_image_check(cfg, squashfs)),
         "digest_word": _q(digest),
         "container": _lines(_container(cfg, run_dir, python)),
         "require_vars": _lines(_require_vars(env, argv)),
@@ -284,6 +333,9 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     rundir.write(SBATCH, script.encode(), mode=0o777)
     digest = cluster.parse_image(cfg.launcher.image)[1] if cfg.launcher.image else None
     record["image"] = {"reference": cfg.launcher.image, "digest": digest}
+    squashfs = checked_image(cfg)
+    if squashfs is not None:
+        record["image"]["squashfs"] = squashfs
     record["slurm"] = {"script": SBATCH, "container": cfg.launcher.container, "job_id": None}
     record["probe"] = None
     if not cfg.launcher.submit:

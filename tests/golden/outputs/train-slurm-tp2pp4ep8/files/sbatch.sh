@@ -174,20 +174,23 @@ STAGE=ray
 HEAD_IP=$(srun --overlap -N1 -n1 -w "$HEAD" hostname -I | awk '{print $1}')
 RAY_TMP=/tmp/ray-recipe-$SLURM_JOB_ID  # each node's Ray temp dir is $RAY_TMP-NODE (nodes may share a /tmp)
 export RAY_TMP
-srun --overlap -N1 -n1 -w "$HEAD" "${CONTAINER[@]}" ray start --head --block --node-ip-address="$HEAD_IP" \
+# each Ray node's agents take free ports of its node (jobsteps ray-ports), not Ray's fixed defaults
+srun --overlap -N1 -n1 -w "$HEAD" "${CONTAINER[@]}" bash -c \
+  'exec ray start --head --block $("$0" -m trainer.launch.jobsteps ray-ports --head) "$@"' "$PY" --node-ip-address="$HEAD_IP" \
   --node-name="$HEAD" --port=6379 --dashboard-host=127.0.0.1 --dashboard-port=8265 --num-gpus=8 --temp-dir="$RAY_TMP-$HEAD" \
   > "$RUN_DIR/logs/ray-head.log" 2>&1 &
 RAY_PIDS+=($!)
-if [ ${#NODES[@]} -gt 1 ]; then
-  # -n as well as -N: the step otherwise inherits the job's task count (SLURM_NTASKS), one more than its nodes
-  srun --overlap -N$((${#NODES[@]} - 1)) -n$((${#NODES[@]} - 1)) -x "$HEAD" "${CONTAINER[@]}" bash -c \
-    'exec ray start --block --address="$0" --node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "$@"' \
-    "$HEAD_IP:6379" --num-gpus=8 > "$RUN_DIR/logs/ray-workers.log" 2>&1 &
-  RAY_PIDS+=($!)
-fi
+# the head first: worker nodes that start before its GCS answers may time out joining it
 on_head "$PY" -m trainer.launch.jobsteps wait-dashboard http://127.0.0.1:8265 --timeout 300
 rc=$?
 if [ $rc -ne 0 ]; then stop_ray; mark failed --stage ray --exit-code $rc --reason "Ray head did not start: $(tail -n 1 "$RUN_DIR/logs/ray-head.log")"; exit 1; fi
+if [ ${#NODES[@]} -gt 1 ]; then
+  # -n as well as -N: the step otherwise inherits the job's task count (SLURM_NTASKS), one more than its nodes
+  srun --overlap -N$((${#NODES[@]} - 1)) -n$((${#NODES[@]} - 1)) -x "$HEAD" "${CONTAINER[@]}" bash -c \
+    'exec ray start --block --address="$1" $("$0" -m trainer.launch.jobsteps ray-ports) --node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "${@:2}"' \
+    "$PY" "$HEAD_IP:6379" --num-gpus=8 > "$RUN_DIR/logs/ray-workers.log" 2>&1 &
+  RAY_PIDS+=($!)
+fi
 
 # 3. the job, submitted to that Ray cluster (the entry waits for every node, probes them through Ray, runs ARGV)
 STAGE=job
