@@ -75,6 +75,18 @@ def test_job_that_exits_non_zero(tmp_path, ray_head):
     assert "boom" in (run_dir / "logs" / "job.log").read_text()
 
 
+def test_wait_dashboard_counts_the_alive_nodes(ray_head, capsys):
+    """`jobsteps wait-dashboard --nodes N` (what sbatch.sh waits on between waves of Ray worker nodes) reads the
+    head's state API: one node alive here, so 1 passes at once and 2 times out naming the count."""
+    from trainer.launch.jobsteps import alive_nodes, wait_dashboard
+
+    assert alive_nodes(ray_head.address) == 1
+    assert wait_dashboard(ray_head.address, 30, nodes=1) == 0
+    assert wait_dashboard(ray_head.address, 2, nodes=2) == 1
+    assert "(1 of 2 nodes alive)" in capsys.readouterr().err
+    assert alive_nodes(f"http://127.0.0.1:{free_port()}") == "Connection refused"
+
+
 def test_unreachable_cluster(tmp_path):
     address = f"http://127.0.0.1:{free_port()}"
     result, run_dir, record = submit(tmp_path, address, "launcher.job=[python3,-c,pass]")

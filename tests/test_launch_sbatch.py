@@ -68,7 +68,7 @@ def test_recipe_sbatch_matches_the_recipe(tmp_path):
     worker = (
         """exec ray start --block --address="$1" $("$0" -m trainer.launch.jobsteps ray-ports) """
         """--node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "${@:2}"' \\\n"""
-        """    "$PY" "$HEAD_IP:6379" --num-gpus=8"""
+        """      "$PY" "$HEAD_IP:6379" --num-gpus=8"""
     )
     assert worker in script
     assert "jobsteps ray-ports --head" in script
@@ -120,6 +120,10 @@ def test_refusals_are_one_line(tmp_path):
     result, _ = render(tmp_path, "launcher.time_limit=soon")
     assert result.returncode == 2 and "launcher.time_limit 'soon'" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+    result, _ = render(tmp_path, "launcher.ray_join_wave=-1")
+    assert result.returncode == 2 and result.stderr.strip() == (
+        "train: error: launcher.ray_join_wave must be >= 0 (got -1)"
+    )
 
 
 if __name__ == "__main__":

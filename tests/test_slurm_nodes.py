@@ -106,6 +106,7 @@ def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluste
             f"launcher.python={sys.executable}",
             "launcher.time_limit=00:10:00",
             'launcher.ray_start_args=["--object-store-memory=200000000"]',
+            "launcher.ray_join_wave=1",  # four nodes on this machine's few cores: one joins at a time
             f"hydra.run.dir={run_dir}",
         ],
         cwd=tmp_path,

@@ -320,6 +320,10 @@ class LauncherConfig(Record):
     ray_port: int = 6379  # Ray GCS port on the head node
     dashboard_port: int = 8265  # Ray dashboard (job submission) port on the head node
     ray_start_args: list[str] = field(default_factory=list)  # slurm: extra `ray start` arguments (head and workers)
+    # slurm: Ray worker nodes started together, each wave joined (alive in the head's state API) before the next
+    # starts; 0 = all at once. 1 on hosts that run several nodes on few cores (the test clusters): a raylet whose
+    # agents start slower than it waits for their port files (ray 2.60: about 15 s, fixed) exits
+    ray_join_wave: int = 0
     head_ip: str | None = None  # slurm: address Ray binds on the head node; null = as launcher.node_address says
     # slurm: each node's Ray address: interface (the head's first `hostname -I` address; Ray's own choice on the
     # others) | hostname (`hostname -i` on every node: what its host name resolves to; the test clusters' nodes)

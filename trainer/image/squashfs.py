@@ -108,6 +108,7 @@ def make_squashfs(layout: Path, digest: str, out: Path, processors: int | None =
             capture_output=True,
             text=True,
             timeout=3600,
+            umask=0o022,  # directories umoci makes that no layer names get 0755 whatever the caller's umask
         )
         if unpack.returncode != 0:
             lines = [line for line in unpack.stderr.splitlines() if line.strip()]
@@ -117,11 +118,14 @@ def make_squashfs(layout: Path, digest: str, out: Path, processors: int | None =
         rootfs = bundle / "rootfs"
         stamp = rootfs / STAMP
         stamp.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(stamp.parent, 0o755)  # modes stated, not the caller's umask: the same image gives the same bytes
         stamp.write_text(json.dumps({"digest": digest, "squashfs_of": tag}, sort_keys=True) + "\n")
+        os.chmod(stamp, 0o644)
         environment = rootfs / "etc" / "environment"
         if environment.is_symlink():
             environment.unlink()  # a link in an image must not aim the write elsewhere
         environment.write_text("".join(f"{line}\n" for line in env))
+        os.chmod(environment, 0o644)
         image = work / "image.sqsh"
         argv = [
             "mksquashfs",
@@ -141,7 +145,7 @@ def make_squashfs(layout: Path, digest: str, out: Path, processors: int | None =
         ]
         if processors:
             argv += ["-processors", str(processors)]
-        made = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+        made = subprocess.run(argv, capture_output=True, text=True, timeout=3600, umask=0o022)
         if made.returncode != 0:
             lines = [line for line in (made.stderr or made.stdout).splitlines() if line.strip()]
             raise UserError(f"mksquashfs failed: {lines[-1] if lines else f'exit {made.returncode}'}")

@@ -1,8 +1,8 @@
 """The steps ``sbatch.sh`` runs inside the Slurm job (on the head node): ``python -m trainer.launch.jobsteps
 mark RUN_DIR STATUS ...`` updates the run record as the job moves on (running, then complete or failed with
-the cause in one line); ``wait-dashboard ADDRESS`` waits for the Ray head to answer; ``ray-ports [--head]``
-prints ``ray start`` flags that give a Ray node free ports of its own (:func:`ray_port_flags`). The batch script
-itself is rendered by :mod:`trainer.launch.host.slurm`.
+the cause in one line); ``wait-dashboard ADDRESS [--nodes N]`` waits for the Ray head to answer (and for N
+nodes alive: :func:`alive_nodes`); ``ray-ports [--head]`` prints ``ray start`` flags that give a Ray node free
+ports of its own (:func:`ray_port_flags`). The batch script itself is rendered by :mod:`trainer.launch.host.slurm`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import json
 import re
 import socket
 import sys
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -116,19 +118,39 @@ def mark(
     return rundir.update(change)
 
 
-def wait_dashboard(address: str, timeout_s: float) -> int:
-    """Wait until the Ray dashboard at ``address`` answers; 0 when it does, 1 after ``timeout_s`` seconds."""
+def alive_nodes(address: str, timeout_s: float = 5.0) -> int | str:
+    """How many nodes the Ray cluster whose dashboard is at ``address`` has alive, from its state API
+    (``GET /api/v0/nodes``, what ``ray list nodes`` reads: ``{"data": {"result": {"result": [{"state": ...}]}}}``);
+    the cause in a few words (a ``str``) when it does not answer so."""
+    try:
+        with urllib.request.urlopen(address.rstrip("/") + "/api/v0/nodes?limit=10000", timeout=timeout_s) as reply:
+            rows = json.loads(reply.read())["data"]["result"]["result"]
+        return sum(1 for row in rows if isinstance(row, dict) and row.get("state") == "ALIVE")
+    except urllib.error.HTTPError as ex:
+        return f"HTTP {ex.code} from /api/v0/nodes"
+    except urllib.error.URLError as ex:
+        return str(getattr(ex.reason, "strerror", None) or ex.reason)
+    except (OSError, ValueError, KeyError, TypeError) as ex:
+        return f"{type(ex).__name__}: {ex}"
+
+
+def wait_dashboard(address: str, timeout_s: float, nodes: int | None = None) -> int:
+    """Wait until the Ray dashboard at ``address`` answers and, with ``nodes``, until at least that many nodes
+    are alive (:func:`alive_nodes`); 0 when so, 1 after ``timeout_s`` seconds (the cause on stderr)."""
     import time
 
     deadline = time.monotonic() + timeout_s
-    cause = reachable(address, timeout_s=5)
-    while cause and time.monotonic() < deadline:
-        time.sleep(0.5)
+    while True:
         cause = reachable(address, timeout_s=5)
-    if cause:
-        print(f"wait-dashboard: {address} did not answer in {timeout_s:.0f} s ({cause})", file=sys.stderr)
-        return 1
-    return 0
+        if cause is None and nodes is not None:
+            alive = alive_nodes(address)
+            cause = None if isinstance(alive, int) and alive >= nodes else f"{alive} of {nodes} nodes alive"
+        if cause is None:
+            return 0
+        if time.monotonic() >= deadline:
+            print(f"wait-dashboard: {address}: not ready in {timeout_s:.0f} s ({cause})", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
 
 
 # ray start flags whose components otherwise take a fixed default port (the dashboard agent's HTTP server 52365,
@@ -180,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("wait-dashboard", help="wait for the Ray dashboard to answer")
     w.add_argument("address")
     w.add_argument("--timeout", type=float, default=300.0)
+    w.add_argument("--nodes", type=int, help="also wait until this many Ray nodes are alive")
     r = sub.add_parser("ray-ports", help="print ray start flags giving this node free ports of its own")
     r.add_argument("--head", action="store_true", help="the head node's as well (Ray Client)")
     args = parser.parse_args(argv)
@@ -187,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         print(" ".join(ray_port_flags(args.head)))
         return 0
     if args.cmd == "wait-dashboard":
-        return wait_dashboard(args.address, args.timeout)
+        return wait_dashboard(args.address, args.timeout, args.nodes)
     try:
         record = mark(args.run_dir, args.status, args.stage, args.exit_code, args.reason, args.job_id, args.nodes)
     except UserError as err:

@@ -228,7 +228,8 @@ def _entry(cfg: TrainConfig, digest: str) -> list[str]:
         entry += ["--expect-gpus", str(clu.gpus_per_node)]
     if digest:
         entry += ["--expect-digest", digest]
-    workdir = lau.workdir or (IMAGE_WORKDIR if lau.container != "none" else None)
+    # the recipe's job starts in the image's miles checkout; the CPU worker (payload=cpu) needs none
+    workdir = lau.workdir or (IMAGE_WORKDIR if lau.container != "none" and lau.payload == "miles" else None)
     if workdir:
         entry += ["--workdir", workdir]
     return entry
@@ -287,6 +288,7 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
         "worker_ip": ' --node-ip-address="$(hostname -i | cut -d" " -f1)"' if lau.node_address == "hostname" else "",
         "ray_port": str(lau.ray_port),
         "dashboard_port": str(lau.dashboard_port),
+        "ray_join_wave": str(lau.ray_join_wave),
         "ray_args": "".join(" " + _q(a) for a in lau.ray_start_args),
         "entry": " ".join(_q(e) for e in _entry(cfg, digest)),
     }

@@ -185,11 +185,23 @@ on_head "$PY" -m trainer.launch.jobsteps wait-dashboard http://127.0.0.1:8265 --
 rc=$?
 if [ $rc -ne 0 ]; then stop_ray; mark failed --stage ray --exit-code $rc --reason "Ray head did not start: $(tail -n 1 "$RUN_DIR/logs/ray-head.log")"; exit 1; fi
 if [ ${#NODES[@]} -gt 1 ]; then
-  # -n as well as -N: the step otherwise inherits the job's task count (SLURM_NTASKS), one more than its nodes
-  srun --overlap -N$((${#NODES[@]} - 1)) -n$((${#NODES[@]} - 1)) -x "$HEAD" "${CONTAINER[@]}" bash -c \
-    'exec ray start --block --address="$1" $("$0" -m trainer.launch.jobsteps ray-ports) --node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "${@:2}"' \
-    "$PY" "$HEAD_IP:6379" --num-gpus=8 > "$RUN_DIR/logs/ray-workers.log" 2>&1 &
-  RAY_PIDS+=($!)
+  # the worker nodes in waves of 0 (0: all at once), each wave alive in the head's state API before the next
+  WORKERS=("${NODES[@]:1}")
+  WAVE=0
+  [ "$WAVE" -gt 0 ] || WAVE=${#WORKERS[@]}
+  for ((i = 0; i < ${#WORKERS[@]}; i += WAVE)); do
+    PART=("${WORKERS[@]:i:WAVE}")
+    # -n as well as -N: the step otherwise inherits the job's task count (SLURM_NTASKS), one more than its nodes
+    srun --overlap -N${#PART[@]} -n${#PART[@]} -w "$(IFS=,; echo "${PART[*]}")" "${CONTAINER[@]}" bash -c \
+      'exec ray start --block --address="$1" $("$0" -m trainer.launch.jobsteps ray-ports) --node-name="$SLURMD_NODENAME" --temp-dir="$RAY_TMP-$SLURMD_NODENAME" "${@:2}"' \
+      "$PY" "$HEAD_IP:6379" --num-gpus=8 >> "$RUN_DIR/logs/ray-workers.log" 2>&1 &
+    RAY_PIDS+=($!)
+    [ 0 -gt 0 ] || break  # all at once: the job's entry waits for them (--expect-nodes)
+    on_head "$PY" -m trainer.launch.jobsteps wait-dashboard http://127.0.0.1:8265 \
+      --nodes $((1 + i + ${#PART[@]})) --timeout 300
+    rc=$?
+    if [ $rc -ne 0 ]; then stop_ray; mark failed --stage ray --exit-code $rc --reason "Ray worker nodes ${PART[*]} did not join: $(tail -n 1 "$RUN_DIR/logs/ray-workers.log")"; exit 1; fi
+  done
 fi
 
 # 3. the job, submitted to that Ray cluster (the entry waits for every node, probes them through Ray, runs ARGV)
