@@ -433,8 +433,11 @@ class LocalRay:
             raise
 
     def _start(self) -> LocalRay:
-        """Start the head and wait for the dashboard (about 5-7 s)."""
+        """Start the head and wait until its dashboard answers and its state API counts the head alive (about
+        5-10 s): the dashboard's modules run in processes of their own, and a job submitted before they are up
+        may find none."""
         from trainer.launch.host.ray import ray_cli, reachable
+        from trainer.launch.jobsteps import alive_nodes
 
         self.root.mkdir(parents=True, exist_ok=True)
         # Ray's unix sockets live in the temp dir: keep its path short (108-byte limit)
@@ -463,14 +466,25 @@ class LocalRay:
             start_new_session=True,
         )
         _wait_for(
-            lambda: reachable(self.address, 2) is None or self.proc.poll() is not None,
-            60,
+            lambda: (
+                (reachable(self.address, 2) is None and alive_nodes(self.address) == 1) or self.proc.poll() is not None
+            ),
+            120,
             "the Ray head",
             self.root / "ray-head.log",
         )
         if self.proc.poll() is not None:
             raise RuntimeError("the Ray head exited:\n" + (self.root / "ray-head.log").read_text()[-2000:])
         return self
+
+    def logs(self, chars: int = 3000) -> str:
+        """The end of the head's own log and of its dashboard's (``session_latest/logs/dashboard.log``): what a
+        failed assertion shows of a head that went away."""
+        paths = [
+            self.root / "ray-head.log",
+            getattr(self, "temp", self.root) / "session_latest" / "logs" / "dashboard.log",
+        ]
+        return "".join(f"\n--- {p.name}\n" + p.read_text(errors="replace")[-chars:] for p in paths if p.is_file())
 
     def stop(self) -> None:
         """SIGTERM the head (by PID; ``timeout`` passes it on), SIGKILL what it left; remove its temp dir."""

@@ -42,7 +42,7 @@ def submit(tmp_path, address, *extra):
 
 def test_probe_job_on_every_node(tmp_path, ray_head):
     result, run_dir, record = submit(tmp_path, ray_head.address, "launcher.job=[python3,-m,trainer.probe,--node,job]")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr + ray_head.logs()
     assert record["status"] == "complete" and record["ray"]["status"] == "SUCCEEDED"
     assert record["preflight"]["ok"] is True and record["preflight"]["nodes"] == ["127.0.0.1"]
     node = json.loads((run_dir / "probes" / "127.0.0.1.json").read_text())
@@ -70,7 +70,9 @@ def test_job_that_exits_non_zero(tmp_path, ray_head):
     )
     assert result.returncode == 1
     assert record["status"] == "failed"
-    assert record["reason"].endswith("failed: Job entrypoint command failed with exit code 7; last log line: boom")
+    assert record["reason"].endswith("failed: Job entrypoint command failed with exit code 7; last log line: boom"), (
+        record["reason"] + ray_head.logs()
+    )
     assert record["preflight"]["ok"] is True  # the nodes were fine; the job failed
     assert "boom" in (run_dir / "logs" / "job.log").read_text()
 

@@ -193,6 +193,7 @@ def _train(cluster, run_dir: Path, image_ref: str, cwd: Path):
             "launcher.submit=true",
             "launcher.time_limit=00:15:00",
             'launcher.ray_start_args=["--object-store-memory=200000000"]',
+            "launcher.ray_join_wave=1",  # four nodes on this machine's few cores: one joins at a time
             f"hydra.run.dir={run_dir}",
         ],
         cwd=cwd,
@@ -205,7 +206,9 @@ def test_train_on_pyxis_probes_every_node_inside_the_image_by_digest(cluster, im
     """Promise: `train launcher=slurm launcher.container=pyxis launcher.image=FILE.sqsh@DIGEST` checks the file
     against its record, submits, and the batch script checks it again, then probes the four nodes inside the
     image: the preflight agrees on the digest read from the image's stamp on every node, and the record carries
-    the squashfs file's sha256 and the image's stamped lock."""
+    the squashfs file's sha256 and the image's stamped lock. Ray then starts on the four nodes inside the image,
+    the job trains as eight CPU workers, two per node, each rank's probe reads the digest from the image's
+    stamp, and `trainer verify` passes, the image digest of every rank among its rows."""
     run_dir = tmp_path / "run"
     submitted = _train(cluster, run_dir, f"{image['sqsh']}@{image['digest']}", tmp_path)
     assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
@@ -223,9 +226,34 @@ def test_train_on_pyxis_probes_every_node_inside_the_image_by_digest(cluster, im
         probe = json.loads((run_dir / "probes" / f"{node}.json").read_text())
         assert probe["image"]["digest"] == image["digest"]
         assert "image.json" in probe["image"]  # read from the image's own stamp, not the job's environment
+    # then Ray on the four nodes, inside the image, and the eight CPU workers the job places there
+    deadline = time.monotonic() + 900
     record = json.loads((run_dir / "record.json").read_text())
+    while record["status"] not in ("complete", "failed") and time.monotonic() < deadline:
+        time.sleep(3)
+        record = json.loads((run_dir / "record.json").read_text())
+    if record["status"] not in ("complete", "failed"):
+        cluster.client(["scancel", "--user=root"], timeout=30)
+    logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
+    assert record["status"] == "complete", f"{record['status']}: {record.get('reason')}\n{logs}"
     assert record["lock"]["kind"] == "image stamp" and (run_dir / "image" / "lock.json").is_file()
-    cluster.client(["scancel", "--user=root"], timeout=30)
+    ranks = record["probe"]["ranks"]
+    assert sorted(p["node"] for p in ranks) == sorted(f"n{i}" for i in range(1, NODES + 1) for _ in range(2))
+    assert {p["image"]["digest"] for p in ranks} == {image["digest"]}  # each rank read the image's own stamp
+    assert all("image.json" in p["image"] for p in ranks)
+    verified = trainer("verify", run_dir, "--json")
+    assert verified.returncode == 0, verified.stdout[-3000:] + verified.stderr[-1000:]
+    rows = {row["component"]: row for row in json.loads(verified.stdout)["rows"]}
+    assert rows["image digest"] == {
+        "component": "image digest",
+        "locked": image["digest"],
+        "recipe": None,
+        "observed": image["digest"],
+        "verdict": "ok",
+    }
+    stamped = json.loads((run_dir / "image" / "lock.json").read_text())
+    assert rows["ray"]["verdict"] == "ok" and rows["ray"]["observed"] == "2.60.0"  # a wheel of the stamped lock
+    assert sum(1 for row in rows.values() if row["verdict"] == "ok") >= len(stamped["distributions"])
 
 
 def test_a_squashfs_changed_by_one_byte_is_refused_before_submission(cluster, image, tmp_path):
