@@ -84,6 +84,9 @@ def test_the_attestation_names_the_run_files_the_probe_and_the_verdict(run):
     pred = s["predicate"]
     assert pred["run"]["status"] == "complete" and pred["run"]["launcher"] == "local-cpu"
     assert pred["probes"]["ranks"] == record["probe"]["ranks"]
+    # every rank's distributions as they are (google-auth is not a secret's name to redact)
+    assert "<redacted>" not in json.dumps(record["probe"])
+    assert dict(record["probe"]["ranks"][0]["distributions"])["torch"].startswith("2.")
     assert pred["probes"]["ranks"][0]["torch"]["version"].startswith("2.")
     table = json.loads(trainer("verify", run["dir"], "--json").stdout)
     assert pred["verify"]["ok"] == table["ok"] and pred["verify"]["rows"] == table["rows"]

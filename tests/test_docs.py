@@ -35,6 +35,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -430,6 +431,15 @@ def check_command(command: str, inline: bool = False) -> str | None:
                 return f"bazel: unknown target {target}"
             if m.group(1) and not (ROOT / "tests" / f"{m.group(1)}.py").is_file():
                 return f"bazel: {target}: no tests/{m.group(1)}.py"
+        return None
+    if head == "bin/test-cluster":
+        words = rest[: rest.index("--")] if "--" in rest else rest
+        shown = subprocess.run([str(ROOT / head), *words[:1], "--help"], capture_output=True, text=True, timeout=60)
+        if shown.returncode != 0:
+            return f"{head} has no subcommand {words[:1]} ({shown.stderr.strip()[-200:]})"
+        for flag in (w for w in words if w.startswith("--")):
+            if flag not in shown.stdout:
+                return f"{head} {words[0]} knows no {flag}"
         return None
     if head.startswith("bin/"):
         if head == "bin/trainer" or head == "bin/train":
@@ -877,7 +887,7 @@ def check_claims(docs: Docs) -> list[str]:
 
 def source_text() -> str:
     """Everything a flag or variable the docs name may be defined in: the package, bin/, bench/, the locks (build
-    steps' commands), conf/ and the golden launch files (miles' and Megatron's flags)."""
+    steps' commands), conf/, the golden launch files (miles' and Megatron's flags) and bin/test-cluster's module."""
     files = [
         *(ROOT / "trainer").rglob("*.py"),
         *(ROOT / "bin").iterdir(),
@@ -888,6 +898,7 @@ def source_text() -> str:
         *(ROOT / "tests" / "golden").glob("*.sh"),
         ROOT / "tests" / "conftest.py",
         ROOT / "tests" / "helpers.py",
+        ROOT / "tests" / "cluster.py",  # bin/test-cluster's options
     ]
     return "\n".join(f.read_text(errors="replace") for f in files if f.is_file())
 

@@ -138,7 +138,7 @@ def test_probe_inside_the_image_and_verify_against_its_stamp(tmp_path, image):
 
     assert probe["image"]["lock.json"]["sha256"] == hashlib.sha256(stamp).hexdigest() == record["image"]["stamp_sha256"]
     # only the image's site-packages are visible inside: none of the launcher environment's packages
-    assert probe["distributions"] == {"alpha": "1.0"}
+    assert probe["distributions"] == [["alpha", "1.0"]]
     assert probe["components"]["torch"] is None and probe["host"] == "recipe-image"
     verify = trainer("verify", run_dir, "--json")
     assert verify.returncode == 1, verify.stderr
@@ -157,7 +157,7 @@ def test_a_job_inside_the_image_that_fails_is_recorded(tmp_path, image):
     record = json.loads((run_dir / "record.json").read_text())
     assert record["status"] == "failed"
     assert record["reason"] == "the job inside the image exited with code 7"
-    assert record["probe"]["ranks"][0]["distributions"] == {"alpha": "1.0"}
+    assert record["probe"]["ranks"][0]["distributions"] == [["alpha", "1.0"]]
 
 
 def test_every_file_the_launcher_writes_is_hashed_in_the_record(tmp_path, image):

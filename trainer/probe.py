@@ -278,13 +278,21 @@ def probe() -> dict[str, Any]:
 
 def distributions() -> dict[str, str]:
     """Every distribution importable from ``sys.path`` (name -> version, names lower-case with ``-``), for
-    comparing an image's site-packages with the lock stamped into it."""
+    comparing an image's site-packages with the lock stamped into it. A probe stores them as
+    :func:`distribution_pairs`."""
     out: dict[str, str] = {}
     for dist in metadata.distributions():
         name = (dist.name or "").lower().replace("_", "-")  # the metadata's Name (None when it has none)
         if name:
             out.setdefault(name, dist.version)
     return dict(sorted(out.items()))
+
+
+def distribution_pairs() -> list[list[str]]:
+    """:func:`distributions` as ``[[name, version], ...]`` (sorted by name), the form a probe stores them in: a
+    record's redaction reads a JSON key that looks like a secret's name as one (``"google-auth": "2.63.0"`` would
+    lose its version), a pair has no key (:mod:`trainer.redact`)."""
+    return [[name, version] for name, version in distributions().items()]
 
 
 def main(argv: list | None = None) -> int:
@@ -306,7 +314,7 @@ def main(argv: list | None = None) -> int:
     node = args.node or os.environ.get("SLURMD_NODENAME") or socket.gethostname()
     info["node"] = node
     if args.distributions:
-        info["distributions"] = distributions()
+        info["distributions"] = distribution_pairs()
     text = json.dumps(info, indent=2, sort_keys=True) + "\n"
     if not args.out:
         sys.stdout.write(text)

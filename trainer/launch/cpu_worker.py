@@ -40,7 +40,7 @@ from trainer.compose.schema import OptimConfig, TrainConfig
 from trainer.data import Batch, Rows
 from trainer.launch.steps import MetricsWriter, Schedule, megatron_lr, per_token_loss, step_line
 from trainer.models import deepseek_v4_hf
-from trainer.probe import distributions, probe
+from trainer.probe import distribution_pairs, probe
 from trainer.publish import atomic_write, canonical_json
 from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
 from trainer.report.metrics import Step
@@ -108,7 +108,7 @@ def join_group(run_dir: Path, rank: int, world: int) -> None:
     if world > 1:
         dist.init_process_group("gloo", init_method=rendezvous(run_dir), rank=rank, world_size=world)
     info = probe()
-    info["distributions"] = distributions()
+    info["distributions"] = distribution_pairs()
     if os.environ.get(NODE_ENV):  # the cluster node this rank runs on, as its launcher names it
         info["node"] = os.environ[NODE_ENV]
     atomic_write(run_dir / probe_rank(rank), canonical_json(info))

@@ -169,7 +169,8 @@ def verify(record: Mapping[str, Any], lock: dict[str, str], recipe: dict[str, st
         )
     for key in sorted(k for k in lock if k.startswith("dist:")):  # an image stamp's distributions
         name = key[len("dist:") :]
-        seen = {(p.get("distributions") or {}).get(name) for p in observed_all} if observed_all else {None}
+        # a probe's [[name, version], ...] (trainer.probe.distribution_pairs; an older probe's {name: version})
+        seen = {dict(p.get("distributions") or []).get(name) for p in observed_all} if observed_all else {None}
         observed = " / ".join(sorted(str(s) for s in seen)) if len(seen) > 1 else next(iter(seen))
         verdict = (
             "drift"
