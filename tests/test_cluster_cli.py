@@ -33,8 +33,16 @@ def alive(pid: int) -> bool:
 
 
 def processes_naming(text: str) -> list[str]:
-    out = subprocess.run(["pgrep", "-af", text], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "pgrep" not in line]
+    """Command lines of the live processes that contain ``text`` (from /proc: a fresh root has no pgrep)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            line = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if entry.name.isdigit() and text in line and alive(int(entry.name)):
+            found.append(line)
+    return found
 
 
 def test_up_run_status_down(tmp_path):
