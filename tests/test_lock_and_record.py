@@ -111,6 +111,39 @@ def test_verify_versions_and_commits():
     assert not _same("2.6.0.post10", "2.6.0.post1")  # prefixes count for commits only
 
 
+def test_verify_checks_every_ranks_distributions_and_digest():
+    """Tamper test of the image-stamp rows: every rank's distributions (pairs, as the probe writes them) against
+    the stamped lock's ``dist:`` pins, and every rank's image digest against the record's. One rank's changed
+    version, a rank without its list, a list cut to garbage, one rank's other digest: each turns a row from ok."""
+    from trainer.record.verify import verify
+
+    digest = "sha256:" + "ab" * 32
+    lock = {"python": "3.11", "dist:ray": "2.60.0", "dist:google-auth": "2.63.0"}
+
+    def rank(**change):
+        probe = {
+            "python": {"version": "3.11.2"},
+            "image": {"digest": digest},
+            "distributions": [["google-auth", "2.63.0"], ["ray", "2.60.0"]],
+        }
+        return {**probe, **change}
+
+    def verdicts(ranks):
+        rows = verify({"probe": {"ranks": ranks}, "image": {"digest": digest}}, lock, {})
+        return {r["component"]: r["verdict"] for r in rows if r["component"] in ("ray", "google-auth", "image digest")}
+
+    ok = {"ray": "ok", "google-auth": "ok", "image digest": "ok"}
+    assert verdicts([rank(), rank()]) == ok
+    assert verdicts([rank(), rank(distributions={"ray": "2.60.0", "google-auth": "2.63.0"})]) == ok  # older form
+    assert verdicts([rank(), rank(distributions=[["google-auth", "2.63.0"], ["ray", "2.61.0"]])])["ray"] == "drift"
+    assert verdicts([rank(), rank(distributions=None)]) == {**ok, "ray": "drift", "google-auth": "drift"}
+    assert verdicts([rank(distributions=None)]) == {**ok, "ray": "absent", "google-auth": "absent"}
+    assert verdicts([rank(distributions="ray==2.60.0")])["ray"] == "absent"  # garbage: no traceback, not ok
+    assert verdicts([rank(distributions=[["ray"]])])["ray"] == "absent"
+    assert verdicts([rank(), rank(image={"digest": "sha256:" + "cd" * 32})])["image digest"] == "drift"
+    assert verdicts([rank(), rank(image={})])["image digest"] == "drift"
+
+
 def test_git_revision_from_nix(monkeypatch):
     monkeypatch.setenv("TRAINER_SOURCE_REVISION", "dirty")
     assert git_revision() == {"revision": None, "dirty": True, "from": "nix flake"}

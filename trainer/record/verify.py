@@ -132,6 +132,20 @@ def _same(observed: str, locked: str) -> bool:
     )
 
 
+def _distributions(probe: Any) -> dict[str, str]:
+    """A probe's installed distributions, name -> version: its ``[[name, version], ...]``
+    (:func:`trainer.probe.distribution_pairs`) or an older probe's ``{name: version}``. Anything else (a record
+    edited by hand, a probe cut short) gives none, so every distribution the lock pins is ``absent`` for it."""
+    given = probe.get("distributions") if isinstance(probe, dict) else None
+    if isinstance(given, dict):
+        pairs = list(given.items())
+    elif isinstance(given, list) and all(isinstance(p, list) and len(p) == 2 for p in given):
+        pairs = [(p[0], p[1]) for p in given]
+    else:
+        return {}
+    return {str(n): str(v) for n, v in pairs if isinstance(n, str) and isinstance(v, str)}
+
+
 class VerifyRow(TypedDict):
     """One row of the verify table: a ``component``'s ``locked``, ``recipe`` and ``observed`` versions (None where
     there is none) and its ``verdict``: ``ok``, ``drift``, ``absent``, ``not locked`` or ``-``."""
@@ -169,8 +183,7 @@ def verify(record: Mapping[str, Any], lock: dict[str, str], recipe: dict[str, st
         )
     for key in sorted(k for k in lock if k.startswith("dist:")):  # an image stamp's distributions
         name = key[len("dist:") :]
-        # a probe's [[name, version], ...] (trainer.probe.distribution_pairs; an older probe's {name: version})
-        seen = {dict(p.get("distributions") or []).get(name) for p in observed_all} if observed_all else {None}
+        seen = {_distributions(p).get(name) for p in observed_all} if observed_all else {None}
         observed = " / ".join(sorted(str(s) for s in seen)) if len(seen) > 1 else next(iter(seen))
         verdict = (
             "drift"
