@@ -64,6 +64,8 @@ def state_of(root: Path) -> dict:
         state = json.loads((root / STATE).read_text())
     except (OSError, ValueError):
         raise ClusterError(f"{root}: no test cluster running (no readable {STATE}); start one: up {root}", 1) from None
+    if not isinstance(state, dict) or not isinstance(state.get("pid"), int) or not isinstance(state.get("netns"), str):
+        raise ClusterError(f"{root / STATE}: expected the supervisor's record (pid, netns, slurm_conf, nodes)", 1)
     if not Path(f"/proc/{state['pid']}").exists():
         raise ClusterError(f"{root}: its supervisor (PID {state['pid']}) is gone; remove {root / STATE}", 1)
     return state
@@ -123,6 +125,11 @@ def up(args: argparse.Namespace) -> int:
     if missing_slurm():
         raise ClusterError(f"Slurm is not installed (missing: {' '.join(missing_slurm())}; Debian slurm-wlm munge)")
     root = args.dir
+    if args.tools and not (Path(args.tools) / "opt" / "enroot" / "bin" / "enroot").is_file():
+        raise ClusterError(
+            f"--tools {args.tools}: expected a root file system with opt/enroot/bin/enroot "
+            "(lockfiles/slurm-node.lock.json built and unpacked)"
+        )
     if (root / STATE).exists():
         try:
             state_of(root)
@@ -239,6 +246,7 @@ def down(args: argparse.Namespace) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
+    """The command line: up, run, status, down (and serve, the supervisor up starts), each taking DIR."""
     p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     for name, help_ in (
@@ -265,6 +273,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one subcommand; exit 0, 1 (no cluster running, or it did not come up), 2 (refused input)."""
     args = parser().parse_args(argv)
     if getattr(args, "nodes", 1) not in range(1, 9):
         print("test-cluster: error: --nodes: expected 1 to 8", file=sys.stderr)

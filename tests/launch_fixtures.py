@@ -681,6 +681,7 @@ class LocalRayCluster:
             capture_output=True,
             text=True,
             timeout=10,
+            env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_REPO), os.environ.get("PYTHONPATH")]))},
             preexec_fn=self.netns.enter,
         )
         return int(ask.stdout.strip() or 0) if ask.returncode == 0 else 0
@@ -725,12 +726,11 @@ class LocalRayCluster:
         self.stop()
 
 
+# trainer.launch.jobsteps.alive_nodes (what sbatch.sh waits on), asked from a child in the cluster's namespace
 _ALIVE_SCRIPT = """\
-import json, sys, urllib.request
-try:
-    with urllib.request.urlopen(sys.argv[1] + "/nodes?view=summary", timeout=2) as r:
-        summary = json.loads(r.read())["data"]["summary"]
-    print(sum(1 for n in summary if n.get("raylet", {}).get("state") == "ALIVE"))
-except Exception:
-    print(0)
+import sys
+from trainer.launch.jobsteps import alive_nodes
+alive = alive_nodes(sys.argv[1], 2)
+print(alive if isinstance(alive, int) else 0)
 """
+_REPO = Path(__file__).absolute().parent.parent

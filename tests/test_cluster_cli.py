@@ -83,6 +83,19 @@ def test_bad_node_count_is_refused(tmp_path):
     refused = cli("up", tmp_path / "c", "--nodes", 9)
     assert refused.returncode == 2 and refused.stderr == "test-cluster: error: --nodes: expected 1 to 8\n"
     assert not (tmp_path / "c").exists()
+    no_tools = cli("up", tmp_path / "c", "--tools", tmp_path / "nothing")
+    assert no_tools.returncode == 2 and no_tools.stderr == (
+        f"test-cluster: error: --tools {tmp_path / 'nothing'}: expected a root file system with "
+        "opt/enroot/bin/enroot (lockfiles/slurm-node.lock.json built and unpacked)\n"
+    )
+    assert not (tmp_path / "c").exists()
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "cluster.json").write_text('{"pid": "one"}')  # hand-edited: one line, no traceback
+    edited = cli("status", tmp_path / "c")
+    assert edited.returncode == 1 and edited.stderr == (
+        f"test-cluster: error: {tmp_path / 'c' / 'cluster.json'}: expected the supervisor's record "
+        "(pid, netns, slurm_conf, nodes)\n"
+    )
 
 
 if __name__ == "__main__":
