@@ -694,7 +694,7 @@ class LocalRayCluster:
             raise
 
     def _start(self) -> LocalRayCluster:
-        """Start the head, wait for its dashboard, start the workers, wait until every node is alive (~15 s)."""
+        """Start the head, wait for its dashboard, then each worker until it is alive (~30 s for four nodes)."""
         self.root.mkdir(parents=True, exist_ok=True)
         self._spawn(
             0,
@@ -707,9 +707,12 @@ class LocalRayCluster:
             ],
         )
         _wait_for(lambda: self.alive_nodes() >= 1, 60, "the Ray head", self.root / "ray-n1.log")
+        # one worker at a time, each alive before the next (as sbatch.sh's launcher.ray_join_wave=1): three
+        # starting at once on two cores start their agents slower than a raylet waits for them, and it exits
         for i in range(1, self.nodes):
             self._spawn(i, [f"--address={self.ips[0]}:{self.port}"])
-        _wait_for(lambda: self.alive_nodes() == self.nodes, 90, "the Ray worker nodes", self.root / "ray-n2.log")
+            log = self.root / f"ray-{self.names[i]}.log"
+            _wait_for(lambda n=i + 1: self.alive_nodes() >= n, 90, f"the Ray worker node {self.names[i]}", log)
         return self
 
     def stop(self) -> None:
