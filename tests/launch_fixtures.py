@@ -102,6 +102,18 @@ def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
             pass
 
 
+def _kill_matching(needle: str) -> None:
+    """SIGKILL every process whose command line contains ``needle`` (read from /proc): what a process that
+    exited left running in other process groups."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if needle.encode() in (entry / "cmdline").read_bytes():
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                continue
+
+
 def _wait_for(predicate, timeout_s: float, what: str, log: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -649,16 +661,19 @@ class LocalRayCluster:
         """Ray as a multi-node cluster (the worker nodes need it), no usage stats, immediate teardown."""
         return {**LocalRay.env(), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
 
-    def _spawn(self, i: int, argv: list[str]) -> None:
+    def _temp_dir(self, i: int, attempt: int = 1) -> Path:
+        return self.temp / (self.names[i] if attempt == 1 else f"{self.names[i]}-{attempt}")
+
+    def _spawn(self, i: int, argv: list[str], attempt: int = 1) -> None:
         from trainer.launch.host.ray import ray_cli
 
-        log = open(self.root / f"ray-{self.names[i]}.log", "wb")
+        log = open(self.root / f"ray-{self.names[i]}.log", "ab")
         common = [
             f"--node-name={self.names[i]}",
             f"--node-ip-address={self.ips[i]}",
             f"--num-cpus={self.cpus}",
             f"--num-gpus={self.gpus}",
-            f"--temp-dir={self.temp / self.names[i]}",
+            f"--temp-dir={self._temp_dir(i, attempt)}",
             "--object-store-memory=200000000",  # bytes; Ray's default (30% of memory per node) is far more
         ]
         ports = [a for a in ray_port_args() if i == 0 or not a.startswith("--ray-client-server-port")]
@@ -710,10 +725,29 @@ class LocalRayCluster:
         # one worker at a time, each alive before the next (as sbatch.sh's launcher.ray_join_wave=1): three
         # starting at once on two cores start their agents slower than a raylet waits for them, and it exits
         for i in range(1, self.nodes):
-            self._spawn(i, [f"--address={self.ips[0]}:{self.port}"])
-            log = self.root / f"ray-{self.names[i]}.log"
-            _wait_for(lambda n=i + 1: self.alive_nodes() >= n, 90, f"the Ray worker node {self.names[i]}", log)
+            self._start_worker(i)
         return self
+
+    def _start_worker(self, i: int, attempts: int = 3, timeout_s: float = 90) -> None:
+        """Start worker node ``i`` and wait until the head counts ``i + 1`` alive nodes. A ``ray start`` that exits
+        first is started again (``attempts`` in all): it waits a fixed 30 s for its raylet to register (Ray's
+        ``raylet_start_wait_time_s``, ``ray/_private/node.py``), which two busy cores can exceed; what it left
+        running is killed by its temp dir first. Raises RuntimeError with the log's tail when none came up."""
+        log = self.root / f"ray-{self.names[i]}.log"
+        for attempt in range(1, attempts + 1):
+            self._spawn(i, [f"--address={self.ips[0]}:{self.port}"], attempt)
+            proc = self.procs[-1]
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline and proc.poll() is None:
+                if self.alive_nodes() >= i + 1:
+                    return
+                time.sleep(0.2)
+            if proc.poll() is None:
+                break
+            self.procs.remove(proc)
+            _kill_matching(str(self._temp_dir(i, attempt)))
+        tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
+        raise RuntimeError(f"the Ray worker node {self.names[i]} did not come up ({attempt} tries)\n{tail}")
 
     def stop(self) -> None:
         """SIGTERM every node (workers first), SIGKILL what they left; remove the temp dirs."""
