@@ -200,12 +200,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--testlogs", help="copy the tests' JUnit XML (test.xml files) here")
     parser.add_argument("--keep", action="store_true", help="keep the root (its path is printed)")
-    parser.add_argument(
-        "--second-after",
-        metavar="FILE",
-        help="start the second command only once FILE exists (CI: the host's tests have finished, "
-        "so that two test suites do not share the cores)",
-    )
     args = parser.parse_args()
     commands = readme_commands()
     python = subprocess.run(
@@ -219,12 +213,7 @@ def main() -> int:
         build_root(root)
         print(f"fresh-root: Debian 12 minbase root built in {time.monotonic() - start:.0f} s ({root})", flush=True)
         binds, env = provision(root, python)
-        for i, command in enumerate(commands):
-            if i == 1 and args.second_after:
-                waited = time.monotonic()
-                while not os.path.exists(args.second_after):
-                    time.sleep(2)
-                print(f"fresh-root: waited {time.monotonic() - waited:.0f} s for {args.second_after}", flush=True)
+        for command in commands:
             rc = enter(root, binds, env, command)
             if rc != 0:
                 break
