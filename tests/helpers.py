@@ -249,6 +249,22 @@ def run_trainer(
     )
 
 
+def same_training(reference: Path, run: Path, steps: int, loss_rel: float = 1e-4, grad_rel: float = 1e-3) -> None:
+    """Assert that ``run``'s per-step metrics are ``reference``'s: ``steps`` rows each, tokens and supervised tokens
+    exactly, ``lm_loss`` to ``loss_rel`` and ``grad_norm`` to ``grad_rel`` (relative), and that ``trainer
+    converge`` of the two passes."""
+    import pytest
+
+    a, b = ([json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (reference, run))
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, steps + 1))
+    for x, y in zip(a, b, strict=True):
+        assert (y["tokens"], y["supervised_tokens"]) == (x["tokens"], x["supervised_tokens"])
+        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=loss_rel)
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=grad_rel)
+    verdict = run_trainer("converge", run / "metrics.jsonl", reference / "metrics.jsonl", "--json")
+    assert verdict.returncode == 0 and json.loads(verdict.stdout)["passed"] is True, verdict.stdout[-2000:]
+
+
 def one_process_run(tmp: Path, steps: int) -> Path:
     """``train experiment=smoke`` for ``steps`` steps as one local process on a global batch of 8 rows (8
     microbatches of one): the reference the multi-node runs of the same batch must match. Returns ``tmp/run``."""

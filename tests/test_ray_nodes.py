@@ -122,14 +122,7 @@ def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, 
     assert Counter(p["node"] for p in probes) == {f"n{i}": SLOTS for i in range(1, NODES + 1)}
     assert record["probe"]["ranks"] == probes and record["probe"]["nodes"] == ["n1", "n2", "n3", "n4"]
     # the same per-step losses as one process
-    a, b = rows(one_process / "metrics.jsonl"), rows(run_dir / "metrics.jsonl")
-    assert len(a) == len(b) == STEPS
-    for x, y in zip(a, b, strict=True):
-        assert (y["tokens"], y["supervised_tokens"]) == (x["tokens"], x["supervised_tokens"])
-        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-4)
-        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-3)
-    verdict = helpers.run_trainer("converge", run_dir / "metrics.jsonl", one_process / "metrics.jsonl", "--json")
-    assert verdict.returncode == 0 and json.loads(verdict.stdout)["passed"] is True, verdict.stdout[-2000:]
+    helpers.same_training(one_process, run_dir, STEPS)
     verified = helpers.run_trainer("verify", run_dir)
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
     assert "ok: nothing the lock pins drifted" in verified.stdout

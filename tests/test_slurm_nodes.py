@@ -42,18 +42,6 @@ def one_process(tmp_path_factory):
     return helpers.one_process_run(tmp_path_factory.mktemp("dp1"), STEPS)
 
 
-def same_training(one: Path, run: Path) -> None:
-    """``run``'s per-step metrics are ``one``'s (tokens exactly, loss to 1e-4) and ``converge`` passes."""
-    a = [json.loads(line) for line in (one / "metrics.jsonl").read_text().splitlines()]
-    b = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len(a) == len(b) == STEPS
-    for x, y in zip(a, b, strict=True):
-        assert (y["tokens"], y["supervised_tokens"]) == (x["tokens"], x["supervised_tokens"])
-        assert y["lm_loss"] == pytest.approx(x["lm_loss"], rel=1e-4)
-    verdict = helpers.run_trainer("converge", run / "metrics.jsonl", one / "metrics.jsonl", "--json")
-    assert verdict.returncode == 0 and json.loads(verdict.stdout)["passed"] is True, verdict.stdout[-2000:]
-
-
 def srun(slurm, *argv, timeout=300):
     return slurm.client(
         ["srun", f"-N{NODES}", f"--ntasks-per-node={TASKS_PER_NODE}", "--time=00:08:00", *map(str, argv)], timeout
@@ -83,7 +71,7 @@ def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, one_p
     ran = srun(cluster, export, "bash", "-c", worker, timeout=600)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert not (nodes / ".rendezvous").exists()
-    same_training(one, nodes)
+    helpers.same_training(one, nodes, STEPS)
     probes = [json.loads((nodes / f"probe-rank-{r}.json").read_text()) for r in range(NODES * TASKS_PER_NODE)]
     assert len(probes) == NODES * TASKS_PER_NODE
 
@@ -131,7 +119,7 @@ def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluste
         (r, f"n{r // 2 + 1}", addresses[f"n{r // 2 + 1}"]) for r in range(NODES * TASKS_PER_NODE)
     ]
     assert Counter(p["node"] for p in record["probe"]["ranks"]) == {f"n{i}": TASKS_PER_NODE for i in range(1, 5)}
-    same_training(one_process, run_dir)
+    helpers.same_training(one_process, run_dir, STEPS)
     verified = helpers.run_trainer("verify", run_dir)
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
 

@@ -46,6 +46,7 @@ from trainer.compose.compose import CONF_DIR
 from trainer.compose.prepare import FROZEN, PreparedRun, prepare
 from trainer.compose.summary import print_plan_summary
 from trainer.errors import EX_SOFTWARE, STORAGE_ERRNOS, UserError, internal_error_report, os_error_line, place_error
+from trainer.record import attempts as run_attempts
 from trainer.record.attest import ATTESTATION, take_sign_key
 from trainer.record.rundir import (
     COMPLETE,
@@ -188,6 +189,8 @@ def prepare_command_line(
             composition = prepared[0].record_fields()["composition_sha256"] if len(prepared) == 1 else None
         claim_run_dir(named[1], mode, named[0], composition=composition)
         refuse_links(Path(named[1]))
+        if mode == "resume":  # the checkpoint it continues from checked before Hydra writes into it
+            run_attempts.ended_attempt(Path(named[1]))
     argv[:] = literal
     return single, jobs
 
@@ -212,12 +215,20 @@ def run_one(invocation: Invocation, prepared: PreparedRun, run_dir: Path) -> Non
     """One job in its run directory: the plan's files, then the launch (unless ``launcher=plan``), then how it
     ended. Exits 1 when an executed run did not complete, 2 (or the error's code) on input refused late."""
     rundir = RunDir(run_dir)
+    previous = run_attempts.ended_attempt(run_dir) if prepared.launcher != "plan" else None  # only a --resume
+    attempts = run_attempts.continue_attempt(run_dir, previous) if previous else {}  # before write_plan's files
     rundir.write_plan(prepared)
     if prepared.launcher == "plan":
         rundir.begin(PLANNED, prepared.record_fields())
         print_plan_summary(prepared.plan, run_dir)
         return
-    record = rundir.begin(RUNNING, prepared.record_fields())
+    record = rundir.begin(RUNNING, {**prepared.record_fields(), **attempts})
+    if attempts:
+        resumed = attempts["resumed_from"]
+        runlog.info(
+            f"attempt {resumed['attempt'] + 1}: resumed from "
+            + (f"{resumed['checkpoint']} (step {resumed['iteration']})" if resumed["iteration"] else "the start")
+        )
     try:
         record = launch.execute(prepared, rundir, record)
     except UserError as err:

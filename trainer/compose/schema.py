@@ -307,6 +307,9 @@ class LauncherConfig(Record):
     submit: bool = False
     seed: int = 1234  # Megatron --seed (its default): model init and data order of executed local runs
     steps: int | None = None  # optimizer steps of an executed run; null = optim.num_rollout
+    save_interval: int = (
+        0  # Megatron --save-interval: CPU worker checkpoints every N steps (0: none), RUN_DIR/checkpoints
+    )
     # cluster launchers (slurm, ray, local-image; trainer/launch/)
     image: str | None = (
         None  # the job's image pinned by digest: NAME@sha256:<64 hex> (slurm, ray); sha256:<hex> (local-image)

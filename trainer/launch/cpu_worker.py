@@ -31,6 +31,7 @@ import os
 import resource
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,6 +39,7 @@ from trainer.compose.compose import validate
 from trainer.compose.plan import run_steps
 from trainer.compose.schema import OptimConfig, TrainConfig
 from trainer.data import Batch, Rows
+from trainer.launch import checkpoint
 from trainer.launch.steps import MetricsWriter, Schedule, megatron_lr, per_token_loss, step_line
 from trainer.models import deepseek_v4_hf
 from trainer.probe import distribution_pairs, probe
@@ -70,8 +72,20 @@ def main(argv: list[str] | None = None) -> int:
     model = data_parallel(build_model(cfg), world)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = Schedule.of(Rows(rows_dir), cfg.optim.global_batch_size, cfg.layout.micro_batch_size, rank, world)
+    done = checkpoint.load(run_dir, model, optimizer)  # a --resume: the steps the latest checkpoint holds
+    if done and rank == 0:
+        print(f"resumed from {checkpoint.state_path(done)}: steps 1-{done} done", flush=True)
     with MetricsWriter(run_dir / METRICS if rank == 0 else None) as metrics:
-        train(model, optimizer, schedule, cfg.optim, run_steps(cfg), metrics)
+        train(
+            model,
+            optimizer,
+            schedule,
+            cfg.optim,
+            run_steps(cfg),
+            metrics,
+            first=done + 1,
+            after_step=saver(run_dir, rank, world, cfg.launcher.save_interval, model, optimizer),
+        )
     finish(world)
     return 0
 
@@ -158,12 +172,15 @@ def train(
     optim: OptimConfig,
     steps: int,
     metrics: MetricsWriter,
+    first: int = 1,
+    after_step: Callable[[int], None] | None = None,
 ) -> None:
-    """Run ``steps`` optimizer steps (1-based) over ``schedule``'s microbatches, the learning rate of
-    :func:`megatron_lr` set before each, and hand each step's row to :func:`write_metrics`."""
+    """Run optimizer steps ``first`` .. ``steps`` (1-based; ``first`` > 1 after a checkpoint of steps before it)
+    over ``schedule``'s microbatches, the learning rate of :func:`megatron_lr` set before each, hand each step's
+    row to :func:`write_metrics`, then call ``after_step(step)`` (:func:`saver`)."""
     params = [p for p in model.parameters() if p.requires_grad]
     world = schedule.dp_size
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         start = time.perf_counter()
         lr = megatron_lr(step - 1, steps, optim.lr, optim.min_lr, optim.lr_warmup_fraction, optim.lr_decay_style)
         for group in optimizer.param_groups:
@@ -175,6 +192,32 @@ def train(
         rss = peak_rss_bytes(world)
         elapsed = time.perf_counter() - start
         write_metrics(metrics, Step(step, lm_loss, grad_norm, lr, tokens, supervised, elapsed, rss), steps)
+        if after_step is not None:
+            after_step(step)
+
+
+def saver(
+    run_dir: Path, rank: int, world: int, interval: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Callable[[int], None] | None:
+    """What runs after each step: every ``interval`` steps (``launcher.save_interval``, Megatron's
+    ``--save-interval``; 0: never, None returned) rank 0 saves a checkpoint (:func:`trainer.launch.checkpoint.save`;
+    the ranks are replicas) and, with ``world`` > 1, every rank waits for it at a barrier, so that no rank is a
+    step past the latest checkpoint when it is written."""
+    if interval <= 0:
+        return None
+
+    def after(step: int) -> None:
+        if step % interval:
+            return
+        if rank == 0:
+            checkpoint.save(run_dir, step, model, optimizer)
+            print(f"saved checkpoint {checkpoint.state_path(step)}", flush=True)
+        if world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    return after
 
 
 def train_step(

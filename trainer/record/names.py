@@ -26,9 +26,17 @@ PROBES, PREFLIGHT, LOGS = "probes", "preflight.json", "logs"  # per-node probes/
 JOB = (
     "job.json"  # the job a launcher runs or submits: {"argv", "env"} (a worker, torchrun, launcher.job, a cluster job)
 )
+CHECKPOINTS = "checkpoints"  # the CPU worker's checkpoints, Megatron's --save layout (trainer.launch.checkpoint)
+ATTEMPTS = "attempts"  # attempts/N/: the record (and metrics) of each earlier attempt a --resume continued
 ATTESTATION = "attestation.json"  # the run's attestation (trainer.record.attest), written last, when the run ends
 
 
 def probe_rank(rank: int) -> str:
     """The file a local worker of rank ``rank`` writes its probe to (``probe-rank-RANK.json``)."""
     return f"probe-rank-{rank}.json"
+
+
+def checkpoint_state(iteration: int) -> str:
+    """The CPU worker's checkpoint file of ``iteration`` relative to the run directory (Megatron-LM's
+    ``get_checkpoint_name``: ``iter_`` and 7 digits, model-parallel rank 0's ``model_optim_rng.pt``)."""
+    return f"{CHECKPOINTS}/iter_{iteration:07d}/mp_rank_00/model_optim_rng.pt"

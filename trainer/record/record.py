@@ -67,7 +67,8 @@ class RunRecordFields(TypedDict, total=False):
     (``YYYY-MM-DDTHH:MM:SSZ``), how it ended (``reason``, None for a clean end; ``message`` of a hand-off), the
     attestation (``{"path", "signed_by"}`` or ``{"error"}``), and what each launcher adds (``probe``: the
     processes' probes, ``{"ranks", "nodes"}``, None until they ran; ``slurm``, ``ray``, ``image``, ``data``,
-    ``sources``, ``megatron``, ``times``, ``preflight``, ``logs``, ``observed``...)."""
+    ``sources``, ``megatron``, ``times``, ``preflight``, ``logs``, ``observed``...; after a ``--resume``, ``attempts``
+    and ``resumed_from``)."""
 
     kind: str
     launcher: str
@@ -99,6 +100,8 @@ class RunRecordFields(TypedDict, total=False):
     logs: dict[str, Any] | list[Any] | str
     observed_versions: dict[str, Any]
     observed: dict[str, Any]
+    attempts: list[dict[str, Any]]  # a --resume: the earlier attempts, oldest first (trainer.launch.checkpoint)
+    resumed_from: dict[str, Any]  # a --resume: {"attempt", "iteration", "checkpoint", "sha256"}
 
 
 class RunRecord(RunRecordFields):

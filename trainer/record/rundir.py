@@ -36,7 +36,9 @@ from trainer.publish import atomic_file, atomic_write, canonical_json
 from trainer.record.attest import run_files, write_run_attestation
 from trainer.record.names import (
     ARGV,
+    ATTEMPTS,
     ATTESTATION,
+    CHECKPOINTS,
     COMMAND,
     CONFIG,
     ENV,
@@ -67,8 +69,9 @@ if TYPE_CHECKING:
 # (hashed as written); the files the workers write are hashed once the launch has handed back.
 WORKER_FILES = (METRICS,)
 # Folders of a run directory that hold verbatim copies of content verified by digest (a local-image run's stamped
-# lock, image/lock.json): the secret sweep never rewrites them, so the hashes that cover them stay true.
-VERBATIM = ("image",)
+# lock, image/lock.json) or binary state a later attempt verifies by digest and loads (the CPU worker's
+# checkpoints): the secret sweep never rewrites them, so the hashes that cover them stay true.
+VERBATIM = ("image", CHECKPOINTS)
 
 
 # The states of record.json.
@@ -447,6 +450,8 @@ RECORD_TYPES: dict[str, Any] = {
     "stack": dict,
     "choices": dict,
     "files_sha256": dict,
+    "attempts": list,
+    "resumed_from": dict,
     "overrides": list,
     "command": list,
     "probe": dict,
@@ -497,9 +502,10 @@ HYDRA_FILES = (".hydra", "train.log")
 CLAIM_MODES = ("new", "resume", "overwrite")
 # What a run writes into its directory besides the files its record hashes (files_sha256): the names --overwrite
 # removes (:func:`run_entries`). Folders, removed whole: the job logs, the per-node probes, the rows built for the
-# run (local-cpu), a local-image run's stamped lock, the JIT kernel caches' fallback, Hydra's record.
+# run (local-cpu), a local-image run's stamped lock, the JIT kernel caches' fallback, Hydra's record, the CPU
+# worker's checkpoints, the earlier attempts' records (--resume).
 DATA, KERNELS, RENDEZVOUS = "data", "kernels", ".rendezvous"  # rows built for a run, kernel caches, gloo's file
-RUN_FOLDERS = (LOGS, PROBES, DATA, "image", KERNELS, HYDRA_FILES[0])
+RUN_FOLDERS = (LOGS, PROBES, DATA, "image", KERNELS, HYDRA_FILES[0], CHECKPOINTS, ATTEMPTS)
 # The marker a run writes first (RunDir.write_plan) and removes once its first record is saved (RunDir.begin): the
 # evidence that a directory without record.json holds a partial run of this bundle, not a user's files.
 MARKER = ".recipe-bundle-run"

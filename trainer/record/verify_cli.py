@@ -35,7 +35,7 @@ from trainer.image.oci import digest_of, open_image
 from trainer.inputs import read_bytes, read_yaml, reading
 from trainer.record import attest
 from trainer.record.attest import count_steps_in
-from trainer.record.names import ATTESTATION, METRICS, RECORD
+from trainer.record.names import ATTESTATION, METRICS, RECORD, checkpoint_state
 from trainer.record.rundir import check_record_types, load_record
 from trainer.record.verify import bad_rows, lock_of, lock_path_of, parse_lock, read_lock, verify
 from trainer.signing import VerificationFailed, load_public_key, open_envelope
@@ -165,6 +165,8 @@ def main(argv: list[str]) -> int:
         recipe = {k: str(v) for k, v in (record.get("stack") or {}).items()}
     rows = verify(record, lock, recipe)
     bad = bad_rows(rows)
+    attempts = check_attempts(args.run_dir, record)
+    broken = [a for a in attempts if not a["ok"]]
     if args.json:
         print(
             json.dumps(
@@ -175,6 +177,7 @@ def main(argv: list[str]) -> int:
                     "signed": run is not None,
                     "status": status,
                     "steps": steps,
+                    "attempts": attempts,
                     **({"signature": signed} if signed else {}),
                 },
                 indent=2,
@@ -194,6 +197,8 @@ def main(argv: list[str]) -> int:
             )
         table_console().print(table)
         print(f"run {status}, {steps} steps in {METRICS}" + (" (as signed)" if run is not None else ""))
+        for a in attempts:
+            print(a["line"])
         print(
             "ok: nothing the lock pins drifted"
             if not bad
@@ -201,7 +206,49 @@ def main(argv: list[str]) -> int:
         )
         if run is None:
             print(UNSIGNED_NOTE)
-    return 0 if not bad else 1
+    return 0 if not bad and not broken else 1
+
+
+def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The earlier attempts a ``--resume`` linked into ``record`` (``attempts``, oldest first), each checked: its
+    record file (``attempts/N/record.json``) present and of the sha256 the entry holds, and the checkpoint it was
+    resumed from the one that record vouched for. One ``{"attempt", "record", "ok", "line"}`` per attempt (a
+    record without ``attempts``: none); ``line`` says what was found, ``ok`` False when anything differs."""
+    import hashlib
+
+    out = []
+    for i, entry in enumerate(record.get("attempts") or [], 1):
+        entry = entry if isinstance(entry, dict) else {}
+        rel = entry.get("record")
+        path = run_dir / rel if isinstance(rel, str) and rel.startswith("attempts/") and ".." not in rel else None
+        data = path.read_bytes() if path is not None and path.is_file() and not path.is_symlink() else None
+        problem = None
+        if data is None:
+            problem = f"{rel}: missing"
+        elif hashlib.sha256(data).hexdigest() != entry.get("record_sha256"):
+            problem = f"{rel}: its sha256 is not the one the record links"
+        else:
+            try:
+                earlier = json.loads(data)
+            except ValueError:
+                earlier = None
+            iteration = entry.get("resumed_from_iteration")
+            vouched = (earlier or {}).get("files_sha256", {}) if isinstance(earlier, dict) else {}
+            wanted = (
+                vouched.get(checkpoint_state(iteration))
+                if (isinstance(iteration, int) and iteration > 0 and isinstance(vouched, dict))
+                else None
+            )
+            if iteration and wanted != entry.get("checkpoint_sha256"):
+                problem = f"{rel}: does not vouch for the checkpoint of step {iteration} the attempt resumed from"
+        status = entry.get("status")
+        line = (
+            f"attempt {i}: {status}, resumed from step {entry.get('resumed_from_iteration')}; {rel} linked by sha256"
+            if problem is None
+            else f"attempt {i}: {problem}"
+        )
+        out.append({"attempt": i, "record": rel, "ok": problem is None, "line": line})
+    return out
 
 
 def check_image(image_path: Path, key) -> dict[str, Any]:
