@@ -655,6 +655,7 @@ class LocalRayCluster:
         self.port, self.dashboard_port = 6379, 8265  # the namespace is the cluster's own: Ray's default ports
         self.address = f"http://127.0.0.1:{self.dashboard_port}"
         self.procs: list[subprocess.Popen] = []
+        self._restarts = 0
         self.temp = Path(tempfile.mkdtemp(prefix="rb-ray-", dir="/tmp"))  # unix sockets: short paths
 
     def env(self) -> dict[str, str]:
@@ -664,7 +665,7 @@ class LocalRayCluster:
     def _temp_dir(self, i: int, attempt: int = 1) -> Path:
         return self.temp / (self.names[i] if attempt == 1 else f"{self.names[i]}-{attempt}")
 
-    def _spawn(self, i: int, argv: list[str], attempt: int = 1) -> None:
+    def _spawn(self, i: int, argv: list[str], attempt: int = 1, env: dict[str, str] | None = None) -> None:
         from trainer.launch.host.ray import ray_cli
 
         log = open(self.root / f"ray-{self.names[i]}.log", "ab")
@@ -682,7 +683,7 @@ class LocalRayCluster:
                 ["timeout", str(self.lifetime_s), ray_cli(), "start", "--block", *argv, *common, *ports],
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=self.env(),
+                env={**self.env(), **(env or {})},
                 start_new_session=True,
                 preexec_fn=self.netns.enter,
             )
@@ -728,18 +729,20 @@ class LocalRayCluster:
             self._start_worker(i)
         return self
 
-    def _start_worker(self, i: int, attempts: int = 3, timeout_s: float = 90) -> None:
+    def _start_worker(
+        self, i: int, attempts: int = 3, timeout_s: float = 90, env: dict[str, str] | None = None, first: int = 1
+    ) -> None:
         """Start worker node ``i`` and wait until the head counts ``i + 1`` alive nodes. A ``ray start`` that exits
         first is started again (``attempts`` in all): it waits a fixed 30 s for its raylet to register (Ray's
         ``raylet_start_wait_time_s``, ``ray/_private/node.py``), which two busy cores can exceed; what it left
         running is killed by its temp dir first. Raises RuntimeError with the log's tail when none came up."""
         log = self.root / f"ray-{self.names[i]}.log"
-        for attempt in range(1, attempts + 1):
-            self._spawn(i, [f"--address={self.ips[0]}:{self.port}"], attempt)
+        for attempt in range(first, first + attempts):
+            self._spawn(i, [f"--address={self.ips[0]}:{self.port}"], attempt, env)
             proc = self.procs[-1]
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline and proc.poll() is None:
-                if self.alive_nodes() >= i + 1:
+                if self.alive_nodes() >= (i + 1 if first == 1 else self.nodes):
                     return
                 time.sleep(0.2)
             if proc.poll() is None:
@@ -748,6 +751,25 @@ class LocalRayCluster:
             _kill_matching(str(self._temp_dir(i, attempt)))
         tail = log.read_text(errors="replace")[-2000:] if log.is_file() else ""
         raise RuntimeError(f"the Ray worker node {self.names[i]} did not come up ({attempt} tries)\n{tail}")
+
+    def stop_node(self, name: str) -> None:
+        """Stop the worker node ``name`` (its ``ray start --block`` and what it started), as a node that died or
+        never started; wait until the head no longer counts it (up to 60 s). Raises RuntimeError otherwise."""
+        i = self.names.index(name)
+        target = str(self._temp_dir(i))
+        proc = next(p for p in self.procs if any(target in str(a) for a in p.args))
+        alive = self.alive_nodes()
+        _stop(proc, grace_s=20)
+        self.procs.remove(proc)
+        _kill_matching(target)
+        _wait_for(lambda: self.alive_nodes() == alive - 1, 60, f"the head noting {name} gone")
+
+    def restart_node(self, name: str, env: dict[str, str]) -> None:
+        """Start the worker node ``name`` that :meth:`stop_node` stopped again, with ``env`` added to its
+        environment (e.g. another ``RECIPE_BUNDLE_IMAGE_DIGEST``: a node of another image), in a new temp dir;
+        returns once every node is alive."""
+        self._start_worker(self.names.index(name), env=env, first=self._restarts + 10)
+        self._restarts += 3
 
     def stop(self) -> None:
         """SIGTERM every node (workers first), SIGKILL what they left; remove the temp dirs."""

@@ -69,6 +69,15 @@ def test_one_node_with_another_nccl_is_named_with_the_field(base):
     assert "2.27.3 *" in node5 and node5.count("*") == 1
 
 
+def test_fewer_nodes_than_the_cluster_has_is_one_line_naming_those_that_came(base):
+    report = preflight.compare({n: copy.deepcopy(base) for n in ("n1", "n2", "n3")}, expect_gpus=8)
+    assert report.ok
+    report.waited_s = 10
+    report.differences.append(preflight.Difference(preflight.CLUSTER, "nodes", "3", "4"))
+    assert report.reason() == "preflight: 3 of 4 node(s) alive after 10 s (n1, n2, n3); cluster.nodes is 4"
+    assert preflight.compare({}, expect_gpus=8).nodes == []
+
+
 def test_missing_probe_gpu_count_and_digest(base):
     probes = {"a": copy.deepcopy(base), "b": None, "c": copy.deepcopy(base)}
     probes["c"]["torch"]["gpus"] = probes["c"]["torch"]["gpus"][:7]

@@ -3,7 +3,8 @@ and two declared slots, in a network namespace of their own; started and stopped
 experiment=smoke-cluster`` (``launcher=ray``, ``launcher.payload=cpu``) places one CPU worker per slot as miles
 places its actors, two per node, and the eight ranks train under DDP to one process's per-step losses on the same
 global batch; every rank's probe names its node and ``trainer verify`` passes. A rank killed mid-run ends the run
-``failed`` within a bounded time, naming the rank and its node, with the steps already written kept."""
+``failed`` within a bounded time, naming the rank and its node, with the steps already written kept; ``--resume``
+continues it from its latest checkpoint to the same losses."""
 
 import json
 import os
@@ -57,7 +58,8 @@ def socket_inodes(pids: list[int]) -> set[str]:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with NetNamespace() as netns, LocalRayCluster(tmp_path_factory.mktemp("ray4"), netns) as ray:
+    # the nodes' lifetime (`timeout`) bounds the whole module: about 11 minutes here, two runs more on a slower day
+    with NetNamespace() as netns, LocalRayCluster(tmp_path_factory.mktemp("ray4"), netns, lifetime_s=1800) as ray:
         yield ray
 
 
@@ -128,18 +130,17 @@ def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, 
     assert "ok: nothing the lock pins drifted" in verified.stdout
 
 
-def test_a_rank_killed_mid_run_fails_the_run_naming_rank_and_node(cluster, tmp_path):
+def test_a_rank_killed_mid_run_fails_the_run_naming_rank_and_node_and_resume_completes_it(
+    cluster, one_process, tmp_path
+):
+    """Rank 5 (node n3) killed after step 2 of STEPS, checkpoints every step: the run fails within a minute
+    naming the rank and node, its steps kept; ``--resume`` of the same command line continues from the latest
+    checkpoint on the same cluster, links both attempts and trains like one process."""
     run_dir = tmp_path / "run"
     env = {**os.environ, **cluster_env(cluster), "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160"}
+    args = ["experiment=smoke-cluster", f"launcher.steps={STEPS}", "launcher.save_interval=1"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "trainer.train",
-            "experiment=smoke-cluster",
-            "launcher.steps=40",
-            f"hydra.run.dir={run_dir}",
-        ],
+        [sys.executable, "-m", "trainer.train", *args, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -176,7 +177,78 @@ def test_a_rank_killed_mid_run_fails_the_run_naming_rank_and_node(cluster, tmp_p
     assert f"rank 5 on node {node} failed" in record["reason"], record["reason"]
     assert node == "n3"
     kept = rows(run_dir / "metrics.jsonl")
-    assert len(kept) >= 2 and [r["step"] for r in kept] == list(range(1, len(kept) + 1)) and len(kept) < 40
+    assert len(kept) >= 2 and [r["step"] for r in kept] == list(range(1, len(kept) + 1)) and len(kept) < STEPS
+    done = int((run_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= done <= len(kept)
+
+    resumed = run_train(
+        [*args, f"hydra.run.dir={run_dir}", "--resume"],
+        cwd=tmp_path,
+        timeout=480,
+        env=cluster_env(cluster),
+        preexec_fn=cluster.netns.enter,
+    )
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
+    again = json.loads((run_dir / "record.json").read_text())
+    assert again["status"] == "complete" and again["resumed_from"]["iteration"] == done
+    assert [(a["attempt"], a["status"]) for a in again["attempts"]] == [(1, "failed")]
+    assert f"rank 5 on node {node} failed" in again["attempts"][0]["reason"]
+    assert (
+        f"resumed from checkpoints/iter_{done:07d}/mp_rank_00/model_optim_rng.pt"
+        in (run_dir / "logs" / "job.log").read_text()
+    )
+    helpers.same_training(one_process, run_dir, STEPS)
+    verified = helpers.run_trainer("verify", run_dir)
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
+    assert "attempt 1: failed" in verified.stdout
+
+
+def test_a_node_that_never_joins_or_runs_another_image_fails_the_run_before_training(cluster, tmp_path):
+    """The last case (it stops n4): with three of the four nodes, the job waits ``launcher.node_wait_s`` for the
+    fourth and fails before any rank starts, its reason one line naming the nodes that came. Then n4 comes back
+    in another image (its processes see another ``RECIPE_BUNDLE_IMAGE_DIGEST``, as in an image of another
+    digest): the preflight stops the run before training with the table of what differs."""
+    cluster.stop_node("n4")
+    run_dir = tmp_path / "run"
+    started = time.monotonic()
+    result = run_train(
+        ["experiment=smoke-cluster", "launcher.node_wait_s=10", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        timeout=300,
+        env=cluster_env(cluster),
+        preexec_fn=cluster.netns.enter,
+    )
+    took = time.monotonic() - started
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    record = json.loads((run_dir / "record.json").read_text())
+    reason = "preflight: 3 of 4 node(s) alive after 10 s (n1, n2, n3); cluster.nodes is 4"
+    assert record["status"] == "failed" and record["reason"] == reason, record["reason"]
+    assert record["preflight"]["ok"] is False and not (run_dir / "metrics.jsonl").exists()
+    assert reason in result.stdout + result.stderr
+    print(f"the run failed {took:.0f} s after train started")
+    assert took < 180
+
+    other = "sha256:" + "be" * 32
+    cluster.restart_node("n4", {"RECIPE_BUNDLE_IMAGE_DIGEST": other})
+    run_dir = tmp_path / "other-image"
+    result = run_train(
+        ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        timeout=300,
+        env=cluster_env(cluster),
+        preexec_fn=cluster.netns.enter,
+    )
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    record = json.loads((run_dir / "record.json").read_text())
+    assert (
+        record["status"] == "failed"
+        and record["reason"] == f"preflight: 1 of 4 node(s) differ: n4: image digest {other} != -"
+    )
+    assert [(d["node"], d["field"]) for d in record["preflight"]["differences"]] == [("n4", "image digest")]
+    assert not (run_dir / "metrics.jsonl").exists()
+    table = (run_dir / "logs" / "job.log").read_text()
+    n4 = next(line for line in table.splitlines() if line.startswith("n4 "))
+    assert f"{other} *" in n4 and n4.count("*") == 1
 
 
 if __name__ == "__main__":

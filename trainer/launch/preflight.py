@@ -74,6 +74,9 @@ def summarize(probe: Mapping[str, Any]) -> dict[str, str]:
     return {k: "-" if v is None else str(v) for k, v in values.items()}
 
 
+CLUSTER = "(cluster)"  # the node name of a difference of the whole cluster (fewer nodes than cluster.nodes)
+
+
 @dataclass
 class Difference:
     """One node whose ``field`` is ``value`` where the reference (most nodes, or the expectation) is ``expected``."""
@@ -92,6 +95,7 @@ class Report:
     summaries: dict[str, dict[str, str] | None]
     reference: dict[str, str]
     differences: list[Difference] = field(default_factory=list)
+    waited_s: float = 0.0  # seconds the job waited for the nodes to join (a short cluster's reason says it)
 
     @property
     def ok(self) -> bool:
@@ -102,6 +106,12 @@ class Report:
         """One line: which nodes differ in what (empty when ok)."""
         if self.ok:
             return ""
+        short = next((d for d in self.differences if d.node == CLUSTER and d.field == "nodes"), None)
+        if short is not None:  # nodes that never joined: the rest of the comparison is moot
+            return (
+                f"preflight: {short.value} of {short.expected} node(s) alive after {self.waited_s:.0f} s"
+                f" ({', '.join(self.nodes) or 'none'}); cluster.nodes is {short.expected}"
+            )
         by_node: dict[str, list[str]] = {}
         for d in self.differences:
             if d.value == MISSING_PROBE:

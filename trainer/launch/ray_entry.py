@@ -122,7 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--expect-nodes", type=int, help="nodes the cluster must have (with --probe)")
     parser.add_argument("--expect-gpus", type=int, help="GPUs every node must see (with --probe)")
     parser.add_argument("--expect-digest", help="image digest every node must report (with --probe)")
-    parser.add_argument("--probe-timeout", type=float, default=300.0, help="seconds to wait for each probe")
+    parser.add_argument(
+        "--probe-timeout",
+        type=float,
+        default=300.0,
+        help="seconds to wait for --expect-nodes nodes to be alive, and for each node's probe (launcher.node_wait_s)",
+    )
     parser.add_argument("--workdir", help="directory to start the job in")
     args = parser.parse_args(argv)
     try:
@@ -151,9 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             if info is not None:
                 print(f"{PROBE_MARK} {name} {json.dumps(info, sort_keys=True)}")
         report = preflight.compare(probes, args.expect_gpus, args.expect_digest)
+        report.waited_s = args.probe_timeout
         if args.expect_nodes is not None and len(probes) != args.expect_nodes:
             report.differences.append(
-                preflight.Difference("(cluster)", "nodes", str(len(probes)), str(args.expect_nodes))
+                preflight.Difference(preflight.CLUSTER, "nodes", str(len(probes)), str(args.expect_nodes))
             )
         print(report.table())
         print(f"{PREFLIGHT_MARK} {json.dumps(report.as_dict(), sort_keys=True)}")

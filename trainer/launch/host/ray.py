@@ -88,7 +88,7 @@ def entrypoint(cfg: TrainConfig, argv: list[str], python: str, probe: bool = Tru
     """The job's entrypoint: :mod:`trainer.launch.ray_entry` with the preflight expectations and the argv."""
     out = [python, "-m", "trainer.launch.ray_entry", "--expand"]
     if probe:
-        out += ["--probe", "--expect-nodes", str(cfg.cluster.nodes)]
+        out += ["--probe", "--expect-nodes", str(cfg.cluster.nodes), "--probe-timeout", str(cfg.launcher.node_wait_s)]
         if cfg.launcher.expect_gpus:
             out += ["--expect-gpus", str(cfg.cluster.gpus_per_node)]
         if cfg.launcher.image:

@@ -223,7 +223,7 @@ def _entry(cfg: TrainConfig, digest: str) -> list[str]:
     """The arguments of :mod:`trainer.launch.ray_entry` before ``--argv-b64``: the nodes (and GPUs per node, image
     digest, working directory) the job must find before it runs."""
     lau, clu = cfg.launcher, cfg.cluster
-    entry = ["--probe", "--expect-nodes", str(clu.nodes)]
+    entry = ["--probe", "--expect-nodes", str(clu.nodes), "--probe-timeout", str(lau.node_wait_s)]
     if lau.expect_gpus:
         entry += ["--expect-gpus", str(clu.gpus_per_node)]
     if digest:
@@ -289,6 +289,7 @@ def sbatch_values(cfg: TrainConfig, run_dir: Path, argv: list[str], env: dict[st
         "ray_port": str(lau.ray_port),
         "dashboard_port": str(lau.dashboard_port),
         "ray_join_wave": str(lau.ray_join_wave),
+        "node_wait_s": str(lau.node_wait_s),
         "ray_args": "".join(" " + _q(a) for a in lau.ray_start_args),
         "entry": " ".join(_q(e) for e in _entry(cfg, digest)),
     }

@@ -209,7 +209,7 @@ STAGE=job
 # (a fresh head answers before its job agent is up: retry while it says so, up to 60 s)
 for attempt in $(seq 20); do
   on_head ray job submit --address http://127.0.0.1:8265 --submission-id "recipe-$SLURM_JOB_ID" -- \
-    "$PY" -m trainer.launch.ray_entry --probe --expect-nodes 8 --expect-gpus 8 --expect-digest sha256:abababababababababababababababababababababababababababababababab --workdir /root/miles \
+    "$PY" -m trainer.launch.ray_entry --probe --expect-nodes 8 --probe-timeout 300 --expect-gpus 8 --expect-digest sha256:abababababababababababababababababababababababababababababababab --workdir /root/miles \
     --argv-b64 "$(printf '%s\0' "${ARGV[@]}" | base64 -w0)" > "$RUN_DIR/logs/job.log" 2>&1 &
   wait $!
   JOB_RC=$?
