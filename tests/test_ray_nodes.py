@@ -73,6 +73,11 @@ def cluster_env(ray) -> dict[str, str]:
     return {k: v for k, v in ray.env().items() if k.startswith("RAY_") or k == "PATH"}
 
 
+def train_on(cluster, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """``train ARGS`` in ``cwd`` as a client of ``cluster``: in its namespace, with its Ray settings."""
+    return run_train(args, cwd=cwd, timeout=timeout, env=cluster_env(cluster), preexec_fn=cluster.netns.enter)
+
+
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
@@ -103,13 +108,7 @@ def test_four_nodes_on_their_own_addresses_and_nothing_listens_outside(cluster):
 
 def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, tmp_path):
     run_dir = tmp_path / "run"
-    result = run_train(
-        ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        timeout=480,
-        env=cluster_env(cluster),
-        preexec_fn=cluster.netns.enter,
-    )
+    result = train_on(cluster, ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"], tmp_path, 480)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     record = json.loads((run_dir / "record.json").read_text())
     assert record["status"] == "complete" and record["ray"]["status"] == "SUCCEEDED"
@@ -181,13 +180,7 @@ def test_a_rank_killed_mid_run_fails_the_run_naming_rank_and_node_and_resume_com
     done = int((run_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text())
     assert 1 <= done <= len(kept)
 
-    resumed = run_train(
-        [*args, f"hydra.run.dir={run_dir}", "--resume"],
-        cwd=tmp_path,
-        timeout=480,
-        env=cluster_env(cluster),
-        preexec_fn=cluster.netns.enter,
-    )
+    resumed = train_on(cluster, [*args, f"hydra.run.dir={run_dir}", "--resume"], tmp_path, 480)
     assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-2000:]
     again = json.loads((run_dir / "record.json").read_text())
     assert again["status"] == "complete" and again["resumed_from"]["iteration"] == done
@@ -211,12 +204,8 @@ def test_a_node_that_never_joins_or_runs_another_image_fails_the_run_before_trai
     cluster.stop_node("n4")
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    result = run_train(
-        ["experiment=smoke-cluster", "launcher.node_wait_s=10", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        timeout=300,
-        env=cluster_env(cluster),
-        preexec_fn=cluster.netns.enter,
+    result = train_on(
+        cluster, ["experiment=smoke-cluster", "launcher.node_wait_s=10", f"hydra.run.dir={run_dir}"], tmp_path, 300
     )
     took = time.monotonic() - started
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
@@ -231,13 +220,7 @@ def test_a_node_that_never_joins_or_runs_another_image_fails_the_run_before_trai
     other = "sha256:" + "be" * 32
     cluster.restart_node("n4", {"RECIPE_BUNDLE_IMAGE_DIGEST": other})
     run_dir = tmp_path / "other-image"
-    result = run_train(
-        ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        timeout=300,
-        env=cluster_env(cluster),
-        preexec_fn=cluster.netns.enter,
-    )
+    result = train_on(cluster, ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"], tmp_path, 300)
     assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
     record = json.loads((run_dir / "record.json").read_text())
     assert (
