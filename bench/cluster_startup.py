@@ -34,6 +34,7 @@ import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).absolute().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
@@ -56,7 +57,9 @@ def stamped(argv: list[str], cwd: Path, env: dict[str, str], preexec=None, timeo
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec
     )
     lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic() - start, x) for x in proc.stdout))
+    output = proc.stdout
+    assert output is not None  # stdout=PIPE
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic() - start, x) for x in output))
     reader.start()
     proc.wait(timeout=timeout_s)
     reader.join()
@@ -83,7 +86,7 @@ def main() -> int:
     args = parser.parse_args()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     batch = ["optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1"]
-    results = []
+    results: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="cluster-startup-") as scratch:
         work = Path(scratch)
         base = stamped(
@@ -120,10 +123,9 @@ def main() -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(
-        "| date | machine | nodes x slots | submit | env | probe | place | first step | to first step | / one process |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    head = ["date", "machine", "nodes x slots", *(name for name, _ in MARKS), "to first step", "/ one process"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
     for r in results:
         p = r["phases_s"]
         total = r["to_first_step_s"]

@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import cast
 
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol")
 
@@ -757,7 +758,7 @@ class LocalRayCluster:
         never started; wait until the head no longer counts it (up to 60 s). Raises RuntimeError otherwise."""
         i = self.names.index(name)
         target = str(self._temp_dir(i))
-        proc = next(p for p in self.procs if any(target in str(a) for a in p.args))
+        proc = next(p for p in self.procs if any(target in str(a) for a in cast(list, p.args)))
         alive = self.alive_nodes()
         _stop(proc, grace_s=20)
         self.procs.remove(proc)
