@@ -24,6 +24,7 @@ mkdir -p "$runs"
 trap 'tar -C /tmp -czf "$OUT/runs.tgz" runs' EXIT
 proxy="experiment=proxy-h200 paths.prompt_data=/tmp/rows/rows-4096 launcher.steps=12"
 tiny="experiment=dsv4-tiny-h200 paths.prompt_data=/tmp/rows/rows-8192"
+slice="experiment=dsv4-flash-slice-h200 paths.prompt_data=/tmp/rows/rows-8192"
 overrides() {
   case "$1" in
     proxy-local) echo "$proxy model=dsv4-proxy launcher.transformer_impl=local" ;;
@@ -42,6 +43,14 @@ overrides() {
     tiny-mb2) echo "$tiny layout.micro_batch_size=4 model.dsv4_n_hash_layers=0" ;;
     tiny-mb4-lr) echo "$tiny layout.micro_batch_size=2 model.dsv4_n_hash_layers=0 optim.lr=6.0e-4 optim.min_lr=6.0e-5" ;;
     tiny-smoke) echo "$tiny launcher.steps=3" ;;
+    # the stage slice of DeepSeek-V4-Flash (conf/experiment/dsv4-flash-slice-h200.yaml): 5 layers, and 2 and 4 for
+    # the memory of one layer (the difference of two peaks)
+    slice) echo "$slice" ;;
+    slice-2) echo "$slice model.num_layers=2 model.moe_layer_freq=[1,1] model.dsv4_compress_ratios=[0,0]" ;;
+    slice-mtp) echo "$slice model.num_layers=2 model.moe_layer_freq=[1,1] model.dsv4_compress_ratios=[0,0,0] model.mtp_num_layers=1" ;;
+    slice-gb8) echo "$slice optim.global_batch_size=8 optim.rollout_batch_size=8 optim.num_rollout=6" ;;
+    slice-3) echo "$slice model.num_layers=3 model.moe_layer_freq=[1,1,1] model.dsv4_compress_ratios=[0,0,4]" ;;
+    slice-4) echo "$slice model.num_layers=4 model.moe_layer_freq=[1,1,1,1] model.dsv4_compress_ratios=[0,0,4,128]" ;;
     proxy-te-mla-fused-mixed) echo "$proxy model=dsv4-proxy-mla launcher.transformer_impl=transformer_engine launcher.attention_backend=fused launcher.steps=2" ;;
     *) return 1 ;;
   esac
@@ -49,7 +58,7 @@ overrides() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$runs/nvidia-smi.csv"
 for run in "$@"; do
   start=$(date +%s)
-  case "$run" in tiny*) limit=300 ;; *) limit=200 ;; esac
+  case "$run" in tiny*|slice*) limit=300 ;; *) limit=200 ;; esac
   left=$(( deadline - start ))
   if [ $left -lt 60 ]; then echo "=== $run skipped: ${left} s left"; continue; fi
   [ $left -lt $limit ] && limit=$left

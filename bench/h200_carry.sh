@@ -6,8 +6,12 @@
 # and miles commits as `git archive` tarballs, the fixed rows. All of it is cut into parts of 60 MiB
 # (bench/carry_parts.py), the files TE needs first. Nothing here is committed (bench/.scratch/ is ignored).
 #
-# Usage: bash bench/h200_carry.sh MEGATRON_LM_GIT_DIR MILES_GIT_DIR
-#   (bare git directories or clones holding the commits that lockfiles/stack.json pins)
+# Usage: bash bench/h200_carry.sh MEGATRON_LM MILES [FAST_HADAMARD_TRANSFORM_GIT_DIR]
+#   MEGATRON_LM, MILES: bare git directories or clones holding the commits that lockfiles/stack.json pins, or
+#   `git archive --format=tar.gz` files of those commits (their git trees are checked there by the worker);
+#   the third: a git directory of Dao-AILab/fast-hadamard-transform holding the commit miles' Dockerfile
+#   installs (its tree checked here), built there by `bash bench/h200_setup.sh fht`.
+#   NO_KIT=1 leaves out the image's build outputs (step 3; bench/native_h200.sh then has nothing to run).
 # Then carry bench/.scratch/carry/cN, one device call each and back to back (a machine idle 30 s is given back,
 # losing /tmp), each call starting with `python3 bench/carry_parts.py stash DIR` (DIR = the carried folder as
 # the call's working tree holds it); once the `te` group is complete, `bash bench/h200_setup.sh te` (TE for the
@@ -20,13 +24,18 @@
 # one line naming them and the `trainer image build` that makes them (exit 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-megatron_git=${1:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
-miles_git=${2:?usage: $0 MEGATRON_LM_GIT_DIR MILES_GIT_DIR}
+megatron_git=${1:?usage: $0 MEGATRON_LM MILES [FAST_HADAMARD_TRANSFORM_GIT_DIR]}
+miles_git=${2:?usage: $0 MEGATRON_LM MILES [FAST_HADAMARD_TRANSFORM_GIT_DIR]}
+fht_git=${3:-}
+# fast-hadamard-transform as miles 78527b91 docker/Dockerfile installs it (pip install git+...@this commit)
+fht_commit=e7706faf8d1c3b9f241e36860640ad1dac644ede
+fht_tree=0d464b6162be2f0363fb0ad0af1637c1af3ba96d
 python=$(bin/python-env)
 steps="transformer-engine-torch deepep aws-ofi-nccl"
 build="bin/trainer image build --lock lockfiles/debian-full.lock.json --out build/debian-full.oci --jobs 2"
 # 0. The image's build outputs that step 3 packs must be built (cached layers of lockfiles/debian-full.lock.json)
-missing=$(STEPS="$steps" "$python" -c '
+missing=""
+[ "${NO_KIT:-0}" = 1 ] || missing=$(STEPS="$steps" "$python" -c '
 import os
 from pathlib import Path
 from trainer.image.cas import Cache
@@ -94,6 +103,7 @@ if [ ! -f "$dl/te-core.tar.xz" ] || [ "$dl/te-core.tar.xz" -ot "$dl/$te" ]; then
 fi
 
 # 3. The image's build outputs with the image's Python 3.11 (all from the content-addressed cache)
+if [ "${NO_KIT:-0}" != 1 ]; then
 kit=$("$python" bench/native_h200_kit.py --out "$stage/kit" --no-te-core --parts 1000 | tail -n 1)
 STEPS="$steps" KIT="$kit" BUILD="$build" "$python" -c '
 import json, os, sys
@@ -101,12 +111,21 @@ missing = [s for s in os.environ["STEPS"].split() if s not in json.loads(os.envi
 if missing:
     sys.exit(f"bench/h200_carry.sh: the kit lacks the build step(s) {chr(44).join(missing)}; build them with: " + os.environ["BUILD"])' || exit 1
 cat "$stage"/kit/part-00/kit.tar.xz.* > "$stage/kit.tar.xz" && rm -rf "$stage/kit"
+fi
 
 # 4. The locked sources (git archive of the pinned commits; the worker checks their git trees again there).
 read -r megatron_commit miles_commit < <("$python" -c "
 import json; c = json.load(open('lockfiles/stack.json'))['components']; print(c['megatron_lm']['commit'], c['miles']['commit'])")
-git --git-dir="$megatron_git" archive --format=tar.gz --prefix=Megatron-LM/ "$megatron_commit" > "$stage/Megatron-LM.tar.gz"
-git --git-dir="$miles_git" archive --format=tar.gz --prefix=miles/ "$miles_commit" > "$stage/miles.tar.gz"
+archive() {  # archive SOURCE PREFIX COMMIT OUT: a git directory's commit, or an archive file as it is
+  if [ -f "$1" ]; then cp "$1" "$4"; else git --git-dir="$1" archive --format=tar.gz --prefix="$2/" "$3" > "$4"; fi
+}
+archive "$megatron_git" Megatron-LM "$megatron_commit" "$stage/Megatron-LM.tar.gz"
+archive "$miles_git" miles "$miles_commit" "$stage/miles.tar.gz"
+if [ -n "$fht_git" ]; then
+  got=$(git --git-dir="$fht_git" rev-parse "$fht_commit^{tree}")
+  [ "$got" = "$fht_tree" ] || { echo "$fht_git: commit $fht_commit has tree $got, expected $fht_tree" >&2; exit 1; }
+  git --git-dir="$fht_git" archive --format=tar.gz --prefix=fast-hadamard-transform/ "$fht_commit" > "$stage/fast-hadamard-transform.tar.gz"
+fi
 
 # 5. The fixed rows: 4,096-token (proxy) and 8,192-token (dsv4-tiny) builds of the same generated conversations.
 if [ ! -f bench/.scratch/rows-8192/manifest.json ]; then
@@ -117,7 +136,9 @@ fi
 tar -C bench/.scratch -cf "$stage/rows.tar" rows-4096 rows-8192
 
 # 6. The parts: TE's files first (the calls that bring them can already run the TE checks), then the rest
-te_files="$dl/te-core.tar.xz,$stage/kit.tar.xz"
+te_files="$dl/te-core.tar.xz"
+[ -f "$stage/kit.tar.xz" ] && te_files="$te_files,$stage/kit.tar.xz"
+[ -f "$stage/fast-hadamard-transform.tar.gz" ] && te_files="$te_files,$stage/fast-hadamard-transform.tar.gz"
 for f in transformer_engine-2.17.0-py3-none-any.whl transformer_engine_torch-2.17.0.tar.gz pydantic-2.14.4-py3-none-any.whl \
          pydantic_core-2.50.5-*.whl annotated_types-*.whl typing_inspection-*.whl nvdlfw_inspect-*.whl; do
   te_files="$te_files,$(ls "$dl"/$f)"
@@ -135,5 +156,6 @@ for f in apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-1.0.0-py3-no
          tilelang-0.1.15-*.whl; do
   v4_files="$v4_files${v4_files:+,}$(ls "$dl"/$f)"
 done
-python3 bench/carry_parts.py pack --out "$carry" --part-mib 60 "te=$te_files" "run=$run_files" "v4=$v4_files"
+# a part and the working tree travel together under the device's 64 MiB
+python3 bench/carry_parts.py pack --out "$carry" --part-mib "${PART_MIB:-56}" "te=$te_files" "run=$run_files" "v4=$v4_files"
 du -sh "$carry"/c*

@@ -10,6 +10,9 @@
 #   bash bench/h200_setup.sh install run   once the `run` group is there: hydra and omegaconf into /tmp/site,
 #                                       sources into /tmp/src, rows into /tmp/rows (enough for the proxy models)
 #   bash bench/h200_setup.sh install v4    once the `v4` group is there: tilelang, TileKernels, z3, tvm-ffi
+#   bash bench/h200_setup.sh fht        after `te`: build fast-hadamard-transform (the carried git archive of the
+#                                       commit miles' Dockerfile installs) for sm_90 against the machine's torch
+#                                       into /tmp/site, then bench/hadamard_check.py ($OUT/hadamard.json)
 # Afterwards: export PYTHONPATH=/tmp/site MEGATRON_LM_PATH=/tmp/src/Megatron-LM MILES_PATH=/tmp/src/miles
 set -euo pipefail
 carry=/tmp/carry
@@ -68,11 +71,34 @@ tilelang_compat(); import tilelang, tile_kernels; print('tilelang', tilelang.__v
     fi
     LD_LIBRARY_PATH=$(bash "$here/h200_setup.sh" cudnn-dir):${LD_LIBRARY_PATH:-} PYTHONPATH=$site python3 -c "$check"
     ;;
+  fht)
+    # The package's setup.py compiles for every architecture its nvcc knows (sm_75 ... sm_121 with CUDA 13);
+    # the copy built here keeps only the pair for sm_90 (H200), as NVTE_CUDA_ARCHS=90 does for TE. The build is
+    # the package's own (`pip install --no-build-isolation`, FAST_HADAMARD_TRANSFORM_FORCE_BUILD so that no
+    # prebuilt wheel is fetched).
+    rm -rf /tmp/fht-src && mkdir -p /tmp/fht-src
+    tar -xzf "$joined/fast-hadamard-transform.tar.gz" -C /tmp/fht-src --strip-components=1
+    python3 - /tmp/fht-src/setup.py <<'PY'
+import re, sys
+path = sys.argv[1]
+text = open(path).read()
+pair = r'cc_flag\.append\("-gencode"\)\s*cc_flag\.append\("arch=compute_(\d+),code=sm_\d+"\)'
+kept = re.sub(pair, lambda m: m.group(0) if m.group(1) == "90" else "pass", text)
+assert kept.count("compute_90") == 1 and kept.count("-gencode") == 1, "setup.py: its gencode list changed"
+open(path, "w").write(kept)
+PY
+    start=$(date +%s)
+    (cd /tmp/fht-src && FAST_HADAMARD_TRANSFORM_FORCE_BUILD=TRUE NVCC_THREADS=4 MAX_JOBS=16 \
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . )
+    echo "fast-hadamard-transform compiled in $(( $(date +%s) - start )) s"
+    sha256sum "$site"/fast_hadamard_transform_cuda*.so
+    PYTHONPATH=$site python3 "$here/hadamard_check.py" --out "${OUT:-/tmp}/hadamard.json"
+    ;;
   cudnn-dir)
     # the directory of the pip cuDNN that torch was built against (the lock's nvidia-cudnn-cu13). The machine
     # also has an apt libcudnn9-cuda-13 (9.14) in the loader's cache, which otherwise shadows it (miles'
     # docker/Dockerfile removes the apt copy for that reason: "the loader interleaves the two").
     python3 -c "import pathlib, torch; sp = pathlib.Path(torch.__file__).parents[1]; print(sorted(sp.glob('nvidia/**/libcudnn.so.9'))[0].parent)"
     ;;
-  *) echo "usage: $0 stash DIR | te | install run|v4 | cudnn-dir" >&2; exit 2 ;;
+  *) echo "usage: $0 stash DIR | te | install run|v4 | fht | cudnn-dir" >&2; exit 2 ;;
 esac

@@ -286,7 +286,7 @@ def test_each_argument_the_worker_reads_renders_the_field_it_read_before():
 
 
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
-@pytest.mark.parametrize("experiment", ["proxy-h200", "dsv4-tiny-h200"])
+@pytest.mark.parametrize("experiment", ["proxy-h200", "dsv4-tiny-h200", "dsv4-flash-slice-h200"])
 def test_what_the_worker_reads_from_megatron_args_equals_the_config_field(megatron_parser, experiment, impl):
     from trainer.launch.megatron_worker import CONFIG_NOT_ARGS, WORKER_ARGS
 
@@ -300,7 +300,7 @@ def test_what_the_worker_reads_from_megatron_args_equals_the_config_field(megatr
 
 
 @pytest.mark.parametrize("impl", ["transformer_engine", "local"])
-@pytest.mark.parametrize("experiment", ["proxy-h200", "dsv4-tiny-h200"])
+@pytest.mark.parametrize("experiment", ["proxy-h200", "dsv4-tiny-h200", "dsv4-flash-slice-h200"])
 def test_every_flag_of_the_argv_lands_where_the_worker_reads_it(megatron_parser, experiment, impl):
     """Promise: each flag the worker's argv shows lands in a config the worker builds from the namespace, is read by
     name, or is documented as consumed by the parse; none is ignored (an ignored flag would be refused)."""

@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     model, config, frozen, initialized = prepare_model(setup.args, setup.impl, cfg)
     model = wrap_ddp(model, config, setup.args, cfg)
     optimizer = build_optimizer(model, config, setup.args, cfg)
+    if chosen is not None:  # weights, gradient buffers and what the optimizer allocates before its first step
+        chosen["memory_after_setup_bytes"] = allocated_memory()
     schedule = data_schedule(Rows(rows_dir), setup.args)
     with MetricsWriter(run_dir / METRICS if writes_metrics() else None) as metrics:
         if metrics.writes:
@@ -175,6 +177,7 @@ def record_choices(path: Path, setup: Setup, cfg: TrainConfig) -> dict[str, Any]
         "argv": setup.flags,
         "landing": setup.landing,
         "stand_ins": setup.stand_ins,
+        "hadamard_transform": hadamard_module() if cfg.model.experimental_attention_variant == "dsv4" else None,
     }
     atomic_write(path, canonical_json(choices))
     chosen: dict[str, Any] = json.loads(path.read_text())
@@ -425,13 +428,22 @@ def peak_memory() -> torch.Tensor:
     return memory
 
 
+def allocated_memory() -> int:
+    """``torch.cuda.memory_allocated`` on this rank now (bytes): the tensors alive, not the peak."""
+    import torch
+
+    return int(torch.cuda.memory_allocated())
+
+
 def write_metrics(metrics: MetricsWriter, row: Step, steps: int, run: Run) -> None:
     """Append ``row`` to ``metrics.jsonl``; after step 1 on rank 0 add the cuDNN libraries that TransformerEngine
-    and torch loaded (``cudnn_loaded``, once both ran a step) to ``megatron.json``; print the row's line
+    and torch loaded (``cudnn_loaded``, once both ran a step) and the bytes then allocated
+    (``memory_after_step_1_bytes``, with the optimizer's state) to ``megatron.json``; print the row's line
     (``grad_norm`` as ``str`` has it, the step time to 3 decimals)."""
     metrics.write(row)
     if row.step == 1 and run.chosen is not None:
         run.chosen["cudnn_loaded"] = [lib for lib in mapped_libraries() if "libcudnn" in lib]
+        run.chosen["memory_after_step_1_bytes"] = allocated_memory()  # + the optimizer's state, made at step 1
         atomic_write(run.run_dir / MEGATRON, canonical_json(run.chosen))
     print(step_line(row, steps, grad_norm_spec="", time_spec=".3f"), flush=True)
 
@@ -551,6 +563,21 @@ def hadamard_stand_in() -> list:
         "fast_hadamard_transform.hadamard_transform: trainer.models.hadamard (torch operations, float32 sums; "
         "the package is not in the lock)"
     ]
+
+
+def hadamard_module() -> dict[str, str | None]:
+    """Which ``fast_hadamard_transform`` miles' V4 code calls: ``{"module", "version", "file"}`` of the CUDA
+    package (its distribution's version) or of the stand-in :mod:`trainer.models.hadamard` bound in its place."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    module = sys.modules.get("fast_hadamard_transform") or importlib.import_module("fast_hadamard_transform")
+    if module is hadamard:
+        return {"module": hadamard.__name__, "version": None, "file": None}
+    try:
+        dist_version: str | None = version("fast_hadamard_transform")
+    except PackageNotFoundError:
+        dist_version = getattr(module, "__version__", None)
+    return {"module": "fast_hadamard_transform", "version": dist_version, "file": getattr(module, "__file__", None)}
 
 
 # What the worker reads from Megatron-LM's namespace (:func:`megatron_args`), by Megatron argument name; each is
