@@ -29,7 +29,8 @@ def rows(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(uninterrupted, killed) run directories: both started together; rank 1 of the second is killed (SIGKILL)
-    once its step 3 is written (a checkpoint of step 2 is then the latest)."""
+    once its step 3 is written (a checkpoint of step 2 is then the latest). Its gloo rendezvous file as it was
+    then is kept beside it (``rendezvous.stale``): what a SIGKILL of the launcher, which removes it, leaves."""
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "COLUMNS": "160"}
     dirs = {name: tmp_path_factory.mktemp(name) / "run" for name in ("whole", "killed")}
     procs = {
@@ -52,6 +53,7 @@ def runs(tmp_path_factory):
             time.sleep(0.2)
         victim = helpers.pids_running("trainer.launch.cpu_worker", str(killed), "1")
         assert len(victim) == 1
+        (killed.parent / "rendezvous.stale").write_bytes((killed / ".rendezvous").read_bytes())
         os.kill(victim[0], signal.SIGKILL)
         for proc in procs.values():
             proc.wait(timeout=300)
@@ -103,6 +105,8 @@ def test_resume_continues_from_the_checkpoint_and_trains_like_the_uninterrupted_
     whole, killed = runs
     failed = (killed / "record.json").read_bytes()
     done = int((killed / "checkpoints/latest_checkpointed_iteration.txt").read_text())
+    # the gloo file of a killed launcher's group: the launch removes it before the ranks rendezvous again
+    (killed / ".rendezvous").write_bytes((killed.parent / "rendezvous.stale").read_bytes())
     resumed = run_train([*ARGS, f"hydra.run.dir={killed}", "--resume"], cwd=tmp_path, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
     assert f"resumed from {CKPT.format(done)}: steps 1-{done} done" in resumed.stdout

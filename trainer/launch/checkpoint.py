@@ -9,23 +9,29 @@ at any point leaves the previous checkpoint current.
 
 The file is ``torch.save`` of ``{"iteration", "model", "optimizer", "rng_state", "checkpoint_version"}``:
 the model's and AdamW's ``state_dict()``, torch's CPU generator state. The host never loads it (that would
-unpickle what the run wrote); it chooses one by the tracker and checks its bytes against the sha256 the
-previous attempt's record holds (:func:`trainer.record.attempts.vouched_checkpoint`) before a ``--resume``
-starts.
+unpickle what the run wrote); it chooses one by the tracker and checks the tracker's and the checkpoint's bytes
+against the sha256 the previous attempt's record holds (:func:`trainer.record.attempts.vouched_checkpoint`)
+before a ``--resume`` starts, and names it in the new record's ``resumed_from``. The worker loads that one only
+(:func:`load`: never the tracker's), its bytes read once and checked against that sha256 before ``torch.load``.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import os
+import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from trainer.errors import UserError
+from trainer.inputs import open_regular
 from trainer.publish import atomic_write
-from trainer.record.attempts import TRACKER, latest_iteration
-from trainer.record.names import CHECKPOINTS, checkpoint_state
+from trainer.record.attempts import ITERATION, TRACKER
+from trainer.record.names import CHECKPOINTS, RECORD, checkpoint_state
 
 if TYPE_CHECKING:
     import torch
@@ -80,28 +86,58 @@ def save(run_dir: Path, iteration: int, model: torch.nn.Module, optimizer: torch
     return target / STATE
 
 
-def load(run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load the latest checkpoint (the tracker's) into ``model`` (unwrapped from DDP when wrapped) and
-    ``optimizer`` and restore torch's CPU generator; returns its iteration, 0 (nothing loaded) when the run
-    directory has none. Raises :class:`UserError` naming the file when it is missing, unreadable or of another
-    iteration."""
+def load(
+    run_dir: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, resumed_from: Mapping[str, Any] | None
+) -> int:
+    """Load the checkpoint that the run's record names in ``resumed_from`` (``{"attempt", "iteration",
+    "checkpoint", "sha256"}``, :func:`trainer.record.attempts.continue_attempt`) into ``model`` (unwrapped from DDP
+    when wrapped) and ``optimizer`` and restore torch's CPU generator; returns its iteration. None, or iteration 0:
+    nothing is loaded, 0 returned (a run from step 1; the tracker is never read). The file's bytes are read once
+    and their sha256 compared with ``resumed_from``'s before ``torch.load`` reads those same bytes. Raises
+    :class:`UserError` naming ``record.json`` when ``resumed_from`` is not of that shape (an iteration of 1 to 9
+    digits, its checkpoint's path, a sha256), and naming the file when it is missing, unreadable, of other
+    bytes, not a checkpoint or of another iteration."""
     import torch
 
-    iteration = latest_iteration(run_dir)
-    if iteration == 0:
+    if resumed_from is None:
         return 0
-    path = Path(run_dir) / state_path(iteration)
+    iteration, rel, sha256 = (resumed_from.get(key) for key in ("iteration", "checkpoint", "sha256"))
+    if type(iteration) is int and iteration == 0 and rel is None and sha256 is None:
+        return 0  # a resume from the start: the earlier attempt left no checkpoint
+    if (
+        isinstance(iteration, bool)
+        or not isinstance(iteration, int)
+        or not ITERATION.fullmatch(str(iteration))
+        or iteration < 1
+        or rel != state_path(iteration)
+        or not isinstance(sha256, str)
+        or not re.fullmatch(r"[0-9a-f]{64}", sha256)
+    ):
+        raise UserError(
+            f"{Path(run_dir) / RECORD}: resumed_from {str(dict(resumed_from))[:200]} names no checkpoint "
+            "(expected an iteration of 1 to 9 digits, its checkpoint file and its sha256)"
+        )
+    path = Path(run_dir) / rel
     try:
-        with open(path, "rb") as handle:
-            state = torch.load(handle, map_location="cpu", weights_only=True)
+        with open_regular(path, "checkpoint", None) as handle:
+            data = handle.read()
     except FileNotFoundError:
-        raise UserError(f"{path}: the tracker names iteration {iteration}, whose checkpoint file is missing") from None
+        raise UserError(f"{path}: the record resumes from iteration {iteration}, whose checkpoint is missing") from None
+    except OSError as err:
+        raise UserError(f"{path}: not readable ({err.strerror or err})") from None
+    digest = hashlib.sha256(data).hexdigest()
+    if digest != sha256:
+        raise UserError(
+            f"{path}: sha256 {digest[:16]}..., the record resumes from {sha256[:16]}...: refusing to load it"
+        )
+    try:
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - torch.load's errors of a damaged file vary (pickle, zip, runtime)
         raise UserError(f"{path}: not a checkpoint torch can read ({type(err).__name__})") from None
     if not isinstance(state, dict) or state.get("iteration") != iteration:
         raise UserError(
             f"{path}: holds iteration {state.get('iteration') if isinstance(state, dict) else None}, "
-            f"the tracker names {iteration}"
+            f"the record resumes from {iteration}"
         )
     getattr(model, "module", model).load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])

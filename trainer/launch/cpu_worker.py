@@ -39,12 +39,13 @@ from trainer.compose.compose import validate
 from trainer.compose.plan import run_steps
 from trainer.compose.schema import OptimConfig, TrainConfig
 from trainer.data import Batch, Rows
+from trainer.errors import UserError
 from trainer.launch import checkpoint
 from trainer.launch.steps import MetricsWriter, Schedule, megatron_lr, per_token_loss, step_line
 from trainer.models import deepseek_v4_hf
 from trainer.probe import distribution_pairs, probe
 from trainer.publish import atomic_write, canonical_json
-from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank
+from trainer.record.rundir import CONFIG, METRICS, load_config, probe_rank, read_record
 from trainer.report.metrics import Step
 
 NODE_ENV = "RECIPE_BUNDLE_NODE"  # set by trainer.launch.ray_workers: the Ray node of this rank
@@ -60,11 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
     Reads ``RUN_DIR/config.yaml`` and the fixed rows in ``ROWS_DIR``; with ``WORLD > 1`` joins a gloo group
     (:func:`rendezvous`: TCP at ``MASTER_ADDR:MASTER_PORT`` when set, else the file ``RUN_DIR/.rendezvous``).
+    A ``--resume`` continues from the checkpoint ``RUN_DIR/record.json`` names in ``resumed_from``, its bytes
+    checked against the sha256 there (:func:`trainer.launch.checkpoint.load`).
     Writes ``RUN_DIR/probe-rank-RANK.json`` (every rank); rank 0 appends one line per step to
     ``RUN_DIR/metrics.jsonl`` (``tokens``/``supervised_tokens`` summed over ranks, ``step_time_s`` wall seconds,
     ``max_memory_bytes`` peak RSS in bytes, max over ranks) and prints it.
     Raises ``IndexError``/``ValueError`` on a short or non-integer ``argv``, :class:`UserError` on a bad
-    config or rows.
+    config, record, rows or checkpoint.
     """
     run_dir, rank, world, rows_dir = parse_argv(sys.argv[1:] if argv is None else argv)
     cfg = validate(load_config(run_dir / CONFIG))
@@ -72,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     model = data_parallel(build_model(cfg), world)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = Schedule.of(Rows(rows_dir), cfg.optim.global_batch_size, cfg.layout.micro_batch_size, rank, world)
-    done = checkpoint.load(run_dir, model, optimizer)  # a --resume: the steps the latest checkpoint holds
+    # a --resume: the steps of the checkpoint the record names (its sha256 checked), never the tracker's
+    done = checkpoint.load(run_dir, model, optimizer, (read_record(run_dir) or {}).get("resumed_from"))
     if done and rank == 0:
         print(f"resumed from {checkpoint.state_path(done)}: steps 1-{done} done", flush=True)
     with MetricsWriter(run_dir / METRICS if rank == 0 else None) as metrics:
@@ -332,5 +336,16 @@ def finish(world: int) -> None:
         dist.destroy_process_group()
 
 
+def entry(argv: list[str] | None = None) -> int:
+    """:func:`main` as the process ``python -m trainer.launch.cpu_worker`` runs it: a :class:`UserError` (a
+    checkpoint refused, a bad config or rows) is one line on stderr, ``cpu_worker: error: ...``, and its exit code
+    (2), not a traceback; the host's reason for the run's end is that line (the last of the rank's log)."""
+    try:
+        return main(argv)
+    except UserError as err:
+        print(f"cpu_worker: error: {err}", file=sys.stderr, flush=True)
+        return err.exit_code
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(entry())

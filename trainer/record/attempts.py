@@ -1,134 +1,170 @@
 """The attempts of a run: what a ``--resume`` continues from and how the record links the attempts before it.
 
-A run that ended (``complete``, ``failed``, ``interrupted``) and is resumed into the same directory becomes an
-earlier attempt: its ``record.json`` (with ``attestation.json`` and ``metrics.jsonl``) is kept as
-``attempts/N/``, and the new record lists it in ``attempts`` by sha256 and names the checkpoint it continues
-from in ``resumed_from``. The checkpoint (the CPU worker's, :mod:`trainer.launch.checkpoint`, Megatron's layout)
-is the one the tracker names, its bytes equal to the sha256 the earlier record holds for it: the record is what
-vouches for it, and this side never unpickles it.
+A run that ended (``complete``, ``failed``, ``interrupted``, or ``running`` in a record whose process is gone:
+killed before it could say so) and is resumed into the same directory becomes an earlier attempt: its
+``record.json`` (with ``attestation.json`` and ``metrics.jsonl``) is kept as ``attempts/N/``, and the new record
+lists it in ``attempts`` by sha256 and names the checkpoint it continues from in ``resumed_from``. The checkpoint
+(the CPU worker's, :mod:`trainer.launch.checkpoint`, Megatron's layout) is the one the tracker names, the
+tracker's bytes and the checkpoint's equal to the sha256 the earlier record holds for them: the record is what
+vouches for it, and this side never unpickles it. The worker then loads only the checkpoint the new record's
+``resumed_from`` names, its bytes checked again against that sha256 (:func:`trainer.launch.checkpoint.load`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.inputs import read_bytes
 from trainer.publish import atomic_write
 from trainer.record.names import ATTEMPTS, ATTESTATION, CHECKPOINTS, METRICS, RECORD, checkpoint_state
-from trainer.record.rundir import FINAL, read_record
+from trainer.record.record import process_gone, sha256_file
+from trainer.record.rundir import FINAL, INTERRUPTED, RUNNING, read_record
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the newest iteration, as decimal text
+TRACKER_PATH = f"{CHECKPOINTS}/{TRACKER}"  # the tracker relative to the run directory, as files_sha256 names it
+ITERATION = re.compile(r"[0-9]{1,9}")  # an iteration as the tracker and a record write it: ASCII digits, 9 at most
+MAX_TRACKER_BYTES = 4096  # a tracker holds one iteration and a newline; larger is not one a save wrote
 
 
 def latest_iteration(run_dir: Path) -> int:
-    """The iteration the tracker names, 0 when there is no tracker. Raises :class:`UserError` naming the
-    tracker when it holds anything but a positive decimal iteration."""
-    tracker = Path(run_dir) / CHECKPOINTS / TRACKER
+    """The iteration the tracker names, 0 when there is no tracker (:func:`read_tracker`). Raises
+    :class:`UserError` naming the tracker when it is not a regular file of at most 4 KiB, or holds anything but a
+    positive decimal iteration of at most 9 ASCII digits."""
+    return read_tracker(run_dir)[0]
+
+
+def read_tracker(run_dir: Path) -> tuple[int, bytes | None]:
+    """``(iteration, bytes)`` of ``run_dir``'s tracker ``checkpoints/latest_checkpointed_iteration.txt``:
+    ``(0, None)`` when there is none. The iteration is the text stripped of white space, ASCII digits only
+    (``re.fullmatch("[0-9]{1,9}")``: not ``str.isdigit``, which takes ``"²"``), at least 1. Raises
+    :class:`UserError` (one line naming the tracker) otherwise, or when it is unreadable, not a regular file or
+    larger than :data:`MAX_TRACKER_BYTES`."""
+    tracker = Path(run_dir) / TRACKER_PATH
     try:
-        text = tracker.read_text().strip()
+        data = read_bytes(tracker, "checkpoint tracker", MAX_TRACKER_BYTES)
     except FileNotFoundError:
-        return 0
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"{tracker}: not readable ({err})") from None
-    if not text.isdigit() or int(text) < 1:
+        if tracker.is_symlink():  # a dangling link is no missing tracker
+            raise UserError(f"{tracker}: a symbolic link to nothing, not the checkpoint tracker") from None
+        return 0, None
+    except OSError as err:
+        raise UserError(f"{tracker}: not readable ({err.strerror or err})") from None
+    text = data.decode("utf-8", "replace").strip()
+    if not ITERATION.fullmatch(text) or int(text) < 1:
         raise UserError(
-            f"{tracker}: expected the iteration of the latest checkpoint (a positive integer), got {text[:40]!r}"
+            f"{tracker}: expected the iteration of the latest checkpoint (a positive integer of at most 9 digits), "
+            f"got {text[:40]!r}"
         )
-    return int(text)
+    return int(text), data
 
 
 def vouched_checkpoint(run_dir: Path, files_sha256: dict[str, str], where: str) -> tuple[int, str | None]:
-    """``(iteration, sha256)`` of the checkpoint a ``--resume`` of ``run_dir`` starts from: the tracker's,
-    its file's bytes equal to the sha256 that ``files_sha256`` (the previous attempt's record) holds for it;
-    ``(0, None)`` when there is no tracker (the run starts again from step 1). Raises :class:`UserError` naming
-    ``where`` and the file when the record holds no hash for it or its bytes changed since."""
-    import hashlib
-
-    iteration = latest_iteration(run_dir)
-    if iteration == 0:
+    """``(iteration, sha256)`` of the checkpoint a ``--resume`` of ``run_dir`` starts from: the tracker's
+    (:func:`read_tracker`), the tracker's bytes and its checkpoint file's equal to the sha256 that ``files_sha256``
+    (the previous attempt's record) holds for each; ``(0, None)`` when there is no tracker and the record holds
+    none (the run starts again from step 1). Raises :class:`UserError` naming ``where`` and the file when the
+    record holds no hash for it, its bytes changed since, or the record holds a tracker that is gone; and
+    :func:`read_tracker`'s for a tracker that names no iteration."""
+    files = files_sha256 if isinstance(files_sha256, dict) else {}
+    iteration, tracker = read_tracker(run_dir)
+    if tracker is None:
+        if isinstance(files.get(TRACKER_PATH), str):
+            raise UserError(
+                f"{where}: {TRACKER_PATH} is gone, but the previous attempt's record holds it: refusing to resume "
+                "from the start; --overwrite to start the run again"
+            )
         return 0, None
+    _vouched(TRACKER_PATH, hashlib.sha256(tracker).hexdigest(), files, where)
     rel = checkpoint_state(iteration)
-    expected = files_sha256.get(rel) if isinstance(files_sha256, dict) else None
+    try:
+        digest = sha256_file(Path(run_dir) / rel)
+    except OSError as err:
+        raise UserError(f"{where}: {rel}: not readable ({err.strerror or err})") from None
+    if digest is None:
+        raise UserError(f"{where}: {rel}: missing (the tracker names iteration {iteration})")
+    return iteration, _vouched(rel, digest, files, where)
+
+
+def _vouched(rel: str, digest: str, files: dict[str, str], where: str) -> str:
+    """``digest`` (the sha256 of the file ``rel`` of the run directory, as it is) when ``files`` (the previous
+    attempt's ``files_sha256``) holds the same for it. Raises :class:`UserError` naming ``where`` and ``rel``
+    otherwise."""
+    expected = files.get(rel)
     if not isinstance(expected, str):
         raise UserError(
             f"{where}: {rel} is not in the previous attempt's record (files_sha256): nothing vouches for it; "
             "--overwrite to start the run again"
         )
-    digest = hashlib.sha256()
-    try:
-        with open(Path(run_dir) / rel, "rb") as handle:
-            while block := handle.read(1 << 20):
-                digest.update(block)
-    except OSError as err:
-        raise UserError(f"{where}: {rel}: not readable ({err.strerror})") from None
-    if digest.hexdigest() != expected:
+    if digest != expected:
         raise UserError(
-            f"{where}: {rel} changed since the previous attempt recorded it (sha256 {digest.hexdigest()[:16]}..., "
+            f"{where}: {rel} changed since the previous attempt recorded it (sha256 {digest[:16]}..., "
             f"recorded {expected[:16]}...): refusing to resume from it"
         )
-    return iteration, expected
+    return expected
 
 
 def ended_attempt(run_dir: Path) -> dict[str, Any] | None:
-    """The record of the ended attempt (``complete``, ``failed`` or ``interrupted``) that a ``--resume`` of
-    ``run_dir`` continues, its latest checkpoint vouched for (:func:`vouched_checkpoint`); None when the
-    directory holds no such record (a plan, a run handed to a scheduler: written over as before). ``train``
-    asks before anything is written (Hydra's files included). Raises :class:`UserError` (one line)."""
+    """The record of the ended attempt that a ``--resume`` of ``run_dir`` continues, its latest checkpoint vouched
+    for (:func:`vouched_checkpoint`): one that ended (``complete``, ``failed`` or ``interrupted``), or one still
+    saying ``running`` whose process is gone (:func:`trainer.record.record.process_gone`: killed before it could
+    say so), returned as ``interrupted`` with that reason (its checkpoints then need the hashes such a record
+    seldom has: a record is hashed when its run ends). None when the directory holds no such record (a plan, a
+    run handed to a scheduler: written over as before). ``train`` asks before anything is written (Hydra's files
+    included). Raises :class:`UserError` (one line) for a ``running`` record whose process may still run (on
+    this host, another one, or in another pid namespace), and :func:`vouched_checkpoint`'s."""
     previous = read_record(Path(run_dir))
-    if not previous or previous.get("status") not in FINAL:
+    if not previous:
         return None
-    vouched_checkpoint(run_dir, previous.get("files_sha256") or {}, f"{run_dir} (--resume)")
+    where = f"{run_dir} (--resume)"
+    status = previous.get("status")
+    if status == RUNNING:
+        gone = process_gone(previous)
+        if gone is None:
+            pid, host = previous.get("pid"), str(previous.get("host"))[:80]
+            who = f"pid {pid} on {host}" if isinstance(pid, int) else f"on {host}, no pid recorded: a scheduler's job"
+            raise UserError(
+                f"{where}: its {RECORD} says running ({who}) and that process may still run: wait for it to end, "
+                "or stop it, before resuming"
+            )
+        previous = {**previous, "status": INTERRUPTED, "reason": f"{gone} (its {RECORD} still said running)"}
+    elif status not in FINAL:
+        return None
+    vouched_checkpoint(run_dir, previous.get("files_sha256") or {}, where)
     return dict(previous)
 
 
 def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
-    """Before a ``--resume`` writes into ``run_dir``: keep the ended attempt ``previous`` (its ``record.json``) and
-    set the directory to continue it from its latest checkpoint. Returns the new record's fields ``attempts``
-    (every earlier attempt, this one last: ``{"attempt", "status", "reason", "record", "record_sha256",
-    "steps_written", "resumed_from_iteration", "checkpoint_sha256"}``) and ``resumed_from`` (``{"attempt",
-    "iteration", "checkpoint", "sha256"}``; iteration 0: from the start).
+    """Before a ``--resume`` writes into ``run_dir``: keep the ended attempt ``previous`` (its ``record.json``,
+    :func:`ended_attempt`) and set the directory to continue it from its latest checkpoint. Returns the new
+    record's fields ``attempts`` (every earlier attempt, this one last: ``{"attempt", "status", "reason", "record",
+    "record_sha256", "steps_written", "resumed_from_iteration", "checkpoint_sha256"}``) and ``resumed_from``
+    (``{"attempt", "iteration", "checkpoint", "sha256"}``; iteration 0: from the start).
 
     The checkpoint is the tracker's, its bytes checked against the previous record (:func:`vouched_checkpoint`)
     first; then ``record.json``, ``attestation.json`` and ``metrics.jsonl`` are copied to ``attempts/N/``
     (written under a temporary name, renamed), and ``metrics.jsonl`` keeps the rows of the steps the checkpoint
-    holds (``step <= iteration``): the resumed workers append the rest. Raises :class:`UserError` (one line
-    naming the file) when the checkpoint is not vouched for or a metrics row is not a step's; nothing is changed
-    then."""
-    import hashlib
-    import json
-
+    holds (``step <= iteration``; :func:`kept_rows`): the resumed workers append the rest. An ``attempts/N/``
+    left by a ``--resume`` killed before its new record was saved (its ``record.json`` byte for byte the one
+    in the run directory) is that copy: taken as it is, its ``metrics.jsonl`` the rows the attempt wrote. Raises
+    :class:`UserError` (one line naming the file) when the checkpoint is not vouched for, a metrics row is not a
+    step's, or ``attempts/N`` holds anything else; nothing is changed then."""
     run_dir = Path(run_dir)
     where = f"{run_dir} (--resume)"
     iteration, checkpoint_sha = vouched_checkpoint(run_dir, previous.get("files_sha256") or {}, where)
-    metrics = run_dir / METRICS
-    lines = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
-    kept = []
-    for number, line in enumerate(lines, 1):
-        try:
-            step = json.loads(line)["step"]
-        except (ValueError, KeyError, TypeError):
-            raise UserError(f"{metrics}:{number}: not a step's row (a JSON object with a step)") from None
-        if isinstance(step, int) and step <= iteration:
-            kept.append(line)
     earlier = [a for a in previous.get("attempts") or [] if isinstance(a, dict)]
     number = len(earlier) + 1
     target = run_dir / ATTEMPTS / str(number)
-    if target.exists():
-        raise UserError(f"{target}: exists, but the record lists {len(earlier)} earlier attempts; --overwrite")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{number}.", dir=target.parent))
-    try:
-        for name in (RECORD, ATTESTATION, METRICS):
-            if (run_dir / name).is_file():
-                shutil.copyfile(run_dir / name, staging / name)
-        staging.chmod(0o755)
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    leftover = _leftover(run_dir, target, len(earlier))
+    metrics = run_dir / METRICS
+    lines, kept = kept_rows(target / METRICS if leftover else metrics, iteration)
+    if not leftover:
+        _keep_attempt(run_dir, target, number)
     if kept:
         atomic_write(metrics, "".join(kept).encode())
     else:
@@ -150,3 +186,70 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
         "sha256": checkpoint_sha,
     }
     return {"attempts": [*earlier, entry], "resumed_from": resumed}
+
+
+def _leftover(run_dir: Path, target: Path, listed: int) -> bool:
+    """Whether ``target`` (``attempts/N``) is the copy of this attempt that a ``--resume`` killed before its new
+    record left: a real folder whose ``record.json`` is byte for byte ``run_dir``'s. False when there is none.
+    Raises :class:`UserError` naming it when it holds anything else."""
+    if not (target.exists() or target.is_symlink()):
+        return False
+    kept, current = target / RECORD, run_dir / RECORD
+    same = (
+        not target.is_symlink()
+        and target.is_dir()
+        and not kept.is_symlink()
+        and kept.is_file()
+        and kept.read_bytes() == current.read_bytes()
+    )
+    if not same:
+        raise UserError(
+            f"{target}: exists, but the record lists {listed} earlier attempts and {target.name}/{RECORD} is not "
+            "the run's record.json; --overwrite"
+        )
+    return True
+
+
+def _keep_attempt(run_dir: Path, target: Path, number: int) -> None:
+    """Copy ``run_dir``'s ``record.json``, ``attestation.json`` and ``metrics.jsonl`` into ``target``
+    (``attempts/N``): into a temporary folder, renamed. The temporary folders of an earlier copy of attempt
+    ``number`` that was killed midway are removed first. Raises ``OSError`` from the file system."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for entry in target.parent.iterdir():  # mkdtemp's names: the prefix, then 8 characters
+        if re.fullmatch(rf"\.{number}\.[A-Za-z0-9_]{{8}}", entry.name) and entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+    staging = Path(tempfile.mkdtemp(prefix=f".{number}.", dir=target.parent))
+    try:
+        for name in (RECORD, ATTESTATION, METRICS):
+            if (run_dir / name).is_file():
+                shutil.copyfile(run_dir / name, staging / name)
+        staging.chmod(0o755)
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def kept_rows(metrics: Path, iteration: int) -> tuple[list[str], list[str]]:
+    """``(rows, kept)`` of the metrics file ``metrics`` (none when it is missing): every row the attempt wrote
+    (an unterminated last line, the half of a row a kill cut short, is no row: dropped) and those of the steps a
+    checkpoint of ``iteration`` holds (``step <= iteration``), each line ending in a newline. Raises
+    :class:`UserError` naming the file and line for a line that is not a JSON object with an integer ``step``."""
+    try:
+        lines = metrics.read_text().splitlines(keepends=True) if metrics.is_file() else []
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{metrics}: not readable ({err})") from None
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # a row cut short: the workers write a row and its newline in one write
+    kept = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        step = row.get("step") if isinstance(row, dict) else None
+        if isinstance(step, bool) or not isinstance(step, int):
+            raise UserError(f"{metrics}:{number}: not a step's row (a JSON object with an integer step)")
+        if step <= iteration:
+            kept.append(line)
+    return lines, kept

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from trainer.console import table_console
@@ -213,17 +213,24 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
     """The earlier attempts a ``--resume`` linked into ``record`` (``attempts``, oldest first), each checked: its
     record file (``attempts/N/record.json``) present and of the sha256 the entry holds, and the checkpoint it was
     resumed from the one that record vouched for. One ``{"attempt", "record", "ok", "line"}`` per attempt (a
-    record without ``attempts``: none); ``line`` says what was found, ``ok`` False when anything differs."""
+    record without ``attempts``: none); ``line`` says what was found, ``ok`` False when anything differs. A record
+    file is read only where it lies in the run directory: its path resolved (every link followed) must be the run
+    directory's own ``attempts/...`` (a link to elsewhere, of ``attempts`` or of any folder under it, fails)."""
     import hashlib
 
     out = []
+    base = Path(run_dir).resolve()
     for i, entry in enumerate(record.get("attempts") or [], 1):
         entry = entry if isinstance(entry, dict) else {}
         rel = entry.get("record")
-        path = run_dir / rel if isinstance(rel, str) and rel.startswith("attempts/") and ".." not in rel else None
-        data = path.read_bytes() if path is not None and path.is_file() and not path.is_symlink() else None
+        parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
+        path = base.joinpath(*parts) if parts[:1] == ("attempts",) and ".." not in parts else None
+        inside = path is not None and path.resolve() == path
+        data = path.read_bytes() if path is not None and inside and path.is_file() else None
         problem = None
-        if data is None:
+        if path is not None and path.exists() and not inside:
+            problem = f"{rel}: a symbolic link on its way (to {path.resolve()}): not a file of the run directory"
+        elif data is None:
             problem = f"{rel}: missing"
         elif hashlib.sha256(data).hexdigest() != entry.get("record_sha256"):
             problem = f"{rel}: its sha256 is not the one the record links"

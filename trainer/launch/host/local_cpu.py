@@ -25,7 +25,7 @@ from trainer.data import Rows, synthetic
 from trainer.data.build import BuildConfig, build
 from trainer.errors import CheckError, UserError
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
-from trainer.record.rundir import LOGS, RunDir
+from trainer.record.rundir import LOGS, RENDEZVOUS, RunDir
 from trainer.redact import redact_field
 
 if TYPE_CHECKING:
@@ -105,7 +105,8 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
     """Run the job; return ``record`` updated with ``status``, ``reason``, ``returncodes`` and ``probe``.
 
     ``record`` is the run record so far (written by the caller as ``running``); this function writes
-    ``job.json`` (rank 0's command and the environment of its processes, redacted) first.
+    ``job.json`` (rank 0's command and the environment of its processes, redacted) first, and removes the gloo
+    rendezvous file ``.rendezvous`` before the workers start and after they end.
     """
     cfg, par = prepared.config, prepared.par
     run_dir = rundir.path
@@ -126,8 +127,11 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
         for rank in range(world)
     ]
     rundir.write_job(commands[0], env)
+    # gloo's file store: one that a launcher killed before it could remove it (SIGKILL) left holds the keys of that
+    # group, which a new group of the same size would read as its own
+    (run_dir / RENDEZVOUS).unlink(missing_ok=True)
     outcome = supervise(commands, env, run_dir / LOGS)
-    (run_dir / ".rendezvous").unlink(missing_ok=True)
+    (run_dir / RENDEZVOUS).unlink(missing_ok=True)
     rundir.end(record, outcome.pop("status"), outcome.pop("reason"))
     record.update(outcome)
     record["probe"] = collect_probes(run_dir, world)

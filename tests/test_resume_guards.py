@@ -1,0 +1,334 @@
+"""The guards of ``train --resume`` that need no training: which record may be continued (an ended one; a
+``running`` one only once its process is gone, and then only from a checkpoint its hashes vouch for), the tracker
+read as Megatron writes it and vouched for by the record, an ``attempts/N`` left by a killed resume, a half-written
+metrics row, the worker's load of the checkpoint the record names (by its sha256), and ``trainer verify``'s
+attempt links behind a symbolic link. Real checkpoints of a tiny torch model (:func:`trainer.launch.checkpoint.save`),
+real run directories of ``train`` (a plan, its record edited to the state under test)."""
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+
+import pytest
+import torch
+
+import helpers
+from helpers import run_train
+from trainer.errors import UserError
+from trainer.launch import checkpoint
+from trainer.record import attempts
+from trainer.record.record import boot_id, pid_namespace, process_started
+from trainer.record.verify_cli import check_attempts
+
+TRACKER = "checkpoints/latest_checkpointed_iteration.txt"
+CKPT = "checkpoints/iter_{:07d}/mp_rank_00/model_optim_rng.pt"
+
+
+def sha256(path):
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def tiny(seed=0):
+    """A model and its AdamW, one step taken (so that the optimizer has state to save and load)."""
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def record_of(run_dir):
+    return json.loads((run_dir / "record.json").read_text())
+
+
+def write_record(run_dir, record):
+    (run_dir / "record.json").write_text(json.dumps(record, indent=1))
+
+
+@pytest.fixture(scope="module")
+def plan(tmp_path_factory):
+    """A plan run of ``train`` (its record, of the composition ``train`` then composes again), 20 metrics rows."""
+    return helpers.planned_run(tmp_path_factory.mktemp("plan"))
+
+
+@pytest.fixture
+def ended(plan, tmp_path):
+    """``plan`` copied, with the checkpoints of steps 2 and 4 (the tracker naming 4) and a record that ended
+    ``failed`` vouching for them, the tracker included (as a sealed run's record does): the run directory."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(plan, run_dir)
+    model, optimizer = tiny()
+    for step in (2, 4):
+        checkpoint.save(run_dir, step, model, optimizer)
+    record = record_of(run_dir)
+    vouched = {rel: sha256(run_dir / rel) for rel in (TRACKER, CKPT.format(2), CKPT.format(4), "metrics.jsonl")}
+    record.update(status="failed", reason="rank 1 exited with -9", files_sha256={**record["files_sha256"], **vouched})
+    write_record(run_dir, record)
+    return run_dir
+
+
+def resume(run_dir, cwd):
+    return run_train([f"hydra.run.dir={run_dir}", "--resume"], cwd=cwd)
+
+
+def dead_pid():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def running(record, pid):
+    """``record`` as the launcher saved it while its run ran: ``running``, the identity of process ``pid``, the
+    checkpoints not hashed (a record is hashed when its run ends)."""
+    files = {k: v for k, v in record["files_sha256"].items() if not k.startswith("checkpoints/")}
+    record = {k: v for k, v in record.items() if k not in ("reason", "finished_utc")}
+    return {
+        **record,
+        "status": "running",
+        "files_sha256": files,
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pid_started": process_started(pid),
+        "boot_id": boot_id(),
+        "pid_ns": pid_namespace(),
+    }
+
+
+# ------------------------------------------------------------------ 1, 2: a record that says running
+
+
+def test_a_killed_run_whose_record_says_running_is_not_resumed_from_an_unvouched_checkpoint(ended, tmp_path):
+    """Finding 1 (host side): the launcher was killed (SIGKILL) and its record still says running; its process is
+    gone, so the run is an ended attempt, but nothing hashed its checkpoints: --resume is refused in one line
+    naming the checkpoint, and nothing is written."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    before = helpers.tree_hash(ended)
+    refused = resume(ended, tmp_path)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    line = helpers.assert_one_line(refused.stderr, f"{ended} (--resume): {TRACKER} is not in the previous attempt")
+    assert "nothing vouches for it" in line
+    assert helpers.tree_hash(ended) == before and not (ended / "attempts").exists()
+
+
+def test_a_killed_run_without_checkpoints_resumes_as_interrupted_from_the_start(ended):
+    """Finding 1: a running record whose process is gone and that left no checkpoint is continued from step 1,
+    as an interrupted attempt naming why (the process is gone)."""
+    shutil.rmtree(ended / "checkpoints")
+    pid = dead_pid()
+    write_record(ended, running(record_of(ended), pid))
+    previous = attempts.ended_attempt(ended)
+    assert previous["status"] == "interrupted"
+    assert previous["reason"] == (
+        f"its process {pid} is gone: it ended without recording how the run ended (its record.json still said running)"
+    )
+    linked = attempts.continue_attempt(ended, previous)
+    assert linked["resumed_from"] == {"attempt": 1, "iteration": 0, "checkpoint": None, "sha256": None}
+    assert linked["attempts"][0]["status"] == "interrupted" and linked["attempts"][0]["steps_written"] == 20
+
+
+def test_resume_of_a_live_run_is_refused(ended, tmp_path):
+    """Finding 2: a running record whose process lives (this test's own: the same pid, start time, boot and pid
+    namespace) is refused, even with every checkpoint vouched for; nothing is written."""
+    record = {**running(record_of(ended), os.getpid()), "files_sha256": record_of(ended)["files_sha256"]}
+    write_record(ended, record)
+    before = helpers.tree_hash(ended)
+    refused = resume(ended, tmp_path)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    helpers.assert_one_line(
+        refused.stderr,
+        f"{ended} (--resume): its record.json says running (pid {os.getpid()} on {socket.gethostname()}) and "
+        "that process may still run",
+    )
+    assert helpers.tree_hash(ended) == before
+
+
+def test_a_running_record_of_another_host_is_refused(ended):
+    """Finding 2: a run on another host cannot be checked from here: it may run, so it is refused."""
+    write_record(ended, {**running(record_of(ended), dead_pid()), "host": "another-host"})
+    with pytest.raises(UserError, match=r"says running \(pid \d+ on another-host\) and that process may still run"):
+        attempts.ended_attempt(ended)
+
+
+# ------------------------------------------------------------------ 1: the worker loads what the record names
+
+
+def resumed_from(run_dir, step):
+    return {
+        "attempt": 1,
+        "iteration": step,
+        "checkpoint": CKPT.format(step),
+        "sha256": sha256(run_dir / CKPT.format(step)),
+    }
+
+
+def test_the_worker_loads_only_the_checkpoint_the_record_names_by_its_sha256(ended):
+    """Finding 1 (worker side): checkpoint.load loads the checkpoint resumed_from names, never the tracker's
+    (here step 4); a resumed_from of none loads nothing; its bytes changed, or a sha256 not theirs, are refused
+    before torch.load, naming the file; a resumed_from naming another file than its iteration's is refused."""
+    saved = tiny()[0].state_dict()
+    model, optimizer = tiny(seed=1)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    assert checkpoint.load(ended, model, optimizer, None) == 0
+    assert (
+        checkpoint.load(ended, model, optimizer, {"attempt": 1, "iteration": 0, "checkpoint": None, "sha256": None})
+        == 0
+    )
+    assert all(torch.equal(model.state_dict()[k], fresh[k]) for k in fresh)  # the tracker's step 4 was not loaded
+    assert checkpoint.load(ended, model, optimizer, resumed_from(ended, 2)) == 2
+    assert all(torch.equal(model.state_dict()[k], saved[k]) for k in saved)
+    assert optimizer.state_dict()["state"][0]["step"] == 1
+
+    wrong = {**resumed_from(ended, 2), "sha256": "0" * 64}
+    with pytest.raises(UserError, match=r"model_optim_rng.pt: sha256 [0-9a-f]{16}\.\.\., the record resumes from 0000"):
+        checkpoint.load(ended, *tiny(), wrong)
+    vouched = resumed_from(ended, 2)
+    path = ended / CKPT.format(2)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(UserError, match="refusing to load it"):
+        checkpoint.load(ended, *tiny(), vouched)
+    for bad in (
+        {**resumed_from(ended, 4), "checkpoint": CKPT.format(2)},
+        {**resumed_from(ended, 4), "iteration": True},
+        {**resumed_from(ended, 4), "iteration": 10**9},
+        {**resumed_from(ended, 4), "sha256": None},
+    ):
+        with pytest.raises(UserError, match=r"record.json: resumed_from .* names no checkpoint"):
+            checkpoint.load(ended, *tiny(), bad)
+
+
+# ------------------------------------------------------------------ 3: a leftover attempts/N
+
+
+def test_an_attempt_left_by_a_killed_resume_is_taken_again(ended):
+    """Finding 3: a --resume killed after it kept attempts/1 but before its new record was saved leaves the old
+    record in place; the next --resume takes that attempts/1 (its record.json the same bytes) and links the same
+    attempt, the rows the first attempt wrote counted from its copy."""
+    first = attempts.continue_attempt(ended, attempts.ended_attempt(ended))  # the kill: no new record follows
+    assert sorted(p.name for p in (ended / "attempts").iterdir()) == ["1"]
+    again = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert again == first
+    assert again["attempts"][0]["steps_written"] == 20 and again["resumed_from"]["iteration"] == 4
+    assert [json.loads(line)["step"] for line in (ended / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+
+
+def test_an_attempt_folder_of_another_record_is_refused(ended):
+    """Finding 3: an attempts/1 whose record.json is not the run's is not this attempt's copy: refused, one line."""
+    (ended / "attempts/1").mkdir(parents=True)
+    (ended / "attempts/1/record.json").write_text("{}")
+    with pytest.raises(UserError, match=r"attempts/1: exists, but the record lists 0 earlier attempts"):
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+
+
+# ------------------------------------------------------------------ 4, 5: the tracker
+
+
+@pytest.mark.parametrize(
+    "text", ["²", "٣", "9" * 4200, "9" * 5000, "1e3", "0", "-1", "", "4 4", "0x4", "1000000000", "+4", "４"]
+)
+def test_a_tracker_that_is_no_iteration_is_one_line(ended, text):
+    """Finding 4: the tracker holds anything but 1 to 9 ASCII digits (a superscript, Arabic-Indic or full-width
+    digit that str.isdigit takes, 5,000 digits that int() refuses, 4,200 that it takes): one UserError naming the
+    tracker and what it holds, or its size past 4 KiB."""
+    (ended / TRACKER).write_text(f"{text}\n")
+    with pytest.raises(UserError) as err:
+        attempts.latest_iteration(ended)
+    message = str(err.value)
+    assert message.startswith(f"{ended / TRACKER}: ") and "\n" not in message
+    if len(text) < 4096:
+        expected = "expected the iteration of the latest checkpoint (a positive integer of at most 9 digits)"
+        assert f"{expected}, got {text[:40]!r}" in message
+    else:
+        assert "bytes, more than the 4,096 a checkpoint tracker may have" in message
+
+
+def test_a_tracker_of_a_superscript_digit_is_refused_by_train_in_one_line(ended, tmp_path):
+    """Finding 4, through train: exit 2 and one line (it was an internal error, exit 70)."""
+    (ended / TRACKER).write_text("²\n")
+    refused = resume(ended, tmp_path)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    helpers.assert_one_line(refused.stderr, f"{ended / TRACKER}: expected the iteration of the latest checkpoint")
+    assert "Traceback" not in refused.stderr
+
+
+def test_a_tracker_changed_since_the_record_is_refused(ended):
+    """Finding 5 (tamper): the tracker rewritten to name step 2 (a checkpoint the record vouches for too), or
+    removed, or never hashed: each refused before anything is written, naming the tracker."""
+    original = (ended / TRACKER).read_bytes()
+    assert attempts.vouched_checkpoint(ended, record_of(ended)["files_sha256"], "here") == (
+        4,
+        sha256(ended / CKPT.format(4)),
+    )
+    for changed in (b"2\n", b"4", b"04\n"):
+        (ended / TRACKER).write_bytes(changed)
+        with pytest.raises(UserError, match=f"{ended} \\(--resume\\): {TRACKER} changed since the previous attempt"):
+            attempts.ended_attempt(ended)
+    (ended / TRACKER).unlink()
+    with pytest.raises(UserError, match=f"{TRACKER} is gone, but the previous attempt's record holds it"):
+        attempts.ended_attempt(ended)
+    (ended / TRACKER).write_bytes(original)
+    files = {k: v for k, v in record_of(ended)["files_sha256"].items() if k != TRACKER}
+    with pytest.raises(UserError, match=f"here: {TRACKER} is not in the previous attempt's record"):
+        attempts.vouched_checkpoint(ended, files, "here")
+    assert not (ended / "attempts").exists()
+
+
+# ------------------------------------------------------------------ 6: metrics rows
+
+
+def test_an_unterminated_last_metrics_row_is_dropped(ended):
+    """Finding 6: a kill mid-write leaves half a row, unterminated, last: dropped; the rows up to the checkpoint
+    kept, each ending in a newline."""
+    metrics = ended / "metrics.jsonl"
+    metrics.write_bytes(metrics.read_bytes() + b'{"step": 21, "lm_lo')
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert linked["attempts"][0]["steps_written"] == 20
+    assert [json.loads(line)["step"] for line in metrics.read_text().splitlines()] == [1, 2, 3, 4]
+    assert metrics.read_bytes().endswith(b"}\n")
+
+
+@pytest.mark.parametrize("row", ['{"step": "3"}', '{"step": 3.0}', '{"step": true}', '{"lm_loss": 1}', "[3]", "x"])
+def test_a_row_without_an_integer_step_is_refused_naming_its_line(ended, row):
+    """Finding 6: a complete row whose step is not an integer (it was silently dropped) or that is no row: one
+    line naming the file and the line; nothing is changed."""
+    metrics = ended / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    metrics.write_text("".join([*lines[:2], row + "\n", *lines[2:]]))
+    before = helpers.tree_hash(ended)
+    with pytest.raises(UserError, match=r"metrics.jsonl:3: not a step's row \(a JSON object with an integer step\)"):
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert helpers.tree_hash(ended) == before
+
+
+# ------------------------------------------------------------------ 7: verify's attempts behind a link
+
+
+def test_verify_does_not_follow_a_linked_attempts_folder(ended, tmp_path):
+    """Finding 7 (tamper): attempts/ moved out of the run directory and linked back: the record's bytes and
+    sha256 are the same, but they are not the run directory's: the attempt fails; so does a linked record.json."""
+    record = {**record_of(ended), **attempts.continue_attempt(ended, attempts.ended_attempt(ended))}
+    write_record(ended, record)
+    [row] = check_attempts(ended, record)
+    assert row["ok"] is True, row
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(ended / "attempts", elsewhere)
+    (ended / "attempts").symlink_to(elsewhere)
+    [row] = check_attempts(ended, record)
+    assert row["ok"] is False and row["line"] == (
+        f"attempt 1: attempts/1/record.json: a symbolic link on its way (to {elsewhere.resolve()}/1/record.json): "
+        "not a file of the run directory"
+    )
+    (ended / "attempts").unlink()
+    (ended / "attempts/1").mkdir(parents=True)
+    (ended / "attempts/1/record.json").symlink_to(elsewhere / "1/record.json")
+    [row] = check_attempts(ended, record)
+    assert row["ok"] is False and "a symbolic link on its way" in row["line"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(helpers.main(__file__))
