@@ -77,7 +77,18 @@ def nodes(cfg, path="", parent=None):
 
 def test_the_jobs_cover_every_option_of_every_group():
     groups = {job[0].split("=")[0] for job in OPTIONS}
-    assert groups == {"cluster", "data", "experiment", "launcher", "layout", "model", "optim", "stack", "env"}
+    assert groups == {
+        "cluster",
+        "data",
+        "experiment",
+        "launcher",
+        "layout",
+        "model",
+        "optim",
+        "throughput",
+        "stack",
+        "env",
+    }
     assert len(OPTIONS) >= 30
 
 

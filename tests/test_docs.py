@@ -421,8 +421,10 @@ def check_command(command: str, inline: bool = False) -> str | None:
             bad = [w for w in wanted if w not in labels]
             if bad:
                 return f"{rest[0]} has no subcommand or run {', '.join(bad)} (it has {', '.join(sorted(labels))})"
-        if path.name == "h200_carry.sh" and len(rest) != 3 and not (inline and len(rest) == 1):
-            return f"{rest[0]} takes MEGATRON_LM_GIT_DIR MILES_GIT_DIR, {len(rest) - 1} arguments shown"
+        if path.name == "h200_carry.sh" and len(rest) not in (3, 4) and not (inline and len(rest) == 1):
+            return (
+                f"{rest[0]} takes MEGATRON_LM MILES [FAST_HADAMARD_TRANSFORM_GIT_DIR], {len(rest) - 1} arguments shown"
+            )
         return None
     if head == "bazel":
         for target in rest[1:]:
@@ -1349,7 +1351,7 @@ def test_bench_script_headers_name_commands_that_exist():
 def test_a_bench_header_naming_a_missing_subcommand_is_named():
     # the drift: h200_carry.sh's header named `bash bench/h200_setup.sh native`, which does not exist
     assert check_command("bash bench/h200_setup.sh native", True).startswith(
-        "bench/h200_setup.sh has no subcommand or run native (it has cudnn-dir, install, "
+        "bench/h200_setup.sh has no subcommand or run native (it has cudnn-dir, fht, install, "
     )
     assert check_command("bash bench/h200_bench.sh tiny tiny-nodistop", True).startswith(
         "bench/h200_bench.sh has no subcommand or run tiny-nodistop"

@@ -116,6 +116,23 @@ class ModelParams:
             + self.mtp_expert
         )
 
+    def stage_counts(self, stage_layers: list[int]) -> list[tuple[int, int]]:
+        """``(dense, expert)`` parameters of each pipeline stage holding ``stage_layers[i]`` consecutive decoder
+        layers: the embedding on the first stage; the output head, final norm and MTP on the last."""
+        counts, first = [], 0
+        for stage, n_layers in enumerate(stage_layers):
+            layers = self.layers[first : first + n_layers]
+            first += n_layers
+            dense = sum(layer.dense for layer in layers)
+            expert = sum(layer.expert_total for layer in layers)
+            if stage == 0:
+                dense += self.embedding
+            if stage == len(stage_layers) - 1:
+                dense += self.output + self.final_norm + self.mtp_dense
+                expert += self.mtp_expert
+            counts.append((dense, expert))
+        return counts
+
     def summary(self) -> dict[str, int]:
         """JSON-ready counts: ``active_per_token``, ``total_matrices``, ``embedding``, ``total``."""
         return {

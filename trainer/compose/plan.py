@@ -14,17 +14,25 @@ Memory per GPU (bytes; estimate, stated so it can be checked):
                                                             the distributed optimizer over DP for dense and over the
                                                             expert data-parallel group EDP for expert weights;
                                                             without it, 12 x P_w)
-    activations = m x (L_s / r) x C + r x A + logits
+    activations = m x (L_s / r) x C + R x L_s x C + r x A + logits
         P_w        = P_dense / TP + P_expert / (EP x ETP) on the GPU's stage (embedding on the first stage,
                      output head and MTP on the last)
         C          = s x b x h x k x 2 / (TP if sequence parallel else 1) / CP   (one checkpointed layer input:
                      the hyper-connection residual is k = dsv4_hc_mult streams of width h, bf16)
+        R          = 2 for miles' V4 layers (k > 1), else 0: measured, not derived. On one H200 (2026-12-05,
+                     bench/results/h200-2026-12-05, the stage slices of 2 to 5 layers) every V4 layer holds
+                     0.80 GB beyond its 18 B per parameter = 3 x C at s 8,192, h 4,096, k 4, and holds it after
+                     the step too (memory_after_step_1_bytes in megatron.json): the peak grows by the same
+                     0.80 GB per layer while the peak minus the memory after the step stays 7.49 GB for 2 to 5
+                     layers. One C of the three is the checkpoint m counts; R counts the other two
         A          = 34 x s x b x h / TP / CP   (one layer's activations while it is recomputed; Korthikanti
                      et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", Table 2,
                      sequence parallel with flash attention: the 5as/h term vanishes)
         m          = microbatches in flight on stage i under 1F1B: min(PP - i, microbatches)
         r          = recompute_num_layers (full recompute); without recompute, L_s x A per microbatch
-        logits     = s x b x V / TP x 4 x 2 on the last stage (fp32 logits and their gradient)
+        logits     = s x b x V / TP x 6 on the last stage (the vocab-parallel cross entropy keeps an fp32 copy
+                     of the bf16 logits, exponentiates it in place and reuses it as the gradient: 4 B, with the
+                     2 B bf16 logits alive beside it; megatron/core/tensor_parallel/cross_entropy.py)
 Not counted: CUDA context, NCCL and DeepEP buffers, allocator fragmentation (typically a few GB).
 """
 
@@ -37,6 +45,7 @@ from typing import Any, NotRequired, TypedDict
 from trainer.compose.checks import Parallelism
 from trainer.compose.numerics import NumericsVerdict
 from trainer.compose.params import ModelParams, count_params
+from trainer.compose.predict import Prediction, predict
 from trainer.compose.schema import TrainConfig
 
 GB = 1e9  # bytes
@@ -103,7 +112,8 @@ class Submission(TypedDict):
 class Plan(TypedDict):
     """``plan.json`` (:func:`build_plan`): counts of GPUs, layers, experts, tokens and steps; memory in GB.
     ``parallelism`` is :class:`~trainer.compose.checks.Parallelism` as a dict; ``params`` the counts of
-    :meth:`~trainer.compose.params.ModelParams.summary`; ``numerics`` the verdict against the reference layout;
+    :meth:`~trainer.compose.params.ModelParams.summary`; ``throughput`` the prediction of
+    :mod:`trainer.compose.predict`; ``numerics`` the verdict against the reference layout;
     ``megatron`` only for ``launcher=local-megatron`` (what its worker builds)."""
 
     schema_version: int
@@ -116,6 +126,7 @@ class Plan(TypedDict):
     experts_per_ep_rank: int
     ranks: list[RankPlacement]
     memory: MemoryEstimate
+    throughput: Prediction
     numerics: NumericsVerdict
     tokens_per_step: int
     steps: int
@@ -185,18 +196,11 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     grad_bytes = 4 if cfg.optim.accumulate_allreduce_grads_in_fp32 else 2
     checkpoint = s * b * h * model.dsv4_hc_mult * 2 / (tp if lay.sequence_parallel else 1) / cp
     layer_acts = 34 * s * b * h / tp / cp
+    retained = 2 if model.dsv4_hc_mult > 1 else 0  # R of the module docstring (measured on miles' V4 layers)
     stages: list[StageMemory] = []
-    first_layer = 0
-    for stage, n_layers in enumerate(par.stage_layers):
-        layers = params.layers[first_layer : first_layer + n_layers]
-        first_layer += n_layers
-        dense = sum(layer.dense for layer in layers)
-        expert = sum(layer.expert_total for layer in layers)
-        if stage == 0:
-            dense += params.embedding
-        if stage == pp - 1:
-            dense += params.output + params.final_norm + params.mtp_dense
-            expert += params.mtp_expert
+    for stage, (n_layers, (dense, expert)) in enumerate(
+        zip(par.stage_layers, params.stage_counts(par.stage_layers), strict=True)
+    ):
         on_gpu = dense / tp + expert / (par.expert_model_parallel_size * par.expert_tensor_parallel_size)
         if lay.use_distributed_optimizer:
             optimizer = 12 * (
@@ -210,11 +214,11 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
         in_flight = min(pp - stage, par.microbatches)
         if lay.recompute_granularity == "full":
             r = lay.recompute_num_layers or 1
-            acts = in_flight * math.ceil(n_layers / r) * checkpoint + r * layer_acts
+            acts = in_flight * math.ceil(n_layers / r) * checkpoint + r * layer_acts + retained * n_layers * checkpoint
         else:
             acts = in_flight * n_layers * layer_acts
         if stage == pp - 1:
-            acts += s * b * model.vocab_size / tp * 4 * 2
+            acts += s * b * model.vocab_size / tp * 6
         total = (2 + grad_bytes) * on_gpu + optimizer + acts
         stages.append(
             {
@@ -230,7 +234,8 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     peak = max(st["total_gb"] for st in stages)
     return {
         "formula": "see trainer/compose/plan.py module docstring (weights 2 B, grads 4 B, Adam 12 B sharded by the "
-        "distributed optimizer, full-recompute checkpoints + one recomputed layer + last-stage logits)",
+        "distributed optimizer, full-recompute checkpoints + the V4 layers' retained 2 x C + one recomputed layer + "
+        "last-stage logits)",
         "per_stage": stages,
         "max_gb": peak,
         "gpu_memory_gb": cfg.cluster.gpu_memory_gb,
@@ -284,6 +289,7 @@ def build_plan(cfg: TrainConfig, par: Parallelism, numerics: NumericsVerdict) ->
         "experts_per_ep_rank": cfg.model.num_experts // par.expert_model_parallel_size,
         "ranks": ranks,
         "memory": memory,
+        "throughput": predict(cfg, par, params),
         "numerics": numerics,
         "tokens_per_step": cfg.optim.global_batch_size * cfg.data.seq_length,
         "steps": recipe_steps(cfg),

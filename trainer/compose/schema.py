@@ -1,6 +1,6 @@
 """Typed schema of a composed run: the structured configs behind ``conf/``.
 
-Every group of ``conf/`` (model, layout, data, cluster, optim, stack, env, paths, launcher) is merged
+Every group of ``conf/`` (model, layout, data, cluster, optim, throughput, stack, env, paths, launcher) is merged
 into one of these dataclasses, so Hydra/OmegaConf reject unknown keys and values of the wrong type at
 composition time, before any check or launch. Field names are Megatron-LM's argument names (the
 ``dest`` of ``megatron/training/arguments.py``: ``--disable-bias-linear`` is ``add_bias_linear: false``,
@@ -241,6 +241,35 @@ class ClusterConfig(Record):
     price_source: str = ""
     partition: str | None = None  # Slurm partition
     account: str | None = None  # Slurm account
+    # bandwidth per GPU and direction, GB/s (1e9 bytes), for the throughput prediction (trainer/compose/predict.py);
+    # null = not stated, no prediction
+    nvlink_gb_s: float | None = None  # within a node
+    network_gb_s: float | None = None  # between nodes (the node's NICs shared by its GPUs)
+
+
+@dataclass
+class ThroughputConfig(Record):
+    """Measured compute times that the throughput prediction scales to a layout (``conf/throughput/``,
+    trainer/compose/predict.py). Times are seconds per microbatch of ``micro_batch_size`` rows of ``seq_length``
+    tokens on one GPU of ``gpu_type`` holding a whole layer's dense weights and ``experts`` routed experts that
+    receive every token's top-k (the work that TP ranks of a layout share); ``name: none`` = no prediction."""
+
+    name: str = "none"
+    source: str = ""  # where and when the times were measured (run directories, machine, date)
+    gpu_type: str = ""
+    model: str = ""  # the model config option whose layers were timed (model.name of the runs)
+    hidden_size: int = 0
+    seq_length: int = 0
+    micro_batch_size: int = 1
+    experts: int = 0  # routed experts on the timed GPU
+    layer_s: dict[str, float] = field(default_factory=dict)  # one decoder layer (forward, recompute, backward) by
+    # its compress ratio ("0", "4", "128")
+    head_s: float = 0.0  # the output layer and cross entropy (forward and backward); the MTP layer has one too
+    optimizer_s_per_gparam: float = 0.0  # the optimizer step (grad norm, clip, Adam) per 1e9 parameters on the GPU
+    reference_layout: str = ""  # the layout of the recipe's measured run
+    reference_tokens_per_s_per_gpu: float | None = None  # the recipe's measured throughput (its card)
+    validated_error: float | None = None  # (predicted - measured) / measured for reference_layout, from
+    # bench/throughput_fit.py's runs; tests/test_predict.py checks it against the prediction
 
 
 @dataclass
@@ -362,6 +391,7 @@ class TrainConfig(Record):
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    throughput: ThroughputConfig = field(default_factory=ThroughputConfig)
     stack: StackConfig = field(default_factory=StackConfig)
     env: dict[str, str] = field(default_factory=dict)  # environment of every training process
     paths: PathsConfig = field(default_factory=PathsConfig)

@@ -75,6 +75,7 @@ def summary_rows(plan: Plan, run_dir: Path) -> SummaryRows:
             f"peak estimate {memory['max_gb']:.1f} GB of {memory['gpu_memory_gb']:.0f} GB per GPU",
         )
     ]
+    lines.append(throughput_line(plan))
     lines += [("yellow", f"warning: {warning}") for warning in plan["warnings"]]
     lines.append(("", f"submit: {plan['submit']['how']}"))
     return {
@@ -83,6 +84,26 @@ def summary_rows(plan: Plan, run_dir: Path) -> SummaryRows:
         "stages": stages,
         "lines": lines,
     }
+
+
+def throughput_line(plan: Plan) -> tuple[str, str]:
+    """The predicted tokens/s/GPU and MFU with the error against the recipe's measured run (this layout's, else
+    the one the calibration was validated to), or why there is no prediction."""
+    pred = plan["throughput"]
+    if not pred["predicted"]:
+        return ("", f"throughput: not predicted ({pred.get('why')})")
+    ref = pred.get("reference", {})
+    measured, error = ref.get("tokens_per_s_per_gpu"), ref.get("error", ref.get("validated_error"))
+    versus = (
+        f"; error {error:+.1%} against {ref.get('layout')}'s measured {measured}"
+        if isinstance(error, float) and measured
+        else "; not validated against a measured run"
+    )
+    return (
+        "",
+        f"throughput: predicted {pred.get('tokens_per_s_per_gpu', 0):,.0f} tokens/s/GPU, MFU {pred.get('mfu', 0):.1%}, "
+        f"step {pred.get('step_s', 0):.1f} s (throughput={pred['calibration']}{versus})",
+    )
 
 
 def print_plan_summary(plan: Plan, run_dir: Path, console: Any = None) -> None:
