@@ -164,6 +164,47 @@ def test_build_step_reproduces_caches_and_rebuilds_only_what_changed(world):
     assert layer(third, "build-hello")[3] == "built" and layer(third, "build-hello")[1] != diff_id
 
 
+def test_a_step_sees_the_same_modification_times_whenever_its_root_was_unpacked(world):
+    """A compiler may record its sources' times (nvcc's -lineinfo line tables hold every header's mtime): the step's
+    input (/build/src, files and folders), the Debian root (/usr/include/stdio.h, /usr/bin) and its wheels' tree
+    hold 1980-01-01T00:00:00Z (buildroot.TREE_MTIME), not the time they were unpacked; two builds from empty caches
+    unpacked at other times give the same layer. Tamper: a step that prints the time of a file it wrote itself
+    (now) gives another layer from the same inputs."""
+    from trainer.image.buildroot import TREE_MTIME
+
+    tmp, cache = world["tmp"], world["cache"]
+    stat = (
+        "stat -c '%n %Y' /build/src /build/src/hello.c /build/src/sub /build/src/sub/b.h /usr/include/stdio.h /usr/bin"
+    )
+    command = f'{stat} > "$BUILD_OUT/times"'
+    files = {"hello.c": HELLO_C, "sub/b.h": b"#define B 1\n"}
+    lock = lock_for(tmp / "mtime", "hello", files, command, cache)
+    first = build_image(lock, tmp / "img-mtime", cache, world["bundle"], offline=False)
+    diff_id = layer(first, "build-hello")[1]
+    with tarfile.open(cache.blob_path(diff_id[7:])) as tar:
+        lines = tar.extractfile("opt/hello/times").read().decode().splitlines()
+    assert lines == [
+        f"{path} {TREE_MTIME}"
+        for path in ("/build/src", "/build/src/hello.c", "/build/src/sub", "/build/src/sub/b.h")
+        + ("/usr/include/stdio.h", "/usr/bin")
+    ]
+    time.sleep(1.1)  # the second root is unpacked at least a second later
+    second = build_image(
+        lock, tmp / "img-mtime-2", inputs_cache(cache, tmp / "cache-mtime"), world["bundle"], offline=True
+    )
+    assert layer(second, "build-hello")[1:3] == layer(first, "build-hello")[1:3]
+    assert layer(second, "build-hello")[3] == "built"
+    now = lock_for(tmp / "mtime-now", "hello", files, f'touch /tmp/x; {stat} /tmp/x > "$BUILD_OUT/times"', cache)
+    layers = []
+    for i in (1, 2):
+        time.sleep(1.1)  # the file it writes gets another second
+        made = build_image(
+            now, tmp / f"img-now-{i}", inputs_cache(cache, tmp / f"cache-now-{i}"), world["bundle"], offline=True
+        )
+        layers.append(layer(made, "build-hello")[1])
+    assert layers[0] != layers[1]
+
+
 @pytest.mark.parametrize(
     "case, command, needle",
     [

@@ -19,16 +19,17 @@ inputs only: the lock's ``build_root`` block::
 Two trees are cached under the content-addressed cache (``ROOT/roots/``), each named by the hash of what
 went into it and made read-only:
 
-- ``roots/debs-<key>``: the ``.debs`` unpacked exactly as the ``debian-rootfs`` image base is
+- ``roots/v2-debs-<key>``: the ``.debs`` unpacked exactly as the ``debian-rootfs`` image base is
   (:func:`trainer.image.debian.rootfs_entries`: merged /usr, dpkg database, no maintainer scripts), plus the
   empty mount points ``/build/input``, ``/build/src``, ``/build/out`` and the Python prefix;
-- ``roots/wheels-<key>``: one step's wheels (from ``build_root.wheels`` or the image's ``wheels``) installed by
+- ``roots/v2-wheels-<key>``: one step's wheels (from ``build_root.wheels`` or the image's ``wheels``) installed by
   :func:`trainer.image.wheels.install_wheels` for ``build_root.python``; it is bound at the prefix
   (``/usr/local``), so the root's Python finds them.
 
 Every ``.deb`` and wheel is hash-checked when a tree is made (:meth:`trainer.image.cas.Cache.ensure`); a tree
 is written into ``roots/tmp-*`` and renamed into place only when complete, so an interrupted unpack is never
-used. A finished tree is trusted by its name (it is derived data; delete ``roots/`` to rebuild it).
+used. A finished tree is trusted by its name (it is derived data; delete ``roots/`` to rebuild it). Every path
+in a tree has the modification time :data:`TREE_MTIME`, whenever it was unpacked.
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ from trainer.lock.imagelock import PYTHON_KEYS
 from trainer.lock.pypi import pypi_files, wheel_fits
 
 FORMAT = 1  # bump when the unpacked trees for the same inputs would change
+# Every file, directory and symbolic link of a tree (and of a step's input, :func:`trainer.image.native`) gets this
+# modification time, 1980-01-01T00:00:00Z, the earliest a ZIP entry can hold (PKWARE APPNOTE 4.4.6: MS-DOS dates),
+# so that a tool zipping what it reads never refuses it. Without it a tree held the time it was unpacked, and a
+# compiler that records its sources' times saw another root each time: nvcc's -lineinfo line tables hold the mtime
+# of every header (fast-hadamard-transform's cubin differed in three such bytes between two builds, 2026-12-06).
+TREE_MTIME = 315532800
+# The trees' names on disk: ``roots/<TREE_VERSION>debs-<key>``. Version 2 trees have TREE_MTIME; version 1 trees
+# (no prefix) held their unpack times and are never reused. The keys (hence the build steps' layer keys) stay: the
+# outputs recorded before (TE, DeepEP, aws-ofi-nccl, antlr4) were reproduced from roots unpacked at different times.
+TREE_VERSION = "v2-"
 MOUNTS = ("build/input", "build/src", "build/out")
 
 
@@ -85,10 +96,24 @@ def materialize(entries: list[Entry], dest: Path, allow_absolute_symlinks: bool 
 
     Files get mode 0755 or 0644 (or their ``mode_bits`` without setuid/setgid), streamed contents are checked
     against their ``sha256`` when one is given; symlinks are created as they are (absolute targets resolve
-    inside the sandbox, where ``dest`` is ``/``). Raises :class:`UserError` for a refused entry or a content
-    mismatch.
+    inside the sandbox, where ``dest`` is ``/``). Every path written, and ``dest``, then gets the modification
+    and access time :data:`TREE_MTIME` (directories last, deepest first, so that no later write moves them).
+    Raises :class:`UserError` for a refused entry or a content mismatch.
     """
-    for entry in plan_entries(entries, allow_absolute_symlinks):
+    planned = plan_entries(entries, allow_absolute_symlinks)
+    _write(planned, dest)
+    stamp = (TREE_MTIME * 10**9, TREE_MTIME * 10**9)
+    for entry in planned:
+        if entry.type != DIR:
+            os.utime(dest / entry.path, ns=stamp, follow_symlinks=False)
+    for entry in sorted((e for e in planned if e.type == DIR), key=lambda e: e.path.count("/"), reverse=True):
+        os.utime(dest / entry.path, ns=stamp, follow_symlinks=False)
+    os.utime(dest, ns=stamp)
+
+
+def _write(planned: list[Entry], dest: Path) -> None:
+    """:func:`materialize`'s writing of each planned entry under ``dest``."""
+    for entry in planned:
         path = dest / entry.path
         if entry.type == DIR:
             path.mkdir(exist_ok=True)
@@ -171,9 +196,9 @@ def debian_tree(cache: Cache, block: dict[str, Any], offline: bool, console=None
             shutil.rmtree(spool, ignore_errors=True)
 
     key = deb_key(block)
-    if console is not None and not (cache.root / "roots" / f"debs-{key}").is_dir():
+    if console is not None and not (cache.root / "roots" / f"{TREE_VERSION}debs-{key}").is_dir():
         console.print(f"build root: unpacking {len(block['debs'])} .debs", soft_wrap=True)
-    return _make_tree(cache, f"debs-{key}", fill)
+    return _make_tree(cache, f"{TREE_VERSION}debs-{key}", fill)
 
 
 def wheel_tree(
@@ -225,9 +250,9 @@ def wheel_tree(
             shutil.rmtree(spool, ignore_errors=True)
 
     key = wheels_key(block, items)
-    if console is not None and not (cache.root / "roots" / f"wheels-{key}").is_dir():
+    if console is not None and not (cache.root / "roots" / f"{TREE_VERSION}wheels-{key}").is_dir():
         console.print(f"build root: installing {len(items)} wheels", soft_wrap=True)
-    return _make_tree(cache, f"wheels-{key}", fill)
+    return _make_tree(cache, f"{TREE_VERSION}wheels-{key}", fill)
 
 
 def resolve_build_root(block: dict[str, Any]) -> dict[str, Any]:
