@@ -225,6 +225,45 @@ def test_an_attempt_folder_of_another_record_is_refused(ended):
         attempts.continue_attempt(ended, attempts.ended_attempt(ended))
 
 
+@pytest.mark.parametrize("change", ["forged row", "one byte", "a link", "no hash in the record"])
+def test_a_leftover_attempt_whose_metrics_the_record_does_not_vouch_for_is_refused(ended, tmp_path, change):
+    """A leftover attempts/1 is taken only with the metrics.jsonl its record hashed: a forged copy (one row of a
+    lower loss, one byte changed, a link to another file, a record that holds no hash for it) is refused in one
+    line and the run's metrics.jsonl is left as it was."""
+    attempts.continue_attempt(ended, attempts.ended_attempt(ended))  # the kill: attempts/1 left, the record kept
+    copy = ended / "attempts/1/metrics.jsonl"
+    before = (ended / "metrics.jsonl").read_bytes()
+    if change == "forged row":
+        copy.write_text(json.dumps({"step": 1, "lm_loss": 0.001}) + "\n")
+    elif change == "one byte":
+        data = bytearray(copy.read_bytes())
+        data[len(data) // 2] ^= 1
+        copy.write_bytes(bytes(data))
+    elif change == "a link":
+        other = tmp_path / "other.jsonl"
+        other.write_bytes(copy.read_bytes())
+        copy.unlink()
+        copy.symlink_to(other)
+    else:
+        record = record_of(ended)
+        del record["files_sha256"]["metrics.jsonl"]
+        write_record(ended, record)
+        (ended / "attempts/1/record.json").write_bytes((ended / "record.json").read_bytes())
+    with pytest.raises(UserError, match=r"attempts/1/metrics.jsonl: not the run's metrics.jsonl") as err:
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert "\n" not in str(err.value)
+    assert (ended / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_leftover_attempt_with_another_attestation_is_refused(ended):
+    (ended / "attestation.json").write_text('{"a": 1}')
+    attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert (ended / "attempts/1/attestation.json").read_text() == '{"a": 1}'
+    (ended / "attempts/1/attestation.json").write_text('{"a": 2}')
+    with pytest.raises(UserError, match=r"attempts/1/attestation.json: not the run's attestation.json"):
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+
+
 # ------------------------------------------------------------------ 4, 5: the tracker
 
 
@@ -328,6 +367,10 @@ def test_verify_does_not_follow_a_linked_attempts_folder(ended, tmp_path):
     (ended / "attempts/1/record.json").symlink_to(elsewhere / "1/record.json")
     [row] = check_attempts(ended, record)
     assert row["ok"] is False and "a symbolic link on its way" in row["line"]
+    shutil.rmtree(ended / "attempts")
+    (ended / "attempts").symlink_to("attempts")  # a loop of links: a failed row, no traceback
+    [row] = check_attempts(ended, record)
+    assert row["ok"] is False and row["line"].startswith("attempt 1: attempts/1/record.json: not readable"), row
 
 
 if __name__ == "__main__":

@@ -8,6 +8,13 @@ lists it in ``attempts`` by sha256 and names the checkpoint it continues from in
 tracker's bytes and the checkpoint's equal to the sha256 the earlier record holds for them: the record is what
 vouches for it, and this side never unpickles it. The worker then loads only the checkpoint the new record's
 ``resumed_from`` names, its bytes checked again against that sha256 (:func:`trainer.launch.checkpoint.load`).
+
+What that guards against: a checkpoint, tracker or metrics row changed, swapped or damaged after the attempt's
+record was sealed, by accident or by anyone who leaves the record as it was. The record itself is a file of the
+run directory: one rewritten with the hashes of forged files passes these checks. What catches that is the
+signature: ``trainer verify RUN --key PUB`` checks a signed run's ``attestation.json`` (a DSSE envelope whose
+subject lists the sha256 of every file, record.json included: :mod:`trainer.record.attest`), and the attempts
+kept under ``attempts/N/`` keep their own.
 """
 
 from __future__ import annotations
@@ -160,7 +167,7 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     earlier = [a for a in previous.get("attempts") or [] if isinstance(a, dict)]
     number = len(earlier) + 1
     target = run_dir / ATTEMPTS / str(number)
-    leftover = _leftover(run_dir, target, len(earlier))
+    leftover = _leftover(run_dir, target, len(earlier), previous.get("files_sha256") or {})
     metrics = run_dir / METRICS
     lines, kept = kept_rows(target / METRICS if leftover else metrics, iteration)
     if not leftover:
@@ -188,10 +195,13 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     return {"attempts": [*earlier, entry], "resumed_from": resumed}
 
 
-def _leftover(run_dir: Path, target: Path, listed: int) -> bool:
+def _leftover(run_dir: Path, target: Path, listed: int, files_sha256: dict[str, Any]) -> bool:
     """Whether ``target`` (``attempts/N``) is the copy of this attempt that a ``--resume`` killed before its new
-    record left: a real folder whose ``record.json`` is byte for byte ``run_dir``'s. False when there is none.
-    Raises :class:`UserError` naming it when it holds anything else."""
+    record left: a real folder whose ``record.json`` is byte for byte ``run_dir``'s, whose ``metrics.jsonl`` (where
+    present) has the sha256 that record's ``files_sha256`` holds (the copy was made before the run's was cut to
+    the checkpoint's steps; one the record holds no hash for is refused: nothing vouches for its rows) and whose
+    ``attestation.json`` (where present) is byte for byte ``run_dir``'s. False when there is none. Raises
+    :class:`UserError` naming it when it holds anything else."""
     if not (target.exists() or target.is_symlink()):
         return False
     kept, current = target / RECORD, run_dir / RECORD
@@ -207,7 +217,21 @@ def _leftover(run_dir: Path, target: Path, listed: int) -> bool:
             f"{target}: exists, but the record lists {listed} earlier attempts and {target.name}/{RECORD} is not "
             "the run's record.json; --overwrite"
         )
+    for name, want in ((METRICS, files_sha256.get(METRICS)), (ATTESTATION, _digest(run_dir / ATTESTATION))):
+        copy = target / name
+        if not (copy.exists() or copy.is_symlink()):
+            continue
+        if _digest(copy) is None or _digest(copy) != want:
+            raise UserError(f"{copy}: not the run's {name} (its record's files_sha256, its attestation); --overwrite")
     return True
+
+
+def _digest(path: Path) -> str | None:
+    """sha256 hex of a regular file that is no symbolic link, else None (absent, a link, unreadable)."""
+    try:
+        return sha256_file(path) if path.is_file() and not path.is_symlink() else None
+    except OSError:
+        return None
 
 
 def _keep_attempt(run_dir: Path, target: Path, number: int) -> None:

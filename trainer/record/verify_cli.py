@@ -225,11 +225,17 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
         rel = entry.get("record")
         parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
         path = base.joinpath(*parts) if parts[:1] == ("attempts",) and ".." not in parts else None
-        inside = path is not None and path.resolve() == path
-        data = path.read_bytes() if path is not None and inside and path.is_file() else None
-        problem = None
-        if path is not None and path.exists() and not inside:
-            problem = f"{rel}: a symbolic link on its way (to {path.resolve()}): not a file of the run directory"
+        problem: str | None = None
+        resolved = data = None
+        try:
+            resolved = path.resolve() if path is not None else None
+            data = path.read_bytes() if path is not None and resolved == path and path.is_file() else None
+        except (OSError, RuntimeError) as err:  # a loop of links (RuntimeError before Python 3.13), unreadable
+            problem = f"{rel}: not readable ({getattr(err, 'strerror', None) or err})"
+        if problem is not None:
+            data = None
+        elif path is not None and resolved is not None and resolved != path and resolved.exists():
+            problem = f"{rel}: a symbolic link on its way (to {resolved}): not a file of the run directory"
         elif data is None:
             problem = f"{rel}: missing"
         elif hashlib.sha256(data).hexdigest() != entry.get("record_sha256"):
