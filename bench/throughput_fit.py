@@ -32,6 +32,14 @@ from trainer.compose import schema  # noqa: E402
 from trainer.report.metrics import model_flops_per_token  # noqa: E402
 
 FIRST_STEP = 3  # steps before it: tilelang compiles (step 1), Adam's state is allocated (end of step 1)
+# the model fields that make a layer's time (conf/throughput ``shapes``: trainer/compose/predict.py refuses a model
+# that differs in any); the runs must agree on each
+SHAPES = (
+    "ffn_hidden_size num_attention_heads vocab_size multi_latent_attention q_lora_rank kv_lora_rank qk_head_dim "
+    "qk_pos_emb_head_dim v_head_dim moe_ffn_hidden_size moe_router_topk moe_shared_expert_intermediate_size "
+    "experimental_attention_variant dsv4_hc_mult dsv4_o_groups dsv4_o_lora_rank dsv4_window_size "
+    "dsa_indexer_n_heads dsa_indexer_head_dim dsa_indexer_topk"
+).split()
 
 
 def load(run: Path) -> tuple[schema.TrainConfig, float, int]:
@@ -75,6 +83,14 @@ def main() -> int:
     head_share = 3 * flops.logits / (3 * flops.logits + 4 * (flops.matmul + flops.attention))
     head, t0 = base * head_share, base * (1 - head_share) / 2
     ref = cfgs[0]
+    shapes = {f: getattr(ref.model, f) for f in SHAPES}
+    for cfg, name in zip(cfgs, names, strict=True):
+        differ = [f for f in SHAPES if getattr(cfg.model, f) != shapes[f]]
+        if differ:
+            field_name = differ[0]
+            raise SystemExit(
+                f"{name}: model.{field_name} {getattr(cfg.model, field_name)}, the first run's {shapes[field_name]}"
+            )
     out = {
         "layer_s": {"0": round(float(t0), 4), "4": round(float(t4), 4), "128": round(float(t128), 4)},
         "head_s": round(float(head), 4),
@@ -82,6 +98,8 @@ def main() -> int:
         "hidden_size": ref.model.hidden_size,
         "seq_length": ref.data.seq_length,
         "micro_batch_size": ref.layout.micro_batch_size,
+        "experts": ref.model.num_experts,
+        "shapes": shapes,
         "fit": {
             "base_s": round(float(base), 4),
             "head_share_of_base": round(head_share, 4),

@@ -90,7 +90,9 @@ def test_plan_prints_a_summary(seed_plan):
     assert lines[5].startswith("  vs tp8pp8ep8  numerics-equivalent")
     assert lines[8] == "  stage       layers  weights  grads  optimizer  activations  total"
     assert lines[9] == "      0   0..10 (11)     19.8   39.7       54.7          9.4  123.7"
-    assert "peak estimate 123.7 GB of 141 GB per GPU" in lines
+    # the last stage: its 10 layers, the output head's logits and the MTP layer with the logits of its own head
+    assert lines[12] == "      3  33..42 (10)     19.9   39.7       54.8         11.3  125.7"
+    assert "peak estimate 125.7 GB of 141 GB per GPU" in lines
     assert not any(ch in seed_plan[1].stdout for ch in "│┃\x1b")
 
 
@@ -113,7 +115,7 @@ def test_plan_summary_on_a_terminal_is_a_rich_table(seed_plan, monkeypatch):
     out = re.sub(r"\x1b\[[0-9;]*m", "", buf.getvalue())  # styles (bold, italic) as a terminal gets them
     assert "│ world        │ 64 GPUs = TP 2 x PP 4 x CP 1 x DP 8" in out
     assert "│     0 │  0..10 (11) │    19.8 │  39.7 │      54.7 │         9.4 │ 123.7 │" in out
-    assert "peak estimate 123.7 GB of 141 GB per GPU" in out
+    assert "peak estimate 125.7 GB of 141 GB per GPU" in out
 
 
 def test_reference_plan_tp8pp8ep8(tmp_path):

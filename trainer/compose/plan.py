@@ -33,6 +33,10 @@ Memory per GPU (bytes; estimate, stated so it can be checked):
         logits     = s x b x V / TP x 6 on the last stage (the vocab-parallel cross entropy keeps an fp32 copy
                      of the bf16 logits, exponentiates it in place and reuses it as the gradient: 4 B, with the
                      2 B bf16 logits alive beside it; megatron/core/tensor_parallel/cross_entropy.py)
+        MTP        = per MTP layer on the last stage: its checkpoint and retained inputs, (1 + R) x C (with full
+                     recompute; else A), and the logits of its own output head, as above (its loss is computed in
+                     the forward, megatron/core/transformer/multi_token_prediction.py, and both cross entropies'
+                     buffers wait for the backward). Derived, not measured: the H200 slices ran no MTP layer
 Not counted: CUDA context, NCCL and DeepEP buffers, allocator fragmentation (typically a few GB).
 """
 
@@ -217,8 +221,13 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
             acts = in_flight * math.ceil(n_layers / r) * checkpoint + r * layer_acts + retained * n_layers * checkpoint
         else:
             acts = in_flight * n_layers * layer_acts
-        if stage == pp - 1:
-            acts += s * b * model.vocab_size / tp * 6
+        if stage == pp - 1:  # the output head's logits, and per MTP layer its layer and its own head's logits
+            mtp = model.mtp_num_layers
+            if lay.recompute_granularity == "full":
+                acts += mtp * (checkpoint + retained * checkpoint)
+            else:
+                acts += mtp * layer_acts
+            acts += (1 + mtp) * s * b * model.vocab_size / tp * 6
         total = (2 + grad_bytes) * on_gpu + optimizer + acts
         stages.append(
             {
@@ -235,7 +244,7 @@ def memory_estimate(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> 
     return {
         "formula": "see trainer/compose/plan.py module docstring (weights 2 B, grads 4 B, Adam 12 B sharded by the "
         "distributed optimizer, full-recompute checkpoints + the V4 layers' retained 2 x C + one recomputed layer + "
-        "last-stage logits)",
+        "last-stage logits, those of each MTP layer too)",
         "per_stage": stages,
         "max_gb": peak,
         "gpu_memory_gb": cfg.cluster.gpu_memory_gb,

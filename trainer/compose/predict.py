@@ -8,13 +8,18 @@ routed experts per token, c hyper-connection streams, m microbatches per DP rank
 
 Per microbatch on pipeline stage i (seconds):
 
-    compute  = sum over its layers of layer_s[ratio] / TP   (+ head_s / TP and, per MTP layer, layer_s["0"] / TP
-               + head_s / TP on the last stage). A TP rank does 1/TP of the dense work; with ETP 1 an EP rank's
-               experts receive s x b x k / TP token-expert pairs, 1/TP of the timed GPU's (uniform routing).
+    compute  = sum over its layers of layer_s[ratio] / TP   (+ head and, per MTP layer, layer_s[its ratio] / TP
+               + head on the last stage; head = head_s / TP + the all-gather of the output layer's input under
+               sequence parallelism and the reduce-scatter of its gradient, 2 x (TP-1)/TP x s x b x h x 2 B /
+               bandwidth, counted here, not under TP). A TP rank does 1/TP of the dense work; with ETP 1 an EP
+               rank's experts receive s x b x k / TP token-expert pairs, 1/TP of the timed GPU's (uniform
+               routing).
     TP       = per layer 4 collectives (all-gather and reduce-scatter around attention and around the MLP, sequence
                parallel) x 3 (forward, recomputed forward, backward) x (TP-1)/TP x s x b x h x 2 B / bandwidth
     EP       = per MoE layer 2 all-to-alls (dispatch, combine) x 3 x (EP-1)/EP x (s x b / TP) x k x h x 2 B
-    PP       = 2 x s x b x c x h x 2 B / TP (the hyper-connection stream sent forward, its gradient backward)
+    PP       = 2 x s x b x c x h x 2 B / TP (the hyper-connection stream sent forward, its gradient backward; / TP
+               with sequence parallelism, else whole), at the network's bandwidth for every stage once the
+               pipeline spans two nodes (the slowest link paces it)
 
     step     = sum_i t_i + (m - 1) x max_i t_i         (1F1B with p stages: each microbatch crosses every stage
                once and the slowest stage paces the rest; = (m + p - 1) x t for equal stages, Narayanan et al. 2021,
@@ -23,6 +28,11 @@ Per microbatch on pipeline stage i (seconds):
                (DP-1)/DP x P_dense_gpu x (g + 2) B over the DP group and (EDP-1)/EDP x P_expert_gpu x (g + 2) B over
                the expert DP group, after the last backward (the recipe sets no --overlap-grad-reduce)
              + optimizer_s_per_gparam x the GPU's optimizer shard (P_dense / TP / DP + P_expert / EP / EDP) / 1e9
+
+Refused (``predicted`` false, ``why``): another GPU, hidden size, sequence or microbatch, a model that differs
+from the timed layers in any of ``throughput.shapes`` (model fields), another number of experts a GPU
+(``num_experts`` / EP against ``throughput.experts``), a compress ratio without a time or a decoder or MTP layer
+without a ratio, dense layers, no full recompute, CP or ETP above 1.
 
 A group whose ranks span more than one node uses ``network_gb_s``, else ``nvlink_gb_s`` (Megatron's rank order
 tp-cp-ep-dp-pp, trainer/compose/plan.py). tokens/s/GPU = global batch x s / (step x world); MFU = 6 x N x tokens/s/GPU
@@ -88,10 +98,23 @@ def not_applicable(cfg: TrainConfig, par: Parallelism) -> str | None:
     ):
         if want != have:
             return f"{field} {have}: the times are for {want}"
+    for name, want in cal.shapes.items():
+        if getattr(model, name, None) != want:
+            return f"model.{name} {getattr(model, name, None)}: the times are of layers with {want}"
+    if cal.experts and model.num_experts != cal.experts * par.expert_model_parallel_size:
+        return (
+            f"model.num_experts {model.num_experts} over EP {par.expert_model_parallel_size}: the times are of "
+            f"{cal.experts} experts a GPU"
+        )
     ratios = [str(r) for r in model.dsv4_compress_ratios[: model.num_layers + model.mtp_num_layers]]
+    if len(ratios) < model.num_layers + model.mtp_num_layers:
+        return (
+            f"model.dsv4_compress_ratios has {len(ratios)} entries, the decoder and MTP layers are "
+            f"{model.num_layers + model.mtp_num_layers}: no ratio, no measured time, for the last"
+        )
     missing = sorted(set(ratios) - set(cal.layer_s))
-    if missing or len(ratios) < model.num_layers:
-        return f"no measured layer time for compress ratio {', '.join(missing) or '(list shorter than the layers)'}"
+    if missing:
+        return f"no measured layer time for compress ratio {', '.join(missing)}"
     if any(f != 1 for f in model.moe_layer_freq):
         return "the times are of MoE layers; this model has dense layers"
     if lay.recompute_granularity != RecomputeGranularity.full:
@@ -124,7 +147,8 @@ def predict(cfg: TrainConfig, par: Parallelism, params: ModelParams) -> Predicti
     tp_layer = seconds(4 * 3 * (tp - 1) / tp * tokens * h * BF16, tp) if tp > 1 else 0.0
     ep_layer = seconds(2 * 3 * (ep - 1) / ep * tokens / tp * model.moe_router_topk * h * BF16, ep) if ep > 1 else 0.0
     sp = tp if lay.sequence_parallel else 1
-    pp_mb = seconds(2 * tokens * model.dsv4_hc_mult * h * BF16 / sp, stage_ranks * 2) if pp > 1 else 0.0
+    # every stage is charged the slowest link of the pipeline: a network one as soon as it spans two nodes
+    pp_mb = seconds(2 * tokens * model.dsv4_hc_mult * h * BF16 / sp, par.world_size) if pp > 1 else 0.0
     ratios = [str(r) for r in model.dsv4_compress_ratios]
     head = cal.head_s / tp + (seconds(2 * (tp - 1) / tp * tokens * h * BF16, tp) if tp > 1 else 0.0)
     per_stage: list[StageTime] = []

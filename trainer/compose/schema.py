@@ -261,7 +261,9 @@ class ThroughputConfig(Record):
     hidden_size: int = 0
     seq_length: int = 0
     micro_batch_size: int = 1
-    experts: int = 0  # routed experts on the timed GPU
+    experts: int = 0  # routed experts on the timed GPU (a layout applies where num_experts / EP is this)
+    shapes: dict[str, Any] = field(default_factory=dict)  # model.<field> -> value of the timed layers (hidden
+    # sizes, heads, experts' sizes and top-k, hyper-connections, vocabulary): a model that differs in any is refused
     layer_s: dict[str, float] = field(default_factory=dict)  # one decoder layer (forward, recompute, backward) by
     # its compress ratio ("0", "4", "128")
     head_s: float = 0.0  # the output layer and cross entropy (forward and backward); the MTP layer has one too
