@@ -299,7 +299,7 @@ def step_layers(lock) -> list:
 
 
 def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sboms_and_the_provenance():
-    """debian-full as locked (4 build steps, a build root of 179 .debs and 6 wheels), with its layers' digests:
+    """debian-full as locked (5 build steps, a build root of 179 .debs and 6 wheels), with its layers' digests:
     each step's output has its layer's sha256, every build-root package is a build dependency of each step that
     used it, each output is generated from its input, and both documents pass their official schemas."""
     from trainer.image import provenance
@@ -308,7 +308,13 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
     lock = load_lock(REPO_ROOT / "lockfiles" / "debian-full.lock.json")
     layers, digest = step_layers(lock), "sha256:" + "cd" * 32
     outputs = {name[6:]: d[7:] for name, d in layers if name.startswith("build-")}
-    assert sorted(outputs) == ["antlr4-python3-runtime", "aws-ofi-nccl", "deepep", "transformer-engine-torch"]
+    assert sorted(outputs) == [
+        "antlr4-python3-runtime",
+        "aws-ofi-nccl",
+        "deepep",
+        "fast-hadamard-transform",
+        "transformer-engine-torch",
+    ]
     root_debs, root_wheels = lock["build_root"]["debs"], lock["build_root"]["wheels"]
     assert (len(root_debs), len(root_wheels)) == (179, 6)
     spdx_bytes, cdx_bytes = sbom.spdx_json(lock, digest, layers), sbom.cyclonedx_json(lock, digest, layers)
@@ -332,13 +338,17 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
         assert sha256_of(f"SPDXRef-build-{step}") == [hex_]
         assert f"diff_id of the image layer build-{step}" in packages[f"SPDXRef-build-{step}"]["comment"]
     # every file-producing package has its sha256; only the git sources pinned by commit and tree alone do not
-    assert sorted(packages[i]["name"] for i in packages if not sha256_of(i)) == ["megatron_lm", "miles"]
+    assert sorted(packages[i]["name"] for i in packages if not sha256_of(i)) == [
+        "fast_hadamard_transform",
+        "megatron_lm",
+        "miles",
+    ]
     n_wheels = len(lock["wheels"])
-    assert (len(lock["base"]["debs"]), n_wheels, len(lock["sdists"]), len(lock["sources"])) == (110, 191, 2, 4)
+    assert (len(lock["base"]["debs"]), n_wheels, len(lock["sdists"]), len(lock["sources"])) == (110, 191, 2, 5)
     assert sum(d["sha256"] in {b["sha256"] for b in lock["base"]["debs"]} for d in root_debs) == 110  # all of the base
     # image, base .debs, wheels, sdists, sources, builds, the build-root .debs that are not the base's,
     # build-root wheels
-    assert len(packages) == 1 + 110 + n_wheels + 2 + 4 + 4 + (179 - 110) + 6 == 387
+    assert len(packages) == 1 + 110 + n_wheels + 2 + 5 + 5 + (179 - 110) + 6 == 389
 
     relations = {}
     for r in spdx["relationships"]:
@@ -366,11 +376,12 @@ def test_debian_full_build_steps_their_outputs_build_roots_and_inputs_in_both_sb
     assert by_purl["pkg:github/deepseek-ai/deepep@9af0e0d0e74f3577af1979c9b9e1ac2cad0104ee"] in {
         b for a, b in relations["GENERATED_FROM"] if a == "SPDXRef-build-deepep"
     }
-    assert len(relations["BUILD_DEPENDENCY_OF"]) == 4 * 179 + 3 + 3 + 36 + 36
+    # every step uses the 179 .debs; its wheels: antlr4 3, aws-ofi-nccl 3, DeepEP, fast-hadamard-transform and TE 36
+    assert len(relations["BUILD_DEPENDENCY_OF"]) == 5 * 179 + 3 + 3 + 36 + 36 + 36
     contained = {b for a, b in relations["CONTAINS"] if a == "SPDXRef-image"}
     assert {f"SPDXRef-build-{s}" for s in outputs} <= contained
     assert not {i for i in contained if i.startswith(("SPDXRef-build-root-", "SPDXRef-sdist-"))}  # not in the image
-    assert len(contained) == 110 + n_wheels + 4 + 4
+    assert len(contained) == 110 + n_wheels + 5 + 5
 
     cdx = json.loads(cdx_bytes)
     components = {c["bom-ref"]: c for c in cdx["components"]}
