@@ -384,6 +384,31 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         if self.short is not None:
             shutil.rmtree(self.short, ignore_errors=True)
 
+    def kill_node(self, name: str) -> list[int]:
+        """Kill node ``name`` as a power cut would: SIGKILL every process in its UTS namespace (its slurmd, the
+        slurmstepd it forked and every task under them: they share the host name the node's slurmd got), at once.
+        Returns the PIDs killed (its slurmd's first). The node is gone for the rest of the cluster's life."""
+        proc = next(p for p in self.procs if list(cast(list, p.args))[-2:] == ["-N", name])
+        uts = os.readlink(f"/proc/{proc.pid}/ns/uts")
+        if uts == os.readlink("/proc/self/ns/uts"):
+            raise RuntimeError(f"node {name} has no UTS namespace of its own")
+        victims = [proc.pid]
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and int(entry.name) != proc.pid:
+                try:
+                    if os.readlink(entry / "ns" / "uts") == uts:
+                        victims.append(int(entry.name))
+                except OSError:
+                    continue  # gone meanwhile
+        for pid in victims:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(timeout=30)
+        self.procs.remove(proc)
+        return victims
+
     def client(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         """Run a Slurm client command (``srun``, ``sinfo``) against this cluster, in a UTS namespace whose host
         name is ``127.0.0.1`` as the daemons' (``srun`` listens for its tasks at its own host name's address,

@@ -81,26 +81,7 @@ def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluste
     preflight, a Ray head on n1 and a Ray worker on n2..n4 (each at its node's address, `hostname -i`), and the job:
     eight CPU workers, two per node, that train as one process does."""
     run_dir = tmp_path / "run"
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "SLURM_CONF": str(cluster.conf)}
-    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + cluster.env()["PATH"]
-    submitted = run_train(
-        [
-            "experiment=smoke-cluster",
-            "launcher=slurm",
-            "launcher.container=none",
-            "launcher.node_address=hostname",
-            "launcher.gpus_flag=none",
-            "launcher.submit=true",
-            f"launcher.python={sys.executable}",
-            "launcher.time_limit=00:10:00",
-            'launcher.ray_start_args=["--object-store-memory=200000000"]',
-            "launcher.ray_join_wave=1",  # four nodes on this machine's few cores: one joins at a time
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=tmp_path,
-        env=env,
-        preexec_fn=cluster._preexec(),
-    )
+    submitted = submit(cluster, run_dir, tmp_path)
     assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
     record = json.loads((run_dir / "record.json").read_text())
     assert record["status"] == "submitted" and record["slurm"]["job_id"]
@@ -122,6 +103,65 @@ def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluste
     helpers.same_training(one_process, run_dir, STEPS)
     verified = helpers.run_trainer("verify", run_dir)
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
+
+
+def submit(cluster, run_dir: Path, cwd: Path, *extra: str):
+    """`train experiment=smoke-cluster launcher=slurm launcher.submit=true` on ``cluster`` (this module's settings
+    for four nodes on few cores), ``extra`` overrides appended; returns the completed `train`."""
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", "SLURM_CONF": str(cluster.conf)}
+    env["PATH"] = str(Path(sys.executable).parent) + os.pathsep + cluster.env()["PATH"]
+    return run_train(
+        [
+            "experiment=smoke-cluster",
+            "launcher=slurm",
+            "launcher.container=none",
+            "launcher.node_address=hostname",
+            "launcher.gpus_flag=none",
+            "launcher.submit=true",
+            f"launcher.python={sys.executable}",
+            "launcher.time_limit=00:10:00",
+            'launcher.ray_start_args=["--object-store-memory=200000000"]',
+            "launcher.ray_join_wave=1",  # four nodes on this machine's few cores: one joins at a time
+            f"hydra.run.dir={run_dir}",
+            *extra,
+        ],
+        cwd=cwd,
+        env=env,
+        preexec_fn=cluster._preexec(),
+    )
+
+
+def test_a_node_killed_mid_run_fails_the_run_naming_the_node_and_its_ranks(cluster, tmp_path):
+    """Node n3 dies whole after step 2 of 40 (its slurmd, slurmstepd, Ray worker node and both ranks, SIGKILL at
+    once, as a power cut): the job ends failed within 120 s, its record naming the node and the ranks it held,
+    every step already written kept. Runs last: the cluster has three nodes after it."""
+    run_dir = tmp_path / "run"
+    submitted = submit(cluster, run_dir, tmp_path, "launcher.steps=40")
+    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
+        record = json.loads((run_dir / "record.json").read_text())
+        assert record["status"] in ("submitted", "running"), record.get("reason")
+        time.sleep(1)
+    assert metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "no step 2 in 420 s"
+    killed = cluster.kill_node("n3")
+    assert len(killed) >= 4, killed  # slurmd, slurmstepd and the Ray worker node's processes at least
+    at = time.monotonic()
+    record = json.loads((run_dir / "record.json").read_text())
+    while record["status"] not in ("complete", "failed") and time.monotonic() < at + 120:
+        time.sleep(1)
+        record = json.loads((run_dir / "record.json").read_text())
+    ended_after = time.monotonic() - at
+    print(f"the run ended {ended_after:.1f} s after node n3 was killed: {record.get('reason')}")
+    logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
+    assert record["status"] == "failed", f"{record['status']} {ended_after:.0f} s after the kill\n{logs}"
+    assert re.search(
+        r"node n3 lost after \d+ s \(Ray marks it dead\), with rank\(s\) 4, 5; rank \d on node n\d saw ",
+        record["reason"],
+    ), record["reason"]
+    kept = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(kept) >= 2 and [r["step"] for r in kept] == list(range(1, len(kept) + 1)) and len(kept) < 40
 
 
 if __name__ == "__main__":

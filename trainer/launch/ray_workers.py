@@ -19,7 +19,11 @@ training actors, training data parallel under torch.distributed (gloo).
 
 Exit 0 when every rank returned; 1 when one failed: the first failure printed as one line naming the rank, its
 Ray node and the cause (a rank that raised, an actor whose process or node died), after the other ranks are
-killed. ``RUN_DIR`` must be on a file system every node sees (one machine, or a shared mount).
+killed. A node that dies whole (its raylet with its ranks) first shows as an actor of it the driver can no longer
+reach (``ActorUnavailableError``) or as a surviving rank's gloo error naming the lost peer's address ("Connection
+closed by peer [ADDR]:PORT"); the driver then waits up to :data:`NODE_LOSS_WAIT_S` for Ray's health check to mark
+that node dead, and the line names the node and the ranks it held (:func:`suspect_nodes`, :func:`lost_node`).
+``RUN_DIR`` must be on a file system every node sees (one machine, or a shared mount).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import re
 import socket
 import sys
 import time
@@ -36,6 +41,11 @@ from typing import Any
 from trainer.launch import cpu_worker
 
 EXIT_FAILED, EXIT_PLACEMENT = 1, 4
+# how long a rank's failure that names a peer node waits for Ray to mark that node dead: Ray's GCS declares a node
+# dead after health_check_failure_threshold (5) missed checks of health_check_period_ms (3,000) each, about 15 s
+# after its raylet is gone (ray/_private/ray_constants.py and the GCS health-check manager's defaults, Ray 2.x)
+NODE_LOSS_WAIT_S = 40.0
+PEER = re.compile(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]:\d+")  # a gloo error's peer, "[127.0.0.4]:40021"
 
 
 def interface_of(address: str) -> str | None:
@@ -64,9 +74,9 @@ class Rank:
     """A Ray actor holding one training process (``num_gpus=1``, one slot of its bundle)."""
 
     def node(self) -> dict[str, Any]:
-        """Where this actor runs: ``{"address": node IP, "name": Ray node name, "gpu": first GPU id, "pid": its
-        process, "interface": its node's interface for gloo}`` (``GLOO_SOCKET_IFNAME`` where set, else the
-        interface holding the node's address, found on that node)."""
+        """Where this actor runs: ``{"id": Ray node id, "address": node IP, "name": Ray node name, "gpu": first
+        GPU id, "pid": its process, "interface": its node's interface for gloo}`` (``GLOO_SOCKET_IFNAME`` where
+        set, else the interface holding the node's address, found on that node)."""
         import ray
 
         context = ray.get_runtime_context()
@@ -77,6 +87,7 @@ class Rank:
         gpus = ray.get_gpu_ids()
         address = ray.util.get_node_ip_address()
         return {
+            "id": context.get_node_id(),
             "address": address,
             "name": name,
             "gpu": int(gpus[0]) if gpus else 0,
@@ -116,6 +127,39 @@ def _failed(ref: Any, kind: type[BaseException] = Exception) -> bool:
     except Exception:  # noqa: BLE001 - raised, but not of ``kind``
         return False
     return False
+
+
+def suspect_nodes(nodes: list[dict[str, Any]], rank: int, error: BaseException) -> dict[str, str]:
+    """The nodes (Ray node id -> name, of ``nodes``, the ranks' :meth:`Rank.node` in rank order) that rank
+    ``rank``'s failure ``error`` points at as possibly lost whole: its own when the driver lost its actor's
+    connection (``ActorUnavailableError``: "Socket closed", what a dead node's actors give, not the
+    ``ActorDiedError`` of a process that died on a live node); those whose addresses a rank's error names as
+    peers (:data:`PEER`, gloo's "Connection closed by peer [ADDR]:PORT"); none for any other error."""
+    import ray
+
+    if isinstance(error, ray.exceptions.ActorUnavailableError):
+        return {nodes[rank]["id"]: nodes[rank]["name"]}
+    if isinstance(error, ray.exceptions.RayActorError):
+        return {}
+    addresses = {m.group(1) for m in PEER.finditer(str(error))}
+    return {n["id"]: n["name"] for n in nodes if n["address"] in addresses}
+
+
+def lost_node(suspects: dict[str, str], wait_s: float = NODE_LOSS_WAIT_S) -> str | None:
+    """The name of the first of ``suspects`` (Ray node id -> name) that ``ray.nodes()`` shows not alive, polled
+    once a second for up to ``wait_s`` seconds; None at once without suspects, or when none died in time."""
+    import ray
+
+    if not suspects:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        dead = [suspects[n["NodeID"]] for n in ray.nodes() if n.get("NodeID") in suspects and not n.get("Alive")]
+        if dead:
+            return dead[0]
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(1.0)
 
 
 def place(world: int, timeout_s: float) -> tuple[Any, list[int]]:
@@ -209,11 +253,17 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
                 cause = str(ex).strip().splitlines()
                 last = next((line for line in reversed(cause) if line.strip()), type(ex).__name__)
                 last = last.split(" Some common causes")[0]  # Ray's advice after the cause of a dead actor
+                seen = f"{type(ex).__name__}: {last.strip()}"
+                lost = lost_node(suspect_nodes(nodes, rank, ex))
+                elapsed = time.monotonic() - started
                 _kill(ranks)
-                return EXIT_FAILED, (
-                    f"rank {rank} on node {nodes[rank]['name']} failed after {time.monotonic() - started:.0f} s: "
-                    f"{type(ex).__name__}: {last.strip()}"
-                )
+                if lost is not None:
+                    held = ", ".join(str(r) for r, node in enumerate(nodes) if node["name"] == lost)
+                    return EXIT_FAILED, (
+                        f"node {lost} lost after {elapsed:.0f} s (Ray marks it dead), with rank(s) {held}; "
+                        f"rank {rank} on node {nodes[rank]['name']} saw {seen}"
+                    )
+                return EXIT_FAILED, f"rank {rank} on node {nodes[rank]['name']} failed after {elapsed:.0f} s: {seen}"
             if code != 0:
                 _kill(ranks)
                 return EXIT_FAILED, f"rank {rank} on node {nodes[rank]['name']} exited {code}"
