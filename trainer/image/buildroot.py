@@ -97,16 +97,13 @@ def materialize(entries: list[Entry], dest: Path, allow_absolute_symlinks: bool 
     Files get mode 0755 or 0644 (or their ``mode_bits`` without setuid/setgid), streamed contents are checked
     against their ``sha256`` when one is given; symlinks are created as they are (absolute targets resolve
     inside the sandbox, where ``dest`` is ``/``). Every path written, and ``dest``, then gets the modification
-    and access time :data:`TREE_MTIME` (directories last, deepest first, so that no later write moves them).
+    and access time :data:`TREE_MTIME`, once all are written (setting a path's time does not move its folder's).
     Raises :class:`UserError` for a refused entry or a content mismatch.
     """
     planned = plan_entries(entries, allow_absolute_symlinks)
     _write(planned, dest)
     stamp = (TREE_MTIME * 10**9, TREE_MTIME * 10**9)
     for entry in planned:
-        if entry.type != DIR:
-            os.utime(dest / entry.path, ns=stamp, follow_symlinks=False)
-    for entry in sorted((e for e in planned if e.type == DIR), key=lambda e: e.path.count("/"), reverse=True):
         os.utime(dest / entry.path, ns=stamp, follow_symlinks=False)
     os.utime(dest, ns=stamp)
 
@@ -145,9 +142,14 @@ def _write(planned: list[Entry], dest: Path) -> None:
         os.chmod(path, mode)
 
 
+def _tree_path(cache: Cache, name: str) -> Path:
+    """Where the tree ``name`` (``debs-<key>``, ``wheels-<key>``) lies: ``ROOT/roots/<TREE_VERSION><name>``."""
+    return cache.root / "roots" / f"{TREE_VERSION}{name}"
+
+
 def _make_tree(cache: Cache, name: str, fill) -> Path:
-    """``ROOT/roots/<name>``, made by ``fill(tmp_dir)`` into a temporary directory and renamed in when done."""
-    final = cache.root / "roots" / name
+    """:func:`_tree_path`, made by ``fill(tmp_dir)`` into a temporary directory and renamed in when done."""
+    final = _tree_path(cache, name)
     if final.is_dir():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
@@ -196,9 +198,9 @@ def debian_tree(cache: Cache, block: dict[str, Any], offline: bool, console=None
             shutil.rmtree(spool, ignore_errors=True)
 
     key = deb_key(block)
-    if console is not None and not (cache.root / "roots" / f"{TREE_VERSION}debs-{key}").is_dir():
+    if console is not None and not _tree_path(cache, f"debs-{key}").is_dir():
         console.print(f"build root: unpacking {len(block['debs'])} .debs", soft_wrap=True)
-    return _make_tree(cache, f"{TREE_VERSION}debs-{key}", fill)
+    return _make_tree(cache, f"debs-{key}", fill)
 
 
 def wheel_tree(
@@ -250,9 +252,9 @@ def wheel_tree(
             shutil.rmtree(spool, ignore_errors=True)
 
     key = wheels_key(block, items)
-    if console is not None and not (cache.root / "roots" / f"{TREE_VERSION}wheels-{key}").is_dir():
+    if console is not None and not _tree_path(cache, f"wheels-{key}").is_dir():
         console.print(f"build root: installing {len(items)} wheels", soft_wrap=True)
-    return _make_tree(cache, f"{TREE_VERSION}wheels-{key}", fill)
+    return _make_tree(cache, f"wheels-{key}", fill)
 
 
 def resolve_build_root(block: dict[str, Any]) -> dict[str, Any]:

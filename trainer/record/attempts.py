@@ -221,7 +221,8 @@ def _leftover(run_dir: Path, target: Path, listed: int, files_sha256: dict[str, 
         copy = target / name
         if not (copy.exists() or copy.is_symlink()):
             continue
-        if _digest(copy) is None or _digest(copy) != want:
+        digest = _digest(copy)
+        if digest is None or digest != want:
             raise UserError(f"{copy}: not the run's {name} (its record's files_sha256, its attestation); --overwrite")
     return True
 
