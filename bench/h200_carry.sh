@@ -61,7 +61,7 @@ import json
 lock = json.load(open("lockfiles/full.lock.json"))
 names = {"transformer-engine-cu13", "transformer-engine", "transformer-engine-torch", "pydantic", "pydantic-core",
          "annotated-types", "typing-inspection", "nvdlfw-inspect", "tilelang", "apache-tvm-ffi",
-         "torch-c-dlpack-ext", "z3-solver"}
+         "torch-c-dlpack-ext", "z3-solver", "transformers", "tokenizers", "huggingface-hub", "safetensors"}
 found = [f for group in ("wheels", "sdists") for f in lock[group] if f["name"] in names]
 assert {f["name"] for f in found} == names, sorted(names - {f["name"] for f in found})
 for f in found:
@@ -127,6 +127,16 @@ if [ -n "$fht_git" ]; then
   git --git-dir="$fht_git" archive --format=tar.gz --prefix=fast-hadamard-transform/ "$fht_commit" > "$stage/fast-hadamard-transform.tar.gz"
 fi
 
+# DeepEP at the commit the stack pins, as the debian-full image builds it: its source archive from the
+# content-addressed cache (hash-checked against the lock), built there for the machine's Python by
+# `bash bench/h200_setup.sh deepep`
+read -r deepep_sha deepep_file < <("$python" -c "
+import json; s = [s for s in json.load(open('lockfiles/debian-full.lock.json'))['sources'] if s['name'] == 'deepep'][0]
+print(s['archive']['sha256'], s['archive']['filename'])")
+[ -f "$cas/sha256/$deepep_sha" ] || { echo "DeepEP: source archive $deepep_sha not in the cache $cas; $build fetches it" >&2; exit 1; }
+cp "$cas/sha256/$deepep_sha" "$stage/$deepep_file"
+echo "$deepep_sha  $stage/$deepep_file" | sha256sum -c --quiet - || { echo "$deepep_file: sha256 differs from the lock" >&2; exit 1; }
+
 # 5. The fixed rows: 4,096-token (proxy) and 8,192-token (dsv4-tiny) builds of the same generated conversations.
 if [ ! -f bench/.scratch/rows-8192/manifest.json ]; then
   "$python" -m trainer data example --out bench/.scratch/conv-2400.jsonl --conversations 2400 --seed 1
@@ -139,6 +149,7 @@ tar -C bench/.scratch -cf "$stage/rows.tar" rows-4096 rows-8192
 te_files="$dl/te-core.tar.xz"
 [ -f "$stage/kit.tar.xz" ] && te_files="$te_files,$stage/kit.tar.xz"
 [ -f "$stage/fast-hadamard-transform.tar.gz" ] && te_files="$te_files,$stage/fast-hadamard-transform.tar.gz"
+te_files="$te_files,$stage/$deepep_file"
 for f in transformer_engine-2.17.0-py3-none-any.whl transformer_engine_torch-2.17.0.tar.gz pydantic-2.14.4-py3-none-any.whl \
          pydantic_core-2.50.5-*.whl annotated_types-*.whl typing_inspection-*.whl nvdlfw_inspect-*.whl; do
   te_files="$te_files,$(ls "$dl"/$f)"
@@ -148,7 +159,8 @@ done
 if [ -f bench/.scratch/te-torch-build.tgz ]; then te_files="$te_files,bench/.scratch/te-torch-build.tgz"; fi
 # what every run needs (the bundle's own packages, the sources, the rows), then what only the V4 model needs
 run_files="$stage/Megatron-LM.tar.gz,$stage/miles.tar.gz,$stage/rows.tar"
-for f in hydra_core-1.3.8-py3-none-any.whl omegaconf-2.3.1-py3-none-any.whl antlr4-python3-runtime-4.9.3.tar.gz; do
+for f in hydra_core-1.3.8-py3-none-any.whl omegaconf-2.3.1-py3-none-any.whl antlr4-python3-runtime-4.9.3.tar.gz \
+         transformers-*.whl tokenizers-*.whl huggingface_hub-*.whl safetensors-*.whl; do
   run_files="$run_files,$(ls "$dl"/$f)"
 done
 v4_files=""

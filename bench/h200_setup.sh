@@ -10,6 +10,9 @@
 #   bash bench/h200_setup.sh install run   once the `run` group is there: hydra and omegaconf into /tmp/site,
 #                                       sources into /tmp/src, rows into /tmp/rows (enough for the proxy models)
 #   bash bench/h200_setup.sh install v4    once the `v4` group is there: tilelang, TileKernels, z3, tvm-ffi
+#   bash bench/h200_setup.sh deepep     after `te`: build DeepEP (the carried source archive of the stack's
+#                                       commit) for sm_90 against the machine's torch into /tmp/site, then
+#                                       bench/deepep_check.py ($OUT/deepep.json)
 #   bash bench/h200_setup.sh fht        after `te`: build fast-hadamard-transform (the carried git archive of the
 #                                       commit miles' Dockerfile installs) for sm_90 against the machine's torch
 #                                       into /tmp/site, then bench/hadamard_check.py ($OUT/hadamard.json)
@@ -57,12 +60,13 @@ print('torch', torch.__version__, 'cuDNN', torch.backends.cudnn.version(), 'TE',
     python3 "$here/carry_parts.py" join "$group" --stash "$carry" --to "$joined"
     cd "$joined"
     if [ "$group" = run ]; then
-      pip_target hydra_core-*.whl omegaconf-*.whl
+      pip_target hydra_core-*.whl omegaconf-*.whl transformers-*.whl tokenizers-*.whl huggingface_hub-*.whl \
+        safetensors-*.whl
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" \
         antlr4-python3-runtime-4.9.3.tar.gz
       rm -rf /tmp/src /tmp/rows && mkdir -p /tmp/src /tmp/rows
       tar -xzf Megatron-LM.tar.gz -C /tmp/src && tar -xzf miles.tar.gz -C /tmp/src && tar -xf rows.tar -C /tmp/rows
-      check="import hydra, omegaconf"
+      check="import hydra, omegaconf, transformers, tokenizers; print('transformers', transformers.__version__, 'tokenizers', tokenizers.__version__)"
     else
       pip_target tilelang-*.whl apache_tvm_ffi-*.whl torch_c_dlpack_ext-*.whl tile_kernels-*.whl z3_solver-*.whl
       # as the worker imports them: TileKernels 1.0.0 under tilelang 0.1.15 needs the worker's module alias
@@ -94,11 +98,28 @@ PY
     sha256sum "$site"/fast_hadamard_transform_cuda*.so
     PYTHONPATH=$site python3 "$here/hadamard_check.py" --out "${OUT:-/tmp}/hadamard.json"
     ;;
+  deepep)
+    # DeepEP at the stack's commit (the archive the debian-full image builds from, carried in the `te` group),
+    # built for the machine's Python 3.12 and torch as the image's build step does (TORCH_CUDA_ARCH_LIST=9.0,
+    # NVSHMEM from torch's nvidia-nvshmem-cu13), then one rank's dispatch and combine through deep_ep.Buffer.
+    # The recipe installs it and its alltoall dispatcher does not use it (the card's stack); Megatron's flex
+    # dispatcher, which would, needs TP x EP > 1 (token_dispatcher.py), more than one GPU.
+    rm -rf /tmp/deepep-src && mkdir -p /tmp/deepep-src
+    tar -xf "$joined"/DeepEP-*.tar -C /tmp/deepep-src
+    src=$(dirname "$(ls /tmp/deepep-src/*/setup.py /tmp/deepep-src/setup.py 2>/dev/null | head -n 1)")
+    start=$(date +%s)
+    (cd "$src" && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
+      python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . )
+    echo "DeepEP compiled in $(( $(date +%s) - start )) s"
+    sha256sum "$site"/deep_ep_cpp*.so
+    PYTHONPATH=$site NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29534 \
+      timeout 180 python3 "$here/deepep_check.py" --out "${OUT:-/tmp}/deepep.json"
+    ;;
   cudnn-dir)
     # the directory of the pip cuDNN that torch was built against (the lock's nvidia-cudnn-cu13). The machine
     # also has an apt libcudnn9-cuda-13 (9.14) in the loader's cache, which otherwise shadows it (miles'
     # docker/Dockerfile removes the apt copy for that reason: "the loader interleaves the two").
     python3 -c "import pathlib, torch; sp = pathlib.Path(torch.__file__).parents[1]; print(sorted(sp.glob('nvidia/**/libcudnn.so.9'))[0].parent)"
     ;;
-  *) echo "usage: $0 stash DIR | te | install run|v4 | fht | cudnn-dir" >&2; exit 2 ;;
+  *) echo "usage: $0 stash DIR | te | install run|v4 | fht | deepep | cudnn-dir" >&2; exit 2 ;;
 esac
