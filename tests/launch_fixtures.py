@@ -361,16 +361,23 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         self._spawn(["slurmctld", "-D", "-f", str(self.conf)], "slurmctld.out")
         for name in self.names:
             (self.sockets / f"spool-{name}").mkdir(exist_ok=True)
-            self._spawn(
-                ["slurmd", "-D", "-f", str(self.conf), "-N", name], f"slurmd-{name}.out", self.addresses[name], name
-            )
+            self._spawn_slurmd(name)
+        self._wait_idle(30, "the Slurm node")
+        return self
+
+    def _spawn_slurmd(self, name: str) -> None:
+        """Node ``name``'s slurmd, at its address, in a UTS namespace of its own (:meth:`kill_node` finds it)."""
+        argv = ["slurmd", "-D", "-f", str(self.conf), "-N", name]
+        self._spawn(argv, f"slurmd-{name}.out", self.addresses[name], name)
+
+    def _wait_idle(self, timeout_s: float, what: str) -> None:
+        """Wait until ``sinfo`` shows every node idle; raises ``RuntimeError`` naming ``what`` after ``timeout_s``."""
 
         def idle() -> bool:
             out = self.client(["sinfo", "-h", "-N", "-o", "%t"], timeout=30)
             return out.returncode == 0 and out.stdout.split() == ["idle"] * len(self.names)
 
-        _wait_for(idle, 30, "the Slurm node", self.root / "slurmctld.log")
-        return self
+        _wait_for(idle, timeout_s, what, self.root / "slurmctld.log")
 
     def stop(self) -> None:
         """Cancel every job, then stop the daemons by PID (slurmd, slurmctld, munged)."""
@@ -387,7 +394,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
     def kill_node(self, name: str) -> list[int]:
         """Kill node ``name`` as a power cut would: SIGKILL every process in its UTS namespace (its slurmd, the
         slurmstepd it forked and every task under them: they share the host name the node's slurmd got), at once.
-        Returns the PIDs killed (its slurmd's first). The node is gone for the rest of the cluster's life."""
+        Returns the PIDs killed (its slurmd's first). The node stays down until :meth:`restart_node`."""
         proc = next(p for p in self.procs if list(cast(list, p.args))[-2:] == ["-N", name])
         uts = os.readlink(f"/proc/{proc.pid}/ns/uts")
         if uts == os.readlink("/proc/self/ns/uts"):
@@ -408,6 +415,14 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         proc.wait(timeout=30)
         self.procs.remove(proc)
         return victims
+
+    def restart_node(self, name: str, timeout_s: float = 120) -> None:
+        """Start node ``name`` again after :meth:`kill_node` (a node back from a power cut: a fresh slurmd on the
+        same address, spool and port) and wait until ``sinfo`` shows every node idle (``ReturnToService=2``
+        returns it to service once it registers and the killed job's cleanup is done). Raises ``RuntimeError``
+        after ``timeout_s`` with the controller's log tail."""
+        self._spawn_slurmd(name)
+        self._wait_idle(timeout_s, f"node {name} back in service")
 
     def client(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
         """Run a Slurm client command (``srun``, ``sinfo``) against this cluster, in a UTS namespace whose host

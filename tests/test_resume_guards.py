@@ -317,6 +317,42 @@ def test_a_tracker_changed_since_the_record_is_refused(ended):
     assert not (ended / "attempts").exists()
 
 
+def test_a_slurm_job_that_ends_vouches_for_its_checkpoints_and_a_changed_byte_is_refused(plan, tmp_path):
+    """A Slurm job's record ends in the job (``jobsteps mark``, no ``train`` to seal it): the final mark hashes the
+    metrics and every checkpoint file as the job leaves them, so that ``--resume`` after a lost node has something
+    that vouches for them; a checkpoint linked in from elsewhere is not vouched for, and a byte changed in any
+    vouched file afterwards is refused."""
+    from trainer.launch.jobsteps import mark
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(plan, run_dir)
+    model, optimizer = tiny()
+    for step in (2, 4):
+        checkpoint.save(run_dir, step, model, optimizer)
+    outside = tmp_path / "elsewhere.pt"
+    outside.write_bytes(b"not this run's")
+    (run_dir / "checkpoints" / "linked.pt").symlink_to(outside)
+    record = record_of(run_dir)
+    before = {k: v for k, v in record["files_sha256"].items() if not k.startswith("checkpoints/")}
+    write_record(run_dir, {**record, "status": "running", "files_sha256": before, "slurm": {"job_id": "7"}})
+    ended = mark(run_dir, "failed", stage="job", exit_code=1, reason="node n3 lost")
+    hashed = ended["files_sha256"]
+    assert {k for k in hashed if k.startswith("checkpoints/")} == {TRACKER, CKPT.format(2), CKPT.format(4)}
+    assert hashed[CKPT.format(4)] == sha256(run_dir / CKPT.format(4)) and hashed["metrics.jsonl"]
+    assert attempts.ended_attempt(run_dir)["status"] == "failed"
+    assert attempts.vouched_checkpoint(run_dir, hashed, "here") == (4, sha256(run_dir / CKPT.format(4)))
+    for rel in (TRACKER, CKPT.format(4)):
+        original = (run_dir / rel).read_bytes()
+        for at in (0, len(original) // 2, len(original) - 1):
+            changed = bytearray(original)
+            changed[at] ^= 0x01
+            (run_dir / rel).write_bytes(bytes(changed))
+            with pytest.raises(UserError, match=f"{rel}"):
+                attempts.vouched_checkpoint(run_dir, hashed, "here")
+        (run_dir / rel).write_bytes(original)
+    assert attempts.vouched_checkpoint(run_dir, hashed, "here")[0] == 4
+
+
 # ------------------------------------------------------------------ 6: metrics rows
 
 

@@ -1,7 +1,9 @@
 """Four Slurm nodes on this machine (munged, slurmctld and four slurmd ``n1``..``n4``, all on 127.0.0.1, started
 and stopped here): ``srun -N4 --ntasks-per-node=2`` places two tasks on each node, and the CPU worker trains
 across them, eight ranks under DistributedDataParallel, to the per-step losses of one process on the same
-global batch (``trainer converge`` passes)."""
+global batch (``trainer converge`` passes). ``train launcher=slurm`` submits the same training through Ray on the
+four nodes; a node killed whole mid-run fails it naming the node and its ranks, and once the node is back
+``--resume`` completes it from the last checkpoint."""
 
 import json
 import os
@@ -76,35 +78,6 @@ def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, one_p
     assert len(probes) == NODES * TASKS_PER_NODE
 
 
-def test_train_launcher_slurm_runs_the_training_on_four_nodes_through_ray(cluster, one_process, tmp_path):
-    """`train launcher=slurm launcher.submit=true` writes sbatch.sh and submits it: the probe on every node, the
-    preflight, a Ray head on n1 and a Ray worker on n2..n4 (each at its node's address, `hostname -i`), and the job:
-    eight CPU workers, two per node, that train as one process does."""
-    run_dir = tmp_path / "run"
-    submitted = submit(cluster, run_dir, tmp_path)
-    assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
-    record = json.loads((run_dir / "record.json").read_text())
-    assert record["status"] == "submitted" and record["slurm"]["job_id"]
-    deadline = time.monotonic() + 420
-    while record["status"] not in ("complete", "failed") and time.monotonic() < deadline:
-        time.sleep(2)
-        record = json.loads((run_dir / "record.json").read_text())
-    logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
-    assert record["status"] == "complete", f"{record['status']}: {record.get('reason')}\n{logs}"
-    assert record["slurm"]["nodes"] == ["n1", "n2", "n3", "n4"]
-    assert record["preflight"]["ok"] is True
-    job = (run_dir / "logs" / "job.log").read_text()
-    placed = re.findall(r"rank (\d+): node (n\d) \(([\d.]+)\)", job)
-    addresses = {f"n{i}": f"127.0.0.{i + 1}" for i in range(1, NODES + 1)}
-    assert [(int(r), n, a) for r, n, a in placed] == [
-        (r, f"n{r // 2 + 1}", addresses[f"n{r // 2 + 1}"]) for r in range(NODES * TASKS_PER_NODE)
-    ]
-    assert Counter(p["node"] for p in record["probe"]["ranks"]) == {f"n{i}": TASKS_PER_NODE for i in range(1, 5)}
-    helpers.same_training(one_process, run_dir, STEPS)
-    verified = helpers.run_trainer("verify", run_dir)
-    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
-
-
 def submit(cluster, run_dir: Path, cwd: Path, *extra: str):
     """`train experiment=smoke-cluster launcher=slurm launcher.submit=true` on ``cluster`` (this module's settings
     for four nodes on few cores), ``extra`` overrides appended; returns the completed `train`."""
@@ -131,19 +104,26 @@ def submit(cluster, run_dir: Path, cwd: Path, *extra: str):
     )
 
 
-def test_a_node_killed_mid_run_fails_the_run_naming_the_node_and_its_ranks(cluster, tmp_path):
-    """Node n3 dies whole after step 2 of 40 (its slurmd, slurmstepd, Ray worker node and both ranks, SIGKILL at
-    once, as a power cut): the job ends failed within 120 s, its record naming the node and the ranks it held,
-    every step already written kept. Runs last: the cluster has three nodes after it."""
+def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_resume(cluster, one_process, tmp_path):
+    """`train launcher=slurm launcher.submit=true` writes sbatch.sh and submits it: the probe on every node, the
+    preflight, a Ray head on n1 and a Ray worker on n2..n4 (each at its node's address, `hostname -i`), and the job:
+    eight CPU workers, two per node, checkpointing every step. Node n3 dies whole after step 2 of STEPS (its slurmd,
+    slurmstepd, Ray worker node and both ranks, SIGKILL at once, as a power cut): the job ends failed within 120 s,
+    its record naming the node and the ranks it held, every step already written kept. n3 comes back (a fresh
+    slurmd), and ``--resume`` of the same command line submits again: the job continues from the latest checkpoint
+    on the four nodes, the record links both attempts, every rank's probe names its node, and the run trains like
+    one process (``trainer converge`` passes) and verifies. (One run for both: a clean four-node run costs as much
+    again on two cores; the pyxis module runs one uninterrupted.)"""
     run_dir = tmp_path / "run"
-    submitted = submit(cluster, run_dir, tmp_path, "launcher.steps=40")
+    args = (f"launcher.steps={STEPS}", "launcher.save_interval=1")
+    submitted = submit(cluster, run_dir, tmp_path, *args)
     assert submitted.returncode == 0, submitted.stdout[-2000:] + submitted.stderr[-2000:]
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 420
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 2):
         record = json.loads((run_dir / "record.json").read_text())
         assert record["status"] in ("submitted", "running"), record.get("reason")
-        time.sleep(1)
+        time.sleep(0.5)
     assert metrics.exists() and len(metrics.read_text().splitlines()) >= 2, "no step 2 in 420 s"
     killed = cluster.kill_node("n3")
     assert len(killed) >= 4, killed  # slurmd, slurmstepd and the Ray worker node's processes at least
@@ -156,12 +136,46 @@ def test_a_node_killed_mid_run_fails_the_run_naming_the_node_and_its_ranks(clust
     print(f"the run ended {ended_after:.1f} s after node n3 was killed: {record.get('reason')}")
     logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert record["status"] == "failed", f"{record['status']} {ended_after:.0f} s after the kill\n{logs}"
-    assert re.search(
-        r"node n3 lost after \d+ s \(Ray marks it dead\), with rank\(s\) 4, 5; rank \d on node n\d saw ",
-        record["reason"],
-    ), record["reason"]
+    lost = r"node n3 lost after \d+ s \(Ray marks it dead\), with rank\(s\) 4, 5; rank \d on node n\d saw "
+    assert re.search(lost, record["reason"]), record["reason"]
     kept = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert len(kept) >= 2 and [r["step"] for r in kept] == list(range(1, len(kept) + 1)) and len(kept) < 40
+    assert len(kept) >= 2 and [r["step"] for r in kept] == list(range(1, len(kept) + 1)) and len(kept) < STEPS
+    done = int((run_dir / "checkpoints/latest_checkpointed_iteration.txt").read_text())
+    assert 1 <= done <= len(kept)
+
+    cluster.restart_node("n3")
+    resumed = submit(cluster, run_dir, tmp_path, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    again = wait_for_end(run_dir, 420)
+    logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
+    assert again["status"] == "complete", f"{again['status']}: {again.get('reason')}\n{logs}"
+    assert again["resumed_from"]["iteration"] == done and again["slurm"]["nodes"] == ["n1", "n2", "n3", "n4"]
+    assert again["preflight"]["ok"] is True
+    job = (run_dir / "logs" / "job.log").read_text()
+    placed = re.findall(r"rank (\d+): node (n\d) \(([\d.]+)\)", job)[-NODES * TASKS_PER_NODE :]  # the resumed job's
+    addresses = {f"n{i}": f"127.0.0.{i + 1}" for i in range(1, NODES + 1)}
+    assert [(int(r), n, a) for r, n, a in placed] == [
+        (r, f"n{r // 2 + 1}", addresses[f"n{r // 2 + 1}"]) for r in range(NODES * TASKS_PER_NODE)
+    ]
+    assert Counter(p["node"] for p in again["probe"]["ranks"]) == {f"n{i}": TASKS_PER_NODE for i in range(1, 5)}
+    assert [(a["attempt"], a["status"]) for a in again["attempts"]] == [(1, "failed")]
+    assert re.search(lost, again["attempts"][0]["reason"]), again["attempts"][0]["reason"]
+    assert f"resumed from checkpoints/iter_{done:07d}/mp_rank_00/model_optim_rng.pt" in job
+    helpers.same_training(one_process, run_dir, STEPS)
+    verified = helpers.run_trainer("verify", run_dir)
+    assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
+    assert "attempt 1: failed" in verified.stdout
+
+
+def wait_for_end(run_dir: Path, timeout_s: float) -> dict:
+    """The run's record once its status is ``complete`` or ``failed`` (polled every 2 s), or as it stands after
+    ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    record = json.loads((run_dir / "record.json").read_text())
+    while record["status"] not in ("complete", "failed") and time.monotonic() < deadline:
+        time.sleep(2)
+        record = json.loads((run_dir / "record.json").read_text())
+    return record
 
 
 if __name__ == "__main__":

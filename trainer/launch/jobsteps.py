@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import re
 import socket
 import sys
@@ -21,7 +22,19 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
-from trainer.record.rundir import COMPLETE, FAILED, FINAL, LOGS, PREFLIGHT, PROBES, RUNNING, RunDir, utc_now
+from trainer.record.names import CHECKPOINTS
+from trainer.record.rundir import (
+    COMPLETE,
+    FAILED,
+    FINAL,
+    LOGS,
+    PREFLIGHT,
+    PROBES,
+    RUNNING,
+    WORKER_FILES,
+    RunDir,
+    utc_now,
+)
 
 IMAGE_STAMP = Path("/etc/recipe-bundle/lock.json")  # the lock a bundle image was built from, as stamped into it
 IMAGE_DIR = "image"  # the run directory's copy of it (as trainer.launch.host.local_image.IMAGE_DIR)
@@ -47,6 +60,22 @@ def _job_failure(run_dir: Path, exit_code: int | None) -> str:
     ]
     tail = errors[-1] if errors else (lines[-1] if lines and not status else "")
     return message + (f"; {tail}" if tail else "")
+
+
+def resume_inputs(run_dir: Path) -> list[str]:
+    """The files a ``--resume`` of ``run_dir`` relies on, relative POSIX paths: the workers' ``metrics.jsonl``
+    (:data:`trainer.record.rundir.WORKER_FILES`) and every regular file under ``checkpoints/`` (the tracker
+    ``latest_checkpointed_iteration.txt`` and each ``iter_NNNNNNN/mp_rank_00/model_optim_rng.pt``), sorted;
+    symbolic links are left out (nothing vouches for what they point to)."""
+    found = []
+    top = run_dir / CHECKPOINTS
+    if top.is_dir() and not top.is_symlink():
+        for folder, _, files in os.walk(top):  # does not descend into linked folders
+            for name in files:
+                path = Path(folder) / name
+                if path.is_file() and not path.is_symlink():
+                    found.append(path.relative_to(run_dir).as_posix())
+    return [*WORKER_FILES, *sorted(found)]
 
 
 def mark(
@@ -103,6 +132,9 @@ def mark(
         if status in FINAL:
             record["finished_utc"] = utc_now()
             record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / LOGS).rglob("*") if p.is_file())
+            # what a --resume continues from, hashed as the job leaves it: the record vouches for it
+            # (trainer.record.attempts.vouched_checkpoint); `trainer attest` later re-derives every hash
+            record.setdefault("files_sha256", {}).update(rundir.hash_written(resume_inputs(run_dir)))
         if status == FAILED:
             why = reason
             if why is None and stage == "preflight" and record.get("preflight"):
