@@ -99,5 +99,24 @@ def test_unreachable_cluster(tmp_path):
     assert json.loads((run_dir / "argv.json").read_text())[:2] == ["python3", "train.py"]  # the miles launch
 
 
+def test_ranks_follow_node_address_then_gpu_id_whatever_the_bundle_order():
+    """``ray_workers.rank_order``: the actors as Ray placed them (by bundle) ranked by node address as a number
+    (127.0.0.9 before 127.0.0.10, which a string sort would swap), then by GPU id; a node that names no IP address
+    is refused."""
+    from trainer.launch.ray_workers import rank_order
+
+    nodes = [
+        {"address": "127.0.0.10", "gpu": 0},
+        {"address": "127.0.0.9", "gpu": 1},
+        {"address": "127.0.0.10", "gpu": 1},
+        {"address": "127.0.0.9", "gpu": 0},
+        {"address": "::1", "gpu": 0},
+    ]
+    assert rank_order(nodes) == [3, 1, 0, 2, 4]
+    assert rank_order([]) == []
+    with pytest.raises(ValueError):
+        rank_order([{"address": "n1", "gpu": 0}])
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

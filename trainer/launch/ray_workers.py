@@ -8,8 +8,9 @@ training actors, training data parallel under torch.distributed (gloo).
 1. reserves ``N`` bundles of one ``GPU`` each in a placement group with strategy ``PACK`` (miles'
    ``create_placement_groups``: one bundle per training process, packed onto as few nodes as hold them) and waits
    for them (``--placement-timeout``, seconds; on expiry: exit 4 with the slots free and wanted);
-2. orders the bundles by node address, then by the GPU id Ray gave each (miles sorts its bundles the same way),
-   so that consecutive ranks share a node, and makes rank ``r`` the actor of the ``r``-th bundle;
+2. starts one actor per bundle and orders them by node address, then by the GPU id Ray gave each (miles sorts
+   its bundles the same way; :func:`rank_order`), so that consecutive ranks share a node: rank ``r`` is the
+   ``r``-th actor in that order;
 3. rank 0's actor names its node's address and a free TCP port there: ``MASTER_ADDR``/``MASTER_PORT`` of every rank
    (torch.distributed's TCP rendezvous, no shared file); ``GLOO_SOCKET_IFNAME`` on each node is the interface that
    holds the node's Ray address, found on that node (``lo`` on a loopback test cluster, the cluster network's
@@ -162,13 +163,11 @@ def lost_node(suspects: dict[str, str], wait_s: float = NODE_LOSS_WAIT_S) -> str
         time.sleep(1.0)
 
 
-def place(world: int, timeout_s: float) -> tuple[Any, list[int]]:
-    """A ``PACK`` placement group of ``world`` one-GPU bundles, ready, and its bundle indices in rank order (node
-    address, then GPU id). Raises ``TimeoutError`` (with the slots the cluster has) when not ready in
-    ``timeout_s``."""
+def place(world: int, timeout_s: float) -> Any:
+    """A ``PACK`` placement group of ``world`` one-GPU bundles, ready. Raises ``TimeoutError`` (with the slots the
+    cluster has) when not ready in ``timeout_s``."""
     import ray
     from ray.util.placement_group import placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     group = placement_group([{"GPU": 1}] * world, strategy="PACK")
     ready, _ = ray.wait([group.ready()], timeout=timeout_s)
@@ -176,17 +175,19 @@ def place(world: int, timeout_s: float) -> tuple[Any, list[int]]:
         total = ray.cluster_resources().get("GPU", 0)
         ray.util.remove_placement_group(group)
         raise TimeoutError(f"{world} slots (GPU) wanted, the cluster has {total:g}; not placed in {timeout_s:g} s")
-    where = ray.remote(num_gpus=1, num_cpus=0)(lambda: (ray.util.get_node_ip_address(), ray.get_gpu_ids()))
-    found = ray.get(
-        [
-            where.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=i)
-            ).remote()
-            for i in range(world)
-        ]
-    )
-    key = [(tuple(int(p) for p in address.split(".")), int(gpus[0]) if gpus else 0) for address, gpus in found]
-    return group, sorted(range(world), key=lambda i: key[i])
+    return group
+
+
+def rank_order(nodes: list[dict[str, Any]]) -> list[int]:
+    """Indices of ``nodes`` (each actor's :meth:`Rank.node`, by bundle) in rank order: by node address (as a number:
+    127.0.0.9 before 127.0.0.10; IPv4 before IPv6), then by the GPU id Ray gave the actor, as miles sorts its
+    bundles. Raises ``ValueError`` for an address that is not an IP address."""
+
+    def key(i: int) -> tuple[int, int, int]:
+        ip = ipaddress.ip_address(nodes[i]["address"])
+        return ip.version, int(ip), int(nodes[i]["gpu"])
+
+    return sorted(range(len(nodes)), key=key)
 
 
 def run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> int:
@@ -211,17 +212,21 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
     ray.init(address="auto", logging_level=logging.ERROR)
     try:
         try:
-            group, order = place(world, timeout_s)
+            group = place(world, timeout_s)
         except TimeoutError as ex:
             return EXIT_PLACEMENT, f"placement: {ex}"
         actor: Any = ray.remote(num_gpus=1, num_cpus=0, max_restarts=0)(Rank)
-        ranks: list[Any] = [
+        # one actor per bundle; each names its node and GPU, and the ranks follow from that (no separate task per
+        # bundle to ask first: each would start a worker process of its own)
+        actors: list[Any] = [
             actor.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
             ).remote()
-            for bundle in order
+            for bundle in range(world)
         ]
-        nodes = ray.get([r.node.remote() for r in ranks])
+        found = ray.get([a.node.remote() for a in actors])
+        order = rank_order(found)
+        ranks, nodes = [actors[i] for i in order], [found[i] for i in order]
         master, port = nodes[0]["address"], ray.get(ranks[0].rendezvous_port.remote())
         for rank, node in enumerate(nodes):
             print(f"rank {rank}: node {node['name']} ({node['address']}), slot {node['gpu']}, pid {node['pid']}")
