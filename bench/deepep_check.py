@@ -6,8 +6,8 @@ DeepEP 1.2.1's intranode dispatch and combine kernels are instantiated for 2, 4 
 ``deep_ep.Buffer`` over a one-rank NCCL group (256 MiB of NVLink buffer), and ``get_dispatch_layout`` on the
 recipe's routing shape (8,192 tokens, top-6 over 256 experts; seeded random choices without repeats), whose
 per-expert, per-rank and token-in-rank outputs are compared with ``torch.bincount`` of the same indices. The buffer
-is destroyed explicitly (``explicitly_destroy=True``): DeepEP's destructor at interpreter exit aborted on
-2026-12-01.
+is made with ``explicitly_destroy=True`` (DeepEP's destructor at interpreter exit aborted on 2026-12-01) and
+not destroyed: that runs a barrier kernel of 2, 4 or 8 ranks only; the process ends by ``os._exit``.
 
 Usage (on the GPU machine, DeepEP on PYTHONPATH): python3 bench/deepep_check.py --out FILE.json
 Exit 0 when every comparison matches, 1 otherwise; the JSON holds each figure.
@@ -43,7 +43,7 @@ def main() -> int:
     }
     buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=256 << 20, num_rdma_bytes=0, explicitly_destroy=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    topk = torch.rand(TOKENS, EXPERTS, device="cuda", generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int64)
+    topk = torch.rand(TOKENS, EXPERTS, device="cuda", generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int64).contiguous()
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, EXPERTS)
     torch.cuda.synchronize()
     want_expert = torch.bincount(topk.flatten(), minlength=EXPERTS)
@@ -60,12 +60,14 @@ def main() -> int:
     }
     result["checks"] = checks
     result["ok"] = all(checks.values()) and result["sm90_compiled"]
-    buf.destroy()
-    dist.destroy_process_group()
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
-    print(json.dumps(result, indent=1))
-    return 0 if result["ok"] else 1
+    print(json.dumps(result, indent=1), flush=True)
+    # Buffer.destroy() runs the intranode barrier kernel, which also takes 2, 4 or 8 ranks only
+    # (csrc/kernels/runtime.cu: "Unsupported ranks" at one rank, seen 2026-12-06); the process ends without it
+    # (os._exit: no destructor runs on the half-torn-down buffer)
+    dist.destroy_process_group()
+    os._exit(0 if result["ok"] else 1)
 
 
 if __name__ == "__main__":

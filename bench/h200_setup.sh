@@ -108,7 +108,10 @@ PY
     tar -xf "$joined"/DeepEP-*.tar -C /tmp/deepep-src
     src=$(dirname "$(ls /tmp/deepep-src/*/setup.py /tmp/deepep-src/setup.py 2>/dev/null | head -n 1)")
     start=$(date +%s)
+    # nvshmem.h (torch's nvidia-nvshmem-cu13) includes <cuda/std/tuple>, which CUDA 13 keeps under include/cccl:
+    # without it the host compiler stops on deep_ep.cpp (2026-12-06, CUDA 13.0.88)
     (cd "$src" && TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 \
+      CPLUS_INCLUDE_PATH="/usr/local/cuda/include/cccl${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}" \
       python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target "$site" . )
     echo "DeepEP compiled in $(( $(date +%s) - start )) s"
     sha256sum "$site"/deep_ep_cpp*.so
