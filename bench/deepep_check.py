@@ -43,7 +43,8 @@ def main() -> int:
     }
     buf = deep_ep.Buffer(dist.group.WORLD, num_nvl_bytes=256 << 20, num_rdma_bytes=0, explicitly_destroy=True)
     gen = torch.Generator(device="cuda").manual_seed(0)
-    topk = torch.rand(TOKENS, EXPERTS, device="cuda", generator=gen).argsort(dim=1)[:, :TOPK].to(torch.int64).contiguous()
+    scores = torch.rand(TOKENS, EXPERTS, device="cuda", generator=gen)
+    topk = scores.argsort(dim=1)[:, :TOPK].to(torch.int64).contiguous()  # DeepEP asserts a contiguous topk_idx
     per_rank, per_rdma_rank, per_expert, in_rank, _ = buf.get_dispatch_layout(topk, EXPERTS)
     torch.cuda.synchronize()
     want_expert = torch.bincount(topk.flatten(), minlength=EXPERTS)
