@@ -365,10 +365,11 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         self._wait_idle(30, "the Slurm node")
         return self
 
-    def _spawn_slurmd(self, name: str) -> None:
-        """Node ``name``'s slurmd, at its address, in a UTS namespace of its own (:meth:`kill_node` finds it)."""
+    def _spawn_slurmd(self, name: str, log: str | None = None) -> None:
+        """Node ``name``'s slurmd, at its address, in a UTS namespace of its own (:meth:`kill_node` finds it); its
+        output in ``log`` (default ``slurmd-NAME.out``)."""
         argv = ["slurmd", "-D", "-f", str(self.conf), "-N", name]
-        self._spawn(argv, f"slurmd-{name}.out", self.addresses[name], name)
+        self._spawn(argv, log or f"slurmd-{name}.out", self.addresses[name], name)
 
     def _wait_idle(self, timeout_s: float, what: str) -> None:
         """Wait until ``sinfo`` shows every node idle; raises ``RuntimeError`` naming ``what`` after ``timeout_s``."""
@@ -421,7 +422,7 @@ PartitionName=debug Nodes={",".join(self.names)} Default=YES MaxTime=INFINITE St
         same address, spool and port) and wait until ``sinfo`` shows every node idle (``ReturnToService=2``
         returns it to service once it registers and the killed job's cleanup is done). Raises ``RuntimeError``
         after ``timeout_s`` with the controller's log tail."""
-        self._spawn_slurmd(name)
+        self._spawn_slurmd(name, f"slurmd-{name}-restarted.out")  # the killed one's output stays
         self._wait_idle(timeout_s, f"node {name} back in service")
 
     def client(self, argv: list[str], timeout: float) -> subprocess.CompletedProcess:

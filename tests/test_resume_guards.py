@@ -331,7 +331,11 @@ def test_a_slurm_job_that_ends_vouches_for_its_checkpoints_and_a_changed_byte_is
         checkpoint.save(run_dir, step, model, optimizer)
     outside = tmp_path / "elsewhere.pt"
     outside.write_bytes(b"not this run's")
-    (run_dir / "checkpoints" / "linked.pt").symlink_to(outside)
+    (run_dir / "checkpoints" / "iter_0000006" / "mp_rank_00").mkdir(parents=True)
+    (run_dir / CKPT.format(6)).symlink_to(outside)  # a linked state: nothing vouches for what it points to
+    half = run_dir / "checkpoints" / ".iter_0000008.abc123" / "mp_rank_00"  # a save a kill interrupted
+    half.mkdir(parents=True)
+    (half / "model_optim_rng.pt").write_bytes(b"half a save")
     record = record_of(run_dir)
     before = {k: v for k, v in record["files_sha256"].items() if not k.startswith("checkpoints/")}
     write_record(run_dir, {**record, "status": "running", "files_sha256": before, "slurm": {"job_id": "7"}})
@@ -351,6 +355,37 @@ def test_a_slurm_job_that_ends_vouches_for_its_checkpoints_and_a_changed_byte_is
                 attempts.vouched_checkpoint(run_dir, hashed, "here")
         (run_dir / rel).write_bytes(original)
     assert attempts.vouched_checkpoint(run_dir, hashed, "here")[0] == 4
+
+
+def test_a_resumed_slurm_job_does_not_vouch_for_a_state_changed_since_an_earlier_attempt(plan, tmp_path):
+    """A resumed Slurm job whose worker refused the checkpoint (changed while the job waited) ends failed without
+    saving: its final mark must not make the changed state acceptable. An iteration's state that an earlier
+    attempt's record holds with other bytes is left out of the record (named in ``slurm.unvouched``), so the next
+    ``--resume`` still refuses it; the tracker and metrics, which move on with each attempt, are hashed anew."""
+    from trainer.launch.jobsteps import mark
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(plan, run_dir)
+    model, optimizer = tiny()
+    checkpoint.save(run_dir, 2, model, optimizer)
+    first = {
+        **record_of(run_dir),
+        "status": "failed",
+        "files_sha256": {CKPT.format(2): sha256(run_dir / CKPT.format(2))},
+    }
+    (run_dir / "attempts" / "1").mkdir(parents=True)
+    (run_dir / "attempts" / "1" / "record.json").write_text(json.dumps(first))
+    state = bytearray((run_dir / CKPT.format(2)).read_bytes())
+    state[len(state) // 2] ^= 0x01
+    (run_dir / CKPT.format(2)).write_bytes(bytes(state))  # swapped while the resumed job waited in the queue
+    files = {k: v for k, v in record_of(run_dir)["files_sha256"].items() if not k.startswith("checkpoints/")}
+    attempt = {"attempt": 1, "status": "failed", "record": "attempts/1/record.json"}
+    write_record(run_dir, {**record_of(run_dir), "status": "running", "files_sha256": files, "attempts": [attempt]})
+    ended = mark(run_dir, "failed", stage="job", exit_code=1, reason="the checkpoint's sha256 differs")
+    assert CKPT.format(2) not in ended["files_sha256"] and ended["slurm"]["unvouched"] == [CKPT.format(2)]
+    assert ended["files_sha256"][TRACKER] == sha256(run_dir / TRACKER)
+    with pytest.raises(UserError, match=f"{CKPT.format(2)} is not in the previous attempt's record"):
+        attempts.vouched_checkpoint(run_dir, ended["files_sha256"], "here")
 
 
 # ------------------------------------------------------------------ 6: metrics rows

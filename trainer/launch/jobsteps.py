@@ -23,6 +23,7 @@ from trainer.errors import UserError
 from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
 from trainer.record.names import CHECKPOINTS
+from trainer.record.record import sha256_file
 from trainer.record.rundir import (
     COMPLETE,
     FAILED,
@@ -62,20 +63,68 @@ def _job_failure(run_dir: Path, exit_code: int | None) -> str:
     return message + (f"; {tail}" if tail else "")
 
 
+# the files of a checkpoint as trainer.launch.checkpoint writes them (Megatron's --save layout): the tracker and
+# each iteration's state; a save a kill interrupted (its temporary folder) is neither
+CHECKPOINT_FILE = re.compile(r"latest_checkpointed_iteration\.txt|iter_[0-9]{7}/mp_rank_[0-9]{2}/model_optim_rng\.pt")
+
+
 def resume_inputs(run_dir: Path) -> list[str]:
-    """The files a ``--resume`` of ``run_dir`` relies on, relative POSIX paths: the workers' ``metrics.jsonl``
-    (:data:`trainer.record.rundir.WORKER_FILES`) and every regular file under ``checkpoints/`` (the tracker
-    ``latest_checkpointed_iteration.txt`` and each ``iter_NNNNNNN/mp_rank_00/model_optim_rng.pt``), sorted;
-    symbolic links are left out (nothing vouches for what they point to)."""
-    found = []
+    """The files a ``--resume`` of ``run_dir`` relies on, relative POSIX paths, sorted: the workers'
+    ``metrics.jsonl`` (:data:`trainer.record.rundir.WORKER_FILES`) and the checkpoint files under ``checkpoints/``
+    (:data:`CHECKPOINT_FILE`: the tracker and each ``iter_NNNNNNN/mp_rank_NN/model_optim_rng.pt``). Only regular
+    files reached without a symbolic link count (nothing vouches for what a link points to)."""
+    found = [name for name in WORKER_FILES if (run_dir / name).is_file() and not (run_dir / name).is_symlink()]
     top = run_dir / CHECKPOINTS
     if top.is_dir() and not top.is_symlink():
         for folder, _, files in os.walk(top):  # does not descend into linked folders
             for name in files:
                 path = Path(folder) / name
-                if path.is_file() and not path.is_symlink():
+                rel = path.relative_to(top).as_posix()
+                if CHECKPOINT_FILE.fullmatch(rel) and path.is_file() and not path.is_symlink():
                     found.append(path.relative_to(run_dir).as_posix())
-    return [*WORKER_FILES, *sorted(found)]
+    return sorted(found)
+
+
+def earlier_hashes(run_dir: Path, record: dict[str, Any]) -> dict[str, str]:
+    """The sha256 each earlier attempt's record (``attempts[].record``, ``attempts/N/record.json``) holds per file,
+    the later attempt's where two differ; a copy that is missing or unreadable adds nothing (``trainer verify``
+    checks those links)."""
+    hashes: dict[str, str] = {}
+    for attempt in record.get("attempts") or []:
+        rel = attempt.get("record") if isinstance(attempt, dict) else None
+        if not isinstance(rel, str):
+            continue
+        try:
+            earlier = json.loads((run_dir / rel).read_text())
+        except (OSError, ValueError):
+            continue
+        files = earlier.get("files_sha256") if isinstance(earlier, dict) else None
+        if isinstance(files, dict):
+            hashes.update({k: v for k, v in files.items() if isinstance(k, str) and isinstance(v, str)})
+    return hashes
+
+
+def vouch_for_resume(run_dir: Path, record: dict[str, Any]) -> list[str]:
+    """Add to ``record["files_sha256"]`` the sha256 of each of :func:`resume_inputs` that it does not list yet, as
+    the job leaves it, so that a ``--resume`` after this job has a record that vouches for its checkpoint
+    (:func:`trainer.record.attempts.vouched_checkpoint`). An iteration's state that an earlier attempt's record
+    holds with other bytes (changed while the job waited, which the worker then refused) is left out, so that it
+    stays refused. Hashes are streamed (:func:`trainer.record.record.sha256_file`). Returns the files left out."""
+    files = record.setdefault("files_sha256", {})
+    earlier = earlier_hashes(run_dir, record)
+    refused = []
+    for rel in resume_inputs(run_dir):
+        if rel in files:
+            continue
+        digest = sha256_file(run_dir / rel)
+        if digest is None:
+            continue
+        # an iteration's state is written once; the tracker and metrics.jsonl move on with every attempt
+        if rel.startswith(f"{CHECKPOINTS}/iter_") and rel in earlier and earlier[rel] != digest:
+            refused.append(rel)
+            continue
+        files[rel] = digest
+    return refused
 
 
 def mark(
@@ -132,9 +181,11 @@ def mark(
         if status in FINAL:
             record["finished_utc"] = utc_now()
             record["logs"] = sorted(str(p.relative_to(run_dir)) for p in (run_dir / LOGS).rglob("*") if p.is_file())
-            # what a --resume continues from, hashed as the job leaves it: the record vouches for it
-            # (trainer.record.attempts.vouched_checkpoint); `trainer attest` later re-derives every hash
-            record.setdefault("files_sha256", {}).update(rundir.hash_written(resume_inputs(run_dir)))
+            # what a --resume continues from, hashed as the job leaves it (`trainer attest` later re-derives every
+            # hash); a file an earlier attempt vouched for with other bytes stays unvouched
+            changed = vouch_for_resume(run_dir, record)
+            if changed:
+                slurm["unvouched"] = changed
         if status == FAILED:
             why = reason
             if why is None and stage == "preflight" and record.get("preflight"):
