@@ -379,11 +379,15 @@ def test_a_resumed_slurm_job_does_not_vouch_for_a_state_changed_since_an_earlier
     state[len(state) // 2] ^= 0x01
     (run_dir / CKPT.format(2)).write_bytes(bytes(state))  # swapped while the resumed job waited in the queue
     files = {k: v for k, v in record_of(run_dir)["files_sha256"].items() if not k.startswith("checkpoints/")}
+    files.pop("metrics.jsonl", None)
+    rows = tmp_path / "rows-elsewhere.jsonl"
+    (run_dir / "metrics.jsonl").rename(rows)
+    (run_dir / "metrics.jsonl").symlink_to(rows)  # metrics that are a link: nothing vouches for their target
     attempt = {"attempt": 1, "status": "failed", "record": "attempts/1/record.json"}
     write_record(run_dir, {**record_of(run_dir), "status": "running", "files_sha256": files, "attempts": [attempt]})
     ended = mark(run_dir, "failed", stage="job", exit_code=1, reason="the checkpoint's sha256 differs")
     assert CKPT.format(2) not in ended["files_sha256"] and ended["slurm"]["unvouched"] == [CKPT.format(2)]
-    assert ended["files_sha256"][TRACKER] == sha256(run_dir / TRACKER)
+    assert ended["files_sha256"][TRACKER] == sha256(run_dir / TRACKER) and "metrics.jsonl" not in ended["files_sha256"]
     with pytest.raises(UserError, match=f"{CKPT.format(2)} is not in the previous attempt's record"):
         attempts.vouched_checkpoint(run_dir, ended["files_sha256"], "here")
 

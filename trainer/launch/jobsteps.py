@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import re
 import socket
 import sys
@@ -22,8 +21,7 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
-from trainer.record.names import CHECKPOINTS
-from trainer.record.record import sha256_file
+from trainer.record.attempts import vouch_for_resume
 from trainer.record.rundir import (
     COMPLETE,
     FAILED,
@@ -32,7 +30,6 @@ from trainer.record.rundir import (
     PREFLIGHT,
     PROBES,
     RUNNING,
-    WORKER_FILES,
     RunDir,
     utc_now,
 )
@@ -61,70 +58,6 @@ def _job_failure(run_dir: Path, exit_code: int | None) -> str:
     ]
     tail = errors[-1] if errors else (lines[-1] if lines and not status else "")
     return message + (f"; {tail}" if tail else "")
-
-
-# the files of a checkpoint as trainer.launch.checkpoint writes them (Megatron's --save layout): the tracker and
-# each iteration's state; a save a kill interrupted (its temporary folder) is neither
-CHECKPOINT_FILE = re.compile(r"latest_checkpointed_iteration\.txt|iter_[0-9]{7}/mp_rank_[0-9]{2}/model_optim_rng\.pt")
-
-
-def resume_inputs(run_dir: Path) -> list[str]:
-    """The files a ``--resume`` of ``run_dir`` relies on, relative POSIX paths, sorted: the workers'
-    ``metrics.jsonl`` (:data:`trainer.record.rundir.WORKER_FILES`) and the checkpoint files under ``checkpoints/``
-    (:data:`CHECKPOINT_FILE`: the tracker and each ``iter_NNNNNNN/mp_rank_NN/model_optim_rng.pt``). Only regular
-    files reached without a symbolic link count (nothing vouches for what a link points to)."""
-    found = [name for name in WORKER_FILES if (run_dir / name).is_file() and not (run_dir / name).is_symlink()]
-    top = run_dir / CHECKPOINTS
-    if top.is_dir() and not top.is_symlink():
-        for folder, _, files in os.walk(top):  # does not descend into linked folders
-            for name in files:
-                path = Path(folder) / name
-                rel = path.relative_to(top).as_posix()
-                if CHECKPOINT_FILE.fullmatch(rel) and path.is_file() and not path.is_symlink():
-                    found.append(path.relative_to(run_dir).as_posix())
-    return sorted(found)
-
-
-def earlier_hashes(run_dir: Path, record: dict[str, Any]) -> dict[str, str]:
-    """The sha256 each earlier attempt's record (``attempts[].record``, ``attempts/N/record.json``) holds per file,
-    the later attempt's where two differ; a copy that is missing or unreadable adds nothing (``trainer verify``
-    checks those links)."""
-    hashes: dict[str, str] = {}
-    for attempt in record.get("attempts") or []:
-        rel = attempt.get("record") if isinstance(attempt, dict) else None
-        if not isinstance(rel, str):
-            continue
-        try:
-            earlier = json.loads((run_dir / rel).read_text())
-        except (OSError, ValueError):
-            continue
-        files = earlier.get("files_sha256") if isinstance(earlier, dict) else None
-        if isinstance(files, dict):
-            hashes.update({k: v for k, v in files.items() if isinstance(k, str) and isinstance(v, str)})
-    return hashes
-
-
-def vouch_for_resume(run_dir: Path, record: dict[str, Any]) -> list[str]:
-    """Add to ``record["files_sha256"]`` the sha256 of each of :func:`resume_inputs` that it does not list yet, as
-    the job leaves it, so that a ``--resume`` after this job has a record that vouches for its checkpoint
-    (:func:`trainer.record.attempts.vouched_checkpoint`). An iteration's state that an earlier attempt's record
-    holds with other bytes (changed while the job waited, which the worker then refused) is left out, so that it
-    stays refused. Hashes are streamed (:func:`trainer.record.record.sha256_file`). Returns the files left out."""
-    files = record.setdefault("files_sha256", {})
-    earlier = earlier_hashes(run_dir, record)
-    refused = []
-    for rel in resume_inputs(run_dir):
-        if rel in files:
-            continue
-        digest = sha256_file(run_dir / rel)
-        if digest is None:
-            continue
-        # an iteration's state is written once; the tracker and metrics.jsonl move on with every attempt
-        if rel.startswith(f"{CHECKPOINTS}/iter_") and rel in earlier and earlier[rel] != digest:
-            refused.append(rel)
-            continue
-        files[rel] = digest
-    return refused
 
 
 def mark(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import shutil
 import tempfile
@@ -37,6 +38,9 @@ from trainer.record.rundir import FINAL, INTERRUPTED, RUNNING, read_record
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the newest iteration, as decimal text
 TRACKER_PATH = f"{CHECKPOINTS}/{TRACKER}"  # the tracker relative to the run directory, as files_sha256 names it
 ITERATION = re.compile(r"[0-9]{1,9}")  # an iteration as the tracker and a record write it: ASCII digits, 9 at most
+# an iteration's state under checkpoints/ as trainer.record.names.checkpoint_state names it; the temporary folder of
+# a save a kill interrupted (``.iter_NNNNNNN.XXXX``) is none
+STATE = re.compile(r"iter_[0-9]{7}/mp_rank_00/model_optim_rng\.pt")
 MAX_TRACKER_BYTES = 4096  # a tracker holds one iteration and a newline; larger is not one a save wrote
 
 
@@ -114,6 +118,49 @@ def _vouched(rel: str, digest: str, files: dict[str, str], where: str) -> str:
             f"recorded {expected[:16]}...): refusing to resume from it"
         )
     return expected
+
+
+def resume_inputs(run_dir: Path) -> list[str]:
+    """The files a ``--resume`` of ``run_dir`` relies on, relative POSIX paths, sorted: ``metrics.jsonl``, the
+    tracker and each iteration's state (:data:`STATE`). Only regular files reached without a symbolic link count
+    (nothing vouches for what a link points to)."""
+    found = [name for name in (METRICS, TRACKER_PATH) if _digest(run_dir / name) is not None]
+    top = run_dir / CHECKPOINTS
+    if top.is_dir() and not top.is_symlink():
+        for folder, _, files in os.walk(top):  # does not descend into linked folders
+            for name in files:
+                path = Path(folder) / name
+                if STATE.fullmatch(path.relative_to(top).as_posix()) and path.is_file() and not path.is_symlink():
+                    found.append(path.relative_to(run_dir).as_posix())
+    return sorted(found)
+
+
+def vouch_for_resume(run_dir: Path, record: dict[str, Any]) -> list[str]:
+    """Add to ``record["files_sha256"]`` the sha256 (streamed) of each of :func:`resume_inputs` that it does not
+    list yet, as the files are now: for a record that its run's job ends itself (a Slurm job,
+    :func:`trainer.launch.jobsteps.mark`), so that a ``--resume`` after it has a record that vouches for its
+    checkpoint (:func:`vouched_checkpoint`). An iteration's state that an earlier attempt's record (``attempts``)
+    holds with other bytes (changed while the job waited; its worker then refused it) is left out, so that it
+    stays refused; the tracker and ``metrics.jsonl`` move on with each attempt. Returns the states left out."""
+    files = record.setdefault("files_sha256", {})
+    earlier: dict[str, Any] = {}
+    for attempt in record.get("attempts") or []:
+        copy = attempt.get("record") if isinstance(attempt, dict) else None
+        try:
+            kept = read_record((run_dir / copy).parent) if isinstance(copy, str) else None
+        except UserError:
+            kept = None  # an unreadable copy adds nothing here; `trainer verify` checks each attempt's link
+        earlier.update((kept or {}).get("files_sha256") or {})
+    refused = []
+    for rel in resume_inputs(run_dir):
+        digest = None if rel in files else sha256_file(run_dir / rel)
+        if digest is None:
+            continue
+        if rel.startswith(f"{CHECKPOINTS}/iter_") and earlier.get(rel, digest) != digest:
+            refused.append(rel)
+        else:
+            files[rel] = digest
+    return refused
 
 
 def ended_attempt(run_dir: Path) -> dict[str, Any] | None:
