@@ -111,10 +111,10 @@ def refused_train(monkeypatch, capsys):
     return call
 
 
-@pytest.fixture(scope="module")
-def eight_ranks_one_module_at_a_time():
-    """For a module that trains eight ranks at once (``pytestmark`` ``usefixtures``): the module runs while it
-    holds :func:`helpers.one_heavy_at_a_time`'s lock."""
+@pytest.fixture
+def eight_ranks_at_a_time():
+    """For a test that trains eight ranks at once (ask for it after the module's cluster and reference run, so
+    that those start outside it): the test runs while it holds :func:`helpers.one_heavy_at_a_time`'s lock."""
     import helpers
 
     with helpers.one_heavy_at_a_time():

@@ -100,9 +100,10 @@ HEAVY_LOCK = Path("/tmp/recipe-bundle-eight-ranks.lock")  # fixed: Bazel gives e
 
 @contextlib.contextmanager
 def one_heavy_at_a_time():
-    """Hold an exclusive lock (``flock`` on :data:`HEAVY_LOCK`) while a test module trains eight ranks at once
-    (about 12 GB of memory): two such modules that Bazel runs side by side take turns instead of exhausting the
-    machine's memory together; the other tests run on beside them."""
+    """Hold an exclusive lock (``flock`` on :data:`HEAVY_LOCK`) while a test trains eight ranks at once (about
+    11 GB of memory): two such tests that Bazel runs side by side take turns instead of exhausting the machine's
+    memory together. Only the training holds it: the clusters' start-up, the one-process reference runs, the
+    checks and the other tests run on beside it."""
     import fcntl
 
     with open(HEAVY_LOCK, "a") as lock:

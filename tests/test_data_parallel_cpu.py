@@ -3,6 +3,7 @@ batch fixed (8 rows, one row per microbatch) by 1, 2, 4 and 8 processes (``layou
 gloo on loopback). Every pair passes ``trainer converge``, the per-step losses agree to float32 reduction order,
 and one process with a 10x learning rate fails against DP1 and DP8."""
 
+import contextlib
 import itertools
 import json
 import os
@@ -15,10 +16,10 @@ import pytest
 import helpers
 from helpers import REPO_ROOT
 
-pytestmark = pytest.mark.usefixtures("eight_ranks_one_module_at_a_time")
 STEPS = 5
 BATCH = ("optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1")
-# name -> overrides; started in waves so that at most 8 ranks (about 1.4 GB each) are alive at once
+# name -> overrides; started in waves so that at most 8 ranks (about 1.4 GB each) are alive at once; the waves of
+# more than two ranks hold the eight-rank lock (helpers.one_heavy_at_a_time)
 WAVES: list[dict[str, tuple[str, ...]]] = [
     {"dp1": ("layout=gpu1-tp1pp1ep1",), "dp1-lr10": ("layout=gpu1-tp1pp1ep1", "optim.lr=3e-2")},
     {"dp2": ("layout=gpu2-tp1pp1ep1",), "dp4": ("layout=gpu4-tp1pp1ep1",)},
@@ -30,27 +31,37 @@ WAVES: list[dict[str, tuple[str, ...]]] = [
 def runs(tmp_path_factory) -> dict[str, Path]:
     """Each run of :data:`WAVES` (``experiment=smoke``, :data:`STEPS` steps, :data:`BATCH`), a wave at a time;
     returns name -> run directory. Fails with the run's log tail when one does not finish (10 min each)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     done: dict[str, Path] = {}
     for wave in WAVES:
-        started: dict[str, tuple[subprocess.Popen, Path]] = {}
-        try:
-            for name, overrides in wave.items():
-                cwd = tmp_path_factory.mktemp(name)
-                argv = [sys.executable, "-m", "trainer.train", "experiment=smoke", f"launcher.steps={STEPS}", *BATCH]
-                argv += [*overrides, f"hydra.run.dir={cwd / 'run'}"]
-                with (cwd / "train.log").open("w") as log:
-                    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
-                started[name] = (proc, cwd)
-            for name, (proc, cwd) in started.items():
-                proc.wait(timeout=600)
-                assert proc.returncode == 0, (cwd / "train.log").read_text()[-3000:]
-                done[name] = cwd / "run"
-        finally:  # a failed or stuck run does not leave the others of its wave running
-            for proc, _ in started.values():
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        ranks = sum(int(overrides[0].split("-")[0].removeprefix("layout=gpu")) for overrides in wave.values())
+        with helpers.one_heavy_at_a_time() if ranks > 2 else contextlib.nullcontext():
+            done |= run_wave(wave, tmp_path_factory)
+    return done
+
+
+def run_wave(wave: dict[str, tuple[str, ...]], tmp_path_factory) -> dict[str, Path]:
+    """Start every run of ``wave`` at once and wait for each; returns name -> run directory. A failed or stuck
+    run does not leave the others of its wave running."""
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    started: dict[str, tuple[subprocess.Popen, Path]] = {}
+    done: dict[str, Path] = {}
+    try:
+        for name, overrides in wave.items():
+            cwd = tmp_path_factory.mktemp(name)
+            argv = [sys.executable, "-m", "trainer.train", "experiment=smoke", f"launcher.steps={STEPS}", *BATCH]
+            argv += [*overrides, f"hydra.run.dir={cwd / 'run'}"]
+            with (cwd / "train.log").open("w") as log:
+                proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
+            started[name] = (proc, cwd)
+        for name, (proc, cwd) in started.items():
+            proc.wait(timeout=600)
+            assert proc.returncode == 0, (cwd / "train.log").read_text()[-3000:]
+            done[name] = cwd / "run"
+    finally:
+        for proc, _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     return done
 
 

@@ -38,7 +38,6 @@ pytestmark = [
         shutil.which("umoci") is None or shutil.which("mksquashfs") is None,
         reason="umoci and mksquashfs (Debian umoci, squashfs-tools) are not installed",
     ),
-    pytest.mark.usefixtures("eight_ranks_one_module_at_a_time"),
 ]
 trainer = helpers.run_trainer
 
@@ -202,7 +201,7 @@ def _train(cluster, run_dir: Path, image_ref: str, cwd: Path):
     )
 
 
-def test_train_on_pyxis_probes_every_node_inside_the_image_by_digest(cluster, image, tmp_path):
+def test_train_on_pyxis_probes_every_node_inside_the_image_by_digest(cluster, image, eight_ranks_at_a_time, tmp_path):
     """Promise: `train launcher=slurm launcher.container=pyxis launcher.image=FILE.sqsh@DIGEST` checks the file
     against its record, submits, and the batch script checks it again, then probes the four nodes inside the
     image: the preflight agrees on the digest read from the image's stamp on every node, and the record carries

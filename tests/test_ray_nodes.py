@@ -26,7 +26,6 @@ from launch_fixtures import LocalRayCluster, NetNamespace, missing_ray
 pytestmark = [
     pytest.mark.skipif(missing_ray() is not None, reason=str(missing_ray())),
     pytest.mark.skipif(os.geteuid() != 0, reason="the cluster's network namespace needs root"),
-    pytest.mark.usefixtures("eight_ranks_one_module_at_a_time"),
 ]
 NODES, SLOTS, STEPS = 4, 2, 4
 
@@ -106,7 +105,7 @@ def test_four_nodes_on_their_own_addresses_and_nothing_listens_outside(cluster):
     assert held & host_listening_inodes() == set()
 
 
-def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, tmp_path):
+def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, eight_ranks_at_a_time, tmp_path):
     run_dir = tmp_path / "run"
     result = train_on(cluster, ["experiment=smoke-cluster", f"hydra.run.dir={run_dir}"], tmp_path, 480)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -130,7 +129,7 @@ def test_eight_ranks_on_four_nodes_train_like_one_process(cluster, one_process, 
 
 
 def test_a_rank_killed_mid_run_fails_the_run_naming_rank_and_node_and_resume_completes_it(
-    cluster, one_process, tmp_path
+    cluster, one_process, eight_ranks_at_a_time, tmp_path
 ):
     """Rank 5 (node n3) killed after step 2 of STEPS, checkpoints every step: the run fails within a minute
     naming the rank and node, its steps kept; ``--resume`` of the same command line continues from the latest

@@ -26,7 +26,6 @@ pytestmark = [
         reason=f"Slurm is not installed (missing: {' '.join(missing_slurm())}; Debian slurm-wlm munge)",
     ),
     pytest.mark.skipif(os.geteuid() != 0, reason="the private Slurm cluster runs its daemons as root"),
-    pytest.mark.usefixtures("eight_ranks_one_module_at_a_time"),
 ]
 NODES, TASKS_PER_NODE, STEPS = 4, 2, 4
 
@@ -62,7 +61,9 @@ def test_four_nodes_come_up_and_take_two_tasks_each(cluster):
     assert {r[2] for r in rows} == {"0", "1"}
 
 
-def test_the_cpu_worker_trains_across_four_nodes_like_one_process(cluster, one_process, tmp_path):
+def test_the_cpu_worker_trains_across_four_nodes_like_one_process(
+    cluster, one_process, eight_ranks_at_a_time, tmp_path
+):
     one = one_process
     nodes = tmp_path / "slurm"  # the same composition, its eight ranks placed by Slurm on the four nodes
     nodes.mkdir()
@@ -104,7 +105,9 @@ def submit(cluster, run_dir: Path, cwd: Path, *extra: str):
     )
 
 
-def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_resume(cluster, one_process, tmp_path):
+def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_resume(
+    cluster, one_process, eight_ranks_at_a_time, tmp_path
+):
     """`train launcher=slurm launcher.submit=true` writes sbatch.sh and submits it: the probe on every node, the
     preflight, a Ray head on n1 and a Ray worker on n2..n4 (each at its node's address, `hostname -i`), and the job:
     eight CPU workers, two per node, checkpointing every step. Node n3 dies whole after step 2 of STEPS (its slurmd,
