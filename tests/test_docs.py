@@ -888,10 +888,12 @@ def check_claims(docs: Docs) -> list[str]:
 
 
 def source_text() -> str:
-    """Everything a flag or variable the docs name may be defined in: the package, bin/, bench/, the locks (build
-    steps' commands), conf/, the golden launch files (miles' and Megatron's flags) and bin/test-cluster's module."""
+    """Everything a flag or variable the docs name may be defined in: the package (its templates included), bin/,
+    bench/, the locks (build steps' commands), conf/, the golden launch files (miles' and Megatron's flags) and
+    bin/test-cluster's module."""
     files = [
         *(ROOT / "trainer").rglob("*.py"),
+        *(ROOT / "trainer").rglob("*.tmpl"),
         *(ROOT / "bin").iterdir(),
         *(ROOT / "bench").glob("*.*"),
         *(ROOT / "lockfiles").glob("*.lock.json"),

@@ -101,11 +101,158 @@ def running(record, pid):
 # ------------------------------------------------------------------ 1, 2: a record that says running
 
 
-def test_a_killed_run_whose_record_says_running_is_not_resumed_from_an_unvouched_checkpoint(ended, tmp_path):
+def test_a_killed_run_whose_record_says_running_resumes_from_the_checkpoint_its_save_vouched_for(ended):
     """Finding 1 (host side): the launcher was killed (SIGKILL) and its record still says running; its process is
-    gone, so the run is an ended attempt, but nothing hashed its checkpoints: --resume is refused in one line
-    naming the checkpoint, and nothing is written."""
+    gone, so the run is an ended attempt whose record never hashed its checkpoints. The save wrote the state's
+    sha256 beside it (``sha256sum``'s line): that vouches for it, the attempt says so, and `trainer verify`'s
+    attempt check passes while that file holds the sha256 the new record resumed from, and fails once it does
+    not or is gone."""
     write_record(ended, running(record_of(ended), dead_pid()))
+    state = sha256(ended / CKPT.format(4))
+    sums = ended / f"{CKPT.format(4)}.sha256"
+    assert sums.read_text() == f"{state}  model_optim_rng.pt\n"
+    previous = attempts.ended_attempt(ended)
+    assert previous["status"] == "interrupted"
+    linked = attempts.continue_attempt(ended, previous)
+    assert linked["resumed_from"] == {"attempt": 1, "iteration": 4, "checkpoint": CKPT.format(4), "sha256": state}
+    assert linked["attempts"][0]["checkpoint_vouched_by"] == "writer"
+    record = {**record_of(ended), **linked}
+    [row] = check_attempts(ended, record)
+    assert row["ok"] and row["line"].endswith("(its checkpoint vouched for by the sha256 file its save wrote)")
+    sums.write_text(f"{'0' * 64}  model_optim_rng.pt\n")
+    [row] = check_attempts(ended, record)
+    assert not row["ok"] and "does not hold the sha256 of the checkpoint of step 4" in row["line"]
+    sums.unlink()
+    [row] = check_attempts(ended, record)
+    assert not row["ok"] and "nothing vouches for the checkpoint of step 4" in row["line"]
+    (ended / "attempts" / "1" / "record.json").write_text(json.dumps(record_of(ended) | {"status": "failed"}))
+    record["attempts"][0]["record_sha256"] = sha256(ended / "attempts" / "1" / "record.json")
+    [row] = check_attempts(ended, record)  # a sealed record that holds no checkpoint's hash vouches for none
+    assert not row["ok"] and "does not vouch for the checkpoint of step 4" in row["line"]
+
+
+def relink(run_dir, rel):
+    """Move ``run_dir/rel`` out of the run directory and leave a symbolic link to it in its place."""
+    moved = run_dir.parent / f"moved-{rel.replace('/', '-')}"
+    (run_dir / rel).rename(moved)
+    (run_dir / rel).symlink_to(moved)
+    assert (run_dir / rel).is_symlink()
+
+
+def flip(path, at):
+    data = bytearray(path.read_bytes())
+    data[at if at >= 0 else len(data) + at] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+WRITER_TAMPER = {  # name -> (change to the run directory, what the one line names)
+    "state, first byte": (lambda d: flip(d / CKPT.format(4), 0), f"{CKPT.format(4)} changed since its save wrote"),
+    "state, middle byte": (
+        lambda d: flip(d / CKPT.format(4), (d / CKPT.format(4)).stat().st_size // 2),
+        f"{CKPT.format(4)} changed since its save wrote",
+    ),
+    "state, last byte": (lambda d: flip(d / CKPT.format(4), -1), f"{CKPT.format(4)} changed since its save wrote"),
+    "sha256 file, a digit": (
+        lambda d: (d / f"{CKPT.format(4)}.sha256").write_text(
+            "{}{}".format(
+                *(lambda t: ("1" if t[0] != "1" else "2", t[1:]))((d / f"{CKPT.format(4)}.sha256").read_text())
+            )
+        ),
+        "changed since its save wrote",
+    ),
+    "sha256 file, its name": (lambda d: flip(d / f"{CKPT.format(4)}.sha256", -3), "nor a sha256 file its save wrote"),
+    "sha256 file gone": (lambda d: (d / f"{CKPT.format(4)}.sha256").unlink(), "nor a sha256 file its save wrote"),
+    "sha256 file a link": (lambda d: relink(d, f"{CKPT.format(4)}.sha256"), "nor a sha256 file its save wrote"),
+    "state a link": (lambda d: relink(d, CKPT.format(4)), f"{CKPT.format(4)}: missing, unreadable or a link"),
+    "its folder a link": (lambda d: relink(d, "checkpoints/iter_0000004/mp_rank_00"), "nor a sha256 file its save"),
+    "tracker without its newline": (lambda d: (d / TRACKER).write_bytes(b"4"), f"{TRACKER} holds b'4'"),
+    "tracker with a zero": (lambda d: (d / TRACKER).write_bytes(b"04\n"), f"{TRACKER} holds b'04\\n'"),
+}
+
+
+@pytest.mark.parametrize("change", WRITER_TAMPER)
+def test_a_checkpoint_its_save_vouched_for_is_refused_when_anything_it_vouches_for_changed(ended, change):
+    """Tamper test of the save's voucher (a killed launcher's record, as above): a byte of the state (first,
+    middle, last) or of its sha256 file changed, that file gone or a link, the state a link, the tracker not as a
+    save writes it: each is refused in one line naming the file, before anything is written."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    tamper, says = WRITER_TAMPER[change]
+    tamper(ended)
+    before = helpers.tree_hash(ended)
+    with pytest.raises(UserError) as refused:
+        attempts.ended_attempt(ended)
+    assert str(refused.value).startswith(f"{ended} (--resume): ") and says in str(refused.value), str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert helpers.tree_hash(ended) == before and not (ended / "attempts").exists()
+
+
+def test_resume_of_a_slurm_job_slurm_cannot_say_has_ended_is_refused(ended, tmp_path):
+    """A Slurm job's record that says running (its job wrote it) is reconciled with Slurm before a resume; where
+    Slurm cannot say the job ended (here no controller answers for ``SLURM_CONF``), the resume is refused in one
+    line naming the job, and nothing of the run is written."""
+    record = {k: v for k, v in running(record_of(ended), dead_pid()).items() if k not in ("pid", "pid_started")}
+    write_record(ended, {**record, "launcher": "slurm", "slurm": {"job_id": "4242", "nodes": ["n1"]}})
+    before = helpers.tree_hash(ended)
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(  # nothing listens on port 9; the client gives up at once (no retries of 10 s)
+        "ClusterName=none\nSlurmctldHost=localhost(127.0.0.1)\nSlurmctldPort=9\nMessageTimeout=1\nTCPTimeout=1\n"
+    )
+    os.environ["SLURM_CONF"] = str(conf)
+    try:
+        with pytest.raises(UserError) as refused:
+            attempts.ended_attempt(ended)
+    finally:
+        del os.environ["SLURM_CONF"]
+    assert str(refused.value).startswith(f"{ended} (--resume): its record.json says running and its Slurm job 4242 is ")
+    assert str(refused.value).endswith(": wait for it to end, or scancel it, before resuming")
+    assert helpers.tree_hash(ended) == before and not (ended / "attempts").exists()
+
+
+def test_an_unsealed_resumed_attempt_accepts_no_other_or_older_checkpoint_than_its_earlier_attempts(ended):
+    """Attempt 1 ended sealed (its record vouches for step 4); attempt 2 resumed from it and was killed before
+    its next save, its record unsealed. The save's sha256 file still vouches for step 4, but a state of step 4
+    swapped together with its sha256 file (another hash than attempt 1 recorded), or the tracker set back to step
+    2 (older than attempt 2 started from), is refused; `trainer verify` reports an attempt whose step is no
+    integer as a failed row, not a traceback."""
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    write_record(ended, running({**record_of(ended), **linked}, dead_pid()))
+    assert attempts.vouched_by(record_of(ended)) == "writer"
+    assert attempts.ended_attempt(ended)["status"] == "interrupted"  # the same checkpoint: accepted
+    state, sums = ended / CKPT.format(4), ended / f"{CKPT.format(4)}.sha256"
+    original, line = state.read_bytes(), sums.read_text()
+    flip(state, len(original) // 2)
+    sums.write_text(f"{sha256(state)}  model_optim_rng.pt\n")  # swapped, its sha256 file rewritten to match
+    with pytest.raises(UserError, match=f"{CKPT.format(4)} is not the one an earlier attempt recorded"):
+        attempts.ended_attempt(ended)
+    state.write_bytes(original)
+    sums.write_text(line)
+    (ended / TRACKER).write_bytes(b"2\n")
+    with pytest.raises(UserError, match="names iteration 2, older than the 4 the previous attempt resumed from"):
+        attempts.ended_attempt(ended)
+    record = {**record_of(ended), "attempts": [{**linked["attempts"][0], "resumed_from_iteration": "4"}]}
+    [row] = check_attempts(ended, record)
+    assert not row["ok"] and "does not vouch for the checkpoint of step 4" in row["line"]
+
+
+def test_a_killed_run_that_trainer_status_found_gone_resumes_from_the_checkpoint_its_save_vouched_for(ended):
+    """`trainer status` records a killed local run ``interrupted`` (its process gone) and says it wrote that end
+    (``ended_by``): the record is still unsealed, so the save's sha256 file vouches for the checkpoint."""
+    from trainer.record.status import refresh
+
+    write_record(ended, running(record_of(ended), dead_pid()))
+    after = refresh(ended)
+    assert after["status"] == "interrupted" and after["ended_by"] == "trainer status"
+    assert record_of(ended)["ended_by"] == "trainer status"
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert linked["resumed_from"]["iteration"] == 4 and linked["attempts"][0]["checkpoint_vouched_by"] == "writer"
+
+
+def test_a_sealed_record_without_checkpoint_hashes_refuses_a_checkpoint_its_save_vouched_for(ended, tmp_path):
+    """The save's voucher serves only a record that ended unsealed: a record its run sealed (``failed``) that
+    holds no checkpoint's hash (none existed when it ended) refuses a checkpoint that appeared since, sha256 file
+    and all, through ``train --resume``: one line, exit 2, nothing written."""
+    files = {k: v for k, v in record_of(ended)["files_sha256"].items() if not k.startswith("checkpoints/")}
+    write_record(ended, {**record_of(ended), "files_sha256": files})
     before = helpers.tree_hash(ended)
     refused = resume(ended, tmp_path)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]

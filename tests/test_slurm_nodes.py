@@ -3,12 +3,14 @@ and stopped here): ``srun -N4 --ntasks-per-node=2`` places two tasks on each nod
 across them, eight ranks under DistributedDataParallel, to the per-step losses of one process on the same
 global batch (``trainer converge`` passes). ``train launcher=slurm`` submits the same training through Ray on the
 four nodes; a node killed whole mid-run fails it naming the node and its ranks, and once the node is back
-``--resume`` completes it from the last checkpoint."""
+``--resume`` continues it from the last checkpoint; that job then loses its first node (its script, the Ray head,
+rank 0), ``trainer status`` records the end Slurm saw, and a second ``--resume`` completes the run."""
 
 import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from collections import Counter
@@ -27,7 +29,7 @@ pytestmark = [
     ),
     pytest.mark.skipif(os.geteuid() != 0, reason="the private Slurm cluster runs its daemons as root"),
 ]
-NODES, TASKS_PER_NODE, STEPS = 4, 2, 4
+NODES, TASKS_PER_NODE, STEPS = 4, 2, 5
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +107,7 @@ def submit(cluster, run_dir: Path, cwd: Path, *extra: str):
     )
 
 
-def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_resume(
+def test_train_launcher_slurm_on_four_nodes_survives_a_node_then_its_first_node_lost_by_resume(
     cluster, one_process, eight_ranks_at_a_time, tmp_path
 ):
     """`train launcher=slurm launcher.submit=true` writes sbatch.sh and submits it: the probe on every node, the
@@ -113,10 +115,13 @@ def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_re
     eight CPU workers, two per node, checkpointing every step. Node n3 dies whole after step 2 of STEPS (its slurmd,
     slurmstepd, Ray worker node and both ranks, SIGKILL at once, as a power cut): the job ends failed within 120 s,
     its record naming the node and the ranks it held, every step already written kept. n3 comes back (a fresh
-    slurmd), and ``--resume`` of the same command line submits again: the job continues from the latest checkpoint
-    on the four nodes, the record links both attempts, every rank's probe names its node, and the run trains like
-    one process (``trainer converge`` passes) and verifies. (One run for both: a clean four-node run costs as much
-    again on two cores; the pyxis module runs one uninterrupted.)"""
+    slurmd), and ``--resume`` of the same command line submits again. That job loses its first node n1 once it has
+    saved a step (the batch script, the Ray head, ranks 0 and 1: nothing in the job is left to record the end):
+    ``trainer status --wait`` finds the job ended by Slurm, records it failed naming n1 and its ranks, and the
+    next ``--resume`` continues from the checkpoint the save's own sha256 file vouches for. The last job completes
+    on the four nodes, the record links all three attempts, every rank's probe names its node, and the run
+    trains like one process (``trainer converge`` passes) and verifies. (One run for all: a clean four-node run
+    costs as much again on two cores; the pyxis module runs one uninterrupted.)"""
     run_dir = tmp_path / "run"
     args = (f"launcher.steps={STEPS}", "launcher.save_interval=1")
     submitted = submit(cluster, run_dir, tmp_path, *args)
@@ -149,10 +154,43 @@ def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_re
     cluster.restart_node("n3")
     resumed = submit(cluster, run_dir, tmp_path, *args, "--resume")
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    tracker = run_dir / "checkpoints" / "latest_checkpointed_iteration.txt"
+    deadline = time.monotonic() + 420
+    while time.monotonic() < deadline and int(tracker.read_text()) <= done:
+        record = json.loads((run_dir / "record.json").read_text())
+        assert record["status"] in ("submitted", "running"), record.get("reason")
+        time.sleep(0.5)
+    second = int(tracker.read_text())
+    assert done < second < STEPS, f"the resumed job saved no step after {done} in 420 s, or finished: {second}"
+    cluster.kill_node("n1")
+    # Slurm learns of it as from a node health check (after SlurmdTimeout, 300 s, it would by itself) and ends
+    # the job: NODE_FAIL
+    marked = cluster.client(["scontrol", "update", "nodename=n1", "state=down", "reason=power cut"], timeout=30)
+    assert marked.returncode == 0, marked.stderr
+    followed = subprocess.run(  # as the user would, on the cluster (its namespace, its slurm.conf)
+        [sys.executable, "-m", "trainer", "status", str(run_dir), "--wait", "--timeout", "120"],
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "SLURM_CONF": str(cluster.conf)},
+        capture_output=True,
+        text=True,
+        timeout=180,
+        preexec_fn=cluster._preexec(),
+    )
+    assert followed.returncode == 1, followed.stdout[-2000:] + followed.stderr[-2000:]
+    record = json.loads((run_dir / "record.json").read_text())
+    print(f"the second attempt: {record.get('reason')}")
+    first_lost = r"Slurm job \d+ ended NODE_FAIL before its script recorded a result; node\(s\) n1 lost \(down"
+    assert record["status"] == "failed" and re.match(first_lost, record["reason"]), record.get("reason")
+    assert record["reason"].split("), ", 1)[1].startswith("with rank(s) 0, 1"), record["reason"]
+    assert record["ended_by"] == "trainer status" and int(tracker.read_text()) >= second
+
+    cluster.restart_node("n1")
+    second = int(tracker.read_text())
+    resumed = submit(cluster, run_dir, tmp_path, *args, "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
     again = wait_for_end(run_dir, 420)
     logs = "".join(p.read_text()[-1500:] for p in sorted((run_dir / "logs").glob("*.log")))
     assert again["status"] == "complete", f"{again['status']}: {again.get('reason')}\n{logs}"
-    assert again["resumed_from"]["iteration"] == done and again["slurm"]["nodes"] == ["n1", "n2", "n3", "n4"]
+    assert again["resumed_from"]["iteration"] == second and again["slurm"]["nodes"] == ["n1", "n2", "n3", "n4"]
     assert again["preflight"]["ok"] is True
     job = (run_dir / "logs" / "job.log").read_text()
     placed = re.findall(r"rank (\d+): node (n\d) \(([\d.]+)\)", job)[-NODES * TASKS_PER_NODE :]  # the resumed job's
@@ -161,13 +199,16 @@ def test_train_launcher_slurm_on_four_nodes_survives_a_node_killed_mid_run_by_re
         (r, f"n{r // 2 + 1}", addresses[f"n{r // 2 + 1}"]) for r in range(NODES * TASKS_PER_NODE)
     ]
     assert Counter(p["node"] for p in again["probe"]["ranks"]) == {f"n{i}": TASKS_PER_NODE for i in range(1, 5)}
-    assert [(a["attempt"], a["status"]) for a in again["attempts"]] == [(1, "failed")]
+    assert [(a["attempt"], a["status"]) for a in again["attempts"]] == [(1, "failed"), (2, "failed")]
     assert re.search(lost, again["attempts"][0]["reason"]), again["attempts"][0]["reason"]
-    assert f"resumed from checkpoints/iter_{done:07d}/mp_rank_00/model_optim_rng.pt" in job
+    assert re.match(first_lost, again["attempts"][1]["reason"]), again["attempts"][1]["reason"]
+    assert [a["checkpoint_vouched_by"] for a in again["attempts"]] == ["record", "writer"]
+    assert f"resumed from checkpoints/iter_{second:07d}/mp_rank_00/model_optim_rng.pt" in job
     helpers.same_training(one_process, run_dir, STEPS)
     verified = helpers.run_trainer("verify", run_dir)
     assert verified.returncode == 0, verified.stdout[-2000:] + verified.stderr[-1000:]
     assert "attempt 1: failed" in verified.stdout
+    assert "attempt 2: failed" in verified.stdout and "vouched for by the sha256 file its save wrote" in verified.stdout
 
 
 def wait_for_end(run_dir: Path, timeout_s: float) -> dict:

@@ -5,13 +5,17 @@ Layout (Megatron-LM ``megatron/training/checkpointing.py``, ``get_checkpoint_nam
 ``mp_rank_00/model_optim_rng.pt`` (one model-parallel rank: the CPU worker's ranks are data-parallel replicas,
 so rank 0 saves for all), and ``latest_checkpointed_iteration.txt`` naming the newest iteration, written after
 it. A save writes the folder under a temporary name and renames it; the tracker is replaced atomically: a kill
-at any point leaves the previous checkpoint current.
+at any point leaves the previous checkpoint current. Beside the file, ``model_optim_rng.pt.sha256`` holds its
+sha256 as the saving worker wrote it (``sha256sum``'s line, :func:`trainer.record.names.checkpoint_state_sha256`):
+what vouches for it when the run ended before its record could hash it (a killed launcher, a lost first node).
 
 The file is ``torch.save`` of ``{"iteration", "model", "optimizer", "rng_state", "checkpoint_version"}``:
 the model's and AdamW's ``state_dict()``, torch's CPU generator state. The host never loads it (that would
 unpickle what the run wrote); it chooses one by the tracker and checks the tracker's and the checkpoint's bytes
 against the sha256 the previous attempt's record holds (:func:`trainer.record.attempts.vouched_checkpoint`)
-before a ``--resume`` starts, and names it in the new record's ``resumed_from``. The worker loads that one only
+(or, where that record ended unsealed and holds no checkpoint's hash, the sha256 file its worker wrote beside
+it: :func:`trainer.record.attempts.vouched_by`) before a
+``--resume`` starts, and names it in the new record's ``resumed_from``. The worker loads that one only
 (:func:`load`: never the tracker's), its bytes read once and checked against that sha256 before ``torch.load``.
 """
 
@@ -32,6 +36,7 @@ from trainer.inputs import open_regular
 from trainer.publish import atomic_write
 from trainer.record.attempts import ITERATION, TRACKER
 from trainer.record.names import CHECKPOINTS, RECORD, checkpoint_state
+from trainer.record.record import sha256_file
 
 if TYPE_CHECKING:
     import torch
@@ -53,8 +58,9 @@ def state_path(iteration: int) -> str:
 
 def save(run_dir: Path, iteration: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Path:
     """Save the state after ``iteration`` optimizer steps (1-based: steps 1..iteration done) and make it the
-    latest; ``model`` unwrapped from DDP when wrapped. Returns the checkpoint file. The folder is written under
-    a temporary name and renamed; then the tracker (atomically). Raises ``OSError`` from the file system."""
+    latest; ``model`` unwrapped from DDP when wrapped. Returns the checkpoint file. The folder, the file's sha256
+    file beside it included, is written under a temporary name and renamed; then the tracker (atomically).
+    Raises ``OSError`` from the file system."""
     import torch
 
     module = getattr(model, "module", model)
@@ -72,6 +78,11 @@ def save(run_dir: Path, iteration: int, model: torch.nn.Module, optimizer: torch
         }
         with open(staging / STATE, "wb") as handle:
             torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        sums = staging / f"{STATE}.sha256"
+        with open(sums, "w") as handle:
+            handle.write(f"{sha256_file(staging / STATE)}  {Path(STATE).name}\n")
             handle.flush()
             os.fsync(handle.fileno())
         for path in (staging, staging / STATE.split("/")[0]):

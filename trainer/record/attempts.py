@@ -6,7 +6,10 @@ killed before it could say so) and is resumed into the same directory becomes an
 lists it in ``attempts`` by sha256 and names the checkpoint it continues from in ``resumed_from``. The checkpoint
 (the CPU worker's, :mod:`trainer.launch.checkpoint`, Megatron's layout) is the one the tracker names, the
 tracker's bytes and the checkpoint's equal to the sha256 the earlier record holds for them: the record is what
-vouches for it, and this side never unpickles it. The worker then loads only the checkpoint the new record's
+vouches for it, and this side never unpickles it. A record that holds no checkpoint's hash (its run ended before
+the record could hash them: the launcher killed, a Slurm job's first node lost) leaves the voucher to the worker
+that saved it: the sha256 file it wrote beside the checkpoint as it saved it, the tracker's bytes exactly the
+iteration and a newline, as a save writes them. The worker then loads only the checkpoint the new record's
 ``resumed_from`` names, its bytes checked again against that sha256 (:func:`trainer.launch.checkpoint.load`).
 
 What that guards against: a checkpoint, tracker or metrics row changed, swapped or damaged after the attempt's
@@ -31,9 +34,18 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.inputs import read_bytes
 from trainer.publish import atomic_write
-from trainer.record.names import ATTEMPTS, ATTESTATION, CHECKPOINTS, METRICS, RECORD, checkpoint_state
+from trainer.record.names import (
+    ATTEMPTS,
+    ATTESTATION,
+    CHECKPOINTS,
+    METRICS,
+    RECORD,
+    checkpoint_state,
+    checkpoint_state_sha256,
+)
 from trainer.record.record import process_gone, sha256_file
 from trainer.record.rundir import FINAL, INTERRUPTED, RUNNING, read_record
+from trainer.record.status import ENDED, refresh, slurm_state
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the newest iteration, as decimal text
 TRACKER_PATH = f"{CHECKPOINTS}/{TRACKER}"  # the tracker relative to the run directory, as files_sha256 names it
@@ -42,6 +54,7 @@ ITERATION = re.compile(r"[0-9]{1,9}")  # an iteration as the tracker and a recor
 # a save a kill interrupted (``.iter_NNNNNNN.XXXX``) is none
 STATE = re.compile(r"iter_[0-9]{7}/mp_rank_00/model_optim_rng\.pt")
 MAX_TRACKER_BYTES = 4096  # a tracker holds one iteration and a newline; larger is not one a save wrote
+WRITTEN_SHA256 = re.compile(rb"([0-9a-f]{64})  model_optim_rng\.pt\n")  # the line a save writes beside its state
 
 
 def latest_iteration(run_dir: Path) -> int:
@@ -75,15 +88,84 @@ def read_tracker(run_dir: Path) -> tuple[int, bytes | None]:
     return int(text), data
 
 
-def vouched_checkpoint(run_dir: Path, files_sha256: dict[str, str], where: str) -> tuple[int, str | None]:
+def unsealed(record: dict[str, Any] | None) -> bool:
+    """Whether ``record`` (as its file holds it) ended without its run hashing its files: it still says
+    ``running`` (its process gone: :func:`ended_attempt`), or `trainer status` wrote its end (``ended_by``: a
+    Slurm job that ended before its script recorded a result, as when its first node was lost; a local run whose
+    process was gone)."""
+    record = record if isinstance(record, dict) else {}
+    return record.get("status") == RUNNING or record.get("ended_by") == "trainer status"
+
+
+def known_hashes(run_dir: Path, record: dict[str, Any]) -> dict[str, str]:
+    """The sha256 of checkpoint files (relative paths under ``checkpoints/``) that ``record`` and the attempts
+    before it hold: the checkpoint its ``resumed_from`` names, each attempt's ``checkpoint_sha256``, and the
+    ``files_sha256`` of each earlier attempt's record kept under ``attempts/N/`` (an unreadable one adds nothing;
+    `trainer verify` checks each link). A save's own sha256 file must agree with every one of them."""
+    known: dict[str, str] = {}
+    for attempt in record.get("attempts") or []:
+        if not isinstance(attempt, dict):
+            continue
+        copy = attempt.get("record")
+        try:
+            kept = read_record((run_dir / copy).parent) if isinstance(copy, str) else None
+        except UserError:
+            kept = None
+        files = (kept or {}).get("files_sha256") if isinstance(kept, dict) else None
+        for rel, digest in (files if isinstance(files, dict) else {}).items():
+            if isinstance(rel, str) and rel.startswith(f"{CHECKPOINTS}/") and isinstance(digest, str):
+                known[rel] = digest
+        iteration, digest = attempt.get("resumed_from_iteration"), attempt.get("checkpoint_sha256")
+        if type(iteration) is int and iteration > 0 and isinstance(digest, str):
+            known[checkpoint_state(iteration)] = digest
+    resumed = record.get("resumed_from")
+    resumed = resumed if isinstance(resumed, dict) else {}
+    if isinstance(resumed.get("checkpoint"), str) and isinstance(resumed.get("sha256"), str):
+        known[resumed["checkpoint"]] = resumed["sha256"]
+    return known
+
+
+def linked(run_dir: Path, rel: str) -> bool:
+    """Whether any part of ``rel`` below ``run_dir`` (a folder on the way, or the file) is a symbolic link."""
+    path = Path(run_dir)
+    for part in Path(rel).parts:
+        path = path / part
+        if path.is_symlink():
+            return True
+    return False
+
+
+def vouched_by(record: dict[str, Any] | None) -> str:
+    """Who vouches for the checkpoints of the ended attempt ``record`` (as its file holds it): ``"writer"`` for
+    one :func:`unsealed` that holds no hash of any file under ``checkpoints/`` (the sha256 file each save wrote
+    beside its state: :func:`vouched_checkpoint`), else ``"record"``."""
+    files = (record or {}).get("files_sha256") if isinstance(record, dict) else None
+    files = files if isinstance(files, dict) else {}
+    hashed = any(rel.startswith(f"{CHECKPOINTS}/") for rel in files)
+    return "writer" if unsealed(record) and not hashed else "record"
+
+
+def vouched_checkpoint(
+    run_dir: Path,
+    files_sha256: dict[str, str],
+    where: str,
+    voucher: str = "record",
+    record: dict[str, Any] | None = None,
+) -> tuple[int, str | None]:
     """``(iteration, sha256)`` of the checkpoint a ``--resume`` of ``run_dir`` starts from: the tracker's
     (:func:`read_tracker`), the tracker's bytes and its checkpoint file's equal to the sha256 that ``files_sha256``
     (the previous attempt's record) holds for each; ``(0, None)`` when there is no tracker and the record holds
-    none (the run starts again from step 1). Raises :class:`UserError` naming ``where`` and the file when the
-    record holds no hash for it, its bytes changed since, or the record holds a tracker that is gone; and
-    :func:`read_tracker`'s for a tracker that names no iteration."""
+    none (the run starts again from step 1). With ``voucher`` ``"writer"`` (:func:`vouched_by`: the record
+    ended unsealed and holds no checkpoint's hash) the worker that saved it vouches instead: the tracker's bytes
+    exactly ``ITERATION\n``, the checkpoint's sha256 the one its ``.sha256`` file holds, and neither older than
+    the checkpoint ``record`` (the previous attempt's, as its file holds it) resumed from nor other than any hash
+    ``record`` or the attempts before it hold for it (:func:`_written`, :func:`known_hashes`). Raises
+    :class:`UserError` naming ``where`` and the file when nothing vouches for it, its bytes changed since, or the
+    record holds a tracker that is gone; and :func:`read_tracker`'s for a tracker that names no iteration."""
     files = files_sha256 if isinstance(files_sha256, dict) else {}
     iteration, tracker = read_tracker(run_dir)
+    if tracker is not None and voucher == "writer":
+        return iteration, _written(Path(run_dir), iteration, tracker, where, record or {})
     if tracker is None:
         if isinstance(files.get(TRACKER_PATH), str):
             raise UserError(
@@ -100,6 +182,56 @@ def vouched_checkpoint(run_dir: Path, files_sha256: dict[str, str], where: str) 
     if digest is None:
         raise UserError(f"{where}: {rel}: missing (the tracker names iteration {iteration})")
     return iteration, _vouched(rel, digest, files, where)
+
+
+def _written(run_dir: Path, iteration: int, tracker: bytes, where: str, record: dict[str, Any]) -> str:
+    """The sha256 of ``iteration``'s checkpoint file as the worker that saved it wrote it beside it
+    (:func:`trainer.record.names.checkpoint_state_sha256`, one ``sha256sum`` line in a regular file reached
+    without a symbolic link), the file's bytes equal to it, ``tracker`` the bytes a save writes, ``iteration`` not
+    older than the one ``record`` resumed from, and the sha256 no other than any :func:`known_hashes` holds for
+    the file. Raises :class:`UserError` naming ``where`` and the file otherwise."""
+    if tracker != f"{iteration}\n".encode():
+        raise UserError(
+            f"{where}: {TRACKER_PATH} holds {tracker[:40]!r}, not the iteration and a newline as a save writes it, "
+            "and the previous attempt's record holds no hash of it: nothing vouches for it; --overwrite"
+        )
+    resumed = record.get("resumed_from")
+    started = resumed.get("iteration") if isinstance(resumed, dict) else None
+    started = started if isinstance(started, int) and not isinstance(started, bool) else 0
+    if iteration < started:
+        raise UserError(
+            f"{where}: {TRACKER_PATH} names iteration {iteration}, older than the {started} the previous attempt "
+            "resumed from: refusing to resume from it"
+        )
+    rel, sums = checkpoint_state(iteration), checkpoint_state_sha256(iteration)
+    try:
+        line = b"" if linked(run_dir, sums) else read_bytes(run_dir / sums, "sha256 file", MAX_TRACKER_BYTES)
+    except FileNotFoundError:
+        line = b""
+    except OSError as err:
+        raise UserError(f"{where}: {sums}: not readable ({err.strerror or err})") from None
+    written = WRITTEN_SHA256.fullmatch(line)
+    if written is None:
+        raise UserError(
+            f"{where}: {rel}: neither the previous attempt's record nor a sha256 file its save wrote "
+            f"({sums}) vouches for it; --overwrite to start the run again"
+        )
+    digest = None if linked(run_dir, rel) else _digest(run_dir / rel)
+    if digest is None:
+        raise UserError(f"{where}: {rel}: missing, unreadable or a link (the tracker names iteration {iteration})")
+    expected = written.group(1).decode()
+    if digest != expected:
+        raise UserError(
+            f"{where}: {rel} changed since its save wrote {sums} (sha256 {digest[:16]}..., written "
+            f"{expected[:16]}...): refusing to resume from it"
+        )
+    held = known_hashes(run_dir, record).get(rel, expected)
+    if held != expected:
+        raise UserError(
+            f"{where}: {rel} is not the one an earlier attempt recorded (sha256 {expected[:16]}..., recorded "
+            f"{held[:16]}...): refusing to resume from it"
+        )
+    return expected
 
 
 def _vouched(rel: str, digest: str, files: dict[str, str], where: str) -> str:
@@ -167,16 +299,30 @@ def ended_attempt(run_dir: Path) -> dict[str, Any] | None:
     """The record of the ended attempt that a ``--resume`` of ``run_dir`` continues, its latest checkpoint vouched
     for (:func:`vouched_checkpoint`): one that ended (``complete``, ``failed`` or ``interrupted``), or one still
     saying ``running`` whose process is gone (:func:`trainer.record.record.process_gone`: killed before it could
-    say so), returned as ``interrupted`` with that reason (its checkpoints then need the hashes such a record
-    seldom has: a record is hashed when its run ends). None when the directory holds no such record (a plan, a
-    run handed to a scheduler: written over as before). ``train`` asks before anything is written (Hydra's files
-    included). Raises :class:`UserError` (one line) for a ``running`` record whose process may still run (on
-    this host, another one, or in another pid namespace), and :func:`vouched_checkpoint`'s."""
+    say so), returned as ``interrupted`` with that reason. A Slurm job's record that says ``running`` is first
+    reconciled with Slurm (:func:`trainer.record.status.refresh`, as ``trainer status`` does): a job Slurm says
+    has ended (its first node lost: the script that records the end died with it) is recorded ``failed``. Such
+    records ended before their run hashed its files (:func:`unsealed`): the sha256 files the saves wrote vouch
+    for the checkpoints (:func:`vouched_by`). None when the directory holds no such record (a plan, a run handed
+    to a scheduler: written over as before). ``train`` asks before it writes anything (Hydra's files included);
+    the one write here is that end of a Slurm job, saved as ``trainer status`` would save it. Raises
+    :class:`UserError` (one line) for a ``running`` record whose process or Slurm job may still run (on this
+    host, another one, or in another pid namespace; a job Slurm does not know), and :func:`vouched_checkpoint`'s."""
     previous = read_record(Path(run_dir))
     if not previous:
         return None
     where = f"{run_dir} (--resume)"
     status = previous.get("status")
+    job = (previous.get("slurm") or {}).get("job_id") if isinstance(previous.get("slurm"), dict) else None
+    if status == RUNNING and previous.get("launcher") == "slurm" and job:
+        state = slurm_state(str(job))
+        if state not in ENDED:  # running, pending, unknown to Slurm (another SLURM_CONF?) or Slurm not answering
+            raise UserError(
+                f"{where}: its {RECORD} says {status} and its Slurm job {job} is {state or 'unknown to Slurm'}: "
+                "wait for it to end, or scancel it, before resuming"
+            )
+        previous = refresh(Path(run_dir))  # records the end Slurm saw, as `trainer status` does
+        status = previous.get("status")
     if status == RUNNING:
         gone = process_gone(previous)
         if gone is None:
@@ -189,7 +335,8 @@ def ended_attempt(run_dir: Path) -> dict[str, Any] | None:
         previous = {**previous, "status": INTERRUPTED, "reason": f"{gone} (its {RECORD} still said running)"}
     elif status not in FINAL:
         return None
-    vouched_checkpoint(run_dir, previous.get("files_sha256") or {}, where)
+    on_disk = read_record(Path(run_dir)) or {}
+    vouched_checkpoint(run_dir, previous.get("files_sha256") or {}, where, vouched_by(on_disk), on_disk)
     return dict(previous)
 
 
@@ -197,7 +344,8 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     """Before a ``--resume`` writes into ``run_dir``: keep the ended attempt ``previous`` (its ``record.json``,
     :func:`ended_attempt`) and set the directory to continue it from its latest checkpoint. Returns the new
     record's fields ``attempts`` (every earlier attempt, this one last: ``{"attempt", "status", "reason", "record",
-    "record_sha256", "steps_written", "resumed_from_iteration", "checkpoint_sha256"}``) and ``resumed_from``
+    "record_sha256", "steps_written", "resumed_from_iteration", "checkpoint_sha256", "checkpoint_vouched_by"}``,
+    the last :func:`vouched_by`'s word) and ``resumed_from``
     (``{"attempt", "iteration", "checkpoint", "sha256"}``; iteration 0: from the start).
 
     The checkpoint is the tracker's, its bytes checked against the previous record (:func:`vouched_checkpoint`)
@@ -210,7 +358,10 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     step's, or ``attempts/N`` holds anything else; nothing is changed then."""
     run_dir = Path(run_dir)
     where = f"{run_dir} (--resume)"
-    iteration, checkpoint_sha = vouched_checkpoint(run_dir, previous.get("files_sha256") or {}, where)
+    on_disk = read_record(run_dir) or {}
+    voucher = vouched_by(on_disk)
+    files = previous.get("files_sha256") or {}
+    iteration, checkpoint_sha = vouched_checkpoint(run_dir, files, where, voucher, on_disk)
     earlier = [a for a in previous.get("attempts") or [] if isinstance(a, dict)]
     number = len(earlier) + 1
     target = run_dir / ATTEMPTS / str(number)
@@ -232,6 +383,7 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
         "steps_written": len(lines),
         "resumed_from_iteration": iteration,
         "checkpoint_sha256": checkpoint_sha,
+        "checkpoint_vouched_by": voucher if iteration else None,
     }
     resumed = {
         "attempt": number,

@@ -40,3 +40,9 @@ def checkpoint_state(iteration: int) -> str:
     """The CPU worker's checkpoint file of ``iteration`` relative to the run directory (Megatron-LM's
     ``get_checkpoint_name``: ``iter_`` and 7 digits, model-parallel rank 0's ``model_optim_rng.pt``)."""
     return f"{CHECKPOINTS}/iter_{iteration:07d}/mp_rank_00/model_optim_rng.pt"
+
+
+def checkpoint_state_sha256(iteration: int) -> str:
+    """The file beside :func:`checkpoint_state` in which the worker that saved it wrote its sha256 as it saved it
+    (``sha256sum``'s line: 64 hex digits, two spaces, ``model_optim_rng.pt``, a newline)."""
+    return f"{checkpoint_state(iteration)}.sha256"

@@ -450,6 +450,7 @@ RECORD_TYPES: dict[str, Any] = {
     "stack": dict,
     "choices": dict,
     "files_sha256": dict,
+    "ended_by": str,
     "attempts": list,
     "resumed_from": dict,
     "overrides": list,
@@ -468,7 +469,14 @@ RECORD_TYPES: dict[str, Any] = {
 NESTED_TYPES: dict[str, dict[str, Any]] = {
     "probe": {"ranks": list, "nodes": list},
     "lock": {"path": str},
-    "slurm": {"job_id": (str, int), "state": str, "submitted_utc": str, "started_utc": str, "finished_utc": str},
+    "slurm": {
+        "job_id": (str, int),
+        "state": str,
+        "submitted_utc": str,
+        "started_utc": str,
+        "finished_utc": str,
+        "nodes": list,
+    },
     "times": {"admitted_utc": str, "started_utc": str, "finished_utc": str},
 }
 

@@ -4,11 +4,14 @@ The run record says what the launcher and the job itself wrote (``rendered``, ``
 ``complete``, ``failed``, ``interrupted``). For a Slurm run that is not finished the Slurm job's state is read
 (``squeue``, then ``scontrol show job``); a job that Slurm says has ended while the record still says
 ``submitted``/``running`` (killed before its script could record anything: node failure, ``scancel -s KILL``)
-is recorded as ``failed`` with Slurm's state, so the record never claims a run that is gone. A local run whose
+is recorded as ``failed`` with Slurm's state, the job's nodes Slurm says are down or not responding and the
+ranks the job placed there (:func:`lost_nodes`: the job's first node lost takes the script with it), so the
+record never claims a run that is gone. A local run whose
 record says ``running`` while its process is gone (:func:`trainer.record.record.process_gone`: it ended without a
 word, as when its disk filled; its pid was reused by another process, told apart by the start time the record
 saved; a pid that is no process id; a zombie) is recorded ``interrupted`` with the reason, where there is room to
-write it, and reported so either way: ``--wait`` returns. A record saved in another pid namespace (a run in a
+write it, and reported so either way: ``--wait`` returns. A record this command ends says so (``ended_by``:
+``trainer status``): nothing hashed its files when it ended. A record saved in another pid namespace (a run in a
 container, :func:`trainer.record.record.unverifiable`) is reported ``running (its process cannot be checked from
 here...)`` and never rewritten.
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -42,6 +46,7 @@ ENDED = (
 )
 
 
+ENDED_BY = "trainer status"  # a record's ``ended_by`` when this command, not the run, wrote its end
 UNKNOWN = "UNKNOWN"  # Slurm could not be asked (timeout, slurmctld unreachable): keep polling, conclude nothing
 
 
@@ -61,6 +66,43 @@ def slurm_state(job_id: str) -> str | None:
     if "invalid job id" in (out.stderr + out.stdout).lower():
         return None
     return UNKNOWN
+
+
+RANK_PLACED_RE = re.compile(r"^rank (\d+): node (\S+) ", re.M)  # the job's placement lines (ray_workers)
+
+
+def node_states(nodes: list[str]) -> dict[str, str]:
+    """Slurm's state of each node of ``nodes`` (``sinfo -h -N -n NODES -o "%N %T"``: ``idle``, ``allocated``,
+    ``down*`` where ``*`` means not responding); {} when Slurm could not be asked."""
+    try:
+        out = subprocess.run(
+            ["sinfo", "-h", "-N", "-n", ",".join(nodes), "-o", "%N %T"], capture_output=True, text=True, timeout=30
+        )
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    pairs = (line.split() for line in out.stdout.splitlines())
+    return {p[0]: p[1] for p in pairs if len(p) == 2} if out.returncode == 0 else {}
+
+
+def lost_nodes(run_dir: Path, record: dict[str, Any]) -> str:
+    """``"; node(s) n1 lost (down*), with rank(s) 0, 1"``: the job's nodes (``slurm.nodes``) that Slurm says are
+    down or not responding (:func:`node_states`), with the ranks the job placed on them (its log's ``rank N:
+    node NAME`` lines, the last placement of each rank); "" when none is."""
+    listed = (record.get("slurm") or {}).get("nodes") if isinstance(record.get("slurm"), dict) else None
+    nodes = [n for n in listed if isinstance(n, str)] if isinstance(listed, list) else []
+    states = node_states(nodes) if nodes else {}
+    lost = [n for n in nodes if states.get(n, "").endswith("*") or states.get(n, "").startswith(("down", "fail"))]
+    if not lost:
+        return ""
+    log = Path(run_dir) / LOGS / "job.log"
+    try:
+        text = log.read_text(errors="replace") if log.is_file() and not log.is_symlink() else ""
+    except OSError:
+        text = ""
+    placed = {int(rank): node for rank, node in RANK_PLACED_RE.findall(text)}
+    ranks = ", ".join(str(r) for r in sorted(r for r, n in placed.items() if n in lost))
+    held = f", with rank(s) {ranks}" if ranks else ""
+    return f"; node(s) {', '.join(f'{n} lost ({states[n]})' for n in lost)}{held}"
 
 
 def refresh(run_dir: Path) -> dict[str, Any]:
@@ -88,9 +130,10 @@ def refresh(run_dir: Path) -> dict[str, Any]:
                     record,
                     FAILED,
                     f"Slurm job {slurm['job_id']} ended {state or '(unknown to Slurm)'} "
-                    f"before its script recorded a result{tail}",
+                    f"before its script recorded a result{lost_nodes(run_dir, record)}{tail}",
                 )
                 record.setdefault("slurm", {})["state"] = state
+                record["ended_by"] = ENDED_BY
                 rundir.save_record(record)
     elif record.get("status") == "running" and status != "running":
         # the process the record names is gone (ended, its pid reused, no process id): say so, and record it
@@ -98,6 +141,7 @@ def refresh(run_dir: Path) -> dict[str, Any]:
         reason = process_gone(record) or "its process is gone"
         rundir = RunDir(run_dir)
         rundir.end(record, INTERRUPTED, f"{reason} (found by `trainer status` at {utc_now()})")
+        record["ended_by"] = ENDED_BY
         try:
             rundir.save_record(record)
         except OSError:

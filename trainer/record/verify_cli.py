@@ -34,8 +34,9 @@ from trainer.image import provenance, referrers
 from trainer.image.oci import digest_of, open_image
 from trainer.inputs import read_bytes, read_yaml, reading
 from trainer.record import attest
+from trainer.record.attempts import MAX_TRACKER_BYTES, WRITTEN_SHA256, known_hashes, linked, vouched_by
 from trainer.record.attest import count_steps_in
-from trainer.record.names import ATTESTATION, METRICS, RECORD, checkpoint_state
+from trainer.record.names import ATTESTATION, METRICS, RECORD, checkpoint_state, checkpoint_state_sha256
 from trainer.record.rundir import check_record_types, load_record
 from trainer.record.verify import bad_rows, lock_of, lock_path_of, parse_lock, read_lock, verify
 from trainer.signing import VerificationFailed, load_public_key, open_envelope
@@ -209,13 +210,41 @@ def main(argv: list[str]) -> int:
     return 0 if not bad and not broken else 1
 
 
+def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: dict[str, str]) -> str | None:
+    """Why the sha256 file that the save of ``iteration`` wrote beside its checkpoint
+    (:func:`trainer.record.names.checkpoint_state_sha256`) does not vouch for the checkpoint the attempt ``entry``
+    resumed from (its ``checkpoint_sha256``, ``checkpoint_vouched_by`` ``"writer"``), or the hash an earlier
+    attempt holds for that checkpoint (``known``, :func:`trainer.record.attempts.known_hashes`) differs; None
+    when it does and none differs."""
+    sums = checkpoint_state_sha256(iteration)
+    if entry.get("checkpoint_vouched_by") != "writer":
+        return f"its record holds no checkpoint's hash, yet the attempt says {entry.get('checkpoint_vouched_by')!r}"
+    if known.get(checkpoint_state(iteration), entry.get("checkpoint_sha256")) != entry.get("checkpoint_sha256"):
+        return f"resumed from a checkpoint of step {iteration} other than the one an earlier attempt recorded"
+    if linked(base, sums):
+        return f"{sums}: a symbolic link on its way: nothing vouches for the checkpoint of step {iteration}"
+    path = base / sums
+    try:
+        line = None if path.is_symlink() else read_bytes(path, "checkpoint sha256 file", MAX_TRACKER_BYTES)
+    except (OSError, UserError):
+        line = None
+    written = WRITTEN_SHA256.fullmatch(line) if line is not None else None
+    if written is None:
+        return f"{sums}: missing, unreadable or no sha256 line: nothing vouches for the checkpoint of step {iteration}"
+    if written.group(1).decode() != entry.get("checkpoint_sha256"):
+        return f"{sums}: does not hold the sha256 of the checkpoint of step {iteration} the attempt resumed from"
+    return None
+
+
 def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
     """The earlier attempts a ``--resume`` linked into ``record`` (``attempts``, oldest first), each checked: its
     record file (``attempts/N/record.json``) present and of the sha256 the entry holds, and the checkpoint it was
-    resumed from the one that record vouched for. One ``{"attempt", "record", "ok", "line"}`` per attempt (a
-    record without ``attempts``: none); ``line`` says what was found, ``ok`` False when anything differs. A record
-    file is read only where it lies in the run directory: its path resolved (every link followed) must be the run
-    directory's own ``attempts/...`` (a link to elsewhere, of ``attempts`` or of any folder under it, fails)."""
+    resumed from the one that record vouched for (where that record ended unsealed and holds no checkpoint's
+    hash, :func:`trainer.record.attempts.vouched_by`: the one the sha256 file its save wrote beside it holds).
+    One ``{"attempt", "record", "ok", "line"}`` per attempt (a record without ``attempts``: none); ``line``
+    says what was found, ``ok`` False when anything differs. A record file is read only where it lies in the
+    run directory: its path resolved (every link followed) must be the run directory's own ``attempts/...`` (a
+    link to elsewhere, of ``attempts`` or of any folder under it, fails)."""
     import hashlib
 
     out = []
@@ -226,6 +255,7 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
         parts = PurePosixPath(rel).parts if isinstance(rel, str) else ()
         path = base.joinpath(*parts) if parts[:1] == ("attempts",) and ".." not in parts else None
         problem: str | None = None
+        writer = False
         resolved = data = None
         try:
             resolved = path.resolve() if path is not None else None
@@ -252,11 +282,20 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
                 if (isinstance(iteration, int) and iteration > 0 and isinstance(vouched, dict))
                 else None
             )
-            if iteration and wanted != entry.get("checkpoint_sha256"):
+            step = iteration if type(iteration) is int and iteration > 0 else None
+            writer = step is not None and isinstance(earlier, dict) and vouched_by(earlier) == "writer"
+            if writer and step is not None:  # its record hashed no checkpoint: the save's own sha256 file
+                before = {
+                    "attempts": (record.get("attempts") or [])[: i - 1],
+                    "resumed_from": earlier.get("resumed_from"),
+                }
+                problem = _written_mismatch(base, step, entry, known_hashes(base, before))
+            elif iteration and wanted != entry.get("checkpoint_sha256"):
                 problem = f"{rel}: does not vouch for the checkpoint of step {iteration} the attempt resumed from"
         status = entry.get("status")
         line = (
             f"attempt {i}: {status}, resumed from step {entry.get('resumed_from_iteration')}; {rel} linked by sha256"
+            + (" (its checkpoint vouched for by the sha256 file its save wrote)" if writer else "")
             if problem is None
             else f"attempt {i}: {problem}"
         )

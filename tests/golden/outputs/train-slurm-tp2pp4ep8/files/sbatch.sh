@@ -8,6 +8,7 @@
 #SBATCH --time=04:00:00
 #SBATCH --output=RUN_DIR/logs/slurm-%j.out
 #SBATCH --signal=B:TERM@120
+#SBATCH --no-requeue
 set -uo pipefail
 
 RUN_DIR=RUN_DIR
