@@ -208,6 +208,46 @@ def test_resume_of_a_slurm_job_slurm_cannot_say_has_ended_is_refused(ended, tmp_
     assert helpers.tree_hash(ended) == before and not (ended / "attempts").exists()
 
 
+VERIFY_TAMPER = {  # name -> change to the run directory or to the new record's attempt entry
+    "sha256 file, first byte": lambda d, e: flip(d / f"{CKPT.format(4)}.sha256", 0),
+    "sha256 file, middle byte": lambda d, e: flip(d / f"{CKPT.format(4)}.sha256", 40),
+    "sha256 file, last byte": lambda d, e: flip(d / f"{CKPT.format(4)}.sha256", -1),
+    "sha256 file gone": lambda d, e: (d / f"{CKPT.format(4)}.sha256").unlink(),
+    "sha256 file a link": lambda d, e: relink(d, f"{CKPT.format(4)}.sha256"),
+    "its folder a link": lambda d, e: relink(d, "checkpoints/iter_0000004"),
+    "the entry's checkpoint_sha256": lambda d, e: e.update(checkpoint_sha256="0" * 64),
+    "the entry's voucher": lambda d, e: e.update(checkpoint_vouched_by="record"),
+}
+
+
+@pytest.mark.parametrize("change", VERIFY_TAMPER)
+def test_verify_fails_an_attempt_vouched_by_its_save_when_anything_it_vouches_for_changed(ended, change):
+    """Tamper test of `trainer verify`'s check of an attempt whose checkpoint the save's sha256 file vouched for
+    (a killed launcher's record, resumed): a byte of that file (first, middle, last), the file gone or a link, a
+    folder on its way a link, the attempt entry's checkpoint sha256 or voucher changed: each fails the row; the
+    untouched run passes, and so does none where an earlier attempt holds another hash for that checkpoint."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    record = {**record_of(ended), **linked}
+    [row] = check_attempts(ended, record)
+    assert row["ok"], row["line"]
+    VERIFY_TAMPER[change](ended, record["attempts"][0])
+    [row] = check_attempts(ended, record)
+    assert not row["ok"] and row["line"].startswith("attempt 1: "), row["line"]
+
+
+def test_verify_fails_an_attempt_vouched_by_its_save_that_an_earlier_attempt_contradicts(ended):
+    """An attempt vouched for by the save's sha256 file, listed after one that resumed from the same step with
+    another sha256: its row fails, naming the earlier record."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    entry = linked["attempts"][0]
+    other = {**entry, "checkpoint_sha256": "0" * 64, "checkpoint_vouched_by": "record"}
+    record = {**record_of(ended), "attempts": [other, {**entry, "attempt": 2}]}
+    rows = check_attempts(ended, record)
+    assert not rows[1]["ok"] and "other than the one an earlier attempt recorded" in rows[1]["line"]
+
+
 def test_an_unsealed_resumed_attempt_accepts_no_other_or_older_checkpoint_than_its_earlier_attempts(ended):
     """Attempt 1 ended sealed (its record vouches for step 4); attempt 2 resumed from it and was killed before
     its next save, its record unsealed. The save's sha256 file still vouches for step 4, but a state of step 4

@@ -125,6 +125,22 @@ def known_hashes(run_dir: Path, record: dict[str, Any]) -> dict[str, str]:
     return known
 
 
+def written_sha256(run_dir: Path, iteration: int) -> str | None:
+    """The sha256 (64 lowercase hex digits) that the save of ``iteration`` wrote beside its checkpoint
+    (:func:`trainer.record.names.checkpoint_state_sha256`: one ``sha256sum`` line, :data:`WRITTEN_SHA256`);
+    None when that file is missing, unreadable, over 4 KiB, reached through a symbolic link (:func:`linked`) or
+    not that one line. Raises nothing."""
+    sums = checkpoint_state_sha256(iteration)
+    if linked(run_dir, sums):
+        return None
+    try:
+        line = read_bytes(Path(run_dir) / sums, "checkpoint sha256 file", MAX_TRACKER_BYTES)
+    except (OSError, UserError):
+        return None
+    written = WRITTEN_SHA256.fullmatch(line)
+    return written.group(1).decode() if written else None
+
+
 def linked(run_dir: Path, rel: str) -> bool:
     """Whether any part of ``rel`` below ``run_dir`` (a folder on the way, or the file) is a symbolic link."""
     path = Path(run_dir)
@@ -204,14 +220,8 @@ def _written(run_dir: Path, iteration: int, tracker: bytes, where: str, record: 
             "resumed from: refusing to resume from it"
         )
     rel, sums = checkpoint_state(iteration), checkpoint_state_sha256(iteration)
-    try:
-        line = b"" if linked(run_dir, sums) else read_bytes(run_dir / sums, "sha256 file", MAX_TRACKER_BYTES)
-    except FileNotFoundError:
-        line = b""
-    except OSError as err:
-        raise UserError(f"{where}: {sums}: not readable ({err.strerror or err})") from None
-    written = WRITTEN_SHA256.fullmatch(line)
-    if written is None:
+    expected = written_sha256(run_dir, iteration)
+    if expected is None:
         raise UserError(
             f"{where}: {rel}: neither the previous attempt's record nor a sha256 file its save wrote "
             f"({sums}) vouches for it; --overwrite to start the run again"
@@ -219,7 +229,6 @@ def _written(run_dir: Path, iteration: int, tracker: bytes, where: str, record: 
     digest = None if linked(run_dir, rel) else _digest(run_dir / rel)
     if digest is None:
         raise UserError(f"{where}: {rel}: missing, unreadable or a link (the tracker names iteration {iteration})")
-    expected = written.group(1).decode()
     if digest != expected:
         raise UserError(
             f"{where}: {rel} changed since its save wrote {sums} (sha256 {digest[:16]}..., written "
@@ -271,18 +280,12 @@ def vouch_for_resume(run_dir: Path, record: dict[str, Any]) -> list[str]:
     """Add to ``record["files_sha256"]`` the sha256 (streamed) of each of :func:`resume_inputs` that it does not
     list yet, as the files are now: for a record that its run's job ends itself (a Slurm job,
     :func:`trainer.launch.jobsteps.mark`), so that a ``--resume`` after it has a record that vouches for its
-    checkpoint (:func:`vouched_checkpoint`). An iteration's state that an earlier attempt's record (``attempts``)
-    holds with other bytes (changed while the job waited; its worker then refused it) is left out, so that it
-    stays refused; the tracker and ``metrics.jsonl`` move on with each attempt. Returns the states left out."""
+    checkpoint (:func:`vouched_checkpoint`). An iteration's state that an earlier attempt holds
+    (:func:`known_hashes`) with other bytes (changed while the job waited; its worker then refused it) is left
+    out, so that it stays refused; the tracker and ``metrics.jsonl`` move on with each attempt. Returns the
+    states left out."""
     files = record.setdefault("files_sha256", {})
-    earlier: dict[str, Any] = {}
-    for attempt in record.get("attempts") or []:
-        copy = attempt.get("record") if isinstance(attempt, dict) else None
-        try:
-            kept = read_record((run_dir / copy).parent) if isinstance(copy, str) else None
-        except UserError:
-            kept = None  # an unreadable copy adds nothing here; `trainer verify` checks each attempt's link
-        earlier.update((kept or {}).get("files_sha256") or {})
+    earlier = known_hashes(run_dir, record)
     refused = []
     for rel in resume_inputs(run_dir):
         digest = None if rel in files else sha256_file(run_dir / rel)

@@ -34,7 +34,7 @@ from trainer.image import provenance, referrers
 from trainer.image.oci import digest_of, open_image
 from trainer.inputs import read_bytes, read_yaml, reading
 from trainer.record import attest
-from trainer.record.attempts import MAX_TRACKER_BYTES, WRITTEN_SHA256, known_hashes, linked, vouched_by
+from trainer.record.attempts import known_hashes, vouched_by, written_sha256
 from trainer.record.attest import count_steps_in
 from trainer.record.names import ATTESTATION, METRICS, RECORD, checkpoint_state, checkpoint_state_sha256
 from trainer.record.rundir import check_record_types, load_record
@@ -221,17 +221,10 @@ def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: 
         return f"its record holds no checkpoint's hash, yet the attempt says {entry.get('checkpoint_vouched_by')!r}"
     if known.get(checkpoint_state(iteration), entry.get("checkpoint_sha256")) != entry.get("checkpoint_sha256"):
         return f"resumed from a checkpoint of step {iteration} other than the one an earlier attempt recorded"
-    if linked(base, sums):
-        return f"{sums}: a symbolic link on its way: nothing vouches for the checkpoint of step {iteration}"
-    path = base / sums
-    try:
-        line = None if path.is_symlink() else read_bytes(path, "checkpoint sha256 file", MAX_TRACKER_BYTES)
-    except (OSError, UserError):
-        line = None
-    written = WRITTEN_SHA256.fullmatch(line) if line is not None else None
+    written = written_sha256(base, iteration)
     if written is None:
-        return f"{sums}: missing, unreadable or no sha256 line: nothing vouches for the checkpoint of step {iteration}"
-    if written.group(1).decode() != entry.get("checkpoint_sha256"):
+        return f"{sums}: missing, a link or no sha256 line: nothing vouches for the checkpoint of step {iteration}"
+    if written != entry.get("checkpoint_sha256"):
         return f"{sums}: does not hold the sha256 of the checkpoint of step {iteration} the attempt resumed from"
     return None
 
