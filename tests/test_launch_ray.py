@@ -2,6 +2,9 @@
 preflight on every node, a job that exits non-zero, and a cluster that cannot be reached."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -116,6 +119,73 @@ def test_ranks_follow_node_address_then_gpu_id_whatever_the_bundle_order():
     assert rank_order([]) == []
     with pytest.raises(ValueError):
         rank_order([{"address": "n1", "gpu": 0}])
+
+
+JOIN = """
+import os, sys
+import torch, torch.distributed as dist
+from trainer.launch import cpu_worker
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=cpu_worker.rendezvous(None), rank=rank, world_size=2)
+total = torch.ones(1) * (rank + 1)
+dist.all_reduce(total)
+print(f"sum {total.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_rank_zero_holds_the_rendezvous_port_until_every_rank_has_joined(tmp_path, monkeypatch):
+    """``ray_workers.host_store`` through rank 0's actor (``Rank.rendezvous_port``, its node's address on
+    127.0.0.1): the store's port stays bound from the moment the actor names it, also after a garbage collection
+    (no other socket can take it: the race that failed a resumed four-node run with EADDRINUSE), on the address
+    named only (another loopback address may bind that port; an address not this host's is refused). Two ranks
+    with the environment ``rank_env`` gives them form a gloo group through it (all_reduce of 1 and 2 gives 3 on
+    both); rank 0 started without :data:`AGENT_STORE_ENV` would start a store of its own on that port, and fails."""
+    import errno
+    import gc
+    import socket
+
+    import ray
+
+    from trainer.launch.ray_workers import AGENT_STORE_ENV, Rank, host_store, rank_env
+
+    with pytest.raises(OSError):  # not this host's address: refused at once, not after a client's timeout
+        host_store("192.0.2.1", 2)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    actor = Rank()
+    port = actor.rendezvous_port(2)
+    gc.collect()
+    for reuse in (0, 1):
+        with socket.socket() as sock, pytest.raises(OSError) as taken:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, reuse)
+            sock.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+    with socket.socket() as other:  # bound to the address named, not to every interface
+        other.bind(("127.0.0.2", port))
+    node = {"name": "n1", "interface": "lo"}
+    env = {**os.environ, "PYTHONPATH": str(helpers.REPO_ROOT), **rank_env("127.0.0.1", port, node)}
+    assert AGENT_STORE_ENV.items() <= env.items()
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", JOIN, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0]
+    assert [out.split()[-2:] for out in outputs] == [["sum", "3.0"], ["sum", "3.0"]]
+
+    alone = {k: v for k, v in env.items() if k not in AGENT_STORE_ENV}
+    rank0 = subprocess.run(
+        [sys.executable, "-c", JOIN, "0"], env=alone, capture_output=True, text=True, timeout=120, cwd=tmp_path
+    )
+    assert rank0.returncode != 0 and "EADDRINUSE" in rank0.stderr, rank0.stderr[-2000:]
+    del actor.store
+    gc.collect()
+    with socket.socket() as sock:  # the store gone, its port is free again
+        sock.bind(("127.0.0.1", port))
 
 
 if __name__ == "__main__":

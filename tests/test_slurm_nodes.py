@@ -35,7 +35,10 @@ NODES, TASKS_PER_NODE, STEPS = 4, 2, 5
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     root = tmp_path_factory.mktemp("slurm4")
-    with NetNamespace() as netns, LocalSlurm(root, gpus=0, cpus=TASKS_PER_NODE, nodes=NODES, netns=netns) as slurm:
+    with (
+        NetNamespace() as netns,
+        LocalSlurm(root, gpus=0, cpus=TASKS_PER_NODE, nodes=NODES, netns=netns, lifetime_s=1800) as slurm,
+    ):
         yield slurm
 
 

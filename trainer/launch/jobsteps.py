@@ -21,6 +21,7 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
+from trainer.record import joblog
 from trainer.record.attempts import vouch_for_resume
 from trainer.record.rundir import (
     COMPLETE,
@@ -40,11 +41,9 @@ RANK_PROBE_RE = re.compile(r"^probe-rank-(\d+)\.json$")  # the files of trainer.
 
 
 def _job_failure(run_dir: Path, exit_code: int | None) -> str:
-    """One line for a Ray job that exited non-zero, from ``logs/job.log``."""
-    try:
-        text = (run_dir / LOGS / "job.log").read_text(errors="replace")
-    except OSError:
-        text = ""
+    """One line for a Ray job that exited non-zero, from the end of ``logs/job.log``
+    (:func:`trainer.record.joblog.tail`)."""
+    text = joblog.tail(run_dir / LOGS / "job.log")
     status = [line for line in text.splitlines() if "Status message:" in line]
     if status:
         message = status[-1].split("Status message:", 1)[1].strip().split(", last available logs")[0]

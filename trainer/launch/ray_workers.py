@@ -11,10 +11,11 @@ training actors, training data parallel under torch.distributed (gloo).
 2. starts one actor per bundle and orders them by node address, then by the GPU id Ray gave each (miles sorts
    its bundles the same way; :func:`rank_order`), so that consecutive ranks share a node: rank ``r`` is the
    ``r``-th actor in that order;
-3. rank 0's actor names its node's address and a free TCP port there: ``MASTER_ADDR``/``MASTER_PORT`` of every rank
-   (torch.distributed's TCP rendezvous, no shared file); ``GLOO_SOCKET_IFNAME`` on each node is the interface that
-   holds the node's Ray address, found on that node (``lo`` on a loopback test cluster, the cluster network's
-   interface on hosts);
+3. rank 0's actor hosts torch.distributed's TCP store on its node's address, at a port the kernel gives it and
+   which it keeps listening from then on (:func:`host_store`): ``MASTER_ADDR``/``MASTER_PORT`` of every rank, each
+   joining it as a client (torch.distributed's TCP rendezvous, no shared file); ``GLOO_SOCKET_IFNAME`` on each node
+   is the interface that holds the node's Ray address, found on that node (``lo`` on a loopback test cluster, the
+   cluster network's interface on hosts);
 4. runs :func:`trainer.launch.cpu_worker.main` in every actor (``RUN_DIR RANK WORLD ROWS_DIR``: rank 0 appends
    ``metrics.jsonl``, every rank writes ``probe-rank-RANK.json`` with its Ray node's name in ``node``) and waits.
 
@@ -64,11 +65,46 @@ def interface_of(address: str) -> str | None:
     return None
 
 
-def free_port(address: str) -> int:
-    """A TCP port the kernel gives free on ``address`` (bound, then released)."""
-    with socket.socket() as sock:
+# every rank joins the store rank 0's actor hosts as a client, as ranks under torchrun's agent do
+# (torch/distributed/rendezvous.py, _create_c10d_store: rank 0 then starts no store of its own)
+AGENT_STORE_ENV = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+def host_store(address: str, world: int) -> Any:
+    """torch.distributed's ``TCPStore`` server for a group of ``world`` ranks, listening on ``address`` only (an
+    IP address of this host) at a port the kernel gives (``.port``), until the returned store is dropped. Raises
+    ``OSError`` when ``address`` is not this host's, ``ValueError`` when it is not an IP address, and torch's
+    ``DistNetworkError`` (a ``RuntimeError``) when the store cannot start; the socket is closed then.
+
+    The port is held, not probed and released: a port from the kernel's ephemeral range, released, may go to any
+    process's outgoing connection (Ray's processes open many) before rank 0 binds it, and rank 0 then fails with
+    EADDRINUSE. The socket is bound here and handed to the store (``master_listen_fd``), which would otherwise
+    listen on every interface. Ranks join it with :data:`AGENT_STORE_ENV` set."""
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
         sock.bind((address, 0))
-        return int(sock.getsockname()[1])
+        sock.listen(world)
+        port = int(sock.getsockname()[1])
+        fd = sock.detach()
+    try:
+        return TCPStore(address, port, world, is_master=True, wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def rank_env(master: str, port: int, node: dict[str, Any]) -> dict[str, str]:
+    """The environment of one rank (its actor's :meth:`Rank.node` in ``node``): rank 0's store at ``master:port``
+    joined as a client (:data:`AGENT_STORE_ENV`), its node's name for its probe, gloo on its node's interface."""
+    return {
+        **AGENT_STORE_ENV,
+        "MASTER_ADDR": master,
+        "MASTER_PORT": str(port),
+        cpu_worker.NODE_ENV: node["name"],
+        "GLOO_SOCKET_IFNAME": node["interface"],
+    }
 
 
 class Rank:
@@ -96,11 +132,13 @@ class Rank:
             "interface": os.environ.get("GLOO_SOCKET_IFNAME") or interface_of(address) or "",
         }
 
-    def rendezvous_port(self) -> int:
-        """A free port on this actor's node address (rank 0's: ``MASTER_PORT``)."""
+    def rendezvous_port(self, world: int) -> int:
+        """Host the group's store on this actor's node address (:func:`host_store`; rank 0's actor, for as long as
+        it lives) and return its port: ``MASTER_PORT``."""
         import ray
 
-        return free_port(ray.util.get_node_ip_address())
+        self.store = host_store(ray.util.get_node_ip_address(), world)
+        return int(self.store.port)
 
     def train(self, argv: list[str], env: dict[str, str]) -> int:
         """:func:`trainer.launch.cpu_worker.main` with ``argv`` after ``env`` is set in this process; returns its
@@ -227,7 +265,7 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
         found = ray.get([a.node.remote() for a in actors])
         order = rank_order(found)
         ranks, nodes = [actors[i] for i in order], [found[i] for i in order]
-        master, port = nodes[0]["address"], ray.get(ranks[0].rendezvous_port.remote())
+        master, port = nodes[0]["address"], ray.get(ranks[0].rendezvous_port.remote(world))
         for rank, node in enumerate(nodes):
             print(f"rank {rank}: node {node['name']} ({node['address']}), slot {node['gpu']}, pid {node['pid']}")
         print(f"rendezvous: tcp://{master}:{port}", flush=True)
@@ -235,12 +273,7 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
         refs = {
             ranks[rank].train.remote(
                 [run_dir, str(rank), str(world), rows_dir],
-                {
-                    "MASTER_ADDR": master,
-                    "MASTER_PORT": str(port),
-                    cpu_worker.NODE_ENV: node["name"],
-                    "GLOO_SOCKET_IFNAME": node["interface"],
-                },
+                rank_env(master, port, node),
             ): rank
             for rank, node in enumerate(nodes)
         }

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 from trainer.errors import UserError
+from trainer.record import joblog
 from trainer.record.record import effective_status, process_gone, unverifiable
 from trainer.record.rundir import FAILED, INTERRUPTED, LOGS, RunDir, read_record, utc_now
 
@@ -68,9 +68,6 @@ def slurm_state(job_id: str) -> str | None:
     return UNKNOWN
 
 
-RANK_PLACED_RE = re.compile(r"^rank (\d+): node (\S+) ", re.M)  # the job's placement lines (ray_workers)
-
-
 def node_states(nodes: list[str]) -> dict[str, str]:
     """Slurm's state of each node of ``nodes`` (``sinfo -h -N -n NODES -o "%N %T"``: ``idle``, ``allocated``,
     ``down*`` where ``*`` means not responding); {} when Slurm could not be asked."""
@@ -87,19 +84,14 @@ def node_states(nodes: list[str]) -> dict[str, str]:
 def lost_nodes(run_dir: Path, record: dict[str, Any]) -> str:
     """``"; node(s) n1 lost (down*), with rank(s) 0, 1"``: the job's nodes (``slurm.nodes``) that Slurm says are
     down or not responding (:func:`node_states`), with the ranks the job placed on them (its log's ``rank N:
-    node NAME`` lines, the last placement of each rank); "" when none is."""
+    node NAME`` lines, :func:`trainer.record.joblog.placement`); "" when none is."""
     listed = (record.get("slurm") or {}).get("nodes") if isinstance(record.get("slurm"), dict) else None
     nodes = [n for n in listed if isinstance(n, str)] if isinstance(listed, list) else []
     states = node_states(nodes) if nodes else {}
     lost = [n for n in nodes if states.get(n, "").endswith("*") or states.get(n, "").startswith(("down", "fail"))]
     if not lost:
         return ""
-    log = Path(run_dir) / LOGS / "job.log"
-    try:
-        text = log.read_text(errors="replace") if log.is_file() and not log.is_symlink() else ""
-    except OSError:
-        text = ""
-    placed = {int(rank): node for rank, node in RANK_PLACED_RE.findall(text)}
+    placed = joblog.placement(Path(run_dir) / LOGS / "job.log")
     ranks = ", ".join(str(r) for r in sorted(r for r, n in placed.items() if n in lost))
     held = f", with rank(s) {ranks}" if ranks else ""
     return f"; node(s) {', '.join(f'{n} lost ({states[n]})' for n in lost)}{held}"
@@ -121,10 +113,8 @@ def refresh(run_dir: Path) -> dict[str, Any]:
             record = read_record(run_dir) or record
             if record.get("status") in ("submitted", "running"):
                 out = run_dir / LOGS / f"slurm-{slurm['job_id']}.out"
-                tail = ""
-                if out.is_file():
-                    lines = [line for line in out.read_text(errors="replace").splitlines() if line.strip()]
-                    tail = f"; last line of {out.name}: {lines[-1].strip()}" if lines else ""
+                lines = [line for line in joblog.tail(out).splitlines() if line.strip()]
+                tail = f"; last line of {out.name}: {lines[-1].strip()}" if lines else ""
                 rundir = RunDir(run_dir)
                 rundir.end(
                     record,
