@@ -134,6 +134,22 @@ dist.destroy_process_group()
 """
 
 
+def join_two(env: dict[str, str]) -> list[list[str]]:
+    """Ranks 0 and 1 of :data:`JOIN` started at once with ``env``; the last two words each printed. Asserts that
+    both exited 0 (within 120 s; killed otherwise)."""
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", JOIN, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0]
+    return [out.split()[-2:] for out in outputs]
+
+
 def test_rank_zero_holds_the_rendezvous_port_until_every_rank_has_joined(tmp_path, monkeypatch):
     """``ray_workers.host_store`` through rank 0's actor (``Rank.rendezvous_port``, its node's address on
     127.0.0.1): the store's port stays bound from the moment the actor names it, also after a garbage collection
@@ -165,17 +181,7 @@ def test_rank_zero_holds_the_rendezvous_port_until_every_rank_has_joined(tmp_pat
     node = {"name": "n1", "interface": "lo"}
     env = {**os.environ, "PYTHONPATH": str(helpers.REPO_ROOT), **rank_env("127.0.0.1", port, node)}
     assert AGENT_STORE_ENV.items() <= env.items()
-    ranks = [
-        subprocess.Popen([sys.executable, "-c", JOIN, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
-    finally:
-        for rank in ranks:
-            rank.kill()
-    assert [rank.returncode for rank in ranks] == [0, 0]
-    assert [out.split()[-2:] for out in outputs] == [["sum", "3.0"], ["sum", "3.0"]]
+    assert join_two(env) == [["sum", "3.0"], ["sum", "3.0"]]
 
     alone = {k: v for k, v in env.items() if k not in AGENT_STORE_ENV}
     rank0 = subprocess.run(
@@ -186,6 +192,28 @@ def test_rank_zero_holds_the_rendezvous_port_until_every_rank_has_joined(tmp_pat
     gc.collect()
     with socket.socket() as sock:  # the store gone, its port is free again
         sock.bind(("127.0.0.1", port))
+
+
+def test_ranks_meet_at_an_ipv6_address():
+    """A node whose Ray address is IPv6 (here ``::1``): the store listens there and two ranks form their gloo
+    group through ``tcp://[::1]:PORT`` (``cpu_worker.tcp_url``; unbracketed, torch would read no port)."""
+    import socket
+
+    from trainer.launch.ray_workers import host_store, rank_env
+
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError as ex:
+        pytest.skip(f"no IPv6 loopback here: {ex}")
+    store = host_store("::1", 2)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(helpers.REPO_ROOT),
+        **rank_env("::1", store.port, {"name": "n1", "interface": "lo"}),
+    }
+    assert join_two(env) == [["sum", "3.0"], ["sum", "3.0"]]
+    del store
 
 
 if __name__ == "__main__":

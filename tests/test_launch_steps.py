@@ -124,6 +124,9 @@ def test_the_rendezvous_is_tcp_when_the_launcher_names_rank_zero_else_the_run_di
     assert rendezvous(tmp_path, {}) == f"file://{tmp_path}/.rendezvous"
     assert rendezvous(tmp_path, {"MASTER_ADDR": "127.0.0.1"}) == f"file://{tmp_path}/.rendezvous"
     assert rendezvous(tmp_path, {"MASTER_ADDR": "n1", "MASTER_PORT": "29500"}) == "tcp://n1:29500"
+    # an IPv6 address in brackets, as a URL must hold it (else torch reads "::1:29500" as a host and no port)
+    assert rendezvous(tmp_path, {"MASTER_ADDR": "fd00::2", "MASTER_PORT": "29500"}) == "tcp://[fd00::2]:29500"
+    assert rendezvous(tmp_path, {"MASTER_ADDR": "[::1]", "MASTER_PORT": "29500"}) == "tcp://[::1]:29500"
     for bad in ("0", "65536", "29500x", "-1"):
         with pytest.raises(ValueError, match="MASTER_PORT"):
             rendezvous(tmp_path, {"MASTER_ADDR": "n1", "MASTER_PORT": bad})

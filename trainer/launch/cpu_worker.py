@@ -100,6 +100,11 @@ def parse_argv(argv: list[str]) -> tuple[Path, int, int, Path]:
     return Path(argv[0]), int(argv[1]), int(argv[2]), Path(argv[3])
 
 
+def tcp_url(host: str, port: int) -> str:
+    """``tcp://HOST:PORT``, an IPv6 address in brackets (RFC 3986 section 3.2.2: ``tcp://[::1]:29500``)."""
+    return f"tcp://[{host}]:{port}" if ":" in host and not host.startswith("[") else f"tcp://{host}:{port}"
+
+
 def rendezvous(run_dir: Path, environ: dict[str, str] | None = None) -> str:
     """torch.distributed's ``init_method``: ``tcp://MASTER_ADDR:MASTER_PORT`` when both are set (torchrun's and
     Megatron's names; a launcher across nodes sets them to rank 0's host), else the file ``run_dir/.rendezvous``
@@ -110,7 +115,7 @@ def rendezvous(run_dir: Path, environ: dict[str, str] | None = None) -> str:
     if addr and port:
         if not port.isdigit() or not 0 < int(port) < 65536:
             raise ValueError(f"MASTER_PORT {port!r}: expected a TCP port number (1-65535)")
-        return f"tcp://{addr}:{int(port)}"
+        return tcp_url(addr, int(port))
     return f"file://{run_dir / '.rendezvous'}"
 
 

@@ -268,7 +268,7 @@ def _run(run_dir: str, rows_dir: str, world: int, timeout_s: float) -> tuple[int
         master, port = nodes[0]["address"], ray.get(ranks[0].rendezvous_port.remote(world))
         for rank, node in enumerate(nodes):
             print(f"rank {rank}: node {node['name']} ({node['address']}), slot {node['gpu']}, pid {node['pid']}")
-        print(f"rendezvous: tcp://{master}:{port}", flush=True)
+        print(f"rendezvous: {cpu_worker.tcp_url(master, port)}", flush=True)
         started = time.monotonic()
         refs = {
             ranks[rank].train.remote(
