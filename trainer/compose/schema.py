@@ -375,7 +375,7 @@ class LauncherConfig(Record):
     expect_gpus: bool = True  # preflight: every node must see cluster.gpus_per_node GPUs
     node_wait_s: int = 300  # ray, slurm: seconds the job waits for cluster.nodes nodes to join (and each probe)
     wait_s: int | None = None  # ray: seconds to wait for the job; null = until it ends
-    master_port: int | None = None  # torchrun rendezvous port on 127.0.0.1 (local-megatron); null = a free one
+    master_port: int | None = None  # torchrun port on 127.0.0.1 (local-megatron); null = a free one (launch.ports)
     # local-megatron: the Megatron-LM and miles sources (checkouts of the locked commits, verified by git tree hash)
     megatron_lm_path: str | None = None  # Megatron-LM checkout; null = $MEGATRON_LM_PATH
     miles_path: str | None = None  # miles checkout; null = $MILES_PATH

@@ -11,7 +11,6 @@ import argparse
 import hashlib
 import json
 import re
-import socket
 import sys
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from typing import Any
 from trainer.errors import UserError
 from trainer.launch.host.cluster import ANSI_RE, ERROR_LINE_RE
 from trainer.launch.host.ray import reachable
+from trainer.launch.ports import free_ports
 from trainer.record import joblog
 from trainer.record.attempts import vouch_for_resume
 from trainer.record.rundir import (
@@ -186,20 +186,12 @@ RAY_WORKER_PORT_FLAGS = ("--min-worker-port=0", "--max-worker-port=0")
 
 def ray_port_flags(head: bool = False) -> list[str]:
     """``--FLAG=PORT`` for each of :data:`RAY_NODE_PORT_FLAGS` (and :data:`RAY_HEAD_PORT_FLAGS` with ``head``):
-    ports the kernel gives as free on every address of this host, all held at once (so distinct) and then
-    released for Ray to bind; then :data:`RAY_WORKER_PORT_FLAGS`. Raises OSError when no port can be had."""
+    distinct ports free on every address of this host, below the kernel's ephemeral range
+    (:func:`trainer.launch.ports.free_ports`), released for Ray to bind; then :data:`RAY_WORKER_PORT_FLAGS`.
+    Raises OSError when no port can be had."""
     flags = [*RAY_NODE_PORT_FLAGS, *(RAY_HEAD_PORT_FLAGS if head else ())]
-    held: list[socket.socket] = []
-    try:
-        for _ in flags:
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("", 0))
-            held.append(sock)
-        ports = [f"{flag}={sock.getsockname()[1]}" for flag, sock in zip(flags, held, strict=True)]
-        return [*ports, *RAY_WORKER_PORT_FLAGS]
-    finally:
-        for sock in held:
-            sock.close()
+    ports = free_ports(len(flags))
+    return [*(f"{flag}={port}" for flag, port in zip(flags, ports, strict=True)), *RAY_WORKER_PORT_FLAGS]
 
 
 def main(argv: list[str] | None = None) -> int:

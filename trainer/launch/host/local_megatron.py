@@ -22,6 +22,7 @@ from trainer.launch.host.checkout import verify_checkouts
 from trainer.launch.host.local_cpu import prepare_rows
 from trainer.launch.host.processes import collect_probes, supervise, worker_env
 from trainer.launch.megatron_args import resolve_transformer_impl
+from trainer.launch.ports import free_ports
 from trainer.record.rundir import LOGS, MEGATRON, RunDir
 
 if TYPE_CHECKING:
@@ -102,15 +103,6 @@ def check(cfg: TrainConfig, par: Parallelism) -> None:
         )
 
 
-def _free_port() -> int:
-    """A free TCP port on 127.0.0.1 (for torchrun's rendezvous)."""
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> dict[str, Any]:
     """Run the job with torchrun; return ``record`` with status, reason, return codes, probes and data."""
     cfg, par = prepared.config, prepared.par
@@ -146,7 +138,7 @@ def execute(prepared: PreparedRun, rundir: RunDir, record: dict[str, Any]) -> di
         "--master-addr",
         "127.0.0.1",
         "--master-port",
-        str(cfg.launcher.master_port or _free_port()),
+        str(cfg.launcher.master_port or free_ports(1, "127.0.0.1")[0]),
         "-m",
         "trainer.launch.megatron_worker",
         str(run_dir),
