@@ -236,6 +236,29 @@ def test_verify_fails_an_attempt_vouched_by_its_save_when_anything_it_vouches_fo
     assert not row["ok"] and row["line"].startswith("attempt 1: "), row["line"]
 
 
+@pytest.mark.parametrize("at", ["first", "middle", "last"])
+def test_verify_hashes_the_checkpoint_an_attempt_vouched_by_its_save_resumed_from(ended, tmp_path, at):
+    """A byte of the state the attempt resumed from flipped afterwards, its sha256 file left as it was: the row
+    fails (the state itself is hashed, not only the file that vouched for it); the state gone is no claim and
+    passes; the state a link to an outside copy of the same bytes fails."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    record = {**record_of(ended), **linked}
+    state = ended / CKPT.format(4)
+    original = state.read_bytes()
+    flip(state, {"first": 0, "middle": len(original) // 2, "last": len(original) - 1}[at])
+    [row] = check_attempts(ended, record)
+    assert not row["ok"] and f"{CKPT.format(4)}: changed since the attempt resumed from it" in row["line"]
+    state.unlink()
+    [row] = check_attempts(ended, record)
+    assert row["ok"], row["line"]
+    outside = tmp_path / "outside.pt"
+    outside.write_bytes(original)
+    state.symlink_to(outside)
+    [row] = check_attempts(ended, record)
+    assert not row["ok"] and "a symbolic link on its way" in row["line"]
+
+
 def test_verify_fails_an_attempt_vouched_by_its_save_that_an_earlier_attempt_contradicts(ended):
     """An attempt vouched for by the save's sha256 file, listed after one that resumed from the same step with
     another sha256: its row fails, naming the earlier record."""
@@ -272,6 +295,68 @@ def test_an_unsealed_resumed_attempt_accepts_no_other_or_older_checkpoint_than_i
     record = {**record_of(ended), "attempts": [{**linked["attempts"][0], "resumed_from_iteration": "4"}]}
     [row] = check_attempts(ended, record)
     assert not row["ok"] and "does not vouch for the checkpoint of step 4" in row["line"]
+
+
+def test_an_unsealed_resumed_attempt_whose_tracker_is_gone_does_not_start_again_from_step_0(ended, tmp_path):
+    """Attempt 2 resumed from step 4 and was killed, its record unsealed: removing the tracker must not send the
+    next resume back to step 0 (past the guard against an older checkpoint, with the rows after it cut): refused
+    by ``train --resume`` in one line, exit 2, nothing written."""
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    write_record(ended, running({**record_of(ended), **linked}, dead_pid()))
+    (ended / TRACKER).unlink()
+    with pytest.raises(UserError, match=f"{TRACKER} is gone, but the previous attempt resumed from step 4"):
+        attempts.ended_attempt(ended)
+    before = helpers.tree_hash(ended)
+    refused = resume(ended, tmp_path)
+    assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
+    helpers.assert_one_line(refused.stderr, f"{ended} (--resume): {TRACKER} is gone, but the previous attempt")
+    assert helpers.tree_hash(ended) == before
+
+
+@pytest.mark.parametrize("change", ["binding removed", "one byte", "deleted", "a link"])
+def test_an_earlier_attempts_record_changed_since_it_was_linked_binds_still(ended, tmp_path, change):
+    """Attempt 1 ended sealed, holding step 4's hash; attempt 2 resumed from it and was killed unsealed. With step
+    4's state swapped together with its sha256 file, the kept ``attempts/1/record.json`` changed so that it no
+    longer binds step 4 (the hash removed, a byte changed, the file deleted or replaced by a link to such a copy)
+    does not lift the binding: the resume is refused, naming the kept record, and a Slurm job's final mark
+    vouches for no state then."""
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    write_record(ended, running({**record_of(ended), **linked}, dead_pid()))
+    state, sums = ended / CKPT.format(4), ended / f"{CKPT.format(4)}.sha256"
+    flip(state, state.stat().st_size // 2)
+    sums.write_text(f"{sha256(state)}  model_optim_rng.pt\n")
+    kept = ended / "attempts" / "1" / "record.json"
+    edited = json.loads(kept.read_text())
+    del edited["files_sha256"][CKPT.format(4)]
+    if change == "binding removed":
+        kept.write_text(json.dumps(edited))
+    elif change == "one byte":
+        flip(kept, kept.stat().st_size // 2)
+    elif change == "deleted":
+        kept.unlink()
+    else:
+        other = tmp_path / "record.json"
+        other.write_text(json.dumps(edited))
+        kept.unlink()
+        kept.symlink_to(other)
+    with pytest.raises(UserError, match="attempts/1/record.json: missing, a link, unreadable or not of the sha256"):
+        attempts.ended_attempt(ended)
+    record = record_of(ended)
+    assert attempts.vouch_for_resume(ended, record) == [CKPT.format(2), CKPT.format(4)]
+    assert CKPT.format(4) not in record["files_sha256"]
+
+
+def test_verify_fails_a_sealed_attempt_that_claims_its_save_vouched_for_its_checkpoint(ended):
+    """An attempt resumed from a sealed record (``checkpoint_vouched_by`` ``"record"``) relabelled ``"writer"``
+    (or anything else): its row fails; left as it was, it passes."""
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    entry = linked["attempts"][0]
+    assert entry["checkpoint_vouched_by"] == "record"
+    [row] = check_attempts(ended, {**record_of(ended), "attempts": [entry]})
+    assert row["ok"], row["line"]
+    for label in ("writer", None, "slurm"):
+        [row] = check_attempts(ended, {**record_of(ended), "attempts": [{**entry, "checkpoint_vouched_by": label}]})
+        assert not row["ok"] and f"yet the attempt says it was vouched for by {label!r}" in row["line"], label
 
 
 def test_a_killed_run_that_trainer_status_found_gone_resumes_from_the_checkpoint_its_save_vouched_for(ended):
@@ -440,6 +525,35 @@ def test_a_leftover_attempt_whose_metrics_the_record_does_not_vouch_for_is_refus
         attempts.continue_attempt(ended, attempts.ended_attempt(ended))
     assert "\n" not in str(err.value)
     assert (ended / "metrics.jsonl").read_bytes() == before
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "attestation.json"])
+def test_a_leftover_attempt_without_a_copy_the_run_had_is_refused(ended, name):
+    """A leftover attempts/1 holding the run's record but not its metrics.jsonl (which the record hashes) or not
+    its attestation.json (which the run holds): not a copy a killed resume made (it copies all, then renames),
+    refused in one line, the run's metrics left whole."""
+    (ended / "attestation.json").write_text("{}")
+    attempts.continue_attempt(ended, attempts.ended_attempt(ended))  # the kill: attempts/1 left, the record kept
+    before = (ended / "metrics.jsonl").read_bytes()
+    (ended / "attempts" / "1" / name).unlink()
+    with pytest.raises(UserError, match=f"attempts/1/{name}: missing, but the run's {name} was there") as err:
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert "\n" not in str(err.value)
+    assert (ended / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_slurm_job_past_ten_million_iterations_vouches_for_its_state(ended):
+    """The tracker takes up to 9 digits, and so do the states a Slurm job's final mark hashes: iteration
+    10,000,000 (``iter_10000000``, 8 digits) is vouched for; a name no save writes (``iter_00000004``) is not."""
+    model, optimizer = tiny()
+    checkpoint.save(ended, 10_000_000, model, optimizer)
+    odd = ended / "checkpoints" / "iter_00000004" / "mp_rank_00" / "model_optim_rng.pt"
+    odd.parent.mkdir(parents=True)
+    odd.write_bytes(b"x")
+    inputs = attempts.resume_inputs(ended)
+    assert CKPT.format(10_000_000) == "checkpoints/iter_10000000/mp_rank_00/model_optim_rng.pt"
+    assert CKPT.format(10_000_000) in inputs and odd.relative_to(ended).as_posix() not in inputs
+    assert (ended / TRACKER).read_text() == "10000000\n"
 
 
 def test_a_leftover_attempt_with_another_attestation_is_refused(ended):

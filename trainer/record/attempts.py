@@ -50,9 +50,10 @@ from trainer.record.status import ENDED, refresh, slurm_state
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's tracker file: the newest iteration, as decimal text
 TRACKER_PATH = f"{CHECKPOINTS}/{TRACKER}"  # the tracker relative to the run directory, as files_sha256 names it
 ITERATION = re.compile(r"[0-9]{1,9}")  # an iteration as the tracker and a record write it: ASCII digits, 9 at most
-# an iteration's state under checkpoints/ as trainer.record.names.checkpoint_state names it; the temporary folder of
-# a save a kill interrupted (``.iter_NNNNNNN.XXXX``) is none
-STATE = re.compile(r"iter_[0-9]{7}/mp_rank_00/model_optim_rng\.pt")
+# an iteration's state under checkpoints/ as trainer.record.names.checkpoint_state names it (7 digits, zero-padded;
+# more for iterations from 10,000,000 on, up to ITERATION's 9); the temporary folder of a save a kill interrupted
+# (``.iter_NNNNNNN.XXXX``) is none
+STATE = re.compile(r"iter_(?:[0-9]{7}|[1-9][0-9]{7,8})/mp_rank_00/model_optim_rng\.pt")
 MAX_TRACKER_BYTES = 4096  # a tracker holds one iteration and a newline; larger is not one a save wrote
 WRITTEN_SHA256 = re.compile(rb"([0-9a-f]{64})  model_optim_rng\.pt\n")  # the line a save writes beside its state
 
@@ -97,21 +98,39 @@ def unsealed(record: dict[str, Any] | None) -> bool:
     return record.get("status") == RUNNING or record.get("ended_by") == "trainer status"
 
 
+def _linked_record(run_dir: Path, attempt: dict[str, Any]) -> dict[str, Any]:
+    """The earlier attempt's record that ``attempt`` (an ``attempts`` entry) links, parsed, after its bytes are
+    checked against the entry's ``record_sha256``; raises :class:`UserError` naming it otherwise."""
+    copy = attempt.get("record")
+    if not isinstance(copy, str) or not copy.startswith(f"{ATTEMPTS}/") or ".." in Path(copy).parts:
+        raise UserError(f"{run_dir}: an attempt links {copy!r}, not a record under {ATTEMPTS}/: --overwrite")
+    path = run_dir / copy
+    digest = None if linked(run_dir, copy) else _digest(path)
+    if digest is None or digest != attempt.get("record_sha256"):
+        raise UserError(
+            f"{path}: missing, a link, unreadable or not of the sha256 the record links: the earlier attempt's "
+            "hashes cannot be read from it; --overwrite"
+        )
+    try:
+        kept = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise UserError(f"{path}: not a record ({err})") from None
+    return kept if isinstance(kept, dict) else {}
+
+
 def known_hashes(run_dir: Path, record: dict[str, Any]) -> dict[str, str]:
     """The sha256 of checkpoint files (relative paths under ``checkpoints/``) that ``record`` and the attempts
     before it hold: the checkpoint its ``resumed_from`` names, each attempt's ``checkpoint_sha256``, and the
-    ``files_sha256`` of each earlier attempt's record kept under ``attempts/N/`` (an unreadable one adds nothing;
-    `trainer verify` checks each link). A save's own sha256 file must agree with every one of them."""
+    ``files_sha256`` of each earlier attempt's record kept under ``attempts/N/``, its bytes of the sha256 the entry
+    links (``record_sha256``). A save's own sha256 file must agree with every one of them. Raises
+    :class:`UserError` naming a kept record that is missing, a link, unreadable or not of that sha256: an edited
+    or removed record would otherwise drop the hashes it binds."""
     known: dict[str, str] = {}
     for attempt in record.get("attempts") or []:
         if not isinstance(attempt, dict):
             continue
-        copy = attempt.get("record")
-        try:
-            kept = read_record((run_dir / copy).parent) if isinstance(copy, str) else None
-        except UserError:
-            kept = None
-        files = (kept or {}).get("files_sha256") if isinstance(kept, dict) else None
+        kept = _linked_record(run_dir, attempt)
+        files = kept.get("files_sha256")
         for rel, digest in (files if isinstance(files, dict) else {}).items():
             if isinstance(rel, str) and rel.startswith(f"{CHECKPOINTS}/") and isinstance(digest, str):
                 known[rel] = digest
@@ -177,7 +196,8 @@ def vouched_checkpoint(
     the checkpoint ``record`` (the previous attempt's, as its file holds it) resumed from nor other than any hash
     ``record`` or the attempts before it hold for it (:func:`_written`, :func:`known_hashes`). Raises
     :class:`UserError` naming ``where`` and the file when nothing vouches for it, its bytes changed since, or the
-    record holds a tracker that is gone; and :func:`read_tracker`'s for a tracker that names no iteration."""
+    tracker is gone while the record holds it or resumed from a step after 0; and :func:`read_tracker`'s for a
+    tracker that names no iteration."""
     files = files_sha256 if isinstance(files_sha256, dict) else {}
     iteration, tracker = read_tracker(run_dir)
     if tracker is not None and voucher == "writer":
@@ -187,6 +207,11 @@ def vouched_checkpoint(
             raise UserError(
                 f"{where}: {TRACKER_PATH} is gone, but the previous attempt's record holds it: refusing to resume "
                 "from the start; --overwrite to start the run again"
+            )
+        if _started(record or {}) > 0:
+            raise UserError(
+                f"{where}: {TRACKER_PATH} is gone, but the previous attempt resumed from step "
+                f"{_started(record or {})}: refusing to resume from the start; --overwrite to start the run again"
             )
         return 0, None
     _vouched(TRACKER_PATH, hashlib.sha256(tracker).hexdigest(), files, where)
@@ -200,6 +225,13 @@ def vouched_checkpoint(
     return iteration, _vouched(rel, digest, files, where)
 
 
+def _started(record: dict[str, Any]) -> int:
+    """The iteration ``record``'s attempt resumed from (``resumed_from.iteration``); 0 for none."""
+    resumed = record.get("resumed_from")
+    started = resumed.get("iteration") if isinstance(resumed, dict) else None
+    return started if isinstance(started, int) and not isinstance(started, bool) and started > 0 else 0
+
+
 def _written(run_dir: Path, iteration: int, tracker: bytes, where: str, record: dict[str, Any]) -> str:
     """The sha256 of ``iteration``'s checkpoint file as the worker that saved it wrote it beside it
     (:func:`trainer.record.names.checkpoint_state_sha256`, one ``sha256sum`` line in a regular file reached
@@ -211,9 +243,7 @@ def _written(run_dir: Path, iteration: int, tracker: bytes, where: str, record: 
             f"{where}: {TRACKER_PATH} holds {tracker[:40]!r}, not the iteration and a newline as a save writes it, "
             "and the previous attempt's record holds no hash of it: nothing vouches for it; --overwrite"
         )
-    resumed = record.get("resumed_from")
-    started = resumed.get("iteration") if isinstance(resumed, dict) else None
-    started = started if isinstance(started, int) and not isinstance(started, bool) else 0
+    started = _started(record)
     if iteration < started:
         raise UserError(
             f"{where}: {TRACKER_PATH} names iteration {iteration}, older than the {started} the previous attempt "
@@ -282,16 +312,19 @@ def vouch_for_resume(run_dir: Path, record: dict[str, Any]) -> list[str]:
     :func:`trainer.launch.jobsteps.mark`), so that a ``--resume`` after it has a record that vouches for its
     checkpoint (:func:`vouched_checkpoint`). An iteration's state that an earlier attempt holds
     (:func:`known_hashes`) with other bytes (changed while the job waited; its worker then refused it) is left
-    out, so that it stays refused; the tracker and ``metrics.jsonl`` move on with each attempt. Returns the
-    states left out."""
+    out, so that it stays refused, and so is every state when an earlier attempt's kept record is not the one its
+    entry links; the tracker and ``metrics.jsonl`` move on with each attempt. Returns the states left out."""
     files = record.setdefault("files_sha256", {})
-    earlier = known_hashes(run_dir, record)
+    try:
+        earlier: dict[str, str] | None = known_hashes(run_dir, record)
+    except UserError:  # an earlier attempt's kept record changed: none of its bindings can be read, none is vouched
+        earlier = None
     refused = []
     for rel in resume_inputs(run_dir):
         digest = None if rel in files else sha256_file(run_dir / rel)
         if digest is None:
             continue
-        if rel.startswith(f"{CHECKPOINTS}/iter_") and earlier.get(rel, digest) != digest:
+        if rel.startswith(f"{CHECKPOINTS}/iter_") and (earlier is None or earlier.get(rel, digest) != digest):
             refused.append(rel)
         else:
             files[rel] = digest
@@ -402,7 +435,8 @@ def _leftover(run_dir: Path, target: Path, listed: int, files_sha256: dict[str, 
     record left: a real folder whose ``record.json`` is byte for byte ``run_dir``'s, whose ``metrics.jsonl`` (where
     present) has the sha256 that record's ``files_sha256`` holds (the copy was made before the run's was cut to
     the checkpoint's steps; one the record holds no hash for is refused: nothing vouches for its rows) and whose
-    ``attestation.json`` (where present) is byte for byte ``run_dir``'s. False when there is none. Raises
+    ``attestation.json`` is byte for byte ``run_dir``'s; either copy missing where the run's had one to copy is
+    refused (the copy is made whole, then renamed). False when there is none. Raises
     :class:`UserError` naming it when it holds anything else."""
     if not (target.exists() or target.is_symlink()):
         return False
@@ -422,7 +456,9 @@ def _leftover(run_dir: Path, target: Path, listed: int, files_sha256: dict[str, 
     for name, want in ((METRICS, files_sha256.get(METRICS)), (ATTESTATION, _digest(run_dir / ATTESTATION))):
         copy = target / name
         if not (copy.exists() or copy.is_symlink()):
-            continue
+            if want is None:
+                continue
+            raise UserError(f"{copy}: missing, but the run's {name} was there to copy; --overwrite")
         digest = _digest(copy)
         if digest is None or digest != want:
             raise UserError(f"{copy}: not the run's {name} (its record's files_sha256, its attestation); --overwrite")

@@ -34,9 +34,10 @@ from trainer.image import provenance, referrers
 from trainer.image.oci import digest_of, open_image
 from trainer.inputs import read_bytes, read_yaml, reading
 from trainer.record import attest
-from trainer.record.attempts import known_hashes, vouched_by, written_sha256
+from trainer.record.attempts import known_hashes, linked, vouched_by, written_sha256
 from trainer.record.attest import count_steps_in
 from trainer.record.names import ATTESTATION, METRICS, RECORD, checkpoint_state, checkpoint_state_sha256
+from trainer.record.record import sha256_file
 from trainer.record.rundir import check_record_types, load_record
 from trainer.record.verify import bad_rows, lock_of, lock_path_of, parse_lock, read_lock, verify
 from trainer.signing import VerificationFailed, load_public_key, open_envelope
@@ -214,8 +215,9 @@ def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: 
     """Why the sha256 file that the save of ``iteration`` wrote beside its checkpoint
     (:func:`trainer.record.names.checkpoint_state_sha256`) does not vouch for the checkpoint the attempt ``entry``
     resumed from (its ``checkpoint_sha256``, ``checkpoint_vouched_by`` ``"writer"``), or the hash an earlier
-    attempt holds for that checkpoint (``known``, :func:`trainer.record.attempts.known_hashes`) differs; None
-    when it does and none differs."""
+    attempt holds for that checkpoint (``known``, :func:`trainer.record.attempts.known_hashes`) differs, or the
+    checkpoint itself, where it is still there, is not of that sha256 (or lies behind a link); None when it does
+    and none differs."""
     sums = checkpoint_state_sha256(iteration)
     if entry.get("checkpoint_vouched_by") != "writer":
         return f"its record holds no checkpoint's hash, yet the attempt says {entry.get('checkpoint_vouched_by')!r}"
@@ -226,6 +228,17 @@ def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: 
         return f"{sums}: missing, a link or no sha256 line: nothing vouches for the checkpoint of step {iteration}"
     if written != entry.get("checkpoint_sha256"):
         return f"{sums}: does not hold the sha256 of the checkpoint of step {iteration} the attempt resumed from"
+    state = checkpoint_state(iteration)
+    if linked(base, state):
+        return f"{state}: a symbolic link on its way: not the checkpoint the attempt resumed from"
+    try:
+        digest = sha256_file(base / state)
+    except OSError as err:
+        return f"{state}: not readable ({err.strerror or err})"
+    except UserError as err:  # a FIFO or device in its place
+        return str(err)
+    if digest is not None and digest != entry.get("checkpoint_sha256"):
+        return f"{state}: changed since the attempt resumed from it (its sha256 is not the one the attempt holds)"
     return None
 
 
@@ -282,9 +295,17 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
                     "attempts": (record.get("attempts") or [])[: i - 1],
                     "resumed_from": earlier.get("resumed_from"),
                 }
-                problem = _written_mismatch(base, step, entry, known_hashes(base, before))
+                try:
+                    problem = _written_mismatch(base, step, entry, known_hashes(base, before))
+                except UserError as err:  # an attempt before it: its record is not the one linked
+                    problem = str(err)
             elif iteration and wanted != entry.get("checkpoint_sha256"):
                 problem = f"{rel}: does not vouch for the checkpoint of step {iteration} the attempt resumed from"
+            elif iteration and entry.get("checkpoint_vouched_by") != "record":
+                problem = (
+                    f"{rel}: its record holds the checkpoint's hash, yet the attempt says it was vouched for by "
+                    f"{entry.get('checkpoint_vouched_by')!r}"
+                )
         status = entry.get("status")
         line = (
             f"attempt {i}: {status}, resumed from step {entry.get('resumed_from_iteration')}; {rel} linked by sha256"
