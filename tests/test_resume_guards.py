@@ -489,6 +489,25 @@ def test_an_attempt_left_by_a_killed_resume_is_taken_again(ended):
     assert [json.loads(line)["step"] for line in (ended / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
 
 
+def test_a_killed_resume_of_an_unsealed_run_is_taken_again_and_a_forged_copy_is_not(ended):
+    """The record ended unsealed (``running``, its process gone: no hash of metrics.jsonl), and the --resume
+    that kept attempts/1 was killed before its new record left. The next --resume takes that copy: the run's
+    metrics.jsonl is the copy's rows up to the checkpoint, as the cut left it. A copy with a row changed is
+    refused in one line."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    first = attempts.continue_attempt(ended, attempts.ended_attempt(ended))  # the kill: no new record follows
+    again = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert again == first and again["attempts"][0]["steps_written"] == 20
+    assert [json.loads(line)["step"] for line in (ended / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    copy = ended / "attempts/1/metrics.jsonl"
+    rows = copy.read_text().splitlines(keepends=True)
+    rows[1] = json.dumps({**json.loads(rows[1]), "lm_loss": 0.001}) + "\n"
+    copy.write_text("".join(rows))
+    with pytest.raises(UserError, match=r"attempts/1/metrics.jsonl: not the run's metrics.jsonl") as err:
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert "\n" not in str(err.value)
+
+
 def test_an_attempt_folder_of_another_record_is_refused(ended):
     """Finding 3: an attempts/1 whose record.json is not the run's is not this attempt's copy: refused, one line."""
     (ended / "attempts/1").mkdir(parents=True)

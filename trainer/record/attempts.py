@@ -401,7 +401,7 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     earlier = [a for a in previous.get("attempts") or [] if isinstance(a, dict)]
     number = len(earlier) + 1
     target = run_dir / ATTEMPTS / str(number)
-    leftover = _leftover(run_dir, target, len(earlier), previous.get("files_sha256") or {})
+    leftover = _leftover(run_dir, target, len(earlier), previous.get("files_sha256") or {}, voucher, iteration)
     metrics = run_dir / METRICS
     lines, kept = kept_rows(target / METRICS if leftover else metrics, iteration)
     if not leftover:
@@ -430,11 +430,15 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
     return {"attempts": [*earlier, entry], "resumed_from": resumed}
 
 
-def _leftover(run_dir: Path, target: Path, listed: int, files_sha256: dict[str, Any]) -> bool:
+def _leftover(
+    run_dir: Path, target: Path, listed: int, files_sha256: dict[str, Any], voucher: str = "record", iteration: int = 0
+) -> bool:
     """Whether ``target`` (``attempts/N``) is the copy of this attempt that a ``--resume`` killed before its new
     record left: a real folder whose ``record.json`` is byte for byte ``run_dir``'s, whose ``metrics.jsonl`` (where
     present) has the sha256 that record's ``files_sha256`` holds (the copy was made before the run's was cut to
-    the checkpoint's steps; one the record holds no hash for is refused: nothing vouches for its rows) and whose
+    the checkpoint's steps; one the record holds no hash for is refused: nothing vouches for its rows; except
+    where the record ended unsealed, ``voucher`` ``"writer"``, and hashes no metrics at all: then the run's
+    ``metrics.jsonl`` must be the copy, or the copy's rows up to ``iteration``, as the cut leaves it) and whose
     ``attestation.json`` is byte for byte ``run_dir``'s; either copy missing where the run's had one to copy is
     refused (the copy is made whole, then renamed). False when there is none. Raises
     :class:`UserError` naming it when it holds anything else."""
@@ -460,9 +464,21 @@ def _leftover(run_dir: Path, target: Path, listed: int, files_sha256: dict[str, 
                 continue
             raise UserError(f"{copy}: missing, but the run's {name} was there to copy; --overwrite")
         digest = _digest(copy)
+        if name == METRICS and want is None and voucher == "writer" and digest is not None:
+            if _cut_from(run_dir / METRICS, copy, iteration):
+                continue
         if digest is None or digest != want:
             raise UserError(f"{copy}: not the run's {name} (its record's files_sha256, its attestation); --overwrite")
     return True
+
+
+def _cut_from(metrics: Path, copy: Path, iteration: int) -> bool:
+    """Whether the run's ``metrics`` (absent: no rows) holds the bytes of ``copy`` or of its rows up to
+    ``iteration`` (:func:`kept_rows`): the run's file as a resume copies it, before or after it cuts it."""
+    if metrics.is_symlink() or (metrics.exists() and not metrics.is_file()):
+        return False
+    now = metrics.read_bytes() if metrics.exists() else b""
+    return now == copy.read_bytes() or now == "".join(kept_rows(copy, iteration)[1]).encode()
 
 
 def _digest(path: Path) -> str | None:
