@@ -268,7 +268,9 @@ def _written(run_dir: Path, iteration: int, tracker: bytes, where: str, record: 
     if held != expected:
         raise UserError(
             f"{where}: {rel} is not the one an earlier attempt recorded (sha256 {expected[:16]}..., recorded "
-            f"{held[:16]}...): refusing to resume from it"
+            f"{held[:16]}...): refusing to resume from it; if the last attempt saved it anew, nothing can tell that "
+            f"from a swap: write {started} (the step it resumed from) to {TRACKER_PATH} to resume from there, or "
+            "--overwrite"
         )
     return expected
 
