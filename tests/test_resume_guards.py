@@ -83,8 +83,10 @@ def dead_pid():
 
 def running(record, pid):
     """``record`` as the launcher saved it while its run ran: ``running``, the identity of process ``pid``, the
-    checkpoints not hashed (a record is hashed when its run ends)."""
-    files = {k: v for k, v in record["files_sha256"].items() if not k.startswith("checkpoints/")}
+    checkpoints and ``metrics.jsonl`` not hashed (a record is hashed when its run ends)."""
+    files = {
+        k: v for k, v in record["files_sha256"].items() if not k.startswith("checkpoints/") and k != "metrics.jsonl"
+    }
     record = {k: v for k, v in record.items() if k not in ("reason", "finished_utc")}
     return {
         **record,
@@ -257,6 +259,19 @@ def test_verify_hashes_the_checkpoint_an_attempt_vouched_by_its_save_resumed_fro
     state.symlink_to(outside)
     [row] = check_attempts(ended, record)
     assert not row["ok"] and "a symbolic link on its way" in row["line"]
+
+
+def test_verify_hashes_the_checkpoint_a_sealed_attempt_resumed_from_and_reads_entries_before_the_voucher(ended):
+    """The checkpoint a record-vouched attempt resumed from, a byte flipped afterwards: the row fails, as for a
+    writer-vouched one. An entry written before ``checkpoint_vouched_by`` existed (no such key) passes."""
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    entry = linked["attempts"][0]
+    old = {k: v for k, v in entry.items() if k != "checkpoint_vouched_by"}
+    [row] = check_attempts(ended, {**record_of(ended), "attempts": [old]})
+    assert row["ok"], row["line"]
+    flip(ended / CKPT.format(4), 0)
+    [row] = check_attempts(ended, {**record_of(ended), "attempts": [entry]})
+    assert not row["ok"] and f"{CKPT.format(4)}: changed since the attempt resumed from it" in row["line"]
 
 
 def test_verify_fails_an_attempt_vouched_by_its_save_that_an_earlier_attempt_contradicts(ended):
@@ -506,6 +521,50 @@ def test_a_killed_resume_of_an_unsealed_run_is_taken_again_and_a_forged_copy_is_
     with pytest.raises(UserError, match=r"attempts/1/metrics.jsonl: not the run's metrics.jsonl") as err:
         attempts.continue_attempt(ended, attempts.ended_attempt(ended))
     assert "\n" not in str(err.value)
+
+
+def test_a_leftover_attempt_of_an_unsealed_run_without_its_metrics_copy_is_refused(ended):
+    """An unsealed record holds no hash of metrics.jsonl, yet the run had one to copy: a leftover attempts/1
+    without that copy is not one a killed resume made; refused, and the run's rows stay (taking it would have
+    counted no rows and removed the run's metrics.jsonl)."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    before = (ended / "metrics.jsonl").read_bytes()
+    (ended / "attempts" / "1").mkdir(parents=True)
+    shutil.copy(ended / "record.json", ended / "attempts" / "1" / "record.json")
+    with pytest.raises(UserError, match="attempts/1/metrics.jsonl: missing, but the run's metrics.jsonl was there"):
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert (ended / "metrics.jsonl").read_bytes() == before
+
+
+def test_a_killed_resume_whose_new_plan_removed_the_attestation_is_taken_again(ended):
+    """A --resume killed after the new attempt's plan removed the run's attestation.json (``write_plan``) but
+    before its record left: attempts/1 holds the attestation, the run none. That leftover is the copy and is
+    taken; the copy a link is not."""
+    (ended / "attestation.json").write_text('{"payload": "signed"}')
+    first = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    (ended / "attestation.json").unlink()
+    again = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert again == first
+    copy = ended / "attempts" / "1" / "attestation.json"
+    outside = ended.parent / "attestation.json"
+    outside.write_bytes(copy.read_bytes())
+    copy.unlink()
+    copy.symlink_to(outside)
+    with pytest.raises(UserError, match="attempts/1/attestation.json: not the run's attestation.json"):
+        attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+
+
+def test_a_first_unsealed_attempt_whose_tracker_is_gone_after_two_saves_does_not_start_again(ended):
+    """A first attempt, ended unsealed, that saved steps 2 and 4: a save writes its state, then the tracker, so
+    a second save means a tracker existed; with it removed, the resume is refused rather than starting again from
+    step 0. A single save (killed before its tracker) resumes from the start."""
+    write_record(ended, running(record_of(ended), dead_pid()))
+    (ended / TRACKER).unlink()
+    with pytest.raises(UserError, match=f"{TRACKER} is gone, but 2 checkpoints were saved"):
+        attempts.ended_attempt(ended)
+    shutil.rmtree(ended / "checkpoints" / "iter_0000004")
+    linked = attempts.continue_attempt(ended, attempts.ended_attempt(ended))
+    assert linked["resumed_from"]["iteration"] == 0
 
 
 def test_an_attempt_folder_of_another_record_is_refused(ended):

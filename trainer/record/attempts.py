@@ -196,8 +196,9 @@ def vouched_checkpoint(
     the checkpoint ``record`` (the previous attempt's, as its file holds it) resumed from nor other than any hash
     ``record`` or the attempts before it hold for it (:func:`_written`, :func:`known_hashes`). Raises
     :class:`UserError` naming ``where`` and the file when nothing vouches for it, its bytes changed since, or the
-    tracker is gone while the record holds it or resumed from a step after 0; and :func:`read_tracker`'s for a
-    tracker that names no iteration."""
+    tracker is gone while the record holds it, resumed from a step after 0 or more than one checkpoint was saved
+    (a save writes its state, then the tracker); and :func:`read_tracker`'s for a tracker that names no
+    iteration."""
     files = files_sha256 if isinstance(files_sha256, dict) else {}
     iteration, tracker = read_tracker(run_dir)
     if tracker is not None and voucher == "writer":
@@ -212,6 +213,12 @@ def vouched_checkpoint(
             raise UserError(
                 f"{where}: {TRACKER_PATH} is gone, but the previous attempt resumed from step "
                 f"{_started(record or {})}: refusing to resume from the start; --overwrite to start the run again"
+            )
+        states = [rel for rel in resume_inputs(Path(run_dir)) if STATE.fullmatch(rel.removeprefix(f"{CHECKPOINTS}/"))]
+        if len(states) > 1:  # a save writes the tracker after its state: a second save followed a tracker
+            raise UserError(
+                f"{where}: {TRACKER_PATH} is gone, but {len(states)} checkpoints were saved ({states[-1]} the "
+                "last): refusing to resume from the start; --overwrite to start the run again"
             )
         return 0, None
     _vouched(TRACKER_PATH, hashlib.sha256(tracker).hexdigest(), files, where)
@@ -441,8 +448,9 @@ def _leftover(
     the checkpoint's steps; one the record holds no hash for is refused: nothing vouches for its rows; except
     where the record ended unsealed, ``voucher`` ``"writer"``, and hashes no metrics at all: then the run's
     ``metrics.jsonl`` must be the copy, or the copy's rows up to ``iteration``, as the cut leaves it) and whose
-    ``attestation.json`` is byte for byte ``run_dir``'s; either copy missing where the run's had one to copy is
-    refused (the copy is made whole, then renamed). False when there is none. Raises
+    ``attestation.json`` is byte for byte ``run_dir``'s (any regular file where the run's is gone: the new
+    attempt's plan removes it); either copy missing where the run had one to copy is refused (the copy is made
+    whole, then renamed). False when there is none. Raises
     :class:`UserError` naming it when it holds anything else."""
     if not (target.exists() or target.is_symlink()):
         return False
@@ -459,16 +467,25 @@ def _leftover(
             f"{target}: exists, but the record lists {listed} earlier attempts and {target.name}/{RECORD} is not "
             "the run's record.json; --overwrite"
         )
-    for name, want in ((METRICS, files_sha256.get(METRICS)), (ATTESTATION, _digest(run_dir / ATTESTATION))):
+    metrics_now = run_dir / METRICS
+    attestation_now = _digest(run_dir / ATTESTATION)
+    had_metrics = METRICS in files_sha256 or metrics_now.exists() or metrics_now.is_symlink()
+    copies = (  # (name, the sha256 it must have, whether the run had one to copy)
+        (METRICS, files_sha256.get(METRICS), had_metrics),
+        (ATTESTATION, attestation_now, attestation_now is not None),
+    )
+    for name, want, had in copies:
         copy = target / name
         if not (copy.exists() or copy.is_symlink()):
-            if want is None:
+            if not had:
                 continue
             raise UserError(f"{copy}: missing, but the run's {name} was there to copy; --overwrite")
         digest = _digest(copy)
         if name == METRICS and want is None and voucher == "writer" and digest is not None:
-            if _cut_from(run_dir / METRICS, copy, iteration):
+            if _cut_from(metrics_now, copy, iteration):
                 continue
+        if name == ATTESTATION and want is None and digest is not None:
+            continue  # the run's was removed after the copy: the new attempt's plan is written without one
         if digest is None or digest != want:
             raise UserError(f"{copy}: not the run's {name} (its record's files_sha256, its attestation); --overwrite")
     return True

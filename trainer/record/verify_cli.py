@@ -228,6 +228,13 @@ def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: 
         return f"{sums}: missing, a link or no sha256 line: nothing vouches for the checkpoint of step {iteration}"
     if written != entry.get("checkpoint_sha256"):
         return f"{sums}: does not hold the sha256 of the checkpoint of step {iteration} the attempt resumed from"
+    return _state_changed(base, iteration, entry)
+
+
+def _state_changed(base: Path, iteration: int, entry: dict[str, Any]) -> str | None:
+    """Why the checkpoint of ``iteration`` under ``base``, where it is still there, is not the one the attempt
+    ``entry`` resumed from (its ``checkpoint_sha256``): behind a symbolic link, unreadable, other bytes; None
+    when it is that one or gone (a state removed since claims nothing)."""
     state = checkpoint_state(iteration)
     if linked(base, state):
         return f"{state}: a symbolic link on its way: not the checkpoint the attempt resumed from"
@@ -246,7 +253,9 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
     """The earlier attempts a ``--resume`` linked into ``record`` (``attempts``, oldest first), each checked: its
     record file (``attempts/N/record.json``) present and of the sha256 the entry holds, and the checkpoint it was
     resumed from the one that record vouched for (where that record ended unsealed and holds no checkpoint's
-    hash, :func:`trainer.record.attempts.vouched_by`: the one the sha256 file its save wrote beside it holds).
+    hash, :func:`trainer.record.attempts.vouched_by`: the one the sha256 file its save wrote beside it holds),
+    the entry's ``checkpoint_vouched_by`` saying which (absent in entries written before it: ``"record"``), and
+    that checkpoint, where it is still there, of the sha256 the entry holds (:func:`_state_changed`).
     One ``{"attempt", "record", "ok", "line"}`` per attempt (a record without ``attempts``: none); ``line``
     says what was found, ``ok`` False when anything differs. A record file is read only where it lies in the
     run directory: its path resolved (every link followed) must be the run directory's own ``attempts/...`` (a
@@ -301,11 +310,13 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
                     problem = str(err)
             elif iteration and wanted != entry.get("checkpoint_sha256"):
                 problem = f"{rel}: does not vouch for the checkpoint of step {iteration} the attempt resumed from"
-            elif iteration and entry.get("checkpoint_vouched_by") != "record":
+            elif iteration and entry.get("checkpoint_vouched_by", "record") != "record":  # absent: before the key
                 problem = (
                     f"{rel}: its record holds the checkpoint's hash, yet the attempt says it was vouched for by "
                     f"{entry.get('checkpoint_vouched_by')!r}"
                 )
+            elif step is not None:
+                problem = _state_changed(base, step, entry)
         status = entry.get("status")
         line = (
             f"attempt {i}: {status}, resumed from step {entry.get('resumed_from_iteration')}; {rel} linked by sha256"
