@@ -268,9 +268,12 @@ def same_training(reference: Path, run: Path, steps: int, loss_rel: float = 1e-4
 
 def one_process_run(tmp: Path, steps: int) -> Path:
     """``train experiment=smoke`` for ``steps`` steps as one local process on a global batch of 8 rows (8
-    microbatches of one): the reference the multi-node runs of the same batch must match. Returns ``tmp/run``."""
+    microbatches of one): the reference the multi-node runs of the same batch must match. Returns ``tmp/run``.
+    Bounded by 600 s, a guard against a hang, not a speed goal: alone it takes about 25 s, but in CI it shares
+    two cores with eight-rank trainings (more than 120 s once)."""
     batch = ["optim.global_batch_size=8", "optim.rollout_batch_size=8", "layout.micro_batch_size=1"]
-    result = run_train(["experiment=smoke", f"launcher.steps={steps}", *batch, f"hydra.run.dir={tmp}/run"], cwd=tmp)
+    argv = ["experiment=smoke", f"launcher.steps={steps}", *batch, f"hydra.run.dir={tmp}/run"]
+    result = run_train(argv, cwd=tmp, timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     return tmp / "run"
 
