@@ -209,10 +209,11 @@ def vouched_checkpoint(
                 f"{where}: {TRACKER_PATH} is gone, but the previous attempt's record holds it: refusing to resume "
                 "from the start; --overwrite to start the run again"
             )
-        if _started(record or {}) > 0:
+        started = _started(record or {})
+        if started > 0:
             raise UserError(
-                f"{where}: {TRACKER_PATH} is gone, but the previous attempt resumed from step "
-                f"{_started(record or {})}: refusing to resume from the start; --overwrite to start the run again"
+                f"{where}: {TRACKER_PATH} is gone, but the previous attempt resumed from step {started}: refusing "
+                "to resume from the start; --overwrite to start the run again"
             )
         states = [rel for rel in resume_inputs(Path(run_dir)) if STATE.fullmatch(rel.removeprefix(f"{CHECKPOINTS}/"))]
         if len(states) > 1:  # a save writes the tracker after its state: a second save followed a tracker
@@ -440,7 +441,7 @@ def continue_attempt(run_dir: Path, previous: dict[str, Any]) -> dict[str, Any]:
 
 
 def _leftover(
-    run_dir: Path, target: Path, listed: int, files_sha256: dict[str, Any], voucher: str = "record", iteration: int = 0
+    run_dir: Path, target: Path, listed: int, files_sha256: dict[str, Any], voucher: str, iteration: int
 ) -> bool:
     """Whether ``target`` (``attempts/N``) is the copy of this attempt that a ``--resume`` killed before its new
     record left: a real folder whose ``record.json`` is byte for byte ``run_dir``'s, whose ``metrics.jsonl`` (where

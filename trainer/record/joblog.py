@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from pathlib import Path
+from typing import BinaryIO
+
+from trainer.errors import UserError
+from trainer.inputs import open_regular
 
 # bytes of a log's end: Ray's job status message carries at most 20,000 characters of the job's last output, which
 # UTF-8 (a progress bar's "█" is 3 bytes) may make 80,000 bytes
@@ -18,35 +21,32 @@ RENDEZVOUS_PREFIX = "rendezvous: "  # the line ray_workers prints after its plac
 LINE_BYTES = 4096  # a line is read this far at most (a log may hold megabytes without a line break)
 
 
-def _open(path: Path) -> int | None:
-    """A read-only descriptor of the regular file ``path`` (a link is not followed; a FIFO or device is opened
-    without blocking or a controlling terminal, then refused), or None."""
+def _open(path: Path) -> BinaryIO | None:
+    """``path`` opened for reading when it is a regular file reached without a symbolic link
+    (:func:`trainer.inputs.open_regular`: a FIFO or device is refused without blocking), else None."""
+    if Path(path).is_symlink():
+        return None
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-    except OSError:
+        return open_regular(path, "job log", None)
+    except (OSError, UserError):
         return None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        return None
-    return fd
 
 
 def tail(path: Path, max_bytes: int = TAIL_BYTES) -> str:
     """The whole lines within the last ``max_bytes`` bytes of the file ``path`` as text (undecodable bytes
     replaced): all of a shorter file; "" when no line starts within them, or the file is missing, a link, not a
     regular file or unreadable."""
-    fd = _open(path)
-    if fd is None:
+    handle = _open(path)
+    if handle is None:
         return ""
     try:
-        size = os.fstat(fd).st_size
-        start = max(0, size - max_bytes)
-        # one byte before the window: a line starting exactly at the window's start is kept whole
-        data = os.pread(fd, max_bytes + (start > 0), start - (start > 0))
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            start = max(0, size - max_bytes)
+            # one byte before the window: a line starting exactly at the window's start is kept whole
+            data = os.pread(handle.fileno(), max_bytes + (start > 0), start - (start > 0))
     except OSError:
         return ""
-    finally:
-        os.close(fd)
     if start > 0:
         data = data[data.find(b"\n") + 1 :] if b"\n" in data else b""
     return data.decode(errors="replace")
@@ -58,12 +58,12 @@ def placement(path: Path) -> dict[int, str]:
     the job script writes it anew). Reads line by line (:data:`LINE_BYTES` of each at most) and stops at the
     ``rendezvous:`` line that follows them, or after :data:`PLACEMENT_BYTES` (a payload other than the CPU
     worker's places no ranks this way). {} when the log is missing, a link, not a regular file or names no rank."""
-    fd = _open(path)
-    if fd is None:
+    handle = _open(path)
+    if handle is None:
         return {}
     placed: dict[int, str] = {}
     try:
-        with os.fdopen(fd, "rb") as handle:
+        with handle:
             at_start, read = True, 0
             while read < PLACEMENT_BYTES and (raw := handle.readline(LINE_BYTES)):
                 read += len(raw)

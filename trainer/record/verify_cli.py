@@ -215,9 +215,8 @@ def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: 
     """Why the sha256 file that the save of ``iteration`` wrote beside its checkpoint
     (:func:`trainer.record.names.checkpoint_state_sha256`) does not vouch for the checkpoint the attempt ``entry``
     resumed from (its ``checkpoint_sha256``, ``checkpoint_vouched_by`` ``"writer"``), or the hash an earlier
-    attempt holds for that checkpoint (``known``, :func:`trainer.record.attempts.known_hashes`) differs, or the
-    checkpoint itself, where it is still there, is not of that sha256 (or lies behind a link); None when it does
-    and none differs."""
+    attempt holds for that checkpoint (``known``, :func:`trainer.record.attempts.known_hashes`) differs; None
+    when it does and none differs (the checkpoint's own bytes: :func:`_state_changed`)."""
     sums = checkpoint_state_sha256(iteration)
     if entry.get("checkpoint_vouched_by") != "writer":
         return f"its record holds no checkpoint's hash, yet the attempt says {entry.get('checkpoint_vouched_by')!r}"
@@ -228,7 +227,7 @@ def _written_mismatch(base: Path, iteration: int, entry: dict[str, Any], known: 
         return f"{sums}: missing, a link or no sha256 line: nothing vouches for the checkpoint of step {iteration}"
     if written != entry.get("checkpoint_sha256"):
         return f"{sums}: does not hold the sha256 of the checkpoint of step {iteration} the attempt resumed from"
-    return _state_changed(base, iteration, entry)
+    return None
 
 
 def _state_changed(base: Path, iteration: int, entry: dict[str, Any]) -> str | None:
@@ -315,7 +314,7 @@ def check_attempts(run_dir: Path, record: dict[str, Any]) -> list[dict[str, Any]
                     f"{rel}: its record holds the checkpoint's hash, yet the attempt says it was vouched for by "
                     f"{entry.get('checkpoint_vouched_by')!r}"
                 )
-            elif step is not None:
+            if problem is None and step is not None:  # either voucher: the checkpoint itself, where still there
                 problem = _state_changed(base, step, entry)
         status = entry.get("status")
         line = (
