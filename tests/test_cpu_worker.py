@@ -60,13 +60,16 @@ def test_the_loss_of_the_supervised_positions_only_is_the_masked_loss_of_all(cfg
         if a.grad is not None:
             torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-7, msg=name)
             grads += 1
-    assert grads > 10
+    assert grads > 10 and ours.lm_head.weight.grad is not None
 
 
 def test_a_microbatch_without_supervised_positions_adds_nothing(cfg):
     model = cpu_worker.build_model(cfg)
     loss = cpu_worker._microbatch_backward(model, batch(1, 16, np.zeros((1, 16))), 0.5)
     assert float(loss) == 0.0
+    # the vocabulary projection still takes part (a (0, hidden) input): DDP sees the same parameters used on a
+    # rank whose microbatch has no supervised token as on the others
+    assert model.lm_head.weight.grad is not None and not model.lm_head.weight.grad.any()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
@@ -83,27 +86,30 @@ def in_own_process(code: str) -> str:
     return result.stdout
 
 
-def test_freed_memory_is_kept_so_the_next_step_touches_no_new_pages():
-    # 64 MiB of torch (over glibc's largest mmap threshold, 32 MiB) filled, freed, then again: the second fill faults
-    # about 16,384 pages afresh unless malloc kept the block
+def test_freed_memory_is_kept_so_later_steps_touch_no_new_pages():
+    # twenty "steps", each 64 MiB of torch (over glibc's largest mmap threshold, 32 MiB) filled and freed with
+    # small allocations made beside it: without the setting every step faults its 16,384 pages afresh; with it
+    # the heap grows in the first two (glibc before 2.38 asks posix_memalign for size + alignment, so a freed
+    # block under a small allocation can be 64 bytes short) and now and then later, and is reused otherwise
     code = """
         import resource, sys
         import torch
         from trainer.launch.cpu_worker import keep_freed_memory
         if sys.argv[1:] == ["keep"]:
             assert keep_freed_memory() is True
-        def fill():
+        kept, faults = [], []
+        for _ in range(20):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             block = torch.empty(64 << 20, dtype=torch.uint8)
             block.fill_(1)
+            kept.append([torch.empty(1000) for _ in range(10)])
             del block
-        fill()
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        fill()
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        print(sum(faults[2:]))
     """
     kept = int(in_own_process(code.replace("sys.argv[1:]", '["keep"]')))
     default = int(in_own_process(code))
-    assert default > 16_000 and kept < 100, (default, kept)
+    assert default > 18 * 16_000 and kept < 3 * 16_384, (default, kept)
 
 
 def test_the_collector_is_off_in_the_block_then_on_with_what_it_made_frozen():

@@ -107,12 +107,14 @@ def parse_argv(argv: list[str]) -> tuple[Path, int, int, Path]:
 
 def keep_freed_memory() -> bool:
     """Have the C library's malloc keep freed memory for the next step instead of returning it to the kernel
-    (mallopt(3), glibc): no ``mmap`` of its own for large blocks (``M_MMAP_MAX`` 0) and no trimming of the heap
-    below 2 GiB free (``M_TRIM_THRESHOLD``). Each microbatch allocates and frees tensors of 10 to 130 MB (the
-    logits over the 129,280-token vocabulary, their gradient); glibc maps every block above 32 MB afresh, and the
-    kernel zero-fills it page by page. Five DP1 steps of the smoke run spent 10.1 s in the kernel before, 1.2 s
-    after, for a peak RSS about 12% higher (bench/RESULTS.md). The arithmetic is unchanged. Returns whether both
-    settings took; False (nothing changed) where the C library has no ``mallopt``."""
+    (mallopt(3), glibc; for the life of the process): no ``mmap`` of its own for large blocks on the main thread's
+    heap (``M_MMAP_MAX`` 0) and no trimming of the heap below 2 GiB free (``M_TRIM_THRESHOLD``). Each microbatch
+    allocates and frees tensors of 10 to 130 MB (the logits over the 129,280-token vocabulary, their gradient);
+    glibc maps every block above 32 MB afresh, and the kernel zero-fills it page by page: 45% of a row's time on
+    this machine, 3% kept (bench/RESULTS.md). The heap settles after a step or two (glibc before 2.38 asks
+    ``posix_memalign`` for size plus alignment, so a freed block is not always reused the first time). Peak RSS
+    is about 10% higher. Returns whether both settings took; False (nothing changed) where the C library has
+    no ``mallopt``."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
@@ -124,8 +126,9 @@ def collector_paused() -> Iterator[None]:
     """Run the block with Python's cyclic garbage collector off, then move every object alive at its end to the
     permanent generation (``gc.freeze``) and turn the collector back on. A rank's start-up (importing torch and
     transformers, building the model) makes hundreds of thousands of long-lived objects, and each full collection
-    walked them all again: importing the two took 5.0 to 6.1 s of CPU with the collector on, 3.6 s with it off (this
-    machine, 2026-12-07; bench/RESULTS.md). Frozen, they are never walked again; cycles made later are collected."""
+    walked them all again: 4.00 s of CPU with the collector on, 3.12 s paused (bench/RESULTS.md). Frozen, they are
+    never walked again; cycles made later are collected. Garbage cycles made in the block (about 25,000 small
+    objects, no tensors) are frozen with the rest and stay until the process ends."""
     gc.disable()
     try:
         yield
@@ -332,7 +335,8 @@ def _microbatch_backward(model: torch.nn.Module, mb: Batch, scale: float) -> tor
     """Forward of one microbatch, backward of its summed supervised cross-entropy times ``scale``; returns the
     summed cross-entropy (0-d, detached, nats). Only the supervised positions (``loss_mask`` 1) are projected onto
     the vocabulary (transformers' ``logits_to_keep`` as a boolean ``(B, S)`` mask: ``(supervised, vocab)``
-    logits); the others add nothing to the loss, and the 129,280-column projection is most of a row's cost here."""
+    logits); the others add nothing to the loss, and the 129,280-column projection is most of a row's cost here.
+    The loss and gradients equal those of all positions' logits with the masked sum, up to float rounding."""
     import torch
 
     keep = torch.from_numpy(mb.loss_mask) > 0
