@@ -216,5 +216,129 @@ def test_ranks_meet_at_an_ipv6_address():
     del store
 
 
+LOST = """
+import os, sys
+import torch, torch.distributed as dist
+from trainer.launch import cpu_worker
+rank = int(sys.argv[1])
+dist.init_process_group("gloo", init_method=cpu_worker.rendezvous(None), rank=rank, world_size=2)
+dist.barrier()
+if rank == 1:
+    os._exit(0)  # a lost node: gone without leaving the group
+try:
+    dist.all_reduce(torch.ones(1))
+except Exception as ex:
+    print(ex, flush=True)
+"""
+
+
+def test_interface_of_finds_the_network_holding_an_ipv4_or_ipv6_address():
+    """``ray_workers.interface_of`` over a ``psutil.net_if_addrs()`` table: IPv4 by netmask, IPv6 by its mask as
+    a prefix length (a link-local address's ``%scope`` dropped), loopback ``lo``; an address on no interface's
+    network is None; a name is refused. And on this host, 127.0.0.1 is on ``lo``."""
+    from collections import namedtuple
+    from socket import AF_INET, AF_INET6, AF_PACKET
+
+    import ray  # noqa: F401 - puts the psutil Ray ships on sys.path
+
+    from trainer.launch.ray_workers import interface_of
+
+    addr = namedtuple("snicaddr", "family address netmask broadcast ptp")
+    table = {
+        "lo": [
+            addr(AF_INET, "127.0.0.1", "255.0.0.0", None, None),
+            addr(AF_INET6, "::1", "ffff:" * 7 + "ffff", None, None),
+        ],
+        "eth0": [
+            addr(AF_PACKET, "52:54:00:12:34:56", None, "ff:ff:ff:ff:ff:ff", None),
+            addr(AF_INET, "10.1.2.3", "255.255.255.0", "10.1.2.255", None),
+            addr(AF_INET6, "fd00::2", "ffff:ffff:ffff:ffff::", None, None),
+            addr(AF_INET6, "fe80::5054:ff:fe12:3456%eth0", "ffff:ffff:ffff:ffff::", None, None),
+        ],
+        "ib0": [addr(AF_INET6, "fd01:0:0:7::1", "ffff:ffff:ffff:ff00::", None, None)],
+    }
+    found = {
+        address: interface_of(address, table)
+        for address in (
+            "127.0.0.5",
+            "::1",
+            "10.1.2.200",
+            "10.1.3.1",
+            "fd00::1234",
+            "fd00:0:0:0::9",
+            "fe80::1",
+            "fd01:0:0:1::1",
+            "fd01:0:0:100::1",
+            "2001:db8::1",
+            "::ffff:10.1.2.3",
+        )
+    }
+    assert found == {
+        "127.0.0.5": "lo",
+        "::1": "lo",
+        "10.1.2.200": "eth0",
+        "10.1.3.1": None,
+        "fd00::1234": "eth0",
+        "fd00:0:0:0::9": "eth0",
+        "fe80::1": "eth0",
+        "fd01:0:0:1::1": "ib0",
+        "fd01:0:0:100::1": None,
+        "2001:db8::1": None,
+        "::ffff:10.1.2.3": None,
+    }
+    with pytest.raises(ValueError):
+        interface_of("n1", table)
+    assert interface_of("127.0.0.1") == "lo"
+
+
+def test_a_lost_peer_is_named_by_its_ipv4_or_ipv6_address():
+    """``ray_workers.suspect_nodes``: the nodes whose addresses a rank's gloo error names as its lost peer, IPv4
+    or IPv6 (in any spelling of the same address); nothing for an error that names none."""
+    from trainer.launch.ray_workers import suspect_nodes
+
+    nodes = [
+        {"id": "a", "name": "n1", "address": "127.0.0.2"},
+        {"id": "b", "name": "n2", "address": "fd00::3"},
+        {"id": "c", "name": "n3", "address": "127.0.0.4"},
+    ]
+    gloo = "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [{}]:40021"
+    assert suspect_nodes(nodes, 0, RuntimeError(gloo.format("127.0.0.4"))) == {"c": "n3"}
+    assert suspect_nodes(nodes, 0, RuntimeError(gloo.format("fd00:0::3"))) == {"b": "n2"}
+    assert suspect_nodes(nodes, 0, RuntimeError(gloo.format("fd00::3") + "; " + gloo.format("127.0.0.2"))) == {
+        "a": "n1",
+        "b": "n2",
+    }
+    assert suspect_nodes(nodes, 0, RuntimeError(gloo.format("fd00::99"))) == {}
+    assert suspect_nodes(nodes, 0, RuntimeError("Timed out waiting 1800000ms for recv operation")) == {}
+
+
+def test_a_rank_lost_is_named_by_its_peers_gloo_error():
+    """Two ranks in a gloo group on loopback (the store at 127.0.0.1, ``GLOO_SOCKET_IFNAME=lo``); rank 1 exits
+    without leaving it, and rank 0's failed all_reduce names its peer as this torch's gloo words it, so that
+    ``suspect_nodes`` finds rank 1's node and not another."""
+    from trainer.launch.ray_workers import host_store, rank_env, suspect_nodes
+
+    store = host_store("127.0.0.1", 2)
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(helpers.REPO_ROOT),
+        **rank_env("127.0.0.1", store.port, {"name": "n1", "interface": "lo"}),
+    }
+    ranks = [
+        subprocess.Popen([sys.executable, "-c", LOST, str(rank)], env=env, stdout=subprocess.PIPE, text=True)
+        for rank in (0, 1)
+    ]
+    try:
+        error = ranks[0].communicate(timeout=120)[0]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    del store
+    assert "[127.0.0.1]:" in error, error
+    nodes = [{"id": "a", "name": "n1", "address": "127.0.0.2"}, {"id": "b", "name": "n2", "address": "127.0.0.1"}]
+    assert suspect_nodes(nodes, 0, RuntimeError(error)) == {"b": "n2"}
+
+
 if __name__ == "__main__":
     raise SystemExit(helpers.main(__file__))

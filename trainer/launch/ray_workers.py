@@ -38,6 +38,7 @@ import re
 import socket
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trainer.launch import cpu_worker
@@ -47,21 +48,31 @@ EXIT_FAILED, EXIT_PLACEMENT = 1, 4
 # dead after health_check_failure_threshold (5) missed checks of health_check_period_ms (3,000) each, about 15 s
 # after its raylet is gone (ray/_private/ray_constants.py and the GCS health-check manager's defaults, Ray 2.x)
 NODE_LOSS_WAIT_S = 40.0
-PEER = re.compile(r"\[(\d{1,3}(?:\.\d{1,3}){3})\]:\d+")  # a gloo error's peer, "[127.0.0.4]:40021"
+# a gloo error's peer, its address in brackets either way: "[127.0.0.4]:40021", "[fd00::4]:40021"
+# (gloo/transport/tcp/address.cc, Address::str)
+PEER = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
 
 
-def interface_of(address: str) -> str | None:
-    """The name of the network interface whose IPv4 network holds ``address`` (``psutil.net_if_addrs``, which
-    Ray depends on), or None: ``lo`` for any 127.0.0.0/8 address. Raises ``ValueError`` for a string that is not
-    an IP address."""
-    import psutil
-
+def interface_of(address: str, interfaces: Mapping[str, Sequence[Any]] | None = None) -> str | None:
+    """The name of the network interface whose network (IPv4 or IPv6) holds ``address``, or None: ``lo`` for any
+    127.0.0.0/8 address and for ``::1``. ``interfaces`` is ``psutil.net_if_addrs()``'s table (name -> addresses
+    with ``family``, ``address``, ``netmask``), read from psutil (which Ray ships and puts on ``sys.path``) when
+    None; an IPv6 address's ``%scope`` suffix is dropped. Raises ``ValueError`` for a string that is not an IP
+    address."""
     ip = ipaddress.ip_address(address)
-    for name, addrs in psutil.net_if_addrs().items():
+    if interfaces is None:
+        import psutil
+
+        interfaces = psutil.net_if_addrs()
+    for name, addrs in interfaces.items():
         for addr in addrs:
-            if addr.family == socket.AF_INET and addr.netmask:
-                if ip in ipaddress.ip_network(f"{addr.address}/{addr.netmask}", strict=False):
-                    return name
+            if addr.family not in (socket.AF_INET, socket.AF_INET6) or not addr.netmask:
+                continue
+            mask = ipaddress.ip_address(addr.netmask.split("%")[0])
+            prefix = bin(int(mask)).count("1")  # ipaddress reads an IPv6 mask only as a prefix length
+            network = ipaddress.ip_network(f"{addr.address.split('%')[0]}/{prefix}", strict=False)
+            if ip.version == network.version and ip in network:
+                return name
     return None
 
 
@@ -173,15 +184,24 @@ def suspect_nodes(nodes: list[dict[str, Any]], rank: int, error: BaseException) 
     ``rank``'s failure ``error`` points at as possibly lost whole: its own when the driver lost its actor's
     connection (``ActorUnavailableError``: "Socket closed", what a dead node's actors give, not the
     ``ActorDiedError`` of a process that died on a live node); those whose addresses a rank's error names as
-    peers (:data:`PEER`, gloo's "Connection closed by peer [ADDR]:PORT"); none for any other error."""
+    peers (:data:`PEER`: gloo's "Connection closed by peer [ADDR]:PORT", "Read error [ADDR]:PORT: ...", IPv4 or
+    IPv6); none for any other error."""
     import ray
 
     if isinstance(error, ray.exceptions.ActorUnavailableError):
         return {nodes[rank]["id"]: nodes[rank]["name"]}
     if isinstance(error, ray.exceptions.RayActorError):
         return {}
-    addresses = {m.group(1) for m in PEER.finditer(str(error))}
-    return {n["id"]: n["name"] for n in nodes if n["address"] in addresses}
+    addresses = {_address(m.group(1)) for m in PEER.finditer(str(error))} - {None}
+    return {n["id"]: n["name"] for n in nodes if _address(n["address"]) in addresses}
+
+
+def _address(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """``text`` as an IP address (so that ``fd00:0::4`` and ``fd00::4`` are one), None when it is not one."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return None
 
 
 def lost_node(suspects: dict[str, str], wait_s: float = NODE_LOSS_WAIT_S) -> str | None:
