@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -103,10 +104,17 @@ def child(code: str, args: list[str]) -> dict[str, float]:
     return json.loads(result.stdout.splitlines()[-1])
 
 
+def positive(text: str) -> int:
+    """``text`` as an integer of at least 1, for argparse (its ``ArgumentTypeError``: one line, exit 2)."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number of at least 1")
+    return int(text)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=3, help="fresh processes per variant (default 3)")
-    parser.add_argument("--rows", type=int, default=16, help="timed microbatches per process (default 16)")
+    parser.add_argument("--repeats", type=positive, default=3, help="fresh processes per variant (default 3)")
+    parser.add_argument("--rows", type=positive, default=16, help="timed microbatches per process (default 16)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of Markdown rows")
     args = parser.parse_args()
     start: dict[str, list[dict]] = {name: [] for name in START_VARIANTS}
@@ -119,7 +127,7 @@ def main() -> int:
     median = {name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in step.items()}
     start_cpu = {name: statistics.median(r["cpu_s"] for r in runs) for name, runs in start.items()}
     stamp = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
-    machine = f"{platform.machine()} {len(__import__('os').sched_getaffinity(0))} cores"
+    machine = f"{platform.machine()} {os.cpu_count()} cores"
     if args.json:
         print(json.dumps({"date": stamp, "machine": machine, "start_cpu_s": start_cpu, "microbatch": median}))
         return 0

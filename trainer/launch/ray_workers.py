@@ -68,7 +68,7 @@ def interface_of(address: str, interfaces: Mapping[str, Sequence[Any]] | None = 
         for addr in addrs:
             if addr.family not in (socket.AF_INET, socket.AF_INET6) or not addr.netmask:
                 continue
-            mask = ipaddress.ip_address(addr.netmask.split("%")[0])
+            mask = ipaddress.ip_address(addr.netmask)
             prefix = bin(int(mask)).count("1")  # ipaddress reads an IPv6 mask only as a prefix length
             network = ipaddress.ip_network(f"{addr.address.split('%')[0]}/{prefix}", strict=False)
             if ip.version == network.version and ip in network:
